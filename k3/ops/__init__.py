@@ -1,0 +1,1 @@
+"""Numerical operators. Ops know nothing of the model."""
