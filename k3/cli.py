@@ -1,0 +1,116 @@
+"""The `k3` command. Each room of the package owns its commands (`k3/<room>/commands.py`); this file only
+wires them together, so `k3 --help` stays fast (heavy imports happen inside the commands)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from k3.census import Census, census_of
+from k3.config import PRESETS
+from k3.errors import K3Error
+
+app = typer.Typer(
+    name="k3",
+    help="Kimi K3, exact and readable: census, checkpoints, model, atlas, engine, training.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+
+@app.callback()
+def _root() -> None:
+    """Kimi K3, exact and readable: census, checkpoints, model, atlas, engine, training."""
+
+
+def fail(message: str, code: int = 1) -> None:
+    """One line on stderr, no traceback, non-zero exit."""
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def _human(n: float, unit: str = "") -> str:
+    for suffix in ("", " K", " M", " B", " T"):
+        if abs(n) < 1000:
+            return f"{n:,.2f}{suffix}{unit}" if suffix else f"{n:,.0f}{unit}"
+        n /= 1000
+    return f"{n:,.2f} P{unit}"
+
+
+def _human_bytes(n: float) -> str:
+    for suffix in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000:
+            return f"{n:,.2f} {suffix}" if suffix != "B" else f"{n:,.0f} B"
+        n /= 1000
+    return f"{n:,.2f} PB"
+
+
+def print_census(c: Census, title: str) -> None:
+    j = c.to_json()
+    total = j["total_params"]
+    table = Table(title=f"Parameter census: {title}", title_justify="left")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    table.add_column("share", justify="right")
+    for name, params in j["components"].items():
+        if params:
+            table.add_row(name, f"{params:,}", f"{params / total:.2%}")
+    table.add_row("[bold]total", f"[bold]{total:,}", "100%")
+    console.print(table)
+    kinds = Table(title="Layers by kind", title_justify="left")
+    kinds.add_column("kind")
+    kinds.add_column("layers", justify="right")
+    kinds.add_column("parameters", justify="right")
+    for kind, v in j["layer_kinds"].items():
+        kinds.add_row(kind, str(v["layers"]), f"{v['params']:,}")
+    console.print(kinds)
+    console.print(
+        f"total [bold]{_human(total)}[/] parameters, active per token [bold]{_human(j['active_params'])}[/] "
+        f"({j['active_fraction']:.1%}); {j['layers']} layers ({j['kda_layers']} KDA + {j['mla_layers']} MLA), "
+        f"{j['moe_layers']} MoE layers\n"
+        f"routed experts: {j['routed_experts']:,} in all, {j['experts_per_layer']} per MoE layer "
+        f"(top-{j['experts_per_token']}) + {j['shared_experts_per_layer']} shared; one expert = "
+        f"{j['params_per_expert']:,} params (3 x {j['params_per_expert_matrix']:,}); experts hold "
+        f"{j['expert_params'] / total:.1%} of all parameters\n"
+        f"on disk: [bold]{_human_bytes(j['disk_bytes'])}[/] ("
+        + ", ".join(f"{k} {_human_bytes(v)}" for k, v in sorted(j["disk_bytes_by_format"].items()))
+        + ")",
+        highlight=False,
+    )
+    if j["other_params"]:
+        console.print(f"outside the text model (vision tower, ...): {j['other_params']:,} parameters")
+    for finding in j["findings"]:
+        console.print(f"[yellow]finding:[/] {finding}", highlight=False)
+
+
+@app.command()
+def census(
+    target: str = typer.Argument(
+        ...,
+        help=f"A preset ({', '.join(PRESETS)}), a config.json, a checkpoint "
+        "directory or an http(s) URL of one.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+) -> None:
+    """Parameter and byte census of a K3-family model, from its config or a checkpoint's headers."""
+    try:
+        c = census_of(target)
+    except (K3Error, OSError) as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps(c.to_json(), indent=2))
+    else:
+        print_census(c, target)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
