@@ -1,0 +1,243 @@
+// Native CPU kernels for MXFP4 matmul: out[M, N] = x[M, K] @ W[N, K]^T with W kept packed.
+//
+// Layout (compressed-tensors `mxfp4-pack-quantized`):
+//   packed [N, K/2] uint8: element 2j in the low nibble of byte j, element 2j+1 in the high nibble
+//   scale  [N, K/32] uint8: E8M0, byte s means 2^(s-127), 255 is NaN
+//
+// Two paths, chosen by the caller through `gemv_max_m`:
+//   * small M (decode): one pass over W per group of up to 8 rows of x. Each block of 32 codes is
+//     decoded with a byte shuffle (vpshufb) into int8 "code times two" values, widened to fp32 and
+//     multiplied into the x rows with FMAs. Parallel over output rows n.
+//   * large M (prefill): W is decoded to fp32 one [tile_n, tile_k] tile at a time into a per-thread
+//     scratch buffer, and the tile is multiplied with at::addmm_ (MKL sgemm). Scratch memory is
+//     tile_n * tile_k floats per thread, independent of the matrix size. Parallel over n-tiles.
+//
+// The SIMD code is AVX2 + FMA, compiled per function with __attribute__((target)) so that the module
+// itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+// The build passes -DK3_MXFP4_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
+#ifndef K3_MXFP4_SOURCE_HASH
+#define K3_MXFP4_SOURCE_HASH unknown
+#endif
+#define K3_STRINGIFY_VALUE(x) K3_STRINGIFY(x)
+#define K3_STRINGIFY(x) #x
+
+namespace {
+
+constexpr int64_t kBlock = 32;      // elements per shared scale
+constexpr int64_t kBlockBytes = 16; // packed bytes per block
+constexpr int kMaxRows = 8;         // rows of x handled per pass over W in the small-M path
+
+// E2M1 codes 0..15 times two, so that every value is an integer:
+// +0 .5 1 1.5 2 3 4 6 -0 -.5 -1 -1.5 -2 -3 -4 -6  ->  0 1 2 3 4 6 8 12 0 -1 -2 -3 -4 -6 -8 -12
+alignas(16) constexpr int8_t kCodeTimesTwo[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// half_scale[s] = 2^(s-127) / 2 (undoes the "times two" above); 255 is NaN. Every entry is exact in fp32
+// (2^-128 is a subnormal), and so is every product code_times_two * half_scale.
+struct HalfScaleTable {
+  float value[256];
+  HalfScaleTable() {
+    for (int s = 0; s < 255; ++s) value[s] = std::ldexp(1.0f, s - 128);
+    value[255] = std::numeric_limits<float>::quiet_NaN();
+  }
+};
+const HalfScaleTable kHalfScale;
+
+// Decodes the 16 bytes of one block into 32 integer-valued floats (codes times two), in element order.
+__attribute__((target("avx2,fma"))) inline void decode_block(const uint8_t* bytes, __m256 w[4]) {
+  const __m128i lut = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodeTimesTwo));
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+  const __m128i lo = _mm_shuffle_epi8(lut, _mm_and_si128(packed, low_mask));                     // even
+  const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask));  // odd
+  const __m128i first = _mm_unpacklo_epi8(lo, hi);   // elements 0..15
+  const __m128i second = _mm_unpackhi_epi8(lo, hi);  // elements 16..31
+  w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(first));
+  w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(first, 8)));
+  w[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(second));
+  w[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(second, 8)));
+}
+
+__attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
+  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 quad = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
+  return _mm_cvtss_f32(_mm_add_ss(quad, _mm_shuffle_ps(quad, quad, 1)));
+}
+
+// out[0, n] = sum_k x[k] * W[n, k] for n in [n_begin, n_end): the M = 1 decode path.
+// Per block the 32 products are summed unscaled, then scaled once: 4 FMAs + 1 FMA per 32 weights.
+__attribute__((target("avx2,fma"))) void gemv_one_row(const float* x, const uint8_t* packed,
+                                                      const uint8_t* scale, int64_t K, float* out,
+                                                      int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m256 acc_even = _mm256_setzero_ps();  // two accumulators: consecutive blocks do not wait on each other
+    __m256 acc_odd = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b < blocks; ++b) {
+      __m256 w[4];
+      decode_block(row_bytes + b * kBlockBytes, w);
+      const float* xb = x + b * kBlock;
+      __m256 left = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      __m256 right = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+      left = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), left);
+      right = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), right);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[b]]);
+      if (b & 1) {
+        acc_odd = _mm256_fmadd_ps(s, _mm256_add_ps(left, right), acc_odd);
+      } else {
+        acc_even = _mm256_fmadd_ps(s, _mm256_add_ps(left, right), acc_even);
+      }
+    }
+    out[n] = horizontal_sum(_mm256_add_ps(acc_even, acc_odd));
+  }
+}
+
+// out[r, n] = sum_k x[r, k] * W[n, k] for ROWS rows of x (row stride K, output row stride N):
+// each decoded block is scaled once and reused for all ROWS rows.
+template <int ROWS>
+__attribute__((target("avx2,fma"))) void gemv_rows(const float* x, const uint8_t* packed, const uint8_t* scale,
+                                                   int64_t K, int64_t N, float* out, int64_t n_begin,
+                                                   int64_t n_end) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 w[4];
+      decode_block(row_bytes + b * kBlockBytes, w);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[b]]);
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xr = xb + r * K;
+        for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) out[r * N + n] = horizontal_sum(acc[r]);
+  }
+}
+
+using GemvRowsFn = void (*)(const float*, const uint8_t*, const uint8_t*, int64_t, int64_t, float*, int64_t,
+                            int64_t);
+constexpr GemvRowsFn kGemvRows[kMaxRows + 1] = {nullptr,       gemv_rows<1>, gemv_rows<2>,
+                                                 gemv_rows<3>, gemv_rows<4>, gemv_rows<5>,
+                                                 gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
+
+// dst[i, j] = W[n_begin + i, k_begin + j] in fp32, for a tile of `rows` x `cols` (cols a multiple of 32).
+__attribute__((target("avx2,fma"))) void decode_tile(const uint8_t* packed, const uint8_t* scale, int64_t K,
+                                                     int64_t n_begin, int64_t rows, int64_t k_begin,
+                                                     int64_t cols, float* dst) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = n_begin + i;
+    const uint8_t* row_bytes = packed + n * (K / 2) + k_begin / 2;
+    const uint8_t* row_scale = scale + n * blocks + k_begin / kBlock;
+    float* row_out = dst + i * cols;
+    for (int64_t b = 0; b < cols / kBlock; ++b) {
+      __m256 w[4];
+      decode_block(row_bytes + b * kBlockBytes, w);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[b]]);
+      for (int q = 0; q < 4; ++q) _mm256_storeu_ps(row_out + b * kBlock + 8 * q, _mm256_mul_ps(w[q], s));
+    }
+  }
+}
+
+void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu(), "CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
+              "packed must be a contiguous uint8 [N, K/2] tensor");
+  TORCH_CHECK(scale.scalar_type() == torch::kUInt8 && scale.dim() == 2 && scale.is_contiguous(),
+              "scale must be a contiguous uint8 [N, K/32] tensor");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0 && packed.size(1) * 2 == K && scale.size(1) * kBlock == K &&
+                  packed.size(0) == scale.size(0),
+              "inconsistent shapes: x ", x.sizes(), ", packed ", packed.sizes(), ", scale ", scale.sizes());
+}
+
+// Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W.
+torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  // grain: about 64 KiB of packed weights per task, so small matrices are not split
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
+  at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
+    if (M == 1) {
+      gemv_one_row(xp, pp, sp, K, op, n_begin, n_end);
+      return;
+    }
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
+      kGemvRows[rows](xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
+    }
+  });
+  return out;
+}
+
+// Large-M path: per thread, decode [tile_n, tile_k] tiles of W into scratch and multiply with sgemm.
+torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                           int64_t tile_n, int64_t tile_k) {
+  TORCH_CHECK(tile_n > 0 && tile_k > 0 && tile_k % kBlock == 0, "tile_n > 0 and tile_k a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  const int64_t n_tiles = (N + tile_n - 1) / tile_n;
+  at::parallel_for(0, n_tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    torch::Tensor scratch = torch::empty({tile_n * tile_k}, x.options());  // per-thread tile buffer
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n0 = t * tile_n, rows = std::min(tile_n, N - n0);
+      torch::Tensor out_tile = out.narrow(1, n0, rows);  // [M, rows], row stride N
+      for (int64_t k0 = 0; k0 < K; k0 += tile_k) {
+        const int64_t cols = std::min(tile_k, K - k0);
+        decode_tile(pp, sp, K, n0, rows, k0, cols, scratch.data_ptr<float>());
+        torch::Tensor w_tile = scratch.narrow(0, 0, rows * cols).view({rows, cols});
+        // out_tile = (k0 == 0 ? 0 : out_tile) + x[:, k0:k0+cols] @ w_tile^T
+        out_tile.addmm_(x.narrow(1, k0, cols), w_tile.t(), /*beta=*/k0 == 0 ? 0.0 : 1.0);
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                     int64_t gemv_max_m, int64_t tile_n, int64_t tile_k) {
+  check_inputs(x, packed, scale);
+  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale);
+  return matmul_tiled(x, packed, scale, tile_n, tile_k);
+}
+
+bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA)";
+  m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
+        py::arg("tile_k"));
+  m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
+  m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_MXFP4_SOURCE_HASH);
+}
