@@ -289,7 +289,13 @@ class K3Config:
             mla = [i for i, t in enumerate(layer_types) if t == "full_attention"]
         else:
             raise ConfigError("linear_attn_config: missing (needs kda_layers and full_attn_layers)")
-        text.pop("mlp_layer_types", None)  # derived from first_k_dense_replace
+        mlp_types = text.pop("mlp_layer_types", None)  # transformers' spelling of first_k_dense_replace
+        if mlp_types is not None and "first_k_dense_replace" not in text:
+            dense = [t == "dense" for t in mlp_types]
+            first_sparse = dense.index(False) if False in dense else len(dense)
+            if any(dense[first_sparse:]):
+                raise ConfigError("mlp_layer_types: dense layers after the first MoE layer are not supported")
+            text["first_k_dense_replace"] = first_sparse
         kda_heads = lin.pop("num_heads", text.pop("linear_num_heads", None))
         kda_head_dim = lin.pop("head_dim", text.pop("linear_head_dim", None))
         if kda_heads is None or kda_head_dim is None:

@@ -237,12 +237,12 @@ def classify(name: str, cfg: K3Config | None = None) -> tuple[str, int | None]:
     """
     m = _LAYER.search(name)
     layer = int(m.group(1)) if m else None
-    for pattern, component in _RULES:
-        if pattern.search(name):
-            return component, layer
     if ".self_attn." in name:
         if cfg is not None and layer is not None and layer < cfg.num_hidden_layers:
             return ("kda_attention" if cfg.layer_plan[layer].mixer is Mixer.KDA else "mla_attention"), layer
         kda_only = ("conv1d", "f_a_proj", "f_b_proj", "A_log", "dt_bias", "b_proj", "o_norm", "g_a_proj")
         return ("kda_attention" if any(k in name for k in kda_only) else "mla_attention"), layer
+    for pattern, component in _RULES:
+        if pattern.search(name):
+            return component, layer
     return "other", layer

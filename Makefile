@@ -1,0 +1,42 @@
+# k3: two commands for newcomers (`make demo`, `make test`); the rest are their parts.
+# Every target creates or reuses the git-ignored virtualenv .venv; torch==2.13.0 comes from this
+# machine's wheel cache, so nothing large is downloaded.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.k3-installed
+
+.PHONY: demo test lint native browser census bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+# The packed-MXFP4 CPU kernel (a small C++ extension); k3 falls back to pure torch without it.
+native: $(STAMP)
+	$(PY) -m k3.ops.mxfp4.build
+
+# Debian's Chromium for the atlas browser tests (the tests skip, saying why, where it cannot be had).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
+	  echo "note: chromium not installed; browser tests will be skipped"; }
+
+test: $(STAMP) native browser
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check k3 tests benchmarks
+	$(VENV)/bin/ruff format --check k3 tests benchmarks
+
+demo: $(STAMP) native
+	$(VENV)/bin/k3 census k3
+	$(VENV)/bin/k3 census mini
+
+bench: $(STAMP) native
+	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
