@@ -71,7 +71,8 @@ def print_census(c: Census, title: str) -> None:
     console.print(kinds)
     console.print(
         f"total [bold]{_human(total)}[/] parameters, active per token [bold]{_human(j['active_params'])}[/] "
-        f"({j['active_fraction']:.1%}); {j['layers']} layers ({j['kda_layers']} KDA + {j['mla_layers']} MLA), "
+        f"({j['active_fraction']:.1%}); {j['layers']} layers "
+        f"({j['kda_layers']} KDA + {j['mla_layers']} MLA), "
         f"{j['moe_layers']} MoE layers\n"
         f"routed experts: {j['routed_experts']:,} in all, {j['experts_per_layer']} per MoE layer "
         f"(top-{j['experts_per_token']}) + {j['shared_experts_per_layer']} shared; one expert = "
