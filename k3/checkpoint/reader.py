@@ -1,0 +1,359 @@
+"""Open a checkpoint (a directory or an http(s) URL of one) and read its tensors.
+
+A checkpoint is either `model.safetensors.index.json` + the shards it names, or one `model.safetensors`
+(a local directory may also hold other `*.safetensors` files without an index). `config.json` is optional:
+without it, or when it is not a K3-family config, `config` is None and `config_error` says why.
+
+Opening reads and validates every shard header and the index against them, and nothing else: tensor data
+is read on demand, zero-copy from a memory map locally and by HTTP ranges remotely.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import quote
+
+import torch
+
+from k3.checkpoint.header import TensorInfo, load_json_object, parse_header
+from k3.checkpoint.remote import FetchStats, HttpClient, HttpSource, RemoteNotFound, RemoteOptions
+from k3.checkpoint.source import ByteSource, CheckpointError, LocalSource
+from k3.config import ConfigError, K3Config
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+# A shard named by an index must be a plain file name next to it: no directories, no "..".
+_SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.safetensors")
+
+TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+}
+
+
+def tensor_from_bytes(buf: memoryview | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over `buf` without copying, unless the bytes are misaligned for the dtype (a tensor
+    following an odd-sized U8 tensor, say): then one aligned copy, since kernels may assume alignment."""
+    torch_dtype = TORCH_DTYPES[dtype]
+    if len(buf) == 0:
+        return torch.empty(shape, dtype=torch_dtype)
+    flat = torch.frombuffer(buf, dtype=torch.uint8)  # [nbytes], shares memory with buf
+    if flat.data_ptr() % torch_dtype.itemsize:
+        flat = flat.clone()
+    return flat.view(torch_dtype).view(shape)
+
+
+class Checkpoint:
+    """The tensors of a checkpoint, indexed from its headers. Use as a context manager, or call close()."""
+
+    def __init__(
+        self,
+        location: str,
+        sources: dict[str, ByteSource],
+        *,
+        weight_map: dict[str, str] | None = None,
+        index_metadata: dict[str, Any] | None = None,
+        raw_config: dict[str, Any] | None = None,
+        config_error: str | None = None,
+        http: HttpClient | None = None,
+    ):
+        """`sources`: shard name -> source, in shard order (they are owned, and closed, from here on)."""
+        self.location = location
+        self._sources = sources
+        self._http = http
+        self.metadata: dict[str, dict[str, str]] = {}  # shard -> its __metadata__
+        self.findings: list[str] = []  # oddities that do not stop reading
+        self._tensors: dict[str, TensorInfo] = {}
+        try:
+            self._index(weight_map, index_metadata)
+        except BaseException:
+            self.close()
+            raise
+        self.raw_config = raw_config
+        self.config: K3Config | None = None
+        self.config_error = config_error
+        if raw_config is not None:
+            try:
+                self.config = K3Config.from_dict(raw_config)
+            except ConfigError as e:
+                self.config_error = f"{CONFIG_NAME} is not a K3-family config: {e}"
+
+    def _index(self, weight_map: dict[str, str] | None, index_metadata: dict[str, Any] | None) -> None:
+        index = f"{self.location}/{INDEX_NAME}"
+        for shard, source in self._sources.items():
+            for t in self._parse(shard, source):
+                if t.name in self._tensors:
+                    raise CheckpointError(
+                        f"{source.name}: tensor {t.name!r} is also in {self._tensors[t.name].shard}"
+                    )
+                if weight_map is not None and weight_map.get(t.name) != shard:
+                    where = f"maps it to {weight_map[t.name]}" if t.name in weight_map else "does not list it"
+                    raise CheckpointError(
+                        f"{source.name}: tensor {t.name!r} is in this shard but {index} {where}"
+                    )
+                self._tensors[t.name] = t
+        for name, shard in (weight_map or {}).items():
+            if name not in self._tensors:
+                raise CheckpointError(
+                    f"{index}: tensor {name!r} is mapped to {shard}, which does not hold it"
+                )
+        declared = (index_metadata or {}).get("total_size")
+        if declared is not None and declared != self.total_bytes:
+            self.findings.append(
+                f"{INDEX_NAME} declares total_size {declared}, "
+                f"the shards hold {self.total_bytes} bytes of tensors"
+            )
+
+    def _parse(self, shard: str, source: ByteSource) -> list[TensorInfo]:
+        header = parse_header(source, shard)
+        self.metadata[shard] = header.metadata
+        return header.tensors
+
+    # ---- the index ----------------------------------------------------------------------------------------
+    def tensors(self) -> Iterator[TensorInfo]:
+        """Every tensor in file order: shard order, then offset."""
+        return iter(self._tensors.values())
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.location}: no tensor {name!r}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def shards(self) -> list[str]:
+        return list(self._sources)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
+
+    @property
+    def total_tensors(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def fetch_stats(self) -> FetchStats | None:
+        """Requests and bytes fetched so far (remote checkpoints only)."""
+        return self._http.stats if self._http is not None else None
+
+    # ---- the data -----------------------------------------------------------------------------------------
+    def read(self, name: str) -> torch.Tensor:
+        """The whole tensor: zero-copy over the memory map locally (writes stay private), fetched remotely."""
+        t = self.info(name)
+        return tensor_from_bytes(self._sources[t.shard].read(t.start, t.nbytes), t.dtype, t.shape)
+
+    def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of the first dimension, reading only their bytes."""
+        t = self.info(name)
+        if not t.shape:
+            raise CheckpointError(f"{self.location}: tensor {name!r} is a scalar; it has no rows")
+        rows = t.shape[0]
+        if not 0 <= start <= stop <= rows:
+            raise CheckpointError(
+                f"{self.location}: tensor {name!r} has {rows} rows; cannot read [{start}, {stop})"
+            )
+        row_bytes = t.nbytes // rows if rows else 0
+        buf = self._sources[t.shard].read(t.start + start * row_bytes, (stop - start) * row_bytes)
+        return tensor_from_bytes(buf, t.dtype, (stop - start, *t.shape[1:]))
+
+    # ---- lifetime -----------------------------------------------------------------------------------------
+    def close(self) -> None:
+        for source in self._sources.values():
+            source.close()
+        if self._http is not None:
+            self._http.close()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Checkpoint({self.location!r}, {self.total_tensors} tensors, {self.total_bytes:,} bytes, "
+            f"{len(self._sources)} shard(s))"
+        )
+
+
+# ---- opening --------------------------------------------------------------------------------------------
+def is_url(source: str | Path) -> bool:
+    return isinstance(source, str) and source.startswith(("http://", "https://"))
+
+
+def open_checkpoint(source: str | Path, *, remote: RemoteOptions | None = None) -> Checkpoint:
+    """Open a checkpoint directory, a single `.safetensors` file, or an http(s) URL of either.
+
+    Raises CheckpointError when the checkpoint is missing, unsafe (pickle-only) or malformed.
+    `remote` tunes HTTP reading (block size, parallelism, retries, cache directory).
+    """
+    if is_url(source):
+        return _open_remote(str(source), remote or RemoteOptions())
+    return _open_local(Path(source))
+
+
+def _parse_index(data: bytes, where: str) -> tuple[dict[str, str], dict[str, Any]]:
+    """(weight_map, metadata) of a `model.safetensors.index.json`, validated."""
+    index = load_json_object(data, where)
+    weight_map, metadata = index.get("weight_map"), index.get("metadata", {})
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{where}: no 'weight_map' object")
+    if not isinstance(metadata, dict):
+        raise CheckpointError(f"{where}: 'metadata' is not an object")
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str) or not _SHARD_NAME.fullmatch(shard):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} maps to {shard!r}, not a plain *.safetensors file name"
+            )
+    return weight_map, metadata
+
+
+def _shard_order(weight_map: dict[str, str]) -> list[str]:
+    return sorted(set(weight_map.values()))
+
+
+def _parse_config(data: bytes | None, where: str) -> tuple[dict[str, Any] | None, str | None]:
+    """(raw config, why there is none): a broken config.json does not stop the tensors being read."""
+    if data is None:
+        return None, f"no {CONFIG_NAME}"
+    try:
+        return load_json_object(data, where), None
+    except CheckpointError as e:
+        return None, str(e)
+
+
+def _refuse_pickle(directory: Path) -> None:
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    if pickles:
+        raise CheckpointError(
+            f"{directory}: holds only pickle-based weights ({', '.join(pickles[:3])}); k3 never unpickles "
+            "(loading a pickle can run arbitrary code): convert the checkpoint to safetensors first"
+        )
+
+
+def _open_local(path: Path) -> Checkpoint:
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    weight_map: dict[str, str] | None = None
+    index_metadata: dict[str, Any] | None = None
+    if path.is_file():
+        if path.suffix in PICKLE_SUFFIXES:
+            raise CheckpointError(
+                f"{path}: a pickle-based checkpoint; k3 never unpickles: convert it to safetensors"
+            )
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"{path}: not a checkpoint directory or a .safetensors file")
+        directory, shard_names = path.parent, [path.name]
+    else:
+        directory = path
+        index_path = directory / INDEX_NAME
+        if index_path.is_file():
+            weight_map, index_metadata = _parse_index(index_path.read_bytes(), str(index_path))
+            shard_names = _shard_order(weight_map)
+            for shard in shard_names:
+                if not (directory / shard).is_file():
+                    first = next(name for name, s in weight_map.items() if s == shard)
+                    raise CheckpointError(
+                        f"{index_path}: shard {shard} (holding tensor {first!r}) is missing"
+                    )
+        elif (directory / SINGLE_NAME).is_file():
+            shard_names = [SINGLE_NAME]
+        else:
+            shard_names = sorted(p.name for p in directory.glob("*.safetensors") if p.is_file())
+            if not shard_names:
+                _refuse_pickle(directory)
+                raise CheckpointError(
+                    f"{directory}: no {INDEX_NAME}, {SINGLE_NAME} or other *.safetensors file"
+                )
+    config_path = directory / CONFIG_NAME
+    raw_config, config_error = _parse_config(
+        config_path.read_bytes() if config_path.is_file() else None, str(config_path)
+    )
+    sources: dict[str, ByteSource] = {}
+    try:
+        for shard in shard_names:
+            sources[shard] = LocalSource(directory / shard)
+    except OSError as e:
+        for s in sources.values():
+            s.close()
+        raise CheckpointError(f"{directory / shard}: cannot open ({e.strerror})") from None
+    return Checkpoint(
+        str(path),
+        sources,
+        weight_map=weight_map,
+        index_metadata=index_metadata,
+        raw_config=raw_config,
+        config_error=config_error,
+    )
+
+
+def _open_remote(url: str, options: RemoteOptions) -> Checkpoint:
+    http = HttpClient(options)
+    try:
+        if url.endswith(".safetensors"):
+            base, shard_names = url.rsplit("/", 1)[0] + "/", [url.rsplit("/", 1)[1]]
+            index_data = None
+        else:
+            base = url if url.endswith("/") else url + "/"
+            index_data = http.get(base + INDEX_NAME)
+            shard_names = [SINGLE_NAME]
+        weight_map: dict[str, str] | None = None
+        index_metadata: dict[str, Any] | None = None
+        if index_data is not None:
+            weight_map, index_metadata = _parse_index(index_data, base + INDEX_NAME)
+            shard_names = _shard_order(weight_map)
+        raw_config, config_error = _parse_config(http.get(base + CONFIG_NAME), base + CONFIG_NAME)
+        sources: dict[str, ByteSource] = {}
+        for shard in shard_names:
+            try:
+                sources[shard] = HttpSource(base + quote(shard), http)
+            except RemoteNotFound:
+                if index_data is None:
+                    raise CheckpointError(
+                        f"{url}: no {INDEX_NAME} or {SINGLE_NAME} there (HTTP 404)"
+                    ) from None
+                raise CheckpointError(f"{base + INDEX_NAME}: shard {shard} is missing (HTTP 404)") from None
+    except BaseException:
+        http.close()
+        raise
+    return Checkpoint(
+        url.rstrip("/"),
+        sources,
+        weight_map=weight_map,
+        index_metadata=index_metadata,
+        raw_config=raw_config,
+        config_error=config_error,
+        http=http,
+    )

@@ -1,0 +1,255 @@
+"""Reading checkpoint files over HTTP with Range requests.
+
+`HttpSource` is the remote `ByteSource`. Opening one fetches the first `first_read` bytes (64 kB), which
+holds the 8-byte header length and, for all but huge shards, the whole header: so opening a remote
+checkpoint costs one request per shard, and a second only when a header is longer. Larger reads are split
+on a grid of `block_size` blocks fetched by a small thread pool; with `cache_dir` the blocks are kept on
+disk, content-addressed by URL, file size and block number, and written atomically.
+
+Every response is checked against the request: status 206, a `Content-Range` for exactly the bytes asked
+(clamped at the end of the file, as RFC 9110 allows) and a body of that length. 5xx, 429, dropped
+connections and timeouts are retried with exponential backoff a bounded number of times; everything else
+is a `CheckpointError` naming the URL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import httpx
+
+from k3.checkpoint.source import CheckpointError, check_range
+
+T = TypeVar("T")
+
+
+class RemoteNotFound(CheckpointError):
+    """The server answered 404."""
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    block_size: int = 8 * 2**20  # bytes per ranged request (and per cached block) for large reads
+    parallel: int = 4  # concurrent requests for a large read
+    retries: int = 4  # extra attempts after a 5xx, 429, dropped connection or timeout
+    backoff: float = 0.25  # seconds before the first retry; doubled each time
+    timeout: float = 30.0  # seconds per network operation (connect, read)
+    first_read: int = 65536  # bytes fetched when a shard is opened: the header length and, usually, header
+    cache_dir: Path | None = None  # keep fetched blocks here (shared between runs)
+    max_json_bytes: int = 100_000_000  # largest config.json / index accepted
+
+
+@dataclass
+class FetchStats:
+    """What the network cost: counted by every request of one checkpoint (thread-safe)."""
+
+    requests: int = 0  # HTTP requests sent, retries included
+    bytes_fetched: int = 0  # body bytes received
+    retries: int = 0
+    cache_hits: int = 0  # blocks served from cache_dir
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def count(self, requests: int = 0, bytes_fetched: int = 0, retries: int = 0, cache_hits: int = 0) -> None:
+        with self._lock:
+            self.requests += requests
+            self.bytes_fetched += bytes_fetched
+            self.retries += retries
+            self.cache_hits += cache_hits
+
+
+class _Retryable(Exception):
+    """A transient failure: worth another attempt."""
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_UNSATISFIABLE = re.compile(r"bytes \*/(\d+)")
+
+
+class HttpClient:
+    """One httpx client (thread-safe, connection-pooled) plus the retry policy and byte counters."""
+
+    def __init__(self, options: RemoteOptions):
+        self.options = options
+        self.stats = FetchStats()
+        limits = httpx.Limits(max_connections=max(options.parallel, 1) + 2)
+        self._client = httpx.Client(timeout=options.timeout, follow_redirects=True, limits=limits)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def _with_retries(self, url: str, attempt: Callable[[], T]) -> T:
+        for n in range(self.options.retries + 1):
+            try:
+                return attempt()
+            except (_Retryable, httpx.TransportError) as e:  # TransportError: refused, dropped, timed out
+                problem = f"{type(e).__name__}: {e}" if isinstance(e, httpx.TransportError) else str(e)
+            if n < self.options.retries:
+                self.stats.count(retries=1)
+                time.sleep(self.options.backoff * 2**n)
+        raise CheckpointError(f"{url}: giving up after {self.options.retries + 1} attempts ({problem})")
+
+    def _read_body(self, response: httpx.Response, limit: int, url: str) -> bytes:
+        """The body, refusing more than `limit` bytes (a server may send more than it announced)."""
+        body = bytearray()
+        for chunk in response.iter_raw():
+            body += chunk
+            self.stats.count(bytes_fetched=len(chunk))
+            if len(body) > limit:
+                raise CheckpointError(f"{url}: response body exceeds the {limit} bytes expected")
+        return bytes(body)
+
+    @staticmethod
+    def _check_status(response: httpx.Response, url: str, expected: int) -> None:
+        status = response.status_code
+        if status == expected:
+            return
+        if status == 404:
+            raise RemoteNotFound(f"{url}: not found (HTTP 404)")
+        if status >= 500 or status == 429:
+            raise _Retryable(f"HTTP {status}")
+        if status == 200 and expected == 206:
+            raise CheckpointError(f"{url}: the server ignored the Range request (HTTP 200, expected 206)")
+        raise CheckpointError(f"{url}: HTTP {status}")
+
+    def get(self, url: str) -> bytes | None:
+        """A whole small file (config.json, an index); None when the server says 404."""
+
+        def attempt() -> bytes:
+            self.stats.count(requests=1)
+            with self._client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as r:
+                self._check_status(r, url, 200)
+                return self._read_body(r, self.options.max_json_bytes, url)
+
+        try:
+            return self._with_retries(url, attempt)
+        except RemoteNotFound:
+            return None
+
+    def get_range(self, url: str, offset: int, length: int) -> tuple[bytes, int]:
+        """(bytes [offset, offset + length), file size). Fewer bytes only where the file ends first."""
+        headers = {"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "identity"}
+
+        def attempt() -> tuple[bytes, int]:
+            self.stats.count(requests=1)
+            with self._client.stream("GET", url, headers=headers) as r:
+                empty = _UNSATISFIABLE.fullmatch(r.headers.get("content-range", ""))
+                if r.status_code == 416 and offset == 0 and empty:  # an empty file has no byte 0
+                    return b"", int(empty.group(1))
+                self._check_status(r, url, 206)
+                m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", ""))
+                if not m:
+                    raise CheckpointError(
+                        f"{url}: bad Content-Range {r.headers.get('content-range')!r} for bytes "
+                        f"{offset}-{offset + length - 1}"
+                    )
+                first, last, size = map(int, m.groups())
+                if first != offset or last != min(offset + length, size) - 1:
+                    raise CheckpointError(
+                        f"{url}: asked for bytes {offset}-{offset + length - 1}, "
+                        f"got Content-Range {r.headers['content-range']!r}"
+                    )
+                body = self._read_body(r, last - first + 1, url)
+                if len(body) != last - first + 1:
+                    raise _Retryable(f"short body: {len(body)} of {last - first + 1} bytes")
+                return body, size
+
+        return self._with_retries(url, attempt)
+
+
+class BlockCache:
+    """Blocks on disk, named by a hash of (URL, file size, block size, block number)."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory)
+
+    def _path(self, url: str, size: int, block_size: int, index: int) -> Path:
+        key = hashlib.sha256(f"{url}\n{size}\n{block_size}\n{index}".encode()).hexdigest()
+        return self.directory / key[:2] / key
+
+    def get(self, url: str, size: int, block_size: int, index: int, length: int) -> bytes | None:
+        path = self._path(url, size, block_size, index)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        return data if len(data) == length else None  # a damaged block is fetched again
+
+    def put(self, url: str, size: int, block_size: int, index: int, data: bytes) -> None:
+        path = self._path(url, size, block_size, index)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)  # atomic: readers see the old state or the whole block
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+
+class HttpSource:
+    """One remote file as a `ByteSource`. Construction fetches the first `first_read` bytes."""
+
+    def __init__(self, url: str, http: HttpClient):
+        self.name = url
+        self.url = url
+        self._http = http
+        self._options = http.options
+        self._cache = BlockCache(self._options.cache_dir) if self._options.cache_dir is not None else None
+        self._prefix, self.size = http.get_range(url, 0, self._options.first_read)
+
+    def read(self, offset: int, length: int) -> bytearray:
+        check_range(self, offset, length)
+        if offset + length <= len(self._prefix):
+            return bytearray(self._prefix[offset : offset + length])
+        out = bytearray(length)
+        if length == 0:
+            return out
+        B = self._options.block_size
+        blocks = range(offset // B, (offset + length - 1) // B + 1)
+
+        def fill(index: int) -> None:
+            a, b = max(offset, index * B), min(offset + length, (index + 1) * B)  # the part of [a, b) we need
+            if self._cache is None:
+                out[a - offset : b - offset] = self._fetch(a, b - a)
+            else:
+                block = self._cached_block(index)
+                out[a - offset : b - offset] = block[a - index * B : b - index * B]
+
+        if len(blocks) == 1:
+            fill(blocks[0])
+        else:
+            with ThreadPoolExecutor(min(self._options.parallel, len(blocks))) as pool:
+                list(pool.map(fill, blocks))  # list() re-raises the first failure
+        return out
+
+    def _fetch(self, offset: int, length: int) -> bytes:
+        body, size = self._http.get_range(self.url, offset, length)
+        if size != self.size:
+            raise CheckpointError(f"{self.url}: file size changed from {self.size} to {size} while reading")
+        return body
+
+    def _cached_block(self, index: int) -> bytes:
+        assert self._cache is not None
+        B = self._options.block_size
+        length = min(B, self.size - index * B)
+        block = self._cache.get(self.url, self.size, B, index, length)
+        if block is not None:
+            self._http.stats.count(cache_hits=1)
+            return block
+        block = self._fetch(index * B, length)
+        self._cache.put(self.url, self.size, B, index, block)
+        return block
+
+    def close(self) -> None:
+        """The HTTP client belongs to the checkpoint, which closes it."""

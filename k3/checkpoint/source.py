@@ -1,0 +1,73 @@
+"""Byte sources: the one interface the checkpoint reader sees, whatever holds the bytes.
+
+A source is a named, fixed-size run of bytes with `read(offset, length)`. The header parser and the tensor
+reader work on sources alone, so a local shard (memory-mapped) and a remote one (HTTP ranges, see
+`k3.checkpoint.remote`) take the same code path. Sources check bounds and never return short reads: a read
+past the end is a `CheckpointError` naming the file, never a silent truncation.
+"""
+
+from __future__ import annotations
+
+import mmap
+from pathlib import Path
+from typing import Protocol
+
+from k3.errors import K3Error
+
+
+class CheckpointError(K3Error):
+    """A checkpoint k3 cannot use: the message names the file (and the tensor, when one is at fault)."""
+
+
+class ByteSource(Protocol):
+    name: str  # a path or URL, for error messages
+    size: int  # bytes in the file
+
+    def read(self, offset: int, length: int) -> memoryview | bytearray | bytes:
+        """Exactly `length` bytes from `offset`. The result may be a view into the source (zero-copy)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def check_range(source: ByteSource, offset: int, length: int) -> None:
+    if offset < 0 or length < 0 or offset + length > source.size:
+        raise CheckpointError(
+            f"{source.name}: read of {length} bytes at offset {offset} runs past the end of the file "
+            f"({source.size} bytes)"
+        )
+
+
+class LocalSource:
+    """A local file, memory-mapped copy-on-write.
+
+    Copy-on-write (`ACCESS_COPY`) makes the mapping writable without ever writing the file, so tensors built
+    on it with `torch.frombuffer` are ordinary writable tensors that share pages with the page cache: reading
+    a tensor copies nothing, and a write by the caller touches a private page only.
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.name = str(self.path)
+        with open(self.path, "rb") as f:
+            self.size = f.seek(0, 2)
+            # mmap refuses empty files; an empty shard is reported as truncated by the header parser.
+            self._map: mmap.mmap | None = (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if self.size else None
+            )
+        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def read(self, offset: int, length: int) -> memoryview:
+        check_range(self, offset, length)
+        return self._view[offset : offset + length]
+
+    def close(self) -> None:
+        """Drop the mapping. Tensors already read keep their pages alive: the mapping is then released
+        by the garbage collector when the last of them goes, instead of here."""
+        self._view.release()
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # tensors still point into the mapping
+                pass
+            self._map = None
