@@ -1,0 +1,1 @@
+"""Small-scale training of K3-shaped models: routing balance, synthetic data, the training loop, export."""
