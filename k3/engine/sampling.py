@@ -1,0 +1,100 @@
+"""Choosing the next token: greedy, temperature, top-k, top-p, repetition penalty, per-request seeds.
+
+Order of operations (as in most engines): repetition penalty on the raw logits, then temperature, then
+top-k, then top-p (nucleus) on the resulting distribution, then a draw with the request's own
+`torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.errors import K3Error
+
+
+class SamplingError(K3Error):
+    """Sampling parameters k3 cannot use."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    repetition_penalty: float = 1.0  # 1 = off; > 1 discourages tokens already in the prompt or output
+    max_tokens: int = 256
+    stop_ids: frozenset[int] = field(default_factory=frozenset)
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise SamplingError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be a non-negative integer, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not self.repetition_penalty > 0:
+            raise SamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        return g
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL-style penalty on tokens in `seen` (ids, any order, repeats allowed): positive logits are
+    divided by `penalty`, negative ones multiplied. logits: [V]."""
+    if penalty == 1.0 or seen.numel() == 0:
+        return logits
+    ids = torch.unique(seen)
+    picked = logits[ids]
+    out = logits.clone()
+    out[ids] = torch.where(picked > 0, picked / penalty, picked * penalty)
+    return out
+
+
+def next_token_probs(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The distribution the next token is drawn from, fp32 [V] (one-hot for greedy)."""
+    logits = logits.float()
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+    if params.greedy:
+        probs = torch.zeros_like(logits)
+        probs[torch.argmax(logits)] = 1.0
+        return probs
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        keep_sorted = mass_before < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, seen: torch.Tensor | None = None
+) -> int:
+    """Draw the next token for one sequence. logits: [V]."""
+    probs = next_token_probs(logits, params, seen)
+    if params.greedy:
+        return int(torch.argmax(probs))
+    return int(torch.multinomial(probs, 1, generator=generator))
