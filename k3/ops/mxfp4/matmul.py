@@ -26,7 +26,7 @@ Backend = Literal["auto", "native", "torch"]
 
 NATIVE_GEMV_MAX_M = 16
 """Up to this many rows of x, the native path streams W once per 8 rows instead of decoding tiles."""
-NATIVE_TILE_N, NATIVE_TILE_K = 128, 1024  # native tile: 512 KiB of float32 scratch per thread
+NATIVE_TILE_N, NATIVE_TILE_K = 128, 4096  # native tile: up to 2 MiB of float32 scratch per thread
 TORCH_TILE_N, TORCH_TILE_K = 256, 2048  # torch-path tile: 2 MiB of float32 scratch
 
 

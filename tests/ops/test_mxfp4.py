@@ -1,0 +1,391 @@
+"""MXFP4 codec, packed matmul and value counts against independent references.
+
+Oracles: compressed-tensors 0.20.0 (decoder and packer), transformers 5.23.0's gpt-oss dequantizer,
+and a slow per-element implementation of the OCP MX v1.0 rule written here with exact fractions.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from compressed_tensors.compressors.mxfp4.base import MXFP4PackedCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from k3.ops.mxfp4 import (
+    MXFP4Linear,
+    dequantize_mxfp4,
+    mxfp4_matmul,
+    mxfp4_value_counts,
+    native_available,
+    quantize_mxfp4,
+)
+from k3.ops.mxfp4.native import load_native
+
+E2M1_MAGNITUDES = [Fraction(v) for v in ("0", "0.5", "1", "1.5", "2", "3", "4", "6")]
+
+CT_SCHEME = QuantizationScheme(
+    targets=["Linear"],
+    weights=QuantizationArgs(
+        num_bits=4, type="float", strategy="group", group_size=32, symmetric=True, scale_dtype=torch.uint8
+    ),
+)
+
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(
+            not native_available(), reason="native kernels not built: python -m k3.ops.mxfp4.build"
+        ),
+    ),
+]
+
+
+def all_pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """packed [255, 256] and scale [255, 16]: row r has scale byte r and every byte value once."""
+    gen = torch.Generator().manual_seed(0)
+    packed = torch.stack([torch.randperm(256, generator=gen) for _ in range(255)]).to(torch.uint8)
+    scale = torch.arange(255, dtype=torch.uint8)[:, None].expand(255, 16).contiguous()
+    return packed, scale
+
+
+def random_pairs(rows: int, cols: int, seed: int, scale_low: int = 0, scale_high: int = 255):
+    gen = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (rows, cols // 2), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(scale_low, scale_high, (rows, cols // 32), generator=gen, dtype=torch.uint8)
+    return packed, scale
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (distinguishes -0 from +0, equates identical NaNs)."""
+    int_dtype = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float64: torch.int64}[a.dtype]
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(int_dtype), b.view(int_dtype))
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+
+def test_decoding_matches_compressed_tensors_on_every_byte_and_scale():
+    packed, scale = all_pairs()
+    theirs = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, CT_SCHEME)
+    assert theirs["weight"].dtype == torch.bfloat16
+    assert same_bits(dequantize_mxfp4(packed, scale, torch.bfloat16), theirs["weight"])
+    # bfloat16 holds every decoded value exactly, so the float32 decode agrees too
+    assert same_bits(dequantize_mxfp4(packed, scale).to(torch.bfloat16), theirs["weight"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_matches_transformers_gpt_oss_dequantizer(dtype):
+    packed, scale = all_pairs()
+    n, k = packed.shape[0], 2 * packed.shape[1]
+    # transformers takes blocks [experts, rows, groups, 16] and returns the transpose [experts, K, rows]
+    blocks = packed.reshape(1, n, k // 32, 16)
+    theirs = convert_moe_packed_tensors(blocks, scale.reshape(1, n, k // 32), dtype=dtype)[0].t()
+    assert same_bits(dequantize_mxfp4(packed, scale, dtype), theirs.contiguous())
+
+
+def test_decoding_special_scales_and_batched_shapes():
+    packed = torch.full((2, 3, 16), 0x71, dtype=torch.uint8)  # low nibble 1 (0.5), high nibble 7 (6)
+    scale = torch.tensor([0, 127, 255], dtype=torch.uint8).expand(2, 3)[..., None].contiguous()
+    out = dequantize_mxfp4(packed, scale, torch.float64)
+    assert out.shape == (2, 3, 32)
+    assert out[0, 0, 0] == 2.0**-128 and out[0, 0, 1] == 6 * 2.0**-127
+    assert out[1, 1, 0] == 0.5 and out[1, 1, 1] == 6.0
+    assert out[:, 2].isnan().all()
+    assert dequantize_mxfp4(packed, scale, torch.float16).dtype == torch.float16
+
+
+# ----------------------------------------------------------------------------------------------- encoding
+
+
+def floor_log2(value: Fraction) -> int:
+    """floor(log2(value)) for value > 0, exactly."""
+    e = value.numerator.bit_length() - value.denominator.bit_length()
+    while Fraction(2) ** e > value:
+        e -= 1
+    while Fraction(2) ** (e + 1) <= value:
+        e += 1
+    return e
+
+
+def reference_quantize(w: torch.Tensor) -> list[float]:
+    """Slow OCP MX v1.0 rule, one Fraction at a time; returns the dequantized values (exact floats)."""
+    out: list[float] = []
+    for block in w.double().reshape(-1, 32).tolist():
+        exact = [Fraction(v) for v in block]
+        amax = max(abs(v) for v in exact)
+        shared = -127 if amax == 0 else min(127, max(-127, floor_log2(amax) - 2))
+        scale = Fraction(2) ** shared
+        for v, raw in zip(exact, block, strict=True):
+            y = abs(v) / scale
+            # nearest magnitude; on a tie the even code (index) wins; beyond 6 the nearest is 6 (saturation)
+            code = min(range(8), key=lambda c: (abs(y - E2M1_MAGNITUDES[c]), c % 2))
+            value = float(E2M1_MAGNITUDES[code] * scale)  # exact: a small integer times a power of two
+            out.append(-value if math.copysign(1.0, raw) < 0 else value)
+    return out
+
+
+def encoding_cases() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    midpoints = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float64)
+    ties = torch.zeros(4, 32, dtype=torch.float64)
+    for row, k in enumerate((0, -20, 30, -126)):
+        # amax 4 * 2^k sets the scale to exactly 2^k, so every midpoint times 2^k is an exact tie
+        ties[row, 0] = 4.0
+        ties[row, 1:8], ties[row, 8:15] = midpoints, -midpoints
+        ties[row, 15:22] = midpoints + 2.0**-20  # just above each tie
+        ties[row, 22:29] = midpoints - 2.0**-20  # just below
+        ties[row] *= 2.0**k
+    subnormal = torch.randint(-(2**10), 2**10, (4, 32), generator=gen).double() * 2.0**-149  # fp32 subnormals
+    saturating = torch.randn(4, 32, generator=gen, dtype=torch.float64)
+    saturating[:, 0] = torch.tensor([7.0, 7.99, 1.75 * 2**10, 3.9999]) * torch.tensor([1, -1, 1, -1])
+    magnitudes = 2.0 ** torch.randint(-140, 120, (16, 1), generator=gen).double()
+    return {
+        "random float32": torch.randn(8, 64, generator=gen).float() * 3,
+        "ties float32": ties.float(),
+        "subnormal-sized float32": subnormal.float(),
+        "saturation float32": saturating.float(),
+        "huge and tiny float32": (
+            torch.randn(16, 32, generator=gen, dtype=torch.float64) * magnitudes
+        ).float(),
+        "zeros and signed zeros": torch.tensor([0.0, -0.0] * 16).reshape(1, 32),
+        "huge float64 (clamped exponent)": torch.randn(2, 32, generator=gen, dtype=torch.float64) * 1e300,
+        "tiny float64 (clamped exponent)": torch.randn(2, 32, generator=gen, dtype=torch.float64) * 1e-300,
+        "bfloat16": torch.randn(3, 2, 64, generator=gen).to(torch.bfloat16),
+        "float16": torch.randn(2, 96, generator=gen).half() * 1000,
+    }
+
+
+@pytest.mark.parametrize("case", list(encoding_cases()))
+def test_quantize_matches_reference_rule(case):
+    w = encoding_cases()[case]
+    packed, scale = quantize_mxfp4(w)
+    assert packed.shape == (*w.shape[:-1], w.shape[-1] // 2) and packed.dtype == torch.uint8
+    assert scale.shape == (*w.shape[:-1], w.shape[-1] // 32) and scale.dtype == torch.uint8
+    decoded = dequantize_mxfp4(packed, scale, torch.float64).reshape(-1)
+    expected = torch.tensor(reference_quantize(w), dtype=torch.float64)
+    assert torch.equal(decoded, expected)
+    assert torch.equal(decoded.signbit(), expected.signbit())  # negatives rounded to zero stay -0
+
+
+def test_all_zero_block_gets_scale_byte_zero():
+    w = torch.zeros(2, 64)
+    w[1, 32:] = torch.linspace(-1, 1, 32)
+    packed, scale = quantize_mxfp4(w)
+    assert scale[0].tolist() == [0, 0] and scale[1, 0] == 0
+    assert torch.equal(dequantize_mxfp4(packed, scale)[:, :32], torch.zeros(2, 32))
+
+
+def test_k3_encoding_decodes_identically_with_compressed_tensors():
+    w = torch.randn(16, 128, generator=torch.Generator().manual_seed(2)) * 0.02
+    packed, scale = quantize_mxfp4(w)
+    theirs = MXFP4PackedCompressor.decompress({"weight_packed": packed, "weight_scale": scale}, CT_SCHEME)
+    assert same_bits(theirs["weight"], dequantize_mxfp4(packed, scale, torch.bfloat16))
+
+
+def test_compressed_tensors_packing_matches_k3_given_the_same_scales():
+    """compressed-tensors rounds elements like k3 (ties to even, saturate at 6): same bytes, same decode."""
+    w = encoding_cases()["ties float32"]
+    w = torch.cat([w, torch.randn(12, 32, generator=torch.Generator().manual_seed(3))])
+    packed, scale = quantize_mxfp4(w)
+    float_scale = torch.tensor([[math.ldexp(1.0, s - 127) for s in row] for row in scale.tolist()])  # [N, G]
+    theirs = MXFP4PackedCompressor.compress({"weight": w, "weight_scale": float_scale}, CT_SCHEME)
+    assert torch.equal(theirs["weight_scale"], scale)
+    assert torch.equal(theirs["weight_packed"], packed)
+    assert same_bits(
+        dequantize_mxfp4(theirs["weight_packed"], theirs["weight_scale"]), dequantize_mxfp4(packed, scale)
+    )
+
+
+def test_compressed_tensors_scale_rule_differs_only_for_amax_mantissa_at_least_1_75():
+    """Documented difference: compressed-tensors' observer rounds amax's mantissa >= 1.75 up to the next
+    power of two before taking floor(log2) - 2, where OCP (and k3) floors; below 1.75 the bytes agree."""
+    mantissas = torch.tensor([1.0, 1.25, 1.5, 1.74, 1.75, 1.9, 1.999])
+    amax = (mantissas[:, None] * 2.0 ** torch.tensor([-10.0, 0.0, 7.0])).reshape(-1, 1)  # [21, 1]
+    w = torch.zeros(21, 32)
+    w[:, 5] = amax[:, 0]
+    _, scale = quantize_mxfp4(w)
+    theirs = generate_mx_scales(amax).to(torch.int32)
+    rounds_up = (mantissas >= 1.75).repeat_interleave(3)[:, None]
+    assert torch.equal(theirs, scale.to(torch.int32) + rounds_up.to(torch.int32))
+
+
+# ----------------------------------------------------------------------------------------------- matmul
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("m", [1, 3, 64, 257])
+def test_matmul_matches_dequantize_then_matmul(backend, m):
+    # K = 4192 is not a multiple of any tile width (native 4096, torch 2048); N = 300 not of 128 or 256
+    n, k = 300, 4192
+    gen = torch.Generator().manual_seed(m)
+    packed, scale = random_pairs(n, k, seed=m, scale_low=118, scale_high=130)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    expected = x.double() @ dequantize_mxfp4(packed, scale, torch.float64).t() + bias.double()
+    out = mxfp4_matmul(x, packed, scale, bias, backend=backend)
+    assert out.shape == (m, n) and out.dtype == torch.float32
+    rel = (out.double() - expected).norm() / expected.norm()
+    assert rel <= 1e-5
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+@pytest.mark.parametrize("m", [2, 8, 9, 20])
+def test_native_paths_with_small_tiles(m):
+    """Both native paths (streaming and tiled) on tiles that do not divide the matrix."""
+    n, k = 70, 224
+    packed, scale = random_pairs(n, k, seed=10 + m, scale_low=120, scale_high=134)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    expected = x.double() @ dequantize_mxfp4(packed, scale, torch.float64).t()
+    native = load_native()
+    for gemv_max_m in (0, m):
+        out = native.matmul(x, packed, scale, gemv_max_m=gemv_max_m, tile_n=32, tile_k=96)
+        assert (out.double() - expected).norm() / expected.norm() <= 1e-5
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matmul_batched_input_and_dtype(backend):
+    packed, scale = random_pairs(48, 64, seed=5, scale_low=120, scale_high=130)
+    x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    out = mxfp4_matmul(x, packed, scale, backend=backend)
+    assert out.shape == (2, 3, 48) and out.dtype == torch.bfloat16
+    expected = x.float() @ dequantize_mxfp4(packed, scale).t()
+    torch.testing.assert_close(out.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_mxfp4_linear_round_trip_and_state_dict():
+    linear = torch.nn.Linear(96, 40, bias=True)
+    layer = MXFP4Linear.from_float(linear)
+    assert set(layer.state_dict()) == {"weight_packed", "weight_scale", "bias"}
+    assert layer.weight_packed.shape == (40, 48) and layer.weight_scale.shape == (40, 3)
+    packed, scale = quantize_mxfp4(linear.weight.detach())
+    assert torch.equal(layer.weight_packed, packed) and torch.equal(layer.weight_scale, scale)
+    x = torch.randn(5, 96)
+    expected = F.linear(x, dequantize_mxfp4(packed, scale), linear.bias)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+
+    fresh = MXFP4Linear(96, 40, bias=True)
+    assert torch.equal(fresh(x), torch.zeros(5, 40))
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh(x), layer(x))
+    no_bias = MXFP4Linear.from_float(linear.weight)
+    assert no_bias.bias is None and "bias=False" in repr(no_bias)
+
+
+# ----------------------------------------------------------------------------------------------- value counts
+
+
+def assert_counts_match_unique(packed: torch.Tensor, scale: torch.Tensor):
+    stats = mxfp4_value_counts(packed, scale)
+    values, counts = torch.unique(dequantize_mxfp4(packed, scale, torch.float64), return_counts=True)
+    assert torch.equal(stats.values, values) and stats.values.dtype == torch.float64
+    assert torch.equal(stats.counts, counts) and stats.counts.dtype == torch.int64
+    codes = torch.stack((packed & 15, packed >> 4), -1).flatten()
+    assert torch.equal(stats.code_histogram, torch.bincount(codes.long(), minlength=16))
+    assert torch.equal(stats.scale_histogram, torch.bincount(scale.flatten().long(), minlength=256))
+    return stats
+
+
+@pytest.mark.parametrize("scale_range", [(0, 255), (125, 129), (126, 127)])
+def test_value_counts_match_unique_on_random_matrices(scale_range):
+    packed, scale = random_pairs(
+        64, 256, seed=sum(scale_range), scale_low=scale_range[0], scale_high=scale_range[1]
+    )
+    assert_counts_match_unique(packed, scale)
+
+
+def test_value_counts_on_a_planted_matrix_with_21_values():
+    """Scales s and s+1 with every code, plus scale s+2 with code 7 only: magnitudes
+    {.5 1 1.5 2 3 4 6 8 12 24} times 2^(s-127), so 10 signed pairs and zero = 21 values
+    (1.0 at s equals 0.5 at s+1, and so on, so they merge)."""
+    s = 120
+    gen = torch.Generator().manual_seed(21)
+    codes = torch.randint(0, 16, (30, 128), generator=gen, dtype=torch.uint8)
+    codes[:, :16] = torch.arange(16, dtype=torch.uint8)  # every code in the first block of each row
+    scale = torch.full((30, 4), s, dtype=torch.uint8)
+    scale[::2, 1] = s + 1
+    scale[:, 2], scale[:, 3] = s + 1, s + 2
+    codes[:, 96:] = torch.where(torch.rand(30, 32, generator=gen) < 0.5, 7, 15).to(torch.uint8)
+    codes[0, 32:64] = torch.arange(32, dtype=torch.uint8) % 16  # all codes at scale s+1 too
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    stats = assert_counts_match_unique(packed, scale)
+    magnitudes = torch.tensor([0.5, 1, 1.5, 2, 3, 4, 6, 8, 12, 24], dtype=torch.float64) * 2.0 ** (s - 127)
+    assert stats.num_distinct == 21
+    assert torch.equal(
+        stats.values, torch.cat([-magnitudes.flip(0), torch.zeros(1, dtype=torch.float64), magnitudes])
+    )
+    assert int(stats.counts.sum()) == codes.numel()
+
+
+def test_value_counts_merge_signed_zeros_and_nan_scales():
+    packed = torch.tensor([[0x80] * 16, [0x08] * 16, [0x11] * 16], dtype=torch.uint8)  # +0/-0, and 0.5s
+    scale = torch.tensor([[3], [200], [255]], dtype=torch.uint8)
+    stats = mxfp4_value_counts(packed, scale)
+    assert stats.values[0] == 0.0 and stats.counts[0] == 64
+    assert stats.values[1].isnan() and stats.counts[1] == 32
+    assert stats.num_distinct == 2
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("w", "message"),
+    [
+        (torch.tensor([float("nan")] + [0.0] * 31), "NaN or infinite"),
+        (torch.tensor([float("inf")] + [0.0] * 31), "NaN or infinite"),
+        (torch.zeros(4, 48), "multiple of 32"),
+        (torch.zeros(4, 0), "multiple of 32"),
+        (torch.zeros(4, 32, dtype=torch.int32), "floating-point"),
+        (torch.tensor(1.0), "multiple of 32"),
+    ],
+)
+def test_quantize_rejects_bad_input(w, message):
+    with pytest.raises(ValueError, match=message):
+        quantize_mxfp4(w)
+
+
+@pytest.mark.parametrize(
+    ("packed", "scale", "message"),
+    [
+        (torch.zeros(4, 16, dtype=torch.int8), torch.zeros(4, 1, dtype=torch.uint8), "packed must be uint8"),
+        (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 1), "scale must be uint8"),
+        (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), "inconsistent"),
+        (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(5, 1, dtype=torch.uint8), "inconsistent"),
+        (torch.zeros(4, 17, dtype=torch.uint8), torch.zeros(4, 1, dtype=torch.uint8), "inconsistent"),
+        (torch.zeros(4, 16, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), "inconsistent"),
+        (torch.zeros((), dtype=torch.uint8), torch.zeros((), dtype=torch.uint8), "at least one dimension"),
+    ],
+)
+def test_packed_inputs_are_validated(packed, scale, message):
+    for call in (
+        lambda: dequantize_mxfp4(packed, scale),
+        lambda: mxfp4_value_counts(packed, scale),
+        lambda: mxfp4_matmul(torch.zeros(1, 32), packed, scale),
+    ):
+        with pytest.raises(ValueError, match=message):
+            call()
+
+
+def test_matmul_rejects_mismatched_operands():
+    packed, scale = random_pairs(8, 64, seed=0)
+    with pytest.raises(ValueError, match="does not match"):
+        mxfp4_matmul(torch.zeros(2, 32), packed, scale)
+    with pytest.raises(ValueError, match="bias"):
+        mxfp4_matmul(torch.zeros(2, 64), packed, scale, torch.zeros(7))
+    with pytest.raises(ValueError, match="floating-point"):
+        mxfp4_matmul(torch.zeros(2, 64, dtype=torch.int64), packed, scale)
+    with pytest.raises(ValueError, match="matrix"):
+        mxfp4_matmul(torch.zeros(2, 64), packed[None], scale[None])
+    with pytest.raises(ValueError, match="backend"):
+        mxfp4_matmul(torch.zeros(2, 64), packed, scale, backend="cuda")
+    with pytest.raises(ValueError, match="dtype"):
+        dequantize_mxfp4(packed, scale, torch.int32)
+    with pytest.raises(ValueError, match="in_features"):
+        MXFP4Linear(48, 8)
