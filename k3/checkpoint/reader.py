@@ -75,13 +75,14 @@ class Checkpoint:
         raw_config: dict[str, Any] | None = None,
         config_error: str | None = None,
         http: HttpClient | None = None,
+        findings: list[str] | None = None,
     ):
         """`sources`: shard name -> source, in shard order (they are owned, and closed, from here on)."""
         self.location = location
         self._sources = sources
         self._http = http
         self.metadata: dict[str, dict[str, str]] = {}  # shard -> its __metadata__
-        self.findings: list[str] = []  # oddities that do not stop reading
+        self.findings: list[str] = list(findings or [])  # oddities that do not stop reading
         self._tensors: dict[str, TensorInfo] = {}
         try:
             self._index(weight_map, index_metadata)
@@ -268,6 +269,7 @@ def _open_local(path: Path) -> Checkpoint:
         raise CheckpointError(f"{path}: no such file or directory")
     weight_map: dict[str, str] | None = None
     index_metadata: dict[str, Any] | None = None
+    findings: list[str] = []
     if path.is_file():
         if path.suffix in PICKLE_SUFFIXES:
             raise CheckpointError(
@@ -288,6 +290,11 @@ def _open_local(path: Path) -> Checkpoint:
                     raise CheckpointError(
                         f"{index_path}: shard {shard} (holding tensor {first!r}) is missing"
                     )
+            strays = sorted({p.name for p in directory.glob("*.safetensors")} - set(shard_names))
+            if strays:
+                findings.append(
+                    f"{len(strays)} *.safetensors file(s) not named by {INDEX_NAME}: {', '.join(strays[:5])}"
+                )
         elif (directory / SINGLE_NAME).is_file():
             shard_names = [SINGLE_NAME]
         else:
@@ -316,6 +323,7 @@ def _open_local(path: Path) -> Checkpoint:
         index_metadata=index_metadata,
         raw_config=raw_config,
         config_error=config_error,
+        findings=findings,
     )
 
 

@@ -163,6 +163,7 @@ def save_checkpoint(
                     shards[-1].finish(shard_metadata)
                 shards.append(_Shard(out_dir))
             shards[-1].add(name, tensor)
+            del tensor  # so a generator can free it before it makes the next one
         if not shards:
             shards.append(_Shard(out_dir))  # an empty checkpoint is still a valid file
         shards[-1].finish(shard_metadata)

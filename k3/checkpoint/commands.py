@@ -1,0 +1,113 @@
+"""`k3 inspect SOURCE [--filter RE] [--json]`: list and validate a checkpoint's tensors.
+
+Wired into the `k3` app by k3/cli.py as `app.command("inspect")(inspect)`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from k3.errors import K3Error
+
+
+def _fail(message: str) -> None:
+    """One line on stderr (never wrapped), no traceback, exit code 1."""
+    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    raise typer.Exit(1)
+
+
+def _report(source: str, pattern: re.Pattern[str] | None) -> dict[str, Any]:
+    """Everything inspect shows, as JSON-ready data. Raises K3Error on a broken checkpoint."""
+    from k3.census import census_from_headers
+    from k3.checkpoint import open_checkpoint
+    from k3.layout import parameters_of
+
+    with open_checkpoint(source) as ckpt:
+        rows = [
+            {
+                "name": t.name,
+                "dtype": t.dtype,
+                "shape": list(t.shape),
+                "params": parameters_of(t.name, t.dtype, t.numel),
+                "bytes": t.nbytes,
+                "shard": t.shard,
+                "start": t.start,
+                "end": t.end,
+            }
+            for t in ckpt.tensors()
+        ]
+        findings = list(ckpt.findings)
+        if ckpt.config is None:
+            findings.append(f"no K3 config: {ckpt.config_error}")
+        else:
+            headers = [(t.name, t.dtype, t.shape) for t in ckpt.tensors()]
+            findings += census_from_headers(ckpt.config, headers, source).findings
+        shown = [r for r in rows if pattern is None or pattern.search(r["name"])]
+        return {
+            "source": source,
+            "shards": ckpt.shards,
+            "total_tensors": ckpt.total_tensors,
+            "total_bytes": ckpt.total_bytes,
+            "total_params": sum(r["params"] for r in rows),
+            "shown_tensors": len(shown),
+            "shown_bytes": sum(r["bytes"] for r in shown),
+            "shown_params": sum(r["params"] for r in shown),
+            "findings": findings,
+            "tensors": shown,
+        }
+
+
+def _print(report: dict[str, Any]) -> None:
+    console = Console()
+    table = Table(title=f"Checkpoint: {escape(report['source'])}", title_justify="left")
+    table.add_column("name", overflow="fold")  # long names wrap rather than lose their ends
+    table.add_column("dtype")
+    table.add_column("shape")
+    table.add_column("parameters", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("shard", overflow="fold")
+    for r in report["tensors"]:
+        shape = "[" + ", ".join(map(str, r["shape"])) + "]"
+        cells = (r["name"], r["dtype"], shape, f"{r['params']:,}", f"{r['bytes']:,}", r["shard"])
+        table.add_row(*map(escape, cells))
+    table.add_row(
+        "[bold]shown", "", "", f"[bold]{report['shown_params']:,}", f"[bold]{report['shown_bytes']:,}", ""
+    )
+    console.print(table)
+    console.print(
+        f"{report['shown_tensors']:,} of {report['total_tensors']:,} tensors shown; checkpoint: "
+        f"{report['total_params']:,} parameters, {report['total_bytes']:,} bytes in "
+        f"{len(report['shards'])} shard(s); headers valid",
+        highlight=False,
+    )
+    for finding in report["findings"]:
+        console.print(f"[yellow]finding:[/] {escape(finding)}", highlight=False)
+
+
+def inspect(
+    source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
+    filter: str | None = typer.Option(
+        None, "--filter", help="Show only tensors whose name matches this regex."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+) -> None:
+    """Tensor listing and validation of a checkpoint: every header is checked, no tensor data is read."""
+    try:
+        pattern = re.compile(filter) if filter is not None else None
+    except re.error as e:
+        _fail(f"--filter {filter!r} is not a regular expression ({e})")
+    try:
+        report = _report(source, pattern)
+    except (K3Error, OSError) as e:
+        _fail(str(e))
+    if as_json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
