@@ -1,0 +1,33 @@
+"""The gated activations of the MLPs and experts: `act(gate, up)`.
+
+* SiLU-GLU (Kimi Linear): `silu(g) * u`
+* SiTU (K3, a soft-capped SwiGLU): `b*tanh(g/b)*sigmoid(g) * c*tanh(u/c)`, b = activation_situ_beta,
+  c = activation_situ_linear_beta: both factors are bounded, by b and c.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from k3.config import K3Config
+
+GatedActivation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def silu_glu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: float = 25.0) -> torch.Tensor:
+    return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
+
+
+def gated_activation(cfg: K3Config) -> GatedActivation:
+    """The config's `hidden_act` as a function of (gate, up)."""
+    if cfg.hidden_act == "situ":
+        return partial(situ, beta=cfg.activation_situ_beta, linear_beta=cfg.activation_situ_linear_beta)
+    return silu_glu

@@ -1,0 +1,159 @@
+"""Loading a checkpoint into `K3ForCausalLM`: strict name/shape checks, then weights in place.
+
+The model is built on the meta device (no memory), each tensor is read from the memory-mapped shards
+(`k3.checkpoint`, zero-copy locally) and becomes the parameter itself: resident memory is the checkpoint's
+pages that the model uses, plus conversions when a `dtype` is asked for.
+
+Accepted layouts: K3 (`language_model.` prefix), Kimi Linear (no prefix), and what
+`transformers.KimiLinearForCausalLM.save_pretrained` writes (5.23.0: the published names, except that it
+renames the dense layer's `mlp.` to `block_sparse_moe.`, the reverse of its own load-time renaming; and
+F32 everywhere: floating dtypes may differ from the published ones, packed MXFP4 must be U8).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from k3.checkpoint import open_checkpoint
+from k3.config import FFN, K3Config
+from k3.errors import K3Error
+from k3.layout import TensorSpec, prefixes, published_tensors
+
+if TYPE_CHECKING:
+    from k3.model.model import K3ForCausalLM
+
+_LAYER = re.compile(r"\blayers\.(\d+)\.")
+_TRANSFORMERS_DENSE = re.compile(r"^(.*layers\.(\d+)\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
+_LIST_AT_MOST = 12
+
+
+class ModelLoadError(K3Error):
+    """A checkpoint that does not match the model's layout; the message lists every mismatch."""
+
+
+def model_name(cfg: K3Config, published: str) -> str:
+    """Published tensor name -> parameter name in K3ForCausalLM (`model.…`, `lm_head.weight`)."""
+    model_prefix, lm_head = prefixes(cfg)
+    if published == lm_head:
+        return "lm_head.weight"
+    if not published.startswith(model_prefix):
+        raise ModelLoadError(f"{published}: not a tensor of the text model")
+    return "model." + published[len(model_prefix) :]
+
+
+def _canonical(cfg: K3Config, name: str) -> str:
+    """A checkpoint name in the published spelling (undoing transformers' renaming of the dense MLP)."""
+    m = _TRANSFORMERS_DENSE.match(name)
+    if m and int(m.group(2)) < cfg.num_hidden_layers and cfg.layer_plan[int(m.group(2))].ffn is FFN.DENSE:
+        return f"{m.group(1)}mlp.{m.group(3)}"
+    return name
+
+
+def _listing(title: str, items: list[str]) -> str:
+    shown = items[:_LIST_AT_MOST]
+    more = f"\n    ... and {len(items) - len(shown)} more" if len(items) > len(shown) else ""
+    return f"  {title} ({len(items)}):\n" + "\n".join(f"    {s}" for s in shown) + more
+
+
+def match_layout(
+    cfg: K3Config, found: dict[str, tuple[str, tuple[int, ...]]], layers: int, where: str
+) -> dict[str, str]:
+    """Check a checkpoint's tensors {name: (dtype, shape)} against the layout of the first `layers` layers.
+
+    Returns {published name: checkpoint name}. Raises ModelLoadError listing the missing, unexpected,
+    mis-shaped and wrongly typed tensors. Tensors outside the text model (a vision tower) and those of
+    layers beyond `layers` (a depth-truncated load) are skipped.
+    """
+    expected: dict[str, TensorSpec] = {s.name: s for s in published_tensors(cfg, layers=layers)}
+    model_prefix, lm_head = prefixes(cfg)
+    by_canonical: dict[str, str] = {}
+    unexpected: list[str] = []
+    for name in found:
+        canonical = _canonical(cfg, name)
+        if canonical in expected:
+            by_canonical[canonical] = name
+            continue
+        if canonical != lm_head and not canonical.startswith(model_prefix):
+            continue  # not the text model
+        m = _LAYER.search(canonical)
+        if m and layers <= int(m.group(1)) < cfg.num_hidden_layers:
+            continue  # a layer left out by `layers=N`
+        unexpected.append(name)
+    missing = [n for n in expected if n not in by_canonical]
+    misshaped, mistyped = [], []
+    for published, name in by_canonical.items():
+        spec = expected[published]
+        dtype, shape = found[name]
+        if tuple(shape) != spec.shape:
+            misshaped.append(f"{name}: {list(shape)} in the checkpoint, {list(spec.shape)} expected")
+        packed = spec.dtype == "U8"
+        if packed and dtype != "U8" or not packed and dtype not in ("F32", "BF16", "F16", "F64"):
+            mistyped.append(f"{name}: {dtype} in the checkpoint, {spec.dtype} expected")
+    if missing or unexpected or misshaped or mistyped:
+        parts = [
+            _listing(title, items)
+            for title, items in (
+                ("missing", missing),
+                ("unexpected", sorted(unexpected)),
+                ("mis-shaped", misshaped),
+                ("wrong dtype", mistyped),
+            )
+            if items
+        ]
+        raise ModelLoadError(
+            f"{where}: the checkpoint does not match the layout of its config "
+            f"({layers} of {cfg.num_hidden_layers} layers):\n" + "\n".join(parts)
+        )
+    return by_canonical
+
+
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make `tensor` the parameter or buffer `name` of `model` (no copy)."""
+    path, _, attr = name.rpartition(".")
+    module = model.get_submodule(path)
+    if attr in module._parameters:
+        module._parameters[attr] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+    elif attr in module._buffers:
+        module._buffers[attr] = tensor
+    else:
+        raise ModelLoadError(f"{name}: the model has no such parameter or buffer")
+
+
+def load_model(
+    cls: type[K3ForCausalLM],
+    source: str | Path,
+    *,
+    dtype: torch.dtype | None,
+    layers: int | None,
+    compute_dtype: torch.dtype | None,
+) -> K3ForCausalLM:
+    with open_checkpoint(source) as ckpt:
+        cfg = ckpt.config
+        if cfg is None:
+            raise ModelLoadError(f"{source}: no usable config.json ({ckpt.config_error})")
+        n = cfg.num_hidden_layers if layers is None else layers
+        if not 1 <= n <= cfg.num_hidden_layers:
+            raise ModelLoadError(f"layers must be in 1..{cfg.num_hidden_layers}, got {layers}")
+        found = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors()}
+        names = match_layout(cfg, found, n, str(source))
+        specs = {s.name: s for s in published_tensors(cfg, layers=n)}
+        with torch.device("meta"):
+            model = cls(cfg, num_layers=n, compute_dtype=compute_dtype or dtype or torch.float32)
+        for published, name in names.items():
+            tensor = ckpt.read(name)
+            if dtype is not None and tensor.is_floating_point() and specs[published].dtype != "F32":
+                tensor = tensor.to(dtype)
+            assign_tensor(model, model_name(cfg, published), tensor)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    left = [k for k, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
+    if left:
+        raise ModelLoadError(
+            f"{source}: the model has tensors the layout does not cover: {left[:_LIST_AT_MOST]}"
+        )
+    return model.eval()

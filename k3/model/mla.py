@@ -1,0 +1,144 @@
+"""Gated MLA (multi-head latent attention) without positional encoding, plain and weight-absorbed.
+
+    q          = q_b(rms(q_a(x)))  or  q_proj(x)                  [B, T, n, dn + dr]
+    c, k_r     = split(kv_a_proj_with_mqa(x), [kv_lora, dr]);  c = rms(c, kv_a_layernorm)
+    k_n, v     = split(kv_b(c), [dn, dv]) per head;  k = [k_n, k_r]  (k_r shared by all heads)
+    o          = softmax(q k^T / sqrt(dn + dr) + causal) v;  o = o * sigmoid(g_proj x);  o_proj(o)
+
+The "rope" dims are ordinary dims (no RoPE anywhere). Two equal ways to attend:
+
+* plain: expand every cached latent through kv_b into keys and values (prefill, training);
+* absorbed: fold kv_b into the query (`q_n W_k`, a query in latent space) and into the output
+  (`(p c) W_v^T`), so attention runs directly on the cached latents: cheaper when T (new tokens) is small
+  relative to the context, i.e. decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.cache import MLAState
+from k3.model.norm import Linear, RMSNorm
+
+# The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6, not rms_norm_eps: as DeepSeek-V3 and
+# transformers' KimiLinearAttention (RMSNorm's default) do.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        H, n = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads, self.kv_lora = n, cfg.kv_lora_rank
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.scale = cfg.qk_head_dim**-0.5
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(H, n * cfg.qk_head_dim)
+        else:
+            self.q_a_proj = Linear(H, cfg.q_lora_rank)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(cfg.q_lora_rank, n * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(H, self.kv_lora + self.rope)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora, n * (self.nope + self.v_dim))
+        self.output_gate = cfg.mla_use_output_gate
+        if self.output_gate:
+            self.g_proj = Linear(H, n * self.v_dim)
+        self.o_proj = Linear(n * self.v_dim, H)
+
+    # ---- the pieces --------------------------------------------------------------------------------------
+    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> q_nope [B, T, n, dn], q_rope [B, T, n, dr]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(B, T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+
+    def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, hidden] -> normalised latent c [B, T, kv_lora], shared k_rope [B, T, dr] (cached)."""
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora, self.rope], dim=-1)
+        return self.kv_a_layernorm(c), k_rope
+
+    def attend_plain(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c: torch.Tensor,
+        k_rope: torch.Tensor,
+        visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Queries [B, T, n, .] over latents c [B, S, L], k_rope [B, S, dr] -> o [B, T, n, dv].
+
+        `visible` [B, T, S] bool, or None for the plain causal mask (S == T).
+        """
+        B, S, _ = c.shape
+        n = self.num_heads
+        k_nope, v = self.kv_b_proj(c).view(B, S, n, -1).split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, n, self.rope)], dim=-1)  # [B, S, n, dq]
+        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, n, dq]
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=None if visible is None else visible[:, None],
+            is_causal=visible is None,
+            scale=self.scale,
+        )  # [B, n, T, dv]
+        return o.transpose(1, 2)
+
+    def attend_absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        c: torch.Tensor,
+        k_rope: torch.Tensor,
+        visible: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Same result as `attend_plain`, with kv_b folded into the query and the output."""
+        B, T, n, _ = q_nope.shape
+        S = c.shape[1]
+        if visible is None:
+            visible = torch.ones(T, S, dtype=torch.bool, device=c.device).tril(S - T)[None].expand(B, T, S)
+        w = self.kv_b_proj.weight.to(c.dtype).view(n, self.nope + self.v_dim, self.kv_lora)
+        w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [n, dn, L], [n, dv, L]
+        q_latent = torch.einsum("bthd,hdl->bthl", q_nope, w_k)  # [B, T, n, L]
+        scores = torch.einsum("bthl,bsl->bhts", q_latent, c) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
+        scores = (scores.float() * self.scale).masked_fill(~visible[:, None], float("-inf"))
+        p = scores.softmax(dim=-1).to(c.dtype)  # [B, n, T, S]
+        o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
+        return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
+
+    # ---- the layer ---------------------------------------------------------------------------------------
+    def forward(
+        self,
+        x: torch.Tensor,
+        state: MLAState | None = None,
+        counts: torch.Tensor | None = None,
+        absorb: bool | None = None,
+    ) -> torch.Tensor:
+        """x [B, T, hidden] (already normalised) -> [B, T, hidden].
+
+        With a state, the chunk's latents are appended (see k3.model.cache) and attention covers the cached
+        context. `absorb`: use the weight-absorbed form; default: only for one-token steps with a state.
+        """
+        B, T, _ = x.shape
+        q_nope, q_rope = self.queries(x)
+        c, k_rope = self.latents(x)
+        visible = None
+        if state is not None:
+            if counts is None:
+                counts = torch.full((B,), T, dtype=torch.long, device=x.device)
+            offsets = state.append(c, k_rope, counts)  # [B]
+            S = int(offsets.max()) + T
+            c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
+            last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
+            visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]
+        if absorb is None:
+            absorb = state is not None and T == 1
+        attend = self.attend_absorbed if absorb else self.attend_plain
+        o = attend(q_nope, q_rope, c, k_rope, visible).reshape(B, T, -1)  # [B, T, n * dv]
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)

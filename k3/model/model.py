@@ -1,0 +1,218 @@
+"""The K3 language model: embeddings, decoder layers (KDA or MLA mixer, dense or MoE FFN), AttnRes, lm_head.
+
+    from k3.model import K3ForCausalLM
+    model = K3ForCausalLM.from_pretrained("ckpt/")          # or a URL, a depth-truncated `layers=N`
+    logits = model(input_ids)                                # [B, T, V]
+    cache = model.new_cache(batch_size=1)
+    logits = model(prompt_ids, cache=cache)                  # prefill, then one token at a time
+
+Module and parameter names follow the published checkpoint: `model.layers.N.self_attn.q_proj.weight` is
+`language_model.model.layers.N.self_attn.q_proj.weight` in a K3 checkpoint (and the same without
+`language_model.` in a Kimi Linear one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from k3.config import FFN, K3Config, Mixer
+from k3.model.attn_res import ResidualStream
+from k3.model.cache import ModelCache
+from k3.model.kda import KDAttention
+from k3.model.mla import MLAttention
+from k3.model.mlp import MLP
+from k3.model.moe import MoE, RoutedExpert
+from k3.model.norm import Linear, RMSNorm
+
+
+class K3DecoderLayer(nn.Module):
+    def __init__(self, cfg: K3Config, index: int, quantized_experts: bool | None = None) -> None:
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        plan = cfg.layer_plan[index]
+        self.index = index
+        self.input_layernorm = RMSNorm(H, eps)
+        self.post_attention_layernorm = RMSNorm(H, eps)
+        self.self_attention_res_norm = self.self_attention_res_proj = None
+        self.mlp_res_norm = self.mlp_res_proj = None
+        if cfg.uses_attn_res:
+            self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps), Linear(H, 1)
+            self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps), Linear(H, 1)
+        self.self_attn: KDAttention | MLAttention = (
+            KDAttention(cfg) if plan.mixer is Mixer.KDA else MLAttention(cfg)
+        )
+        # published names: `mlp.` for the dense layer, `block_sparse_moe.` for MoE layers
+        if plan.ffn is FFN.DENSE:
+            self.mlp = MLP(cfg, H, cfg.intermediate_size)
+        else:
+            self.block_sparse_moe = MoE(cfg, quantized_experts)
+
+    @property
+    def ffn(self) -> nn.Module:
+        return self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+
+    def forward(
+        self,
+        stream: ResidualStream,
+        state: object | None = None,
+        counts: torch.Tensor | None = None,
+    ) -> None:
+        """Advance the residual stream by this layer (see k3.model.attn_res for the read sites)."""
+        x = stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
+        stream.add(self.self_attn(self.input_layernorm(x), state, counts))  # type: ignore[arg-type]
+        y = stream.read(self.mlp_res_norm, self.mlp_res_proj)
+        stream.add(self.ffn(self.post_attention_layernorm(y)))
+
+
+class K3Model(nn.Module):
+    """Embeddings, the first `num_layers` decoder layers, the output read and the final norm."""
+
+    def __init__(
+        self, cfg: K3Config, num_layers: int | None = None, quantized_experts: bool | None = None
+    ) -> None:
+        super().__init__()
+        n = cfg.num_hidden_layers if num_layers is None else num_layers
+        H = cfg.hidden_size
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H, _weight=torch.zeros(cfg.vocab_size, H))
+        self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, quantized_experts) for i in range(n))
+        self.output_attn_res_norm = self.output_attn_res_proj = None
+        if cfg.uses_attn_res:
+            self.output_attn_res_norm, self.output_attn_res_proj = RMSNorm(H, cfg.rms_norm_eps), Linear(H, 1)
+        self.norm = RMSNorm(H, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: ModelCache | None = None,
+        lengths: torch.Tensor | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> final hidden states [B, T, hidden] (normalised)."""
+        if cache is not None and len(cache.layers) != len(self.layers):
+            raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
+        counts = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
+        stream = ResidualStream(
+            self.embed_tokens(input_ids).to(compute_dtype), self.config.attn_res_block_size
+        )
+        for i, layer in enumerate(self.layers):
+            layer(stream, None if cache is None else cache.layers[i], counts)
+        h = stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
+        if cache is not None:
+            cache.tokens += input_ids.shape[1] if counts is None else counts
+        return self.norm(h)
+
+
+class K3ForCausalLM(nn.Module):
+    """Ids in, logits out. Build with `from_pretrained` (a checkpoint) or `from_config` (random weights)."""
+
+    def __init__(
+        self,
+        cfg: K3Config,
+        *,
+        num_layers: int | None = None,
+        quantized_experts: bool | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """A model with zero weights (fill it with `load_state_dict`, or use the two constructors below).
+
+        `num_layers`: keep only the first layers. `quantized_experts`: routed experts as MXFP4 buffers
+        (default: as the config's quantization_config says) or plain trainable weights.
+        """
+        super().__init__()
+        if num_layers is not None and not 1 <= num_layers <= cfg.num_hidden_layers:
+            raise ValueError(f"num_layers must be in 1..{cfg.num_hidden_layers}, got {num_layers}")
+        self.config = cfg
+        self.compute_dtype = compute_dtype
+        self.model = K3Model(cfg, num_layers, quantized_experts)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: ModelCache | None = None,
+        *,
+        lengths: torch.Tensor | list[int] | None = None,
+        logits_to_keep: int = 0,
+    ) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, V] (the last `logits_to_keep` positions if > 0).
+
+        `cache`: continue the sequences it holds and update it (prefill chunk of any length, or a decode
+        step). `lengths` [B]: real tokens per row when rows are right-padded (see k3.model.cache).
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
+        if cache is not None and cache.batch_size != input_ids.shape[0]:
+            raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids {input_ids.shape[0]}")
+        h = self.model(input_ids, cache, lengths, self.compute_dtype)
+        if logits_to_keep:
+            h = h[:, -logits_to_keep:]
+        return self.lm_head(h)
+
+    def new_cache(self, batch_size: int = 1) -> ModelCache:
+        """An empty cache for `batch_size` sequences."""
+        return ModelCache.empty(self.config, batch_size, self.num_layers)
+
+    def dequantize_experts(self, dtype: torch.dtype | None = None) -> K3ForCausalLM:
+        """Replace every MXFP4 expert by plain weights (exact dequantized values), e.g. to train them."""
+        for module in self.modules():
+            if isinstance(module, RoutedExpert):
+                module.dequantize(dtype or self.compute_dtype)
+        return self
+
+    # ---- constructors ------------------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | Path,
+        *,
+        dtype: torch.dtype | None = None,
+        layers: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ) -> K3ForCausalLM:
+        """Load a checkpoint directory or URL (K3 or Kimi Linear layout, or transformers' save_pretrained).
+
+        `dtype`: convert floating weights to it (None: keep the checkpoint's; published F32 tensors stay
+        F32); the computation runs in `compute_dtype`, by default `dtype` or fp32. `layers=N`: the first N
+        layers, then the output read, the final norm and lm_head. Names and shapes are checked strictly
+        (`k3.model.loading.ModelLoadError` lists what is missing, unexpected or mis-shaped). Weights are
+        read in place from the memory-mapped shards: nothing is copied unless converted.
+        """
+        from k3.model.loading import load_model
+
+        return load_model(cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype)
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: K3Config,
+        *,
+        seed: int = 0,
+        num_layers: int | None = None,
+        quantized_experts: bool | None = None,
+        compute_dtype: torch.dtype = torch.float32,
+    ) -> K3ForCausalLM:
+        """Random weights, exactly those `k3 init` writes for `seed` (floating ones in fp32)."""
+        from k3.model.init import random_tensors
+        from k3.model.loading import assign_tensor, model_name
+
+        with torch.device("meta"):
+            model = cls(cfg, num_layers=num_layers, compute_dtype=compute_dtype)
+        for name, tensor in random_tensors(cfg, seed=seed, layers=model.num_layers):
+            assign_tensor(
+                model, model_name(cfg, name), tensor.float() if tensor.is_floating_point() else tensor
+            )
+        if cfg.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        if quantized_experts is False:
+            model.dequantize_experts()
+        return model

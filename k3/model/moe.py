@@ -1,0 +1,132 @@
+"""The (latent) mixture of experts: router, routed experts (MXFP4-packed), latent projections, shared experts.
+
+    s        = sigmoid(gate(x))                      fp32, [N, E]
+    chosen   = top-k of s + e_score_correction_bias  (noaux_tc: the bias only steers the choice)
+    p        = s[chosen] / sum(s[chosen]) * routed_scaling_factor
+    z        = routed_expert_down_proj(x)            the latent [N, L] (Kimi Linear: z = x)
+    r        = routed_expert_up_proj(rms(sum_e p_e w2(act(w1 z, w3 z)), routed_expert_norm))
+    out      = r + shared_experts(x)
+
+Dispatch groups the (token, expert) pairs by expert: one matmul per active expert, on packed weights.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.config import K3Config
+from k3.model.activations import GatedActivation, gated_activation
+from k3.model.mlp import MLP
+from k3.model.norm import Linear, RMSNorm
+from k3.ops.mxfp4 import MXFP4Linear
+
+
+class Router(nn.Module):
+    """Sigmoid router with biased top-k selection and unbiased, renormalised weights (fp32)."""
+
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        E = cfg.num_experts
+        self.weight = nn.Parameter(torch.zeros(E, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(E, dtype=torch.float32))
+        self.top_k, self.num_groups, self.topk_groups = (
+            cfg.num_experts_per_token,
+            cfg.num_expert_group,
+            cfg.topk_group,
+        )
+        self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> (weights [N, k] fp32, expert indices [N, k])."""
+        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
+        choice = scores + self.e_score_correction_bias.float()
+        if self.num_groups > 1:  # keep the best `topk_group` groups, ranked by the sum of their top-2 scores
+            N, E = choice.shape
+            grouped = choice.view(N, self.num_groups, E // self.num_groups)
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, groups]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool)
+            keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
+            choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(N, E)
+        indices = choice.topk(self.top_k, dim=-1).indices  # [N, k]
+        weights = scores.gather(1, indices)
+        if self.renormalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class RoutedExpert(nn.Module):
+    """`w2(act(w1 z, w3 z))`; w1 = gate [m, L], w3 = up [m, L], w2 = down [L, m], MXFP4 or plain."""
+
+    def __init__(self, latent: int, intermediate: int, act: GatedActivation, quantized: bool) -> None:
+        super().__init__()
+        if quantized:
+            self.w1, self.w3 = MXFP4Linear(latent, intermediate), MXFP4Linear(latent, intermediate)
+            self.w2 = MXFP4Linear(intermediate, latent)
+        else:
+            self.w1, self.w3 = Linear(latent, intermediate), Linear(latent, intermediate)
+            self.w2 = Linear(intermediate, latent)
+        self.act = act
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.act(self.w1(z), self.w3(z)))
+
+    def dequantize(self, dtype: torch.dtype) -> None:
+        """Replace packed weights by plain trainable ones (their exact dequantized values)."""
+        for name in ("w1", "w3", "w2"):
+            packed = getattr(self, name)
+            if isinstance(packed, MXFP4Linear):
+                plain = Linear(packed.in_features, packed.out_features)
+                plain.weight = nn.Parameter(packed.dequantized_weight(dtype))
+                setattr(self, name, plain)
+
+
+class MoE(nn.Module):
+    """Latent MoE (K3) or plain MoE (Kimi Linear, `routed_expert_hidden_size` unset)."""
+
+    def __init__(self, cfg: K3Config, quantized_experts: bool | None = None) -> None:
+        super().__init__()
+        H, L, m = cfg.hidden_size, cfg.expert_input_size, cfg.moe_intermediate_size
+        act = gated_activation(cfg)
+        quantized = cfg.experts_mxfp4 if quantized_experts is None else quantized_experts
+        self.gate = Router(cfg)
+        self.latent = cfg.is_latent_moe
+        if self.latent:
+            self.routed_expert_down_proj = Linear(H, L)
+            self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+            self.routed_expert_up_proj = Linear(L, H)
+        self.experts = nn.ModuleList(RoutedExpert(L, m, act, quantized) for _ in range(cfg.num_experts))
+        self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m) if cfg.num_shared_experts else None
+
+    def dispatch(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L]."""
+        N, k = indices.shape
+        flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
+        order = flat.argsort(stable=True)  # pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        pair_weight = weights.reshape(-1).to(z.dtype)
+        out = torch.zeros_like(z)
+        start = 0
+        for e, count in enumerate(counts):
+            if count == 0:
+                continue
+            pairs = order[start : start + count]
+            start += count
+            tokens = pairs // k
+            y = self.experts[e](z[tokens]) * pair_weight[pairs, None]  # [count, L]
+            out.index_add_(0, tokens, y)
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [N, hidden]
+        weights, indices = self.gate(flat)
+        z = self.routed_expert_down_proj(flat) if self.latent else flat  # [N, L]
+        r = self.dispatch(z, weights, indices)
+        if self.latent:
+            if self.routed_expert_norm is not None:
+                r = self.routed_expert_norm(r)
+            r = self.routed_expert_up_proj(r)
+        if self.shared_experts is not None:
+            r = r + self.shared_experts(flat)
+        return r.view(shape)
