@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from k3.engine.tokenizer import Tokenizer, TokenizerError
+from k3.engine.tokenizer import StreamDecoder, Tokenizer, TokenizerError
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -81,19 +81,64 @@ class AssistantReply:
     content: str
 
 
-def parse_reply(text: str) -> AssistantReply:
-    """Split generated text (decoded with special tokens) into reasoning and answer.
+class ReplyStream:
+    """Routes generated token ids into the reasoning and the answer, as they come.
 
-    The text starts inside the think channel; `<|close|>think<|sep|>` ends the reasoning, and a closing
-    `<|close|>message<|sep|>`, `<|end_of_msg|>` or `[EOS]` ends the answer. If the think channel was never
-    closed (e.g. an untrained model) the whole text counts as the answer.
+    Generation starts inside the think channel. `<|close|>NAME<|sep|>` closes a channel: `think` switches
+    to the answer, `message` ends it (later tokens are dropped). Special tokens are never shown as text.
+    An untrained model that never closes its think channel therefore produces reasoning only.
     """
-    think_end = "<|close|>think<|sep|>"
-    ends = ("<|close|>message<|sep|>", "<|end_of_msg|>", "[EOS]")
-    if think_end in text:
-        reasoning, answer = text.split(think_end, 1)
-    else:
-        reasoning, answer = "", text
-    for end in ends:
-        answer = answer.split(end, 1)[0]
-    return AssistantReply(reasoning=reasoning.strip(), content=answer.strip())
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.channel = "reasoning"  # -> "content" -> "done"
+        self._closing: list[int] | None = None  # ids between <|close|> and <|sep|>
+        self._decoders = {"reasoning": StreamDecoder(tokenizer), "content": StreamDecoder(tokenizer)}
+        self.reasoning = ""
+        self.content = ""
+
+    def push(self, token: int) -> tuple[str, str]:
+        """Feed one id; returns the (reasoning, content) text it adds."""
+        s = self.tokenizer.special
+        if self._closing is not None:
+            if token != s.sep:
+                self._closing.append(token)
+                return "", ""
+            name, self._closing = self.tokenizer.decode(self._closing).strip(), None
+            if name == "think" and self.channel == "reasoning":
+                return self._switch("content")
+            if name == "message":
+                return self._switch("done")
+            return "", ""
+        if token == s.close:
+            self._closing = []
+            return "", ""
+        if self.channel == "done" or self.tokenizer.is_special(token):
+            return "", ""
+        return self._emit(self._decoders[self.channel].push(token))
+
+    def flush(self) -> tuple[str, str]:
+        return self._switch(self.channel)
+
+    def _switch(self, channel: str) -> tuple[str, str]:
+        tail = self._emit(self._decoders[self.channel].flush()) if self.channel != "done" else ("", "")
+        self.channel = channel
+        return tail
+
+    def _emit(self, text: str) -> tuple[str, str]:
+        if self.channel == "reasoning":
+            self.reasoning += text
+            return text, ""
+        if self.channel == "content":
+            self.content += text
+            return "", text
+        return "", ""
+
+
+def parse_reply(tokenizer: Tokenizer, ids: Iterable[int]) -> AssistantReply:
+    """Reasoning and answer of a finished generation (the same routing as `ReplyStream`)."""
+    stream = ReplyStream(tokenizer)
+    for token in ids:
+        stream.push(token)
+    stream.flush()
+    return AssistantReply(reasoning=stream.reasoning.strip(), content=stream.content.strip())

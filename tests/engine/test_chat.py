@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from k3.engine.build_tokenizer import builtin_tokenizer
-from k3.engine.chat import Message, encode_chat, parse_reply, render_chat
+from k3.engine.chat import Message, ReplyStream, encode_chat, parse_reply, render_chat
 from k3.engine.tokenizer import TokenizerError
 
 
@@ -59,8 +59,18 @@ def test_bad_roles(tok) -> None:
         encode_chat(tok, [{"role": "wizard", "content": "x"}])
 
 
-def test_parse_reply() -> None:
-    r = parse_reply("let me think<|close|>think<|sep|> The answer is 4.<|close|>message<|sep|><|end_of_msg|>")
-    assert (r.reasoning, r.content) == ("let me think", "The answer is 4.")
-    r = parse_reply("no channel closed here<|end_of_msg|>")
-    assert (r.reasoning, r.content) == ("", "no channel closed here")
+def test_parse_reply_and_stream(tok) -> None:
+    s, e = tok.special, tok.encode
+    ids = [*e("déjame pensar 中文"), s.close, *e("think"), s.sep, *e(" La respuesta es 4. 🎉")]
+    ids += [s.close, *e("message"), s.sep, s.end_of_msg, *e("ignored")]
+    r = parse_reply(tok, ids)
+    assert (r.reasoning, r.content) == ("déjame pensar 中文", "La respuesta es 4. 🎉")
+    # Streaming gives the same text, split into deltas, with no partial characters.
+    stream = ReplyStream(tok)
+    deltas = [stream.push(i) for i in ids] + [stream.flush()]
+    assert "".join(d[0] for d in deltas) == "déjame pensar 中文"
+    assert "".join(d[1] for d in deltas) == " La respuesta es 4. 🎉"
+    assert all("\ufffd" not in d[0] + d[1] for d in deltas)
+    # A think channel that is never closed: everything is reasoning.
+    r = parse_reply(tok, e("sin cerrar"))
+    assert (r.reasoning, r.content) == ("sin cerrar", "")

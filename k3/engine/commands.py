@@ -1,0 +1,237 @@
+"""The engine's commands: `k3 tokenize`, `k3 generate`, `k3 chat`, `k3 serve` (typer functions; heavy
+imports happen inside them so `k3 --help` stays fast)."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def _fail(message: str) -> None:
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(1)
+
+
+def _show_bytes(piece: bytes) -> str:
+    """A token's bytes as text, or as \\x escapes where they are not (yet) a whole UTF-8 character."""
+    try:
+        return repr(piece.decode("utf-8"))[1:-1]
+    except UnicodeDecodeError:
+        return "".join(chr(b) if 0x20 <= b < 0x7F else f"\\x{b:02x}" for b in piece)
+
+
+def tokenize(
+    text: str = typer.Argument(..., help="The text to split into tokens."),
+    checkpoint: str = typer.Option(
+        None,
+        "--checkpoint",
+        "-c",
+        help="Checkpoint directory with tiktoken.model (default: the built-in BPE).",
+    ),
+    vocab_size: int = typer.Option(
+        32768,
+        "--vocab-size",
+        help="Size of the built-in tokenizer when no checkpoint is given (mini: 32768).",
+    ),
+    special: bool = typer.Option(
+        False, "--special", help="Read special-token text (<|open|>...) as specials."
+    ),
+) -> None:
+    """Show how TEXT splits into tokens: one row per token with its id and bytes."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from k3.engine.build_tokenizer import builtin_tokenizer
+    from k3.engine.tokenizer import Tokenizer
+    from k3.errors import K3Error
+
+    try:
+        tok = Tokenizer.from_dir(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
+        pieces = tok.pieces(text, allowed_special="all" if special else frozenset())
+    except K3Error as e:
+        _fail(str(e))
+    source = checkpoint or f"built-in BPE, vocab {vocab_size}"
+    table = Table(title=Text(f"{len(pieces)} tokens ({source})"), title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("id", justify="right")
+    table.add_column("piece")
+    table.add_column("bytes", justify="right")
+    for n, (token_id, piece) in enumerate(pieces):
+        shown = Text(
+            _show_bytes(piece).replace(" ", "␣"), style="magenta" if tok.is_special(token_id) else ""
+        )
+        table.add_row(str(n), str(token_id), shown, str(len(piece)))
+    console.print(table)
+    console.print(Text(" · ".join(_show_bytes(p) for _, p in pieces)))
+
+
+def _load(checkpoint: str, layers: int | None):
+    """Model + tokenizer of a checkpoint directory, or a one-line error."""
+    from k3.engine.tokenizer import Tokenizer
+    from k3.errors import K3Error
+    from k3.model import K3ForCausalLM
+
+    try:
+        tokenizer = Tokenizer.from_dir(checkpoint)
+        model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
+    except (K3Error, OSError) as e:
+        _fail(f"{e}")
+    if tokenizer.vocab_size != model.config.vocab_size:
+        _fail(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
+            f"{model.config.vocab_size}"
+        )
+    return model, tokenizer
+
+
+def _params(
+    max_tokens: int, temperature: float, top_k: int, top_p: float, penalty: float, seed: int | None, stop
+):
+    from k3.engine.sampling import SamplingParams
+    from k3.errors import K3Error
+
+    try:
+        return SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            repetition_penalty=penalty,
+            max_tokens=max_tokens,
+            stop_ids=frozenset(stop),
+            seed=seed,
+        )
+    except K3Error as e:
+        _fail(str(e))
+
+
+MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate.")
+TEMPERATURE = typer.Option(0.7, "--temperature", "-t", help="0 = greedy.")
+TOP_K = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off).")
+TOP_P = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (1 = off).")
+PENALTY = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeating tokens.")
+SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
+LAYERS = typer.Option(None, "--layers", help="Run only the first N layers (a depth-truncated model).")
+
+
+def generate(
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    repetition_penalty: float = PENALTY,
+    seed: int = SEED,
+    layers: int = LAYERS,
+) -> None:
+    """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal."""
+    import time
+
+    from k3.engine.generate import Engine
+    from k3.engine.tokenizer import StreamDecoder
+
+    model, tok = _load(checkpoint, layers)
+    params = _params(max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos})
+    ids = tok.encode(prompt)
+    if not ids:
+        _fail("the prompt is empty")
+    decoder = StreamDecoder(tok)
+    sys.stdout.write(prompt)
+    start, count = time.perf_counter(), 0
+    for token in Engine(model).stream(ids, params):
+        sys.stdout.write(decoder.push(token))
+        sys.stdout.flush()
+        count += 1
+    sys.stdout.write(decoder.flush() + "\n")
+    elapsed = time.perf_counter() - start
+    Console(stderr=True).print(
+        f"[dim]{len(ids)} prompt tokens, {count} generated in {elapsed:.2f} s "
+        f"({count / max(elapsed, 1e-9):.1f} tokens/s)[/]"
+    )
+
+
+def chat(
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    system: str = typer.Option(None, "--system", help="A system message to start the conversation."),
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    repetition_penalty: float = PENALTY,
+    seed: int = SEED,
+    layers: int = LAYERS,
+) -> None:
+    """Talk to a model: one line per user turn (reads stdin until EOF; empty lines are skipped).
+    The reasoning (think channel) is shown dimmed, then the answer."""
+    from k3.engine.chat import Message, ReplyStream, encode_chat
+    from k3.engine.generate import Engine
+
+    model, tok = _load(checkpoint, layers)
+    params = _params(
+        max_tokens,
+        temperature,
+        top_k,
+        top_p,
+        repetition_penalty,
+        seed,
+        {tok.special.eos, tok.special.end_of_msg},
+    )
+    engine = Engine(model)
+    history = [Message("system", system)] if system else []
+    interactive = sys.stdin.isatty()
+    out = Console(highlight=False, soft_wrap=True)
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            break
+        if not line.strip():
+            continue
+        if not interactive:
+            out.print(f"you> {line}")
+        history.append(Message("user", line))
+        reply = ReplyStream(tok)
+        out.print("k3> ", end="")
+        for token in engine.stream(encode_chat(tok, history), params):
+            reasoning, content = reply.push(token)
+            if reasoning:
+                out.print(reasoning, style="dim", end="")
+            if content:
+                out.print(content, end="")
+            if reply.channel == "done":
+                break
+        reasoning, content = reply.flush()
+        out.print(reasoning, style="dim", end="")
+        out.print(content)
+        history.append(Message("assistant", reply.content.strip()))
+
+
+def serve(
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8000, "--port", help="Port to listen on."),
+    model_name: str = typer.Option(
+        None, "--model-name", help="Model id in the API (default: the directory name)."
+    ),
+    max_batch: int = typer.Option(16, "--max-batch", help="Most sequences decoded together."),
+    max_queue: int = typer.Option(
+        64, "--max-queue", help="Requests that may wait beyond the batch (then 429)."
+    ),
+    layers: int = LAYERS,
+) -> None:
+    """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    from pathlib import Path
+
+    import uvicorn
+
+    from k3.engine.generate import Engine
+    from k3.engine.server import create_app
+
+    model, tok = _load(checkpoint, layers)
+    name = model_name or Path(checkpoint).resolve().name
+    app = create_app(Engine(model, max_batch=max_batch), tok, name, max_queue=max_queue)
+    uvicorn.run(app, host=host, port=port, log_level="info")
