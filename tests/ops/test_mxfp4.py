@@ -25,6 +25,7 @@ from k3.ops.mxfp4 import (
     native_available,
     quantize_mxfp4,
 )
+from k3.ops.mxfp4 import native as native_module
 from k3.ops.mxfp4.native import load_native
 
 E2M1_MAGNITUDES = [Fraction(v) for v in ("0", "0.5", "1", "1.5", "2", "3", "4", "6")]
@@ -247,6 +248,24 @@ def test_native_paths_with_small_tiles(m):
     for gemv_max_m in (0, m):
         out = native.matmul(x, packed, scale, gemv_max_m=gemv_max_m, tile_n=32, tile_k=96)
         assert (out.double() - expected).norm() / expected.norm() <= 1e-5
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_stale_native_build_is_ignored_and_torch_path_is_used(monkeypatch):
+    packed, scale = random_pairs(16, 64, seed=6, scale_low=120, scale_high=130)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
+    monkeypatch.setattr(native_module, "source_hash", lambda: "0" * 16)
+    load_native.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="older _native.cpp"):
+            assert not native_available()
+        assert torch.equal(mxfp4_matmul(x, packed, scale), mxfp4_matmul(x, packed, scale, backend="torch"))
+        with pytest.raises(RuntimeError, match="not available"):
+            mxfp4_matmul(x, packed, scale, backend="native")
+    finally:
+        monkeypatch.undo()
+        load_native.cache_clear()
+    assert native_available()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -11,17 +11,13 @@ is detected and ignored (see :mod:`k3.ops.mxfp4.native`).
 from __future__ import annotations
 
 import argparse
-import hashlib
+import contextlib
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-SOURCE = PACKAGE_DIR / "_native.cpp"
-REPO_ROOT = PACKAGE_DIR.parents[2]  # k3/ops/mxfp4 -> repository root (the folder holding k3/)
+from k3.ops.mxfp4.native import SOURCE, source_hash
 
-
-def source_hash() -> str:
-    """First 16 hex digits of the SHA-256 of ``_native.cpp``."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+PACKAGE_DIR = SOURCE.parent
+REPO_ROOT = PACKAGE_DIR.parents[2]  # k3/ops/mxfp4 -> the folder holding k3/
 
 
 def build(verbose: bool = False) -> Path:
@@ -36,19 +32,23 @@ def build(verbose: bool = False) -> Path:
         extra_compile_args=["-O3", "-fopenmp", f"-DK3_MXFP4_SOURCE_HASH={source_hash()}"],
         extra_link_args=["-fopenmp"],  # resolves to the libgomp torch already loaded
     )
-    setup(
-        name="k3-mxfp4-native",
-        ext_modules=[extension],
-        cmdclass={"build_ext": BuildExtension},
-        script_args=[
-            "--quiet" if not verbose else "--verbose",
-            "build_ext",
-            "--build-lib",
-            str(REPO_ROOT),
-            "--build-temp",
-            str(REPO_ROOT / "build" / "mxfp4"),
-        ],
-    )
+    build_temp = REPO_ROOT / "build" / "mxfp4"
+    build_temp.mkdir(parents=True, exist_ok=True)
+    # run from the temp folder so that setuptools does not read the project's pyproject.toml
+    with contextlib.chdir(build_temp):
+        setup(
+            name="k3-mxfp4-native",
+            ext_modules=[extension],
+            cmdclass={"build_ext": BuildExtension},
+            script_args=[
+                "--verbose" if verbose else "--quiet",
+                "build_ext",
+                "--build-lib",
+                str(REPO_ROOT),
+                "--build-temp",
+                str(build_temp),
+            ],
+        )
     built = sorted(PACKAGE_DIR.glob("_native*.so"), key=lambda p: p.stat().st_mtime)
     if not built:
         raise RuntimeError(f"build finished but no _native*.so appeared in {PACKAGE_DIR}")

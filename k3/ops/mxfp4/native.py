@@ -8,10 +8,17 @@ the pure-torch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import warnings
+from pathlib import Path
 from types import ModuleType
 
-from k3.ops.mxfp4.build import SOURCE, source_hash
+SOURCE = Path(__file__).resolve().parent / "_native.cpp"
+
+
+def source_hash() -> str:
+    """First 16 hex digits of the SHA-256 of ``_native.cpp`` (compiled into the module by the build)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 @functools.cache
