@@ -71,6 +71,7 @@ class Event:
     seq: Sequence
     token: int | None
     finish_reason: str | None = None
+    logits: torch.Tensor | None = None  # [V] the token was drawn from (only with `record_logits`)
 
 
 def cache_bytes_formula(cfg: K3Config, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
@@ -113,12 +114,14 @@ class Engine:
         max_batch: int = 16,
         prefill_chunk: int = 2048,
         attention_budget: int = 512 * 2**20,
+        record_logits: bool = False,
     ) -> None:
         self.model = model.eval()
         self.cfg: K3Config = model.config
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.attention_budget = attention_budget
+        self.record_logits = record_logits
         self.max_context = self.cfg.max_position_embeddings
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []  # row i of self.batch is running[i]
@@ -229,15 +232,16 @@ class Engine:
         p = seq.params
         seen = torch.tensor(sorted(seq.seen)) if p.repetition_penalty != 1.0 else None
         token = sample_token(logits, p, seq.generator, seen)
+        kept = logits if self.record_logits else None
         if token in p.stop_ids:
             seq.status, seq.finish_reason = Status.FINISHED, "stop"
-            return Event(seq, None, "stop")
+            return Event(seq, None, "stop", kept)
         seq.output.append(token)
         if p.repetition_penalty != 1.0:
             seq.seen.add(token)
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_context:
             seq.status, seq.finish_reason = Status.FINISHED, "length"
-        return Event(seq, token, seq.finish_reason)
+        return Event(seq, token, seq.finish_reason, kept)
 
     # ---- conveniences ------------------------------------------------------------------------------------
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
