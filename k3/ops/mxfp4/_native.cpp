@@ -84,8 +84,7 @@ __attribute__((target("avx2,fma"))) void gemv_one_row(const float* x, const uint
     const uint8_t* row_scale = scale + n * blocks;
     __m256 acc_even = _mm256_setzero_ps();  // two accumulators: consecutive blocks do not wait on each other
     __m256 acc_odd = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b < blocks; ++b) {
+    for (int64_t b = 0; b < blocks; ++b) {
       __m256 w[4];
       decode_block(row_bytes + b * kBlockBytes, w);
       const float* xb = x + b * kBlock;
