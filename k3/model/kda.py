@@ -88,11 +88,9 @@ class KDAttention(nn.Module):
         """g [B, T, H, d] fp32, the per-channel log-decay."""
         B, T, _ = x.shape
         f = self.f_b_proj(self.f_a_proj(x)).view(B, T, self.num_heads, self.head_dim)
-        a_log = self.A_log.reshape(-1)[: self.num_heads]  # [H]
-        dt_bias = self.dt_bias.view(self.num_heads, self.head_dim)
         if self.lower_bound is None:
-            return kda_softplus_gate(f, a_log, dt_bias)
-        return kda_gate(f, a_log, dt_bias, self.lower_bound)
+            return kda_softplus_gate(f, self.A_log, self.dt_bias)  # A_log: first `heads` entries used
+        return kda_gate(f, self.A_log, self.dt_bias, self.lower_bound)
 
     def forward(
         self, x: torch.Tensor, state: KDAState | None = None, counts: torch.Tensor | None = None
