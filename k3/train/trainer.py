@@ -1,0 +1,356 @@
+"""The training loop: AdamW, warm-up + cosine/WSD, gradient accumulation, clipping, routing balance,
+CSV log, atomic resumable checkpoints, and an MXFP4 export at the end.
+
+A run lives in one folder:
+
+    RUN/train.json            the TrainConfig (a rerun with the same folder must agree with it)
+    RUN/log.csv               one row per optimizer step (see `log_columns`)
+    RUN/loads.csv             tokens per expert, per step and MoE layer (step, layer, e0, e1, ...)
+    RUN/checkpoints/step-N/   resumable state (k3.train.state), the newest two kept
+    RUN/export/               the trained model in the published layout (routed experts MXFP4)
+
+Rerunning a killed run continues from its newest checkpoint: the CSV is cut back to that step and the
+remaining steps see the same batches, RNG and optimizer state, so on CPU the losses equal an
+uninterrupted run's bit for bit.
+
+Routing balance needs each MoE layer's router scores for the batch: the trainer registers a forward
+hook on every `Router` (k3.model.moe) that recomputes `sigmoid(x @ gate.weight^T)` from the router's input
+(the model exposes no scores of its own) and records the chosen experts. After the optimizer step the
+balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
+bias a batch is routed with comes from earlier batches only.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3.config import K3Config
+from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
+from k3.train.routing import BALANCE_METHODS, RoutingBalancer, max_over_mean
+from k3.train.schedule import SCHEDULES, learning_rate
+from k3.train.state import list_checkpoints, load_training_state, save_training_state
+
+TRAIN_JSON = "train.json"
+LOG_FILE = "log.csv"
+LOADS_FILE = "loads.csv"
+EXPORT_DIR = "export"
+# Fields that may change between a run and its resumption without changing what is computed.
+_RESUMABLE_CHANGES = {"stop_after", "progress", "export"}
+
+
+class TrainError(ValueError):
+    """A training setup that cannot run; the message says which option and why."""
+
+
+@dataclass
+class TrainConfig:
+    preset: str = "tiny"  # a preset name, a config.json path or a checkpoint directory
+    data: str = "mqar"  # mqar | copy | PATH.txt
+    out: str = "runs/tiny"
+    steps: int = 100
+    batch_size: int = 8
+    seq_len: int = 64
+    accum: int = 1  # micro-batches per optimizer step
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 10
+    schedule: str = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    clip: float = 1.0  # max gradient norm; 0 = no clipping
+    dtype: str = "fp32"  # fp32 | bf16 (autocast)
+    seed: int = 0
+    balance: str = "qb"  # qb | deepseek | none
+    qb_iters: int = 1
+    balance_ema: float = 0.0
+    gamma: float = 1e-3  # DeepSeek step
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    num_kv_pairs: int = 8  # MQAR
+    tokenizer: str | None = None  # tokenizer directory for text data (default: the built-in one)
+    eval_every: int = 0  # steps between held-out evaluations (0: none); MQAR/copy accuracy
+    eval_batches: int = 4
+    export: bool = True
+    threads: int = 0  # torch CPU threads (0: torch's default); on a busy machine 1 is often fastest
+    stop_after: int | None = None  # leave after this step as if killed (tests, time slicing)
+    progress: bool = True
+
+    def check(self) -> None:
+        def bad(option: str, problem: str) -> None:
+            raise TrainError(f"--{option.replace('_', '-')}: {problem}")
+
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "accum",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "qb_iters",
+        ):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.schedule not in SCHEDULES:
+            bad("schedule", f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
+        if self.balance not in BALANCE_METHODS:
+            bad("balance", f"unknown method {self.balance!r} (known: {', '.join(BALANCE_METHODS)})")
+        if self.dtype not in ("fp32", "bf16"):
+            bad("dtype", f"must be fp32 or bf16, got {self.dtype!r}")
+        if not 0 <= self.warmup <= self.steps:
+            bad("warmup", f"must be in 0..{self.steps} (the number of steps), got {self.warmup}")
+        if self.lr <= 0:
+            bad("lr", f"must be positive, got {self.lr}")
+
+
+def load_model_config(preset: str) -> K3Config:
+    try:
+        return K3Config.from_pretrained(preset)
+    except Exception as e:
+        raise TrainError(f"--preset: {e}") from None
+
+
+def make_dataset(tc: TrainConfig, cfg: K3Config, stream: int = 0) -> Dataset:
+    """The task named by `--data`; `stream` 1 gives held-out batches of a synthetic task."""
+    V = cfg.vocab_size
+    if tc.data == "mqar":
+        return MQAR(V, tc.seq_len, tc.batch_size, tc.num_kv_pairs, seed=tc.seed, stream=stream)
+    if tc.data == "copy":
+        return Copying(V, tc.seq_len, tc.batch_size, seed=tc.seed, stream=stream)
+    path = Path(tc.data)
+    if not path.is_file():
+        raise TrainError(f"--data: expected mqar, copy or a text file; {tc.data!r} is none of these")
+    if tc.tokenizer is not None:
+        from k3.engine.tokenizer import Tokenizer
+
+        tokenizer = Tokenizer.from_dir(tc.tokenizer)
+    else:
+        from k3.engine.build_tokenizer import builtin_tokenizer
+
+        tokenizer = builtin_tokenizer(V)
+    return TextFile(path, tokenizer, tc.seq_len, tc.batch_size, V, seed=tc.seed + 7919 * stream)
+
+
+class RouterTap:
+    """Forward hooks on every router: per MoE layer, the batch's scores [N, E] and chosen experts [N, k]."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from k3.model.moe import Router
+
+        self.routers: dict[int, nn.Module] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, Router):
+                layer = int(name.split("layers.")[1].split(".")[0])
+                self.routers[layer] = module
+                module.register_forward_hook(self._hook(layer))
+        self.active = False
+        self.scores: dict[int, list[torch.Tensor]] = {}
+        self.chosen: dict[int, list[torch.Tensor]] = {}
+
+    def _hook(self, layer: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+            if not self.active:
+                return
+            with torch.no_grad():
+                x = args[0]
+                scores = torch.sigmoid(x.float() @ module.weight.float().t())  # [N, E], as the router does
+            self.scores.setdefault(layer, []).append(scores)
+            self.chosen.setdefault(layer, []).append(output[1].detach())
+
+        return hook
+
+    def take(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        scores = {layer: torch.cat(s) for layer, s in self.scores.items()}
+        chosen = {layer: torch.cat(c) for layer, c in self.chosen.items()}
+        self.scores, self.chosen = {}, {}
+        return scores, chosen
+
+
+def log_columns(moe_layers: list[int], extra: list[str]) -> list[str]:
+    per_layer = [f"load_max_over_mean_L{i}" for i in moe_layers]
+    return ["step", "loss", "lr", "grad_norm", "tokens_per_s", "max_over_mean_load", *per_layer, *extra]
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only (not on norms, gate vectors or 1-D KDA parameters)."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _prepare_run(tc: TrainConfig, run: Path) -> None:
+    """Write train.json, or check that an existing one describes the same computation."""
+    path = run / TRAIN_JSON
+    mine = {k: v for k, v in asdict(tc).items() if k not in _RESUMABLE_CHANGES}
+    if path.is_file():
+        theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in _RESUMABLE_CHANGES}
+        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if changed:
+            raise TrainError(
+                f"{run} holds a run with other settings ({', '.join(changed)}); choose another --out"
+            )
+    run.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(tc), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _cut_log(path: Path, columns: list[str], step: int) -> None:
+    """Keep only complete rows up to `step` (rows written after the checkpoint, or a half-written line,
+    are dropped), so the resumed run writes them again."""
+    rows = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if None in row.values() or row.get("step") in (None, ""):
+                    break  # a torn last line
+                if int(row["step"]) <= step:
+                    rows.append(row)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = False) -> tuple[float, float]:
+    """(mean loss, answer accuracy) over `batches` held-out batches, counted positions only."""
+    was_training = model.training
+    model.eval()
+    losses, correct, counted = [], 0.0, 0
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for i in range(batches):
+            inputs, labels = data.batch(i)
+            logits = model(inputs).float()
+            losses.append(float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=IGNORE)))
+            n = int((labels != IGNORE).sum())
+            correct += answer_accuracy(logits, labels) * n
+            counted += n
+    model.train(was_training)
+    return sum(losses) / len(losses), correct / counted
+
+
+def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Path:
+    """Run (or resume) the training described by `tc`; returns the run folder.
+
+    `on_step(row)` sees every CSV row (the progress display uses it)."""
+    from k3.model import K3ForCausalLM
+
+    tc.check()
+    cfg = load_model_config(tc.preset)
+    if not cfg.num_experts:
+        raise TrainError("--preset: the model has no MoE layers, nothing to balance or export as MXFP4")
+    run = Path(tc.out)
+    _prepare_run(tc, run)
+    if tc.threads:
+        torch.set_num_threads(tc.threads)
+    torch.manual_seed(tc.seed)
+    model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
+    model.train()
+    optimizer = torch.optim.AdamW(
+        _param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=False
+    )
+    tap = RouterTap(model)
+    moe_layers = sorted(tap.routers)
+    balancer = RoutingBalancer(
+        moe_layers,
+        cfg.num_experts,
+        cfg.num_experts_per_token,
+        tc.balance,
+        tc.gamma,
+        tc.balance_ema,
+        tc.qb_iters,
+    )
+    data = make_dataset(tc, cfg)
+    held_out = make_dataset(tc, cfg, stream=1) if tc.eval_every else None
+    columns = log_columns(moe_layers, ["eval_loss", "eval_acc"] if tc.eval_every else [])
+
+    start = 0
+    checkpoints = list_checkpoints(run)
+    if checkpoints:
+        meta = load_training_state(checkpoints[-1][1], model, optimizer)
+        start = meta["step"]
+    for layer, router in tap.routers.items():  # the bias lives in the router buffer; the balancer reads it
+        balancer.biases[layer] = router.e_score_correction_bias.detach().clone()
+    log_path, loads_path = run / LOG_FILE, run / LOADS_FILE
+    _cut_log(log_path, columns, start)
+    _cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
+
+    autocast = tc.dtype == "bf16"
+    tokens_per_step = tc.batch_size * tc.seq_len * tc.accum
+    last = tc.steps if tc.stop_after is None else min(tc.steps, tc.stop_after)
+    with log_path.open("a", newline="") as log_file, loads_path.open("a", newline="") as loads_file:
+        writer, loads_writer = csv.DictWriter(log_file, fieldnames=columns), csv.writer(loads_file)
+        for step in range(start, last):
+            began = time.perf_counter()
+            lr = learning_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            tap.active = True
+            loss_sum = 0.0
+            for micro in range(tc.accum):
+                inputs, labels = data.batch(step * tc.accum + micro)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(inputs)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
+                (loss / tc.accum).backward()
+                loss_sum += float(loss.detach())
+            tap.active = False
+            if not math.isfinite(loss_sum):
+                raise TrainError(f"step {step + 1}: the loss is {loss_sum}; lower --lr or use --clip")
+            # with no clipping the norm is still measured (a max norm of inf scales every gradient by 1)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip or math.inf))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            scores, _ = tap.take()
+            row: dict[str, float | int | str] = {
+                "step": step + 1,
+                "loss": repr(loss_sum / tc.accum),
+                "lr": repr(lr),
+            }
+            worst = 0.0
+            for layer in moe_layers:
+                loads = balancer.update(layer, scores[layer])
+                tap.routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
+                loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
+                ratio = max_over_mean(loads)
+                row[f"load_max_over_mean_L{layer}"] = f"{ratio:.6f}"
+                worst = max(worst, ratio)
+            row["max_over_mean_load"] = f"{worst:.6f}"
+            row["grad_norm"] = f"{grad_norm:.6g}"
+            if held_out is not None and ((step + 1) % tc.eval_every == 0 or step + 1 == tc.steps):
+                eval_loss, eval_acc = evaluate(model, held_out, tc.eval_batches, autocast)
+                row["eval_loss"], row["eval_acc"] = f"{eval_loss:.6f}", f"{eval_acc:.6f}"
+            row["tokens_per_s"] = f"{tokens_per_step / (time.perf_counter() - began):.1f}"
+            writer.writerow(row)
+            log_file.flush()
+            loads_file.flush()
+            if on_step is not None:
+                on_step(row)
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
+                save_training_state(
+                    run,
+                    step + 1,
+                    model,
+                    optimizer,
+                    {"tokens": (step + 1) * tokens_per_step},
+                    tc.keep_checkpoints,
+                )
+    if last == tc.steps and tc.export:
+        from k3.train.export import export_checkpoint
+
+        export_checkpoint(model, cfg, run / EXPORT_DIR, tokenizer_dir=tc.tokenizer)
+    return run
