@@ -52,11 +52,14 @@ TORCH_DTYPES = {
 
 def tensor_from_bytes(buf: memoryview | bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor over `buf` without copying, unless the bytes are misaligned for the dtype (a tensor
-    following an odd-sized U8 tensor, say): then one aligned copy, since kernels may assume alignment."""
+    following an odd-sized U8 tensor, say): then one aligned copy, since kernels may assume alignment.
+    BOOL is always copied, as `!= 0` of the bytes."""
     torch_dtype = TORCH_DTYPES[dtype]
     if len(buf) == 0:
         return torch.empty(shape, dtype=torch_dtype)
     flat = torch.frombuffer(buf, dtype=torch.uint8)  # [nbytes], shares memory with buf
+    if torch_dtype is torch.bool:  # a byte other than 0/1 is not a valid torch bool: normalize (a copy)
+        return (flat != 0).view(shape)
     if flat.data_ptr() % torch_dtype.itemsize:
         flat = flat.clone()
     return flat.view(torch_dtype).view(shape)

@@ -53,9 +53,11 @@ def tiny_tensors(cfg: K3Config, seed: int = 0) -> Iterator[tuple[str, torch.Tens
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit-exact equality (NaN-safe: compares the bytes)."""
+    """Bit-exact equality (NaN-safe: compares the bytes); bools by truth value, whatever their bytes."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
+    if a.dtype is torch.bool:
+        a, b = a.view(torch.uint8) != 0, b.view(torch.uint8) != 0
     return torch.equal(
         a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
     )
@@ -98,7 +100,7 @@ class RangeServer(ThreadingHTTPServer):
         self.bytes_served = 0
         self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
         self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.serve_forever, args=(0.02,), daemon=True)
 
     @property
     def url(self) -> str:
@@ -122,6 +124,7 @@ class RangeServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: RangeServer
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet
         pass
@@ -131,9 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in {"Content-Length": str(len(body)), **headers}.items():
             self.send_header(k, v)
         self.end_headers()
-        self.wfile.write(body)
-        with self.server.lock:
+        with self.server.lock:  # counted before sending, so a client that has the bytes sees the count
             self.server.bytes_served += len(body)
+        self.wfile.write(body)
 
     def do_GET(self) -> None:
         path = self.path.split("?")[0]
