@@ -84,6 +84,7 @@ class Checkpoint:
         self.location = location
         self._sources = sources
         self._http = http
+        self._closed = False
         self.metadata: dict[str, dict[str, str]] = {}  # shard -> its __metadata__
         self.findings: list[str] = list(findings or [])  # oddities that do not stop reading
         self._tensors: dict[str, TensorInfo] = {}
@@ -100,6 +101,8 @@ class Checkpoint:
                 self.config = K3Config.from_dict(raw_config)
             except ConfigError as e:
                 self.config_error = f"{CONFIG_NAME} is not a K3-family config: {e}"
+            except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong JSON type, deep down
+                self.config_error = f"{CONFIG_NAME} is not a K3-family config: {type(e).__name__}: {e}"
 
     def _index(self, weight_map: dict[str, str] | None, index_metadata: dict[str, Any] | None) -> None:
         index = f"{self.location}/{INDEX_NAME}"
@@ -171,10 +174,19 @@ class Checkpoint:
         return self._http.stats if self._http is not None else None
 
     # ---- the data -----------------------------------------------------------------------------------------
+    def _source(self, t: TensorInfo) -> ByteSource:
+        if self._closed:
+            raise CheckpointError(f"{self.location}: checkpoint is closed (reading tensor {t.name!r})")
+        return self._sources[t.shard]
+
     def read(self, name: str) -> torch.Tensor:
-        """The whole tensor: zero-copy over the memory map locally (writes stay private), fetched remotely."""
+        """The whole tensor: zero-copy over the memory map locally, fetched remotely.
+
+        Locally the tensor shares the mapping's pages (copy-on-write): an in-place change never reaches the
+        file, but later reads of the same tensor from this Checkpoint object see it; clone() to keep apart.
+        """
         t = self.info(name)
-        return tensor_from_bytes(self._sources[t.shard].read(t.start, t.nbytes), t.dtype, t.shape)
+        return tensor_from_bytes(self._source(t).read(t.start, t.nbytes), t.dtype, t.shape)
 
     def read_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows [start, stop) of the first dimension, reading only their bytes."""
@@ -187,11 +199,12 @@ class Checkpoint:
                 f"{self.location}: tensor {name!r} has {rows} rows; cannot read [{start}, {stop})"
             )
         row_bytes = t.nbytes // rows if rows else 0
-        buf = self._sources[t.shard].read(t.start + start * row_bytes, (stop - start) * row_bytes)
+        buf = self._source(t).read(t.start + start * row_bytes, (stop - start) * row_bytes)
         return tensor_from_bytes(buf, t.dtype, (stop - start, *t.shape[1:]))
 
     # ---- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
+        self._closed = True
         for source in self._sources.values():
             source.close()
         if self._http is not None:

@@ -143,6 +143,8 @@ def test_local_reads_are_zero_copy_and_never_write_the_file(tmp_path):
         a[0] = 42.0  # copy-on-write: a private page, the file is untouched
     assert (tmp_path / "model.safetensors").read_bytes() == before
     assert a[0] == 42.0 and a[1] == 1.0  # still usable after close()
+    with pytest.raises(CheckpointError, match="checkpoint is closed"):
+        ckpt.read("x")
 
 
 def test_writer_holds_one_tensor_at_a_time(tmp_path):

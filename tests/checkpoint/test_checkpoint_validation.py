@@ -10,9 +10,10 @@ import torch
 from ckpt_testing import entry, raw_safetensors
 
 from k3.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from k3.config import K3Config
 from k3.errors import K3Error
 
-GOOD_DATA = bytes(range(24))  # room for a [2, 3] F32 and a [4] F32... see each test
+GOOD_DATA = bytes(range(24))  # tensor bytes for the hand-made files below
 
 
 def broken(tmp_path, content: bytes, name: str = "model.safetensors"):
@@ -257,3 +258,13 @@ def test_broken_config_does_not_stop_reading(tmp_path):
         assert ckpt.config is None and ckpt.raw_config is None
         assert "config.json: malformed JSON" in ckpt.config_error
         assert ckpt.read("w").tolist() == [0.0, 0.0]
+
+
+def test_config_of_the_wrong_shape_is_not_fatal(tmp_path):
+    save_checkpoint([("w", torch.zeros(2))], None, tmp_path)
+    raw = K3Config.preset("tiny").to_dict()
+    raw["text_config"]["linear_attn_config"] = 5
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with open_checkpoint(tmp_path) as ckpt:
+        assert ckpt.config is None and ckpt.raw_config == raw
+        assert ckpt.config_error.startswith("config.json is not a K3-family config")
