@@ -1,0 +1,116 @@
+"""Reading tensors in bounded pieces, for the scan and the tile renderer.
+
+Local shards are read with `os.preadv` into fresh buffers rather than through the checkpoint's memory map:
+pages of a memory map that has been read count towards the process's resident memory until it is unmapped,
+so a scan over a 1.5 TB checkpoint would show a resident size of terabytes. Reading into a buffer keeps the
+resident size at the size of the chunks in flight. Remote checkpoints are read with `Checkpoint.read_rows`
+(HTTP ranges of just those rows).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from k3.atlas.db import LogicalTensor
+from k3.atlas.stats import TORCH_DTYPES
+
+CHUNK_BYTES = 16 * 2**20  # stored bytes read at a time per worker
+
+
+class TensorReader:
+    """Row ranges and flat chunks of the tensors of one open checkpoint. Thread-safe."""
+
+    def __init__(self, ckpt, source: str | Path):
+        self.ckpt = ckpt
+        local = Path(source) if not str(source).startswith(("http://", "https://")) else None
+        self._local = local
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def _fd(self, shard: str) -> int:
+        with self._lock:
+            if shard not in self._fds:
+                assert self._local is not None
+                path = self._local if self._local.is_file() else self._local / shard
+                self._fds[shard] = os.open(path, os.O_RDONLY)
+            return self._fds[shard]
+
+    def _read_bytes(self, name: str, offset: int, length: int) -> bytearray:
+        """`length` bytes at `offset` within the stored tensor `name` (bounds are the caller's job)."""
+        info = self.ckpt.info(name)
+        buf = bytearray(length)
+        if self._local is not None:
+            fd, done = self._fd(info.shard), 0
+            while done < length:
+                n = os.preadv(fd, [memoryview(buf)[done:]], info.start + offset + done)
+                if n <= 0:
+                    raise OSError(f"{info.shard}: unexpected end of file reading {name}")
+                done += n
+            return buf
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        if not info.shape or offset % row_bytes or length % row_bytes:
+            buf[:] = (
+                self.ckpt.read(name).reshape(-1).view(torch.uint8)[offset : offset + length].numpy().tobytes()
+            )
+            return buf
+        rows = self.ckpt.read_rows(name, offset // row_bytes, (offset + length) // row_bytes)
+        buf[:] = rows.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return buf
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of stored tensor `name`, as a tensor [stop-start, ...] of its dtype."""
+        info = self.ckpt.info(name)
+        rows = info.shape[0]
+        row_bytes = info.nbytes // rows if rows else 0
+        buf = self._read_bytes(name, start * row_bytes, (stop - start) * row_bytes)
+        return _as_tensor(buf, info.dtype, (stop - start, *info.shape[1:]))
+
+    def flat_chunks(self, name: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
+        """The elements of stored tensor `name` in order, as 1-D tensors of at most ~chunk_bytes each."""
+        info = self.ckpt.info(name)
+        item = TORCH_DTYPES[info.dtype].itemsize
+        if self._local is None and info.shape and info.shape[0] > 0:
+            # remote: whole rows, so that each read is one HTTP range of exactly those rows
+            row_bytes = info.nbytes // info.shape[0]
+            step = max(1, chunk_bytes // max(row_bytes, 1))
+            for r0 in range(0, info.shape[0], step):
+                yield self.rows(name, r0, min(r0 + step, info.shape[0])).reshape(-1)
+            return
+        step = max(item, chunk_bytes - chunk_bytes % item)
+        for off in range(0, info.nbytes, step):
+            length = min(step, info.nbytes - off)
+            yield _as_tensor(self._read_bytes(name, off, length), info.dtype, (length // item,))
+
+    def row_step(self, t: LogicalTensor, chunk_bytes: int = CHUNK_BYTES) -> int:
+        """Rows of logical tensor `t` per chunk so that one chunk's stored bytes stay near chunk_bytes."""
+        rows = t.shape[0] if t.shape else 1
+        return max(1, chunk_bytes // max(1, t.bytes // max(rows, 1)))
+
+    def logical_rows(self, t: LogicalTensor, start: int, stop: int) -> torch.Tensor:
+        """Rows [start, stop) of a 2-D logical tensor as float32 [stop-start, cols] (MXFP4 dequantized)."""
+        if t.dtype == "MXFP4":
+            from k3.ops.mxfp4 import dequantize_mxfp4
+
+            packed, scale = (self.rows(p, start, stop) for p in t.parts)
+            return dequantize_mxfp4(packed, scale, torch.float32)
+        x = self.rows(t.parts[0], start, stop)
+        return x.reshape(stop - start, -1).to(torch.float32)
+
+
+def _as_tensor(buf: bytearray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype not in TORCH_DTYPES:
+        raise ValueError(f"the atlas cannot read tensors of dtype {dtype}")
+    if not buf:
+        return torch.zeros(shape, dtype=TORCH_DTYPES[dtype])
+    return torch.frombuffer(buf, dtype=torch.uint8).view(TORCH_DTYPES[dtype]).view(shape)

@@ -1,0 +1,111 @@
+"""Tokens and routing: which experts the router picks for each token of a text, layer by layer.
+
+The model runs once per text (`K3ForCausalLM.from_pretrained`, loaded on first use) with a forward hook on
+every MoE layer's router, which returns (weights, expert indices) per token. When the checkpoint cannot be
+run here (no K3 config, no tokenizer, too large, a load error), `status()` says why and the page shows it.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+MAX_TEXT_CHARS = 2000
+MAX_MODEL_BYTES = 8 * 10**9  # checkpoints larger than this are not loaded by the atlas
+
+
+class RoutingUnavailable(RuntimeError):
+    pass
+
+
+class RoutingProbe:
+    def __init__(self, source: str, config, checkpoint_bytes: int):
+        self.source = source
+        self.config = config
+        self.checkpoint_bytes = checkpoint_bytes
+        self._lock = threading.Lock()
+        self._model = None
+        self._tokenizer = None
+        self._error: str | None = self._precheck()
+
+    def _precheck(self) -> str | None:
+        if self.config is None:
+            return "no K3-family config.json: the model cannot be built"
+        if str(self.source).startswith(("http://", "https://")) or not Path(self.source).is_dir():
+            return "the model runs from a local checkpoint directory only"
+        if not (Path(self.source) / "tiktoken.model").exists():
+            return "the checkpoint has no tokenizer (tiktoken.model)"
+        if self.checkpoint_bytes > MAX_MODEL_BYTES:
+            return (
+                f"the checkpoint holds {self.checkpoint_bytes / 1e9:,.1f} GB; the atlas runs models up to "
+                f"{MAX_MODEL_BYTES / 1e9:,.0f} GB"
+            )
+        if not self.config.num_experts:
+            return "the model has no experts"
+        return None
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from k3.engine.tokenizer import Tokenizer
+
+            self._tokenizer = Tokenizer.from_dir(self.source)
+        return self._tokenizer
+
+    def status(self) -> dict[str, Any]:
+        return {"available": self._error is None, "reason": self._error}
+
+    def _load(self):
+        if self._model is None:
+            from k3.model import K3ForCausalLM
+
+            try:
+                self._model = K3ForCausalLM.from_pretrained(self.source).eval()
+            except Exception as e:  # noqa: BLE001 - any load failure becomes the reason shown on the page
+                self._error = f"the model does not load: {e}"
+                raise RoutingUnavailable(self._error) from e
+        return self._model
+
+    def route(self, text: str) -> dict[str, Any]:
+        """Tokens of `text` and, per MoE layer, the experts chosen for each token with their weights."""
+        import torch
+
+        if self._error is not None:
+            raise RoutingUnavailable(self._error)
+        if not text or len(text) > MAX_TEXT_CHARS:
+            raise ValueError(f"text must have 1..{MAX_TEXT_CHARS} characters")
+        with self._lock:
+            tok = self.tokenizer()
+            pieces = tok.pieces(text)
+            model = self._load()
+            chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            hooks = []
+            for i, layer in enumerate(model.model.layers):
+                moe = getattr(layer, "block_sparse_moe", None)
+                if moe is not None:
+                    hooks.append(
+                        moe.gate.register_forward_hook(
+                            lambda _m, _inp, out, i=i: chosen.__setitem__(
+                                i, (out[0].detach(), out[1].detach())
+                            )
+                        )
+                    )
+            try:
+                with torch.no_grad():
+                    model(torch.tensor([[i for i, _ in pieces]]))
+            finally:
+                for h in hooks:
+                    h.remove()
+        layers = {}
+        for i, (weights, indices) in sorted(chosen.items()):
+            order = weights.argsort(dim=-1, descending=True)
+            layers[i] = {
+                "experts": indices.gather(-1, order).tolist(),  # [T, k], heaviest first
+                "weights": [[round(w, 5) for w in row] for row in weights.gather(-1, order).tolist()],
+            }
+        return {
+            "tokens": [{"id": i, "piece": b.decode("utf-8", errors="replace")} for i, b in pieces],
+            "top_k": self.config.num_experts_per_token,
+            "num_experts": self.config.num_experts,
+            "layers": layers,
+        }
