@@ -6,12 +6,13 @@ Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`:
 404 for an unknown model, 429 when the queue is full. A client that disconnects cancels its request,
 which frees its cache. Chat replies put the think channel in `reasoning_content` (as DeepSeek's API).
 
-Extensions beyond OpenAI's parameters: `top_k`, `repetition_penalty`.
+Extensions beyond OpenAI's parameters: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -67,6 +68,7 @@ class SamplingBody(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # keep generating past stop ids (as vLLM), e.g. for benchmarks
 
 
 class CompletionBody(SamplingBody):
@@ -132,16 +134,15 @@ def create_app(
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
     stop_ids = frozenset({tokenizer.special.eos, tokenizer.special.end_of_msg})
-    app = FastAPI(title="k3", version="0.1.0")
-    app.state.worker = worker
 
-    @app.on_event("startup")
-    async def _start() -> None:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         worker.start()
-
-    @app.on_event("shutdown")
-    async def _stop() -> None:
+        yield
         worker.stop()
+
+    app = FastAPI(title="k3", version="0.1.0", lifespan=lifespan)
+    app.state.worker = worker
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -183,7 +184,7 @@ def create_app(
                 top_p=body.top_p,
                 repetition_penalty=body.repetition_penalty,
                 max_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
-                stop_ids=stop_ids,
+                stop_ids=frozenset() if body.ignore_eos else stop_ids,
                 seed=body.seed,
             )
         except SamplingError as e:
@@ -201,38 +202,42 @@ def create_app(
         except QueueFull as e:
             raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from e
 
+    def unpack(item: Event | BaseException | None) -> Event | None:
+        """An item of a handle's queue: the event, None at the end, or the error raised as an APIError."""
+        if isinstance(item, K3Error):
+            raise invalid(str(item))
+        if isinstance(item, BaseException):
+            raise APIError(500, f"generation failed: {item}", "server_error")
+        return item
+
     async def events(handle: Handle) -> AsyncIterator[Event]:
-        """The request's events; cancels it if the consumer goes away before the end."""
+        """The request's events (streaming: a client that goes away closes this generator, which cancels)."""
         try:
-            while True:
-                item = await handle.events.get()
-                if item is None:
-                    return
-                if isinstance(item, K3Error):
-                    raise invalid(str(item))
-                if isinstance(item, BaseException):
-                    raise APIError(500, f"generation failed: {item}", "server_error")
-                yield item
+            while (event := unpack(await handle.events.get())) is not None:
+                yield event
         finally:
             worker.cancel(handle)
 
     async def collect(request: Request, handle: Handle) -> AsyncIterator[Event]:
-        """`events`, but stops (and cancels) when the HTTP client disconnects (non-streaming requests)."""
-        stream = events(handle).__aiter__()
+        """`events` for plain requests, where nothing is written until the end: checks for a disconnected
+        client every half second (between events, or while waiting for one)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         try:
             while True:
-                nxt = asyncio.ensure_future(stream.__anext__())
-                while not nxt.done():
-                    await asyncio.wait([nxt], timeout=0.5)
-                    if not nxt.done() and await request.is_disconnected():
-                        nxt.cancel()
+                if loop.time() - checked >= 0.5:
+                    if await request.is_disconnected():
                         return
+                    checked = loop.time()
                 try:
-                    yield nxt.result()
-                except StopAsyncIteration:
+                    item = await asyncio.wait_for(handle.events.get(), timeout=0.5)
+                except TimeoutError:
+                    continue
+                if (event := unpack(item)) is None:
                     return
+                yield event
         finally:
-            await stream.aclose()
+            worker.cancel(handle)
 
     def usage(prompt: list[int], completion: int) -> dict:
         return {
