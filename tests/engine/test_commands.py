@@ -1,0 +1,67 @@
+"""The engine's CLI commands, run through typer's test runner on a random `tiny` checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from k3.config import K3Config
+from k3.engine import commands
+from k3.engine.build_tokenizer import write_tokenizer
+from k3.engine.chat import Message, encode_chat, parse_reply
+from k3.engine.generate import Engine
+from k3.engine.sampling import SamplingParams
+from k3.engine.tokenizer import Tokenizer
+from k3.model import K3ForCausalLM
+from k3.model.init import init_checkpoint
+
+app = typer.Typer()
+for fn in (commands.tokenize, commands.generate, commands.chat, commands.serve):
+    app.command()(fn)
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tiny")
+    init_checkpoint(K3Config.preset("tiny"), out, seed=4)
+    write_tokenizer(out, 1024)
+    return out
+
+
+def test_tokenize_shows_pieces(checkpoint: Path) -> None:
+    tok = Tokenizer.from_dir(checkpoint)
+    r = runner.invoke(app, ["tokenize", "Extraordinario", "--checkpoint", str(checkpoint)])
+    assert r.exit_code == 0, r.output
+    pieces = [p.decode() for _, p in tok.pieces("Extraordinario")]
+    assert f"{len(pieces)} tokens" in r.output and " · ".join(pieces) in r.output
+    r = runner.invoke(app, ["tokenize", "<|open|>hola", "--special", "--vocab-size", "1024"])
+    assert r.exit_code == 0 and "771" in r.output  # <|open|> as one special id
+    r = runner.invoke(app, ["tokenize", "x", "--checkpoint", str(checkpoint / "missing")])
+    assert r.exit_code == 1 and "no tiktoken.model" in r.output
+
+
+def test_generate_streams_the_greedy_continuation(checkpoint: Path) -> None:
+    tok = Tokenizer.from_dir(checkpoint)
+    want = Engine(K3ForCausalLM.from_pretrained(checkpoint)).generate(
+        [tok.encode("Hola")], SamplingParams(temperature=0, max_tokens=8, stop_ids={tok.special.eos})
+    )[0]
+    r = runner.invoke(app, ["generate", str(checkpoint), "--prompt", "Hola", "-n", "8", "-t", "0"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hola" + tok.decode(want))
+
+
+def test_chat_reads_piped_turns(checkpoint: Path) -> None:
+    tok = Tokenizer.from_dir(checkpoint)
+    params = SamplingParams(temperature=0, max_tokens=6, stop_ids={tok.special.eos, tok.special.end_of_msg})
+    first = Engine(K3ForCausalLM.from_pretrained(checkpoint)).generate(
+        [encode_chat(tok, [Message("user", "hola")])], params
+    )[0]
+    r = runner.invoke(app, ["chat", str(checkpoint), "-n", "6", "-t", "0"], input="hola\n\n¿qué tal?\n")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("you> ") == 2 and r.output.count("k3> ") == 2
+    reply = parse_reply(tok, first)
+    assert (reply.reasoning + reply.content).split()[0] in r.output
