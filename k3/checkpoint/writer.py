@@ -21,7 +21,7 @@ import json
 import os
 import shutil
 import struct
-import tempfile
+import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -36,20 +36,23 @@ SAFETENSORS_DTYPES = {torch_dtype: name for name, torch_dtype in TORCH_DTYPES.it
 _COPY_CHUNK = 16 * 2**20
 
 
+def _temporary(directory: Path, suffix: str, mode: str = "xb") -> tuple[Path, BinaryIO]:
+    """A new file under a hidden unique name, created with the usual permissions (mkstemp's are 0600)."""
+    path = directory / f".k3-{uuid.uuid4().hex}{suffix}"
+    return path, open(path, mode)  # the caller closes it
+
+
 def _atomic_write(path: Path, data: bytes) -> None:
-    with tempfile.NamedTemporaryFile(
-        dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-    ) as f:
-        tmp = Path(f.name)
-        try:
+    tmp, f = _temporary(path.parent, f".{path.name}.tmp")
+    try:
+        with f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        except BaseException:
-            f.close()
-            tmp.unlink(missing_ok=True)
-            raise
-    tmp.replace(path)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 class _Shard:
@@ -59,9 +62,9 @@ class _Shard:
         self.directory = directory
         self.entries: dict[str, dict[str, Any]] = {}  # name -> {"dtype", "shape", "data_offsets"}
         self.size = 0  # bytes of tensor data so far
-        self._data: BinaryIO = tempfile.NamedTemporaryFile(  # closed by finish() or discard()
-            dir=directory, prefix=".k3-shard-", suffix=".data.tmp", delete=False
-        )
+        self._data_path, self._data = _temporary(
+            directory, ".data.tmp", "x+b"
+        )  # closed by finish() or discard()
         self.path: Path | None = None  # the finished shard, still under a temporary name
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
@@ -85,10 +88,8 @@ class _Shard:
         raw += b" " * (-(8 + len(raw)) % 8)  # the data section starts 8-aligned
         self._data.flush()
         self._data.seek(0)
-        with tempfile.NamedTemporaryFile(
-            dir=self.directory, prefix=".k3-shard-", suffix=".safetensors.tmp", delete=False
-        ) as out:
-            self.path = Path(out.name)
+        self.path, out = _temporary(self.directory, ".safetensors.tmp")
+        with out:
             out.write(struct.pack("<Q", len(raw)))
             out.write(raw)
             shutil.copyfileobj(self._data, out, _COPY_CHUNK)
@@ -98,7 +99,7 @@ class _Shard:
 
     def _discard_data(self) -> None:
         self._data.close()
-        Path(self._data.name).unlink(missing_ok=True)
+        self._data_path.unlink(missing_ok=True)
 
     def discard(self) -> None:
         self._discard_data()

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import os
 import weakref
 
 import pytest
@@ -73,6 +74,10 @@ def test_index_contents(tmp_path):
     for name, shard in index["weight_map"].items():
         with safe_open(tmp_path / shard, framework="pt") as f:
             assert name in f.keys()
+    umask = os.umask(0o022)
+    os.umask(umask)
+    for path in tmp_path.iterdir():  # ordinary permissions, not a temporary file's 0600
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path.name
 
 
 @pytest.mark.parametrize("dtype", K3_DTYPES)
