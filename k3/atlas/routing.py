@@ -27,22 +27,23 @@ class RoutingProbe:
         self._lock = threading.Lock()
         self._model = None
         self._tokenizer = None
-        self._error: str | None = self._precheck()
+        # why the model cannot run: (code the page translates, the details in English) or None
+        self._error: tuple[str, str] | None = self._precheck()
 
-    def _precheck(self) -> str | None:
+    def _precheck(self) -> tuple[str, str] | None:
         if self.config is None:
-            return "no K3-family config.json: the model cannot be built"
+            return "no_config", "no K3-family config.json: the model cannot be built"
         if str(self.source).startswith(("http://", "https://")) or not Path(self.source).is_dir():
-            return "the model runs from a local checkpoint directory only"
+            return "not_local", "the model runs from a local checkpoint directory only"
         if not (Path(self.source) / "tiktoken.model").exists():
-            return "the checkpoint has no tokenizer (tiktoken.model)"
+            return "no_tokenizer", "the checkpoint has no tokenizer (tiktoken.model)"
         if self.checkpoint_bytes > MAX_MODEL_BYTES:
-            return (
+            return "too_large", (
                 f"the checkpoint holds {self.checkpoint_bytes / 1e9:,.1f} GB; the atlas runs models up to "
                 f"{MAX_MODEL_BYTES / 1e9:,.0f} GB"
             )
         if not self.config.num_experts:
-            return "the model has no experts"
+            return "no_experts", "the model has no experts"
         return None
 
     def tokenizer(self):
@@ -53,7 +54,8 @@ class RoutingProbe:
         return self._tokenizer
 
     def status(self) -> dict[str, Any]:
-        return {"available": self._error is None, "reason": self._error}
+        code, reason = self._error or (None, None)
+        return {"available": self._error is None, "code": code, "reason": reason}
 
     def _load(self):
         if self._model is None:
@@ -61,9 +63,9 @@ class RoutingProbe:
 
             try:
                 self._model = K3ForCausalLM.from_pretrained(self.source).eval()
-            except Exception as e:  # noqa: BLE001 - any load failure becomes the reason shown on the page
-                self._error = f"the model does not load: {e}"
-                raise RoutingUnavailable(self._error) from e
+            except Exception as e:  # any load failure becomes the reason shown on the page
+                self._error = ("load_error", f"the model does not load: {e}")
+                raise RoutingUnavailable(self._error[1]) from e
         return self._model
 
     def route(self, text: str) -> dict[str, Any]:
@@ -71,7 +73,7 @@ class RoutingProbe:
         import torch
 
         if self._error is not None:
-            raise RoutingUnavailable(self._error)
+            raise RoutingUnavailable(self._error[1])
         if not text or len(text) > MAX_TEXT_CHARS:
             raise ValueError(f"text must have 1..{MAX_TEXT_CHARS} characters")
         with self._lock:

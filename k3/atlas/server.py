@@ -175,5 +175,9 @@ class _ServerState:
     def routing_status(self) -> dict[str, Any]:
         probe = self.routing()
         if probe is None:
-            return {"available": False, "reason": "config-only view: there are no weights to run"}
+            return {
+                "available": False,
+                "code": "config_only",
+                "reason": "config-only view: no weights to run",
+            }
         return probe.status()

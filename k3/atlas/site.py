@@ -43,7 +43,11 @@ def build_site(atlas: Atlas, out: str | Path, *, max_tile_level: int = 3) -> int
         write(f"i18n/{lang.name}", lang.read_bytes())
 
     summary = atlas.summary()
-    summary.update(static=True, tile_levels=max_tile_level, routing={"available": False, "reason": "static"})
+    summary.update(
+        static=True,
+        tile_levels=max_tile_level,
+        routing={"available": False, "code": "static", "reason": "static export"},
+    )
     write_json("api/summary.json", summary)
     write_json("api/layers.json", atlas.layers())
     if not atlas.is_checkpoint:

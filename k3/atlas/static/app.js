@@ -36,12 +36,13 @@ K3.t = function (key, vars) {
   return v;
 };
 
-/** Text with {placeholders} replaced by highlighted live figures (HTML). */
-K3.tHtml = function (key, vars) {
+/** Text with {placeholders} replaced by highlighted live figures (HTML); `plain` vars are inserted as text. */
+K3.tHtml = function (key, vars, plain = {}) {
   const raw = K3.t(key);
-  return escapeHtml(raw).replace(/\{(\w+)\}/g, (m, name) =>
-    name in vars ? `<b class="fig">${escapeHtml(String(vars[name]))}</b>` : m,
-  );
+  return escapeHtml(raw).replace(/\{(\w+)\}/g, (m, name) => {
+    if (name in plain) return escapeHtml(String(plain[name]));
+    return name in vars ? `<b class="fig">${escapeHtml(String(vars[name]))}</b>` : m;
+  });
 };
 
 function escapeHtml(s) {
@@ -171,7 +172,7 @@ function drawGuide() {
   }
   card("guide.weights_title", v.disk, `<p>${K3.tHtml("guide.weights", v)}</p>`);
   const mx = s.config && s.config.experts_mxfp4 ? "guide.mxfp4_yes" : "guide.mxfp4_no";
-  card("guide.params_title", v.total_params, `<p>${K3.tHtml("guide.params", { ...v, mxfp4_sentence: K3.t(mx) })}</p>`);
+  card("guide.params_title", v.total_params, `<p>${K3.tHtml("guide.params", v, { mxfp4_sentence: K3.t(mx) })}</p>`);
   if (s.census) {
     card("guide.layers_title", v.layers, `<p>${K3.tHtml("guide.layers", v)}</p>`);
     card("guide.attention_title", `${v.kda} KDA · ${v.mla} MLA`, `<p>${K3.tHtml("guide.attention", v)}</p>`);

@@ -79,8 +79,8 @@
     const values = doc.matrices[m];
     const E = doc.experts;
     const L = doc.layers.length;
-    const cell = Math.max(1, Math.min(14, Math.floor(1100 / E)));
-    const rowH = Math.max(3, Math.min(14, Math.floor(520 / L)));
+    const cell = Math.max(1, Math.min(32, Math.floor(1000 / E)));
+    const rowH = Math.max(3, Math.min(24, Math.floor(520 / L)));
     canvas.width = E * cell;
     canvas.height = L * rowH;
     const flat = values.flat().filter((v) => v != null);
@@ -232,7 +232,7 @@
         color: v == null ? css("--norms") : v === 0 ? css("--line") : diverging(v, vmax),
         title: `${K.t("values.value")} ${v == null ? "NaN" : K.fmtNum(v, 8)} · ${K.t("values.count")} ${K.fmtInt(c)}`,
       }));
-      barChart(chart, items, { height: 200, log: true, labelEvery: Math.ceil(items.length / 24) });
+      barChart(chart, items, { height: 200, log: true, labelEvery: Math.ceil(items.length / 14) });
     } else {
       chart.innerHTML = `<p class="intro">${esc(K.t("values.too_many"))}</p>`;
     }
@@ -338,17 +338,23 @@
     document.getElementById("route-text").placeholder = K.t("routing.placeholder");
     const r = K.summary.routing;
     const note = document.getElementById("route-note");
-    if (K.summary.static) note.textContent = K.t("routing.unavailable", { reason: K.t("routing.static") });
-    else if (r && !r.available) note.textContent = K.t("routing.unavailable", { reason: r.reason });
+    if (K.summary.static) note.textContent = K.t("routing.unavailable", { reason: K.t("routing.reasons.static") });
+    else if (r && !r.available) note.textContent = K.t("routing.unavailable", { reason: reasonText(r) });
     else note.textContent = "";
     document.getElementById("route-run").disabled = Boolean(K.summary.static || (r && !r.available));
+  }
+  /** A routing refusal in the page's language when its code is known, else the server's words. */
+  function reasonText(r) {
+    const key = `routing.reasons.${r.code}`;
+    const text = K.t(key);
+    return text === key ? r.reason : text;
   }
   async function runRouting() {
     const text = document.getElementById("route-text").value || K.t("routing.placeholder");
     const res = await fetch("api/route.json", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify({ text }) });
     const doc = await res.json();
     if (!doc.available) {
-      document.getElementById("route-note").textContent = K.t("routing.unavailable", { reason: doc.reason || doc.detail });
+      document.getElementById("route-note").textContent = K.t("routing.unavailable", { reason: reasonText(doc) });
       return;
     }
     routing.result = doc;
@@ -371,6 +377,8 @@
     });
     document.getElementById("route-out").innerHTML = `<table class="route"><thead><tr><th>${esc(K.t("routing.token"))}</th><th>id</th><th>${esc(K.t("routing.experts"))}</th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
   }
+
+  K.viewerMap = () => viewer.map;
 
   // ---- opening a tensor --------------------------------------------------------------------------------
   K.openTensor = async function (id, scroll) {

@@ -1,0 +1,161 @@
+"""End to end in headless Chromium (Playwright driving Debian's `chromium`; CI installs it with
+`apt-get install -y chromium`). Screenshots go to artifacts/atlas/ (git-ignored)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "atlas"
+I18N = Path(__file__).resolve().parents[2] / "k3" / "atlas" / "i18n"
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+pytestmark = pytest.mark.skipif(
+    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(app) -> Iterator[str]:
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not server.started:
+        if time.time() > deadline:
+            raise RuntimeError("the atlas server did not start")
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    playwright = pytest.importorskip("playwright.sync_api")
+    with playwright.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def k3_preset_url() -> Iterator[str]:
+    from k3.atlas.server import create_app
+    from k3.atlas.view import Atlas
+
+    yield from _serve(create_app(Atlas.open("k3")))
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from k3.atlas.scan import scan
+    from k3.atlas.server import create_app
+    from k3.atlas.view import Atlas
+    from k3.config import K3Config
+    from k3.model.init import init_checkpoint
+
+    ckpt = tmp_path_factory.mktemp("tiny")
+    init_checkpoint(K3Config.preset("tiny"), ckpt, seed=0)
+    db_dir = tmp_path_factory.mktemp("tiny-db")
+    scan(ckpt, db_dir / "atlas.sqlite", workers=2)
+    yield from _serve(create_app(Atlas.open(str(ckpt), db_dir)))
+
+
+def _open(browser, url: str):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    errors: list[str] = []
+    page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.add_init_script("localStorage.setItem('k3-atlas-lang', 'es')")
+    page.goto(url)
+    page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+    return page, errors
+
+
+def test_k3_preset_layer_map(browser, k3_preset_url: str) -> None:
+    page, errors = _open(browser, k3_preset_url)
+    assert page.locator(".layer-row").count() == 93
+    assert page.locator(".layer-row[data-mixer='kda']").count() == 69
+    assert page.locator(".layer-row[data-mixer='mla']").count() == 24
+    assert page.locator(".layer-row[data-ffn='moe']").count() == 92
+    assert page.locator("#rhythm span").count() == 93
+    # the guide quotes the census, e.g. 93 layers
+    assert "93" in page.locator("#guide-cards").inner_text()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "k3-preset.png"), full_page=True)
+    assert errors == []
+    page.close()
+
+
+def test_language_switch(browser, k3_preset_url: str) -> None:
+    es = json.loads((I18N / "es.json").read_text())
+    en = json.loads((I18N / "en.json").read_text())
+    page, errors = _open(browser, k3_preset_url)
+    title = page.locator("#guide h2")
+    assert title.inner_text() == es["guide"]["title"]
+    page.click("#lang-en")
+    page.wait_for_function("document.documentElement.lang === 'en'")
+    assert title.inner_text() == en["guide"]["title"]
+    assert page.locator(".layer-row").count() == 93  # redrawn, not lost
+    page.click("#lang-es")
+    page.wait_for_function("document.documentElement.lang === 'es'")
+    assert title.inner_text() == es["guide"]["title"]
+    assert errors == []
+    page.close()
+
+
+def _tiles_loaded(page, level: int) -> int:
+    return page.evaluate(
+        """(level) => [...document.querySelectorAll('#weight-map img.leaflet-tile-loaded')]
+             .filter(img => img.src.includes(`/mean/${level}/`) && img.naturalWidth === 256).length""",
+        level,
+    )
+
+
+def test_weight_tiles_at_two_zoom_levels(browser, tiny_url: str) -> None:
+    page, errors = _open(browser, tiny_url)
+    # open the embedding [1024, 64]: three tile levels (0..2)
+    page.evaluate("K3.openTensor(0, true)")
+    page.wait_for_function("K3.tensor && K3.tensor.id === 0")
+    page.wait_for_function(
+        "[...document.querySelectorAll('#weight-map img.leaflet-tile-loaded')].length > 0", timeout=20_000
+    )
+    assert page.evaluate("K3.tensor.tiles.max_level") == 2
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for level in (0, 2):  # the whole matrix in one tile, then one weight per pixel
+        page.evaluate(f"K3.viewerMap().setZoom({level}, {{animate: false}})")
+        page.wait_for_function(
+            f"""[...document.querySelectorAll('#weight-map img.leaflet-tile-loaded')]
+                .some(img => img.src.includes('/mean/{level}/'))""",
+            timeout=20_000,
+        )
+        assert _tiles_loaded(page, level) >= 1
+        page.locator("#viewer").screenshot(path=str(ARTIFACTS / f"viewer-level-{level}.png"))
+    page.screenshot(path=str(ARTIFACTS / "tiny-checkpoint.png"), full_page=True)
+    assert errors == []
+    page.close()

@@ -1,0 +1,223 @@
+"""Every endpoint of the atlas server (TestClient), bad parameters, path traversal; the static export."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import P, planted_tensors
+from fastapi.testclient import TestClient
+from PIL import Image
+
+from k3.atlas.server import STATIC_DIR, create_app
+from k3.atlas.site import build_site
+from k3.atlas.tiles import BACKGROUND, NEGATIVE, POSITIVE
+from k3.atlas.view import Atlas
+
+
+@pytest.fixture(scope="module")
+def atlas(planted_dir: Path, planted_db: Path) -> Atlas:
+    return Atlas.open(str(planted_dir), planted_db.parent)
+
+
+@pytest.fixture(scope="module")
+def client(atlas: Atlas) -> TestClient:
+    return TestClient(create_app(atlas))
+
+
+@pytest.fixture(scope="module")
+def preset_client() -> TestClient:
+    return TestClient(create_app(Atlas.open("k3")))
+
+
+def tid(client: TestClient, name: str) -> int:
+    r = client.get("/api/lookup.json", params={"name": name})
+    assert r.status_code == 200
+    return r.json()["id"]
+
+
+def test_page_assets_and_languages(client: TestClient) -> None:
+    assert "static/app.js" in client.get("/").text
+    for asset in ("app.js", "panels.js", "style.css", "vendor/leaflet/leaflet.js", "vendor/leaflet/LICENSE"):
+        assert client.get(f"/static/{asset}").status_code == 200, asset
+    es, en = client.get("/i18n/es.json").json(), client.get("/i18n/en.json").json()
+    assert es["guide"]["title"] == "¿Qué estoy viendo?" and en["guide"]["title"] == "What am I looking at?"
+
+    def keys(d: dict, prefix: str = "") -> set[str]:
+        return {f"{prefix}{k}" for k in d} | {
+            x for k, v in d.items() if isinstance(v, dict) for x in keys(v, f"{prefix}{k}.")
+        }
+
+    assert keys(es) == keys(en)  # both languages say everything
+
+
+def test_texts_hold_no_figures() -> None:
+    """Numbers come from the API: the texts may hold placeholders, not figures of the model."""
+    for lang in ("es", "en"):
+        text = (STATIC_DIR.parent / "i18n" / f"{lang}.json").read_text()
+        for figure in ("93", "896", "2,78", "2.78", "104", "82.432", "82,432", "1,56", "11.010.048"):
+            assert figure not in text, (lang, figure)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/static/../server.py",
+        "/static/%2e%2e/server.py",
+        "/static/..%2fserver.py",
+        "/static/%2e%2e%2f%2e%2e%2fpyproject.toml",
+        "/static//etc/passwd",
+        "/i18n/..%2fserver.json",
+        "/i18n/de.json",
+        "/api/tiles/0/mean/0/0/..%2f..%2f0.png",
+        "/api/layer/..%2f..%2fserver.json",
+    ],
+)
+def test_path_traversal_is_refused(client: TestClient, path: str) -> None:
+    r = client.get(path)
+    assert 400 <= r.status_code < 500
+    assert b"create_app" not in r.content and b"[project]" not in r.content and b"root:" not in r.content
+
+
+def test_summary_and_layers(client: TestClient, atlas: Atlas) -> None:
+    s = client.get("/api/summary.json").json()
+    assert s["kind"] == "checkpoint" and s["census"] is None  # the planted checkpoint has no config
+    assert s["tensors"] == len(atlas.tensors()) == 8 and s["scanned"] == 8 and s["scan_complete"]
+    assert s["has_experts"] and s["measured"]["expert_distinct_max"] == 21
+    assert s["routing"] == {"available": False, "code": "no_config", "reason": s["routing"]["reason"]}
+    layers = client.get("/api/layers.json").json()
+    assert layers["from"] == "tensors" and [layer["index"] for layer in layers["layers"]] == [0, 1]
+
+
+def test_preset_config_view(preset_client: TestClient) -> None:
+    s = preset_client.get("/api/summary.json").json()
+    assert s["kind"] == "config" and s["tensors"] == 0
+    assert s["census"]["layers"] == 93 and s["census"]["routed_experts"] == 82432
+    layers = preset_client.get("/api/layers.json").json()["layers"]
+    assert len(layers) == 93
+    assert sum(x["mixer"] == "kda" for x in layers) == 69 and sum(x["mixer"] == "mla" for x in layers) == 24
+    assert [x["index"] for x in layers if x["ffn"] == "dense"] == [0]
+    assert sum(x["params"] for x in layers) < s["census"]["total_params"]  # + embeddings, lm_head
+    # no weights: tensor documents, tiles and routing are 4xx
+    assert preset_client.get("/api/tensor/0.json").status_code == 404
+    assert preset_client.get("/api/tiles/0/mean/0/0/0.png").status_code == 404
+    assert preset_client.post("/api/route.json", json={"text": "hola"}).status_code == 409
+
+
+def test_layer_tensor_grid_similarity(client: TestClient) -> None:
+    layer = client.get("/api/layer/1.json").json()
+    names = {t["name"] for t in layer["tensors"]}
+    assert f"{P}layers.1.block_sparse_moe.experts.2.w1.weight" in names
+    assert all(t["stats"] is not None for t in layer["tensors"])
+    assert client.get("/api/layer/7.json").status_code == 404
+    other = {t["name"] for t in client.get("/api/tensors/other.json").json()["tensors"]}
+    assert other == {f"{P}embed_tokens.weight", f"{P}norm.weight"}
+    i = tid(client, f"{P}layers.1.block_sparse_moe.experts.2.w1.weight")
+    doc = client.get(f"/api/tensor/{i}.json").json()
+    assert doc["stats"]["distinct_values"] == 21 and doc["tiles"]["rows"] == 32 and doc["tiles"]["cols"] == 64
+    grid = client.get("/api/grid/distinct_values.json").json()
+    assert grid["layers"] == [1] and grid["experts"] == 3 and grid["matrices"]["w1"][0][2] == 21
+    assert grid["ids"]["w1"][0][2] == i
+    sim = client.get("/api/similarity/1.json").json()["matrices"]["w1"]
+    assert [0, 1, 0.5] in [[a, b, round(c, 12)] for a, b, c in sim["pairs"]]
+    assert client.get("/api/similarity/0.json").json()["matrices"] == {}
+
+
+def test_tiles_draw_the_diverging_scale(client: TestClient) -> None:
+    i = tid(client, f"{P}layers.0.mlp.gate_proj.weight")  # [48, 16], values k/8
+    r = client.get(f"/api/tiles/{i}/mean/0/0/0.png")
+    assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+    rgba = np.asarray(Image.open(io.BytesIO(r.content)))
+    assert rgba.shape == (256, 256, 4)
+    w = planted_tensors()[f"{P}layers.0.mlp.gate_proj.weight"].float()
+    # one pixel per weight; outside the matrix transparent
+    assert (rgba[:48, :16, 3] == 255).all() and (rgba[48:, :, 3] == 0).all() and (rgba[:, 16:, 3] == 0).all()
+    px = rgba[:48, :16, :3].astype(int)
+    assert (px[w == 0] == BACKGROUND).all()
+    # positive pixels lie between the background and amber, negative ones between it and red
+    for mask, hue in ((w > 0, POSITIVE), (w < 0, NEGATIVE)):
+        t = (px[mask] - np.array(BACKGROUND)) / (np.array(hue) - np.array(BACKGROUND))
+        assert np.allclose(t, t[:, :1], atol=0.03) and (t > 0).all()  # rounding: 0.5 / 19 levels
+    # brighter for larger magnitudes
+    bright = px.sum(-1)
+    assert (
+        bright[w == 1.25].min() > bright[w == 0.125].max()
+        and bright[w == -1.25].min() > bright[w == -0.125].max()
+    )
+    assert client.get(f"/api/tiles/{i}/maxabs/0/0/0.png").status_code == 200
+
+
+def test_tiles_of_a_bigger_matrix_at_two_levels(client: TestClient) -> None:
+    i = tid(client, f"{P}layers.0.self_attn.A_log")  # [300, 7]: levels 0 (2x2 blocks) and 1 (single weights)
+    geo = client.get(f"/api/tensor/{i}.json").json()["tiles"]
+    assert geo["max_level"] == 1
+    coarse = np.asarray(Image.open(io.BytesIO(client.get(f"/api/tiles/{i}/mean/0/0/0.png").content)))
+    assert (coarse[:150, :4, 3] == 255).all() and (coarse[150:, :, 3] == 0).all()
+    for y in (0, 1):
+        assert client.get(f"/api/tiles/{i}/mean/1/0/{y}.png").status_code == 200
+    assert client.get(f"/api/tiles/{i}/mean/1/0/2.png").status_code == 404
+    assert client.get(f"/api/tiles/{i}/mean/1/1/0.png").status_code == 404
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/api/tensor/abc.json",
+        "/api/tensor/-1.json",
+        "/api/tensor/99999.json",
+        "/api/tiles/0/mean/-1/0/0.png",
+        "/api/tiles/0/mean/9/0/0.png",
+        "/api/tiles/0/mean/0/5/0.png",
+        "/api/tiles/0/bogus/0/0/0.png",
+        "/api/tiles/x/mean/0/0/0.png",
+        "/api/tiles/99999/mean/0/0/0.png",
+        "/api/grid/not_a_stat.json",
+        "/api/grid/name.json",
+        "/api/layer/x.json",
+        "/api/similarity/x.json",
+        "/api/values/0.json",
+        "/api/values/0.json?r=0&c=0&h=0",
+        "/api/values/0.json?r=0&c=0&h=65",
+        "/api/values/0.json?r=-1&c=0",
+        "/api/values/0.json?r=999999&c=0",
+        "/api/values/99999.json?r=0&c=0",
+        "/api/lookup.json",
+        "/api/lookup.json?name=../../etc/passwd",
+    ],
+)
+def test_malformed_parameters_are_4xx(client: TestClient, path: str) -> None:
+    assert 400 <= client.get(path).status_code < 500
+
+
+def test_values_are_the_stored_weights(client: TestClient) -> None:
+    name = f"{P}embed_tokens.weight"
+    i = tid(client, name)
+    got = client.get(f"/api/values/{i}.json", params={"r": 10, "c": 3, "h": 5, "w": 4}).json()["values"]
+    want = planted_tensors()[name][10:15, 3:7].float()
+    assert torch.equal(torch.tensor(got), want)
+
+
+def test_route_refusals(client: TestClient) -> None:
+    r = client.post("/api/route.json", json={"text": "hola"})
+    assert r.status_code == 409 and r.json()["available"] is False
+    assert client.post("/api/route.json", json={"text": ""}).status_code == 422
+    assert client.post("/api/route.json", json={"text": "x" * 2001}).status_code == 422
+    assert client.post("/api/route.json", content=b"not json").status_code == 422
+
+
+def test_static_export_mirrors_the_api(atlas: Atlas, client: TestClient, tmp_path: Path) -> None:
+    n = build_site(atlas, tmp_path / "site", max_tile_level=1)
+    site = tmp_path / "site"
+    assert n > 20 and (site / "index.html").exists() and (site / "static/vendor/leaflet/leaflet.js").exists()
+    for doc in ("layers.json", "layer/1.json", "tensors/other.json", "grid/rms.json", "similarity/1.json"):
+        assert json.loads((site / "api" / doc).read_text()) == client.get(f"/api/{doc}").json(), doc
+    summary = json.loads((site / "api/summary.json").read_text())
+    assert summary["static"] is True and summary["routing"]["available"] is False
+    i = tid(client, f"{P}layers.0.self_attn.A_log")
+    for y in (0, 1):
+        png = (site / f"api/tiles/{i}/mean/1/0/{y}.png").read_bytes()
+        assert png == client.get(f"/api/tiles/{i}/mean/1/0/{y}.png").content
