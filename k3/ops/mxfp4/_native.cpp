@@ -123,7 +123,10 @@ __attribute__((target("avx2,fma"))) void gemv_rows(const float* x, const uint8_t
       const float* xb = x + b * kBlock;
       for (int r = 0; r < ROWS; ++r) {
         const float* xr = xb + r * K;
-        for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), acc[r]);
+        // the block's partial sum is independent of earlier blocks; only one add per block is carried
+        __m256 partial = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < 4; ++i) partial = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), partial);
+        acc[r] = _mm256_add_ps(acc[r], partial);
       }
     }
     for (int r = 0; r < ROWS; ++r) out[r * N + n] = horizontal_sum(acc[r]);
