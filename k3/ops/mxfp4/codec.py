@@ -137,7 +137,7 @@ def dequantize_mxfp4(
 
     Values are computed exactly in float32 (float64 when ``dtype`` is float64) and then cast, so
     float32 and bfloat16 results are exact; in float32, ``|code| >= 2`` at scale byte 254 overflows to inf,
-    as in every float32 MXFP4 decoder. Scale byte 255 decodes to NaN.
+    as in the compressed-tensors and transformers decoders. Scale byte 255 decodes to NaN.
     """
     check_packed(packed, scale)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
