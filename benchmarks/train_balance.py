@@ -1,0 +1,171 @@
+"""Expert load balance while training `mini`: quantile balancing vs the DeepSeek-V3 sign update vs none.
+
+Same seed, same data (Python standard-library source text, tokenised with the built-in k3 BPE of mini's
+vocabulary), same schedule; only `--balance` differs. Each run is a `k3.train` run in its own process
+(one torch thread each). Writes to benchmarks/results/:
+
+    train_balance.csv       per method: max/mean load after warm-up (worst layer and layer mean, per step),
+                            the same on loads pooled over windows of steps, and the sampling-noise floor
+    train_balance.png       worst-layer max/mean load against step, one line per method
+    train_balance_runs/     the runs' log.csv and loads.csv (checkpoints and exports are not kept)
+
+The noise floor is what perfectly balanced *expected* loads still show on one batch: T tokens, each
+choosing k distinct experts uniformly at random; its max/mean is what a bias learned on earlier batches
+can at best reach on a new batch of the same size.
+
+    .venv/bin/python benchmarks/train_balance.py [--steps 60] [--batch-size 8] [--seq-len 64] [--jobs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+METHODS = ("qb", "deepseek", "none")
+
+
+def corpus(path: Path, max_bytes: int) -> Path:
+    """Concatenated standard-library sources (the same bytes for every run on this Python)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    parts, size = [], 0
+    for source in sorted(stdlib.glob("*.py")):
+        text = source.read_text(encoding="utf-8", errors="replace")
+        parts.append(text)
+        size += len(text)
+        if size >= max_bytes:
+            break
+    path.write_text("".join(parts), encoding="utf-8")
+    return path
+
+
+def noise_floor(tokens: int, experts: int, k: int, trials: int = 2000, seed: int = 0) -> float:
+    """Mean max/mean load of uniformly random distinct top-k choices: the best a bias can do on one batch."""
+    g = torch.Generator().manual_seed(seed)
+    ratios = []
+    for _ in range(trials):
+        choice = torch.rand(tokens, experts, generator=g).topk(k, dim=1).indices
+        loads = torch.bincount(choice.flatten(), minlength=experts).float()
+        ratios.append(float(loads.max() / loads.mean()))
+    return sum(ratios) / len(ratios)
+
+
+def read_loads(path: Path) -> dict[int, list[torch.Tensor]]:
+    """layer -> per-step loads [E], in step order."""
+    out: dict[int, list[torch.Tensor]] = {}
+    with path.open(newline="") as f:
+        reader = csv.reader(f)
+        next(reader)
+        for _, layer, *loads in reader:
+            out.setdefault(int(layer), []).append(torch.tensor([float(n) for n in loads]))
+    return out
+
+
+def summarise(run: Path, warmup: int, window: int) -> dict[str, float]:
+    loads = read_loads(run / "loads.csv")
+    per_step = []  # worst layer per step after warm-up
+    layer_mean = []  # mean over layers per step after warm-up
+    steps = len(next(iter(loads.values())))
+    for s in range(warmup, steps):
+        ratios = [float(v[s].max() / v[s].mean()) for v in loads.values()]
+        per_step.append(max(ratios))
+        layer_mean.append(sum(ratios) / len(ratios))
+    pooled = []
+    for start in range(warmup, steps - window + 1, window):
+        ratios = []
+        for v in loads.values():
+            total = torch.stack(v[start : start + window]).sum(0)
+            ratios.append(float(total.max() / total.mean()))
+        pooled.append(max(ratios))
+    tail = per_step[len(per_step) // 2 :]
+    return {
+        "worst_layer_max_over_mean": sum(per_step) / len(per_step),
+        "layer_mean_max_over_mean": sum(layer_mean) / len(layer_mean),
+        "worst_layer_max_over_mean_last_half": sum(tail) / len(tail),
+        f"pooled_{window}_steps_worst_layer": sum(pooled) / len(pooled) if pooled else float("nan"),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--window", type=int, default=10, help="steps pooled for the pooled imbalance")
+    parser.add_argument("--jobs", type=int, default=3, help="runs at once (one torch thread each)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from k3.config import K3Config
+
+    cfg = K3Config.preset("mini")
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    keep = RESULTS / "train_balance_runs"
+    with tempfile.TemporaryDirectory() as tmp:
+        text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
+        jobs = []
+        for method in METHODS:
+            command = [
+                sys.executable, "-m", "k3.train.commands", "--preset", "mini", "--data", str(text),
+                "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
+                "--balance", method, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
+                "--no-export", "--quiet", "--threads", "1",
+            ]  # fmt: skip
+            jobs.append((method, command))
+        running: list[tuple[str, subprocess.Popen]] = []
+        for method, command in jobs:
+            while len(running) >= args.jobs:
+                running.pop(0)[1].wait()
+            print(f"start {method}", flush=True)
+            running.append((method, subprocess.Popen(command, cwd=ROOT)))
+        for method, process in running:
+            if process.wait() != 0:
+                raise SystemExit(f"the {method} run failed")
+        logs = {}
+        rows = []
+        floor = noise_floor(args.batch_size * args.seq_len, cfg.num_experts, cfg.num_experts_per_token)
+        for method in METHODS:
+            run = Path(tmp) / method
+            target = keep / method
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("log.csv", "loads.csv"):
+                shutil.copyfile(run / name, target / name)
+            from k3.train.plot import read_log
+
+            logs[method] = read_log(run)
+            summary = summarise(run, args.warmup, args.window)
+            final_loss = sum(logs[method]["loss"][-10:]) / len(logs[method]["loss"][-10:])
+            rows.append({"method": method, **summary, "loss_last_10": final_loss, "noise_floor": floor})
+
+    from k3.train.plot import plot_comparison
+
+    plot_comparison(
+        logs,
+        "max_over_mean_load",
+        RESULTS / "train_balance.png",
+        "max / mean expert load (worst of 8 MoE layers)",
+        f"mini, {args.batch_size}x{args.seq_len} tokens/step: routing balance (noise floor {floor:.2f})",
+    )
+    with (RESULTS / "train_balance.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: f"{v:.4f}" if isinstance(v, float) else v for k, v in row.items()})
+    for row in rows:
+        print(", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+
+
+if __name__ == "__main__":
+    main()
