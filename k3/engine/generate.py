@@ -175,7 +175,7 @@ class Engine:
         return {"kda": 0, "mla": 0, "total": 0}
 
     # ---- the scheduler -----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()
     def step(self) -> list[Event]:
         events: list[Event] = []
         if self.waiting and len(self.running) < self.max_batch:

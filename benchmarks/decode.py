@@ -1,0 +1,239 @@
+"""Decode cost and cache size against context length: hybrid `mini` (KDA + MLA) vs the same model with every
+layer MLA, in one run; and server throughput with 1 vs N concurrent streams.
+
+    .venv/bin/python benchmarks/decode.py                          # contexts 1k, 8k, 32k, 64k
+    .venv/bin/python benchmarks/decode.py --contexts 1024,8192 --steps 8
+    .venv/bin/python benchmarks/decode.py --skip-decode --server   # server throughput only
+
+Random weights (`K3ForCausalLM.from_config`, seed 0). One sequence is prefilled with random tokens in
+chunks (the engine's chunk policy) up to each context, then `--steps` decode steps are timed; the time
+spent inside KDA and MLA mixers is measured with forward hooks. The decode steps add `--steps` tokens to
+the context before the next prefill (negligible). Targets (issue 7): the KDA part of decode flat (<= 5 %
+growth 1k -> 64k) and the hybrid cache <= 30 % of the all-MLA cache at 64k. Timings on a shared machine
+are noisy; `--threads 1` (default) avoids torch's thread spinning when other processes hold the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import socket
+import statistics
+import threading
+import time
+
+import torch
+
+from k3.config import K3Config, Mixer
+from k3.engine.generate import Engine, cache_bytes_formula, row_cache_bytes
+from k3.model import K3ForCausalLM
+from k3.model.kda import KDAttention
+from k3.model.mla import MLAttention
+
+
+class MixerClock:
+    """Accumulates wall time spent in KDA and MLA mixers (forward pre/post hooks)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds = {"kda": 0.0, "mla": 0.0}
+        self._start: dict[int, float] = {}
+        for module in model.modules():
+            if isinstance(module, KDAttention | MLAttention):
+                kind = "kda" if isinstance(module, KDAttention) else "mla"
+                module.register_forward_pre_hook(self._pre)
+                module.register_forward_hook(lambda m, i, o, kind=kind: self._post(m, kind))
+
+    def _pre(self, module: torch.nn.Module, _: object) -> None:
+        self._start[id(module)] = time.perf_counter()
+
+    def _post(self, module: torch.nn.Module, kind: str) -> None:
+        self.seconds[kind] += time.perf_counter() - self._start.pop(id(module))
+
+    def reset(self) -> None:
+        self.seconds = {"kda": 0.0, "mla": 0.0}
+
+
+def all_mla(cfg: K3Config) -> K3Config:
+    return dataclasses.replace(cfg, kda_layers=[], mla_layers=list(range(cfg.num_hidden_layers)))
+
+
+@torch.no_grad()
+def decode_curve(cfg: K3Config, contexts: list[int], steps: int, label: str) -> list[dict]:
+    t0 = time.perf_counter()
+    model = K3ForCausalLM.from_config(cfg, seed=0)
+    engine = Engine(model)  # only for its prefill chunk policy
+    clock = MixerClock(model)
+    cache = model.new_cache(1)
+    gen = torch.Generator().manual_seed(0)
+    rows, done, prefill_s = [], 0, 0.0
+    print(f"[{label}] model built in {time.perf_counter() - t0:.1f} s", flush=True)
+    for ctx in contexts:
+        t = time.perf_counter()
+        while done < ctx:
+            size = engine.chunk_size(done, ctx - done)
+            model(torch.randint(0, cfg.vocab_size, (1, size), generator=gen), cache, logits_to_keep=1)
+            done += size
+        prefill_s += time.perf_counter() - t
+        token = torch.tensor([[1]])
+        model(token, cache)  # warm-up step
+        done += 1
+        clock.reset()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            logits = model(token, cache)
+            times.append(time.perf_counter() - t)
+            token = logits[:, -1].argmax(-1, keepdim=True)
+            done += 1
+        measured = row_cache_bytes(cache, 0)
+        formula = cache_bytes_formula(cfg, done)
+        row = {
+            "model": label,
+            "context": ctx,
+            "ms_per_token": 1e3 * statistics.median(times),
+            "kda_ms": 1e3 * clock.seconds["kda"] / steps,
+            "mla_ms": 1e3 * clock.seconds["mla"] / steps,
+            "cache_bytes": measured["total"],
+            "cache_kda_bytes": measured["kda"],
+            "cache_mla_bytes": measured["mla"],
+            "cache_matches_formula": measured == formula,
+            "prefill_s_so_far": prefill_s,
+        }
+        rows.append(row)
+        print(
+            f"[{label}] ctx {ctx:>6}: {row['ms_per_token']:7.2f} ms/token (KDA {row['kda_ms']:6.2f}, "
+            f"MLA {row['mla_ms']:6.2f}), cache {measured['total'] / 2**20:8.2f} MiB "
+            f"(formula {'ok' if row['cache_matches_formula'] else 'MISMATCH'}), "
+            f"prefill so far {prefill_s:.0f} s",
+            flush=True,
+        )
+    return rows
+
+
+# ---- server throughput -------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_throughput(cfg: K3Config, streams: list[int], tokens: int) -> list[dict]:
+    import httpx
+    import uvicorn
+
+    from k3.engine.build_tokenizer import builtin_tokenizer
+    from k3.engine.server import create_app
+
+    model = K3ForCausalLM.from_config(cfg, seed=0)
+    tok = builtin_tokenizer(cfg.vocab_size)
+    app = create_app(Engine(model, max_batch=max(streams)), tok, "mini", max_queue=max(streams))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            httpx.get(f"{base}/health")
+            break
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        body = {
+            "model": "mini",
+            "prompt": f"Request {i}: el modelo lee el texto por pedazos.",
+            "max_tokens": tokens,
+            "temperature": 0.8,
+            "seed": i,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        used = 0
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage"' in line:
+                    used = json.loads(line[6:])["usage"]["completion_tokens"]
+        return used
+
+    async def run(n: int) -> dict:
+        async with httpx.AsyncClient(timeout=None) as client:
+            t = time.perf_counter()
+            counts = await asyncio.gather(*(one(client, i) for i in range(n)))
+            wall = time.perf_counter() - t
+        total = sum(counts)
+        return {"streams": n, "tokens": total, "seconds": wall, "tokens_per_s": total / wall}
+
+    rows = []
+    asyncio.run(run(1))  # warm-up
+    for n in streams:
+        row = asyncio.run(run(n))
+        rows.append(row)
+        print(
+            f"[server] {n:>2} streams: {row['tokens']} tokens in {row['seconds']:.1f} s = "
+            f"{row['tokens_per_s']:.1f} tokens/s",
+            flush=True,
+        )
+    server.should_exit = True
+    thread.join(timeout=10)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mini")
+    ap.add_argument("--contexts", default="1024,8192,32768,65536", help="comma-separated context lengths")
+    ap.add_argument("--steps", type=int, default=16, help="timed decode steps per context")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--skip-decode", action="store_true")
+    ap.add_argument("--skip-all-mla", action="store_true", help="only the hybrid model")
+    ap.add_argument("--server", action="store_true", help="also measure server throughput")
+    ap.add_argument("--streams", default="1,16", help="concurrent streams for --server")
+    ap.add_argument("--server-tokens", type=int, default=32, help="tokens per stream for --server")
+    ap.add_argument("--json", help="write all results to this file")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    cfg = K3Config.preset(args.preset)
+    contexts = sorted(int(c) for c in args.contexts.split(","))
+    results: dict = {"preset": args.preset, "threads": args.threads}
+    if not args.skip_decode:
+        hybrid = decode_curve(cfg, contexts, args.steps, f"{args.preset} hybrid")
+        results["hybrid"] = hybrid
+        first, last = hybrid[0], hybrid[-1]
+        growth = last["kda_ms"] / first["kda_ms"] - 1
+        print(f"KDA decode time {first['context']} -> {last['context']}: {growth:+.1%} (target <= +5%)")
+        results["kda_growth"] = growth
+        if not args.skip_all_mla:
+            mla = decode_curve(all_mla(cfg), contexts, args.steps, f"{args.preset} all-MLA")
+            results["all_mla"] = mla
+            ratio = last["cache_bytes"] / mla[-1]["cache_bytes"]
+            print(f"cache at {last['context']}: hybrid / all-MLA = {ratio:.1%} (target <= 30%)")
+            results["cache_ratio"] = ratio
+        n_mla = sum(p.mixer is Mixer.MLA for p in cfg.layer_plan)
+        print(
+            f"({n_mla} of {cfg.num_hidden_layers} layers are MLA: the ratio cannot go below "
+            f"{n_mla / cfg.num_hidden_layers:.1%} at any length)"
+        )
+        k3 = K3Config.preset("k3")
+        for ctx in (65536, 1048576):
+            h, a = (
+                cache_bytes_formula(k3, ctx, torch.bfloat16),
+                cache_bytes_formula(all_mla(k3), ctx, torch.bfloat16),
+            )
+            print(
+                f"K3 (formula, bf16) at {ctx}: hybrid {h['total'] / 2**30:.2f} GiB vs all-MLA "
+                f"{a['total'] / 2**30:.2f} GiB = {h['total'] / a['total']:.1%}"
+            )
+    if args.server:
+        streams = [int(s) for s in args.streams.split(",")]
+        results["server"] = server_throughput(cfg, streams, args.server_tokens)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
