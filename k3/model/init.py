@@ -33,7 +33,7 @@ _ROWS_PER_CHUNK = 4096  # big matrices are drawn in row chunks so that no fp32 c
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    return torch.Generator().manual_seed((seed << 32) ^ zlib.crc32(name.encode()))
+    return torch.Generator().manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
 
 
 def _normal(shape: tuple[int, ...], std: float, out_dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

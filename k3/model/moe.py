@@ -99,23 +99,26 @@ class MoE(nn.Module):
         self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m) if cfg.num_shared_experts else None
 
     def dispatch(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L]."""
+        """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L].
+
+        The N*k (token, expert) pairs are sorted by expert so each active expert runs one matmul on its
+        rows; the results are put back in pair order and summed per token (no scatter-add: it is slow on
+        CPU and not deterministic).
+        """
         N, k = indices.shape
         flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
         order = flat.argsort(stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        pair_weight = weights.reshape(-1).to(z.dtype)
-        out = torch.zeros_like(z)
+        sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
         start = 0
         for e, count in enumerate(counts):
-            if count == 0:
-                continue
-            pairs = order[start : start + count]
-            start += count
-            tokens = pairs // k
-            y = self.experts[e](z[tokens]) * pair_weight[pairs, None]  # [count, L]
-            out.index_add_(0, tokens, y)
-        return out
+            if count:
+                rows = order[start : start + count]
+                sorted_out[start : start + count] = self.experts[e](z[rows // k])
+                start += count
+        pair_out = torch.empty_like(sorted_out)
+        pair_out[order] = sorted_out  # back to pair order [N*k, L]
+        return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -1,0 +1,54 @@
+"""`k3 init --preset NAME [--seed S] OUT`: a random checkpoint in the published layout.
+
+Wired into the `k3` app by k3/cli.py as `app.command("init")(init)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from k3.errors import K3Error
+
+
+def init(
+    out: Path = typer.Argument(..., help="Directory to write the checkpoint into (created if missing)."),
+    preset: str = typer.Option(..., "--preset", help="k3, kimi-linear-48b, mini, tiny or k3-slice."),
+    seed: int = typer.Option(0, "--seed", help="Random seed: the same seed writes the same bytes."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already in OUT."),
+) -> None:
+    """Write a random checkpoint (shards, index, config.json; MXFP4 experts) in the published layout."""
+    from k3.config import PRESETS, K3Config
+    from k3.layout import published_tensors
+    from k3.model.init import init_checkpoint
+
+    try:
+        if preset not in PRESETS:
+            raise K3Error(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+        cfg = K3Config.preset(preset)
+        total = sum(s.nbytes for s in published_tensors(cfg, expand_experts=False))
+        free = _free_bytes(out)
+        if free is not None and total > free:
+            raise K3Error(
+                f"{out}: {preset} needs {total / 1e9:.1f} GB on disk, only {free / 1e9:.1f} GB free"
+            )
+        files = init_checkpoint(cfg, out, seed=seed, overwrite=overwrite)
+    except K3Error as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    written = sum(f.stat().st_size for f in files)
+    Console().print(f"wrote {preset} (seed {seed}) to {out}: {len(files)} files, {written / 1e9:.3f} GB")
+
+
+def _free_bytes(path: Path) -> int | None:
+    import shutil
+
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return None
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
