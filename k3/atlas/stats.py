@@ -249,11 +249,15 @@ class MXFP4Stats:
 
 
 class StreamingStats:
-    """Running moments, magnitude histogram and a capped exact distinct-value table, for any dtype."""
+    """Running moments, magnitude histogram and a capped exact distinct-value table, for any dtype.
 
-    def __init__(self, dtype: str, distinct_cap: int = DISTINCT_CAP):
+    Given `numel` <= the cap, the table can never overflow, so only the table is kept (everything follows
+    from it); otherwise the moments run alongside, for when it does."""
+
+    def __init__(self, dtype: str, distinct_cap: int = DISTINCT_CAP, numel: int | None = None):
         self.dtype = dtype
         self.distinct_cap = distinct_cap
+        self.table_only = numel is not None and numel <= distinct_cap
         self.n = 0
         self.nan_count = 0
         self.sum = self.sum_abs = self.sum_sq = 0.0
@@ -277,6 +281,9 @@ class StreamingStats:
             self.nan_count += n_nan
             x = x[~nan]
         if x.numel() == 0:
+            return
+        if self.table_only:
+            self._update_distinct(x)
             return
         self.n += x.numel()
         self.sum += float(x.sum(dtype=torch.float64))
@@ -355,4 +362,4 @@ def accumulator_for(dtype: str, numel: int) -> BitPatternStats | StreamingStats:
         raise ValueError(f"the atlas cannot read tensors of dtype {dtype}")
     if dtype in BIT_PATTERN_DTYPES and numel >= SMALL_TENSOR:
         return BitPatternStats(dtype)
-    return StreamingStats(dtype)
+    return StreamingStats(dtype, numel=numel)

@@ -24,33 +24,49 @@ class AtlasError(ValueError):
 
 
 class Atlas:
-    def __init__(self, source: str, config: K3Config | None, db: AtlasDB | None, db_path: Path | None):
+    def __init__(
+        self,
+        source: str,
+        config: K3Config | None,
+        tensors: list[LogicalTensor],
+        db: AtlasDB | None,
+        db_path: Path | None,
+    ):
         self.source = source
         self.config = config
         self.db = db
         self.db_path = db_path
         self.lock = threading.Lock()  # one sqlite connection, shared by the server's threads
-        self._tensors: list[LogicalTensor] = db.tensors() if db else []
+        self._tensors = tensors
         self._by_name = {t.name: t for t in self._tensors}
         self._checkpoint = None
         self._census: dict[str, Any] | None = None
 
     @classmethod
     def open(cls, source: str, db_dir: str | Path | None = None) -> Atlas:
-        """A preset or config.json: config only. Anything else: a checkpoint, with its database if scanned."""
+        """A preset or config.json: config only. Anything else: a checkpoint, with its database if scanned.
+
+        A checkpoint's tensor index and census come from its headers alone (remotely: a few kB per shard),
+        so an unscanned checkpoint already shows its layer map, census and tensor list; a database left by
+        a scan of other files (a different index fingerprint) is ignored."""
         if source in PRESETS:
-            return cls(source, K3Config.preset(source), None, None)
+            return cls(source, K3Config.preset(source), [], None, None)
         path = Path(source)
         if path.is_file() and path.suffix == ".json":
-            return cls(source, K3Config.from_json(path), None, None)
+            return cls(source, K3Config.from_json(path), [], None, None)
+        from k3.atlas.db import fingerprint, logical_tensors
         from k3.atlas.scan import resolve_db_path
         from k3.checkpoint import open_checkpoint
 
         with open_checkpoint(source) as ckpt:  # validates the source now, with a clear error
+            infos = list(ckpt.tensors())
             config = ckpt.config
         db_path = resolve_db_path(source, db_dir)
         db = AtlasDB(db_path) if db_path.exists() else None
-        return cls(source, config, db, db_path)
+        if db is not None and db.get_meta("fingerprint") != fingerprint(infos):
+            db.close()
+            db = None
+        return cls(source, config, logical_tensors(infos, config), db, db_path)
 
     # ---- state ----------------------------------------------------------------------------------------
     @property

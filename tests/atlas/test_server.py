@@ -221,3 +221,32 @@ def test_static_export_mirrors_the_api(atlas: Atlas, client: TestClient, tmp_pat
     for y in (0, 1):
         png = (site / f"api/tiles/{i}/mean/1/0/{y}.png").read_bytes()
         assert png == client.get(f"/api/tiles/{i}/mean/1/0/{y}.png").content
+
+
+def test_routing_runs_the_model(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A tiny K3 checkpoint with a tokenizer: tokens, and per MoE layer top-k distinct experts per token."""
+    from k3.config import K3Config
+    from k3.engine.build_tokenizer import write_tokenizer
+    from k3.engine.tokenizer import Tokenizer
+    from k3.model.init import init_checkpoint
+
+    cfg = K3Config.preset("tiny")
+    ckpt = tmp_path_factory.mktemp("tiny-routing")
+    init_checkpoint(cfg, ckpt, seed=0)
+    write_tokenizer(ckpt, cfg.vocab_size)
+    client = TestClient(create_app(Atlas.open(str(ckpt), tmp_path_factory.mktemp("tiny-routing-db"))))
+    assert client.get("/api/summary.json").json()["routing"]["available"] is True
+    text = "me senté en el banco de la plaza"
+    doc = client.post("/api/route.json", json={"text": text}).json()
+    ids = Tokenizer.from_dir(ckpt).encode(text)
+    assert [t["id"] for t in doc["tokens"]] == ids
+    assert "".join(t["piece"] for t in doc["tokens"]) == text
+    moe_layers = [p.index for p in cfg.layer_plan if p.ffn.value == "moe"]
+    assert sorted(int(k) for k in doc["layers"]) == moe_layers
+    for layer in doc["layers"].values():
+        assert len(layer["experts"]) == len(ids)
+        for experts, weights in zip(layer["experts"], layer["weights"], strict=True):
+            assert len(set(experts)) == cfg.num_experts_per_token
+            assert all(0 <= e < cfg.num_experts for e in experts)
+            assert sum(weights) == pytest.approx(1.0, abs=1e-4)  # renormalised
+            assert weights == sorted(weights, reverse=True)

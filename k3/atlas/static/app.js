@@ -283,6 +283,12 @@ function drawLayerDetail() {
   if (input) input.addEventListener("change", () => openLayer(doc.index, Math.max(0, Math.min(maxExpert, Number(input.value) || 0))));
 }
 
+/** A name without its model and layer prefix (`...layers.12.self_attn.q_proj.weight` -> `self_attn.q_proj.weight`). */
+function shortName(name) {
+  const m = name.match(/(?:^|\.)layers\.\d+\.(.*)$/);
+  return m ? m[1] : name;
+}
+
 function tensorTable(tensors) {
   const head = ["name", "dtype", "shape", "params", "min", "max", "rms", "zeros", "distinct"]
     .map((k) => `<th>${escapeHtml(K3.t(`tensors.${k}`))}</th>`)
@@ -292,7 +298,7 @@ function tensorTable(tensors) {
     const cells = s
       ? [K3.fmtNum(s.min), K3.fmtNum(s.max), K3.fmtNum(s.rms), K3.fmtPct(s.zero_fraction), K3.fmtInt(s.distinct_values) + (s.distinct_exact ? "" : "+")]
       : [K3.t("tensors.not_scanned"), "", "", "", ""];
-    return `<tr data-tensor="${t.id}"><td class="name" title="${escapeHtml(t.name)}">${escapeHtml(t.name)}</td><td>${t.dtype}</td>
+    return `<tr data-tensor="${t.id}"><td class="name" title="${escapeHtml(t.name)}">${escapeHtml(shortName(t.name))}</td><td>${t.dtype}</td>
       <td class="num">${t.shape.join("×")}</td><td class="num">${K3.fmtInt(t.params)}</td>${cells.map((c) => `<td class="num">${escapeHtml(c)}</td>`).join("")}</tr>`;
   });
   return `<table class="tensors"><thead><tr>${head}</tr></thead><tbody>${rows.join("")}</tbody></table>`;

@@ -38,7 +38,7 @@
       return;
     }
     const width = Math.max(320, el.clientWidth || 640);
-    const pad = { l: 48, r: 8, t: 8, b: 28 };
+    const pad = { l: 64, r: 8, t: 8, b: 28 };
     const h = height - pad.t - pad.b;
     const bw = (width - pad.l - pad.r) / items.length;
     const f = (v) => (log ? Math.log10(1 + v) : v);
@@ -51,7 +51,7 @@
         return `<rect x="${x + bw * 0.1}" y="${pad.t + h - bh}" width="${Math.max(1, bw * 0.8)}" height="${bh}" fill="${d.color || css("--pos")}"><title>${esc(d.title || `${d.label}: ${d.value}`)}</title></rect>${label}`;
       })
       .join("");
-    const topLabel = log ? K.fmtInt(Math.round(10 ** max - 1)) : K.fmtNum(max);
+    const topLabel = log ? K.fmtBig(Math.round(10 ** max - 1)) : K.fmtNum(max, 3);
     el.innerHTML = `<svg viewBox="0 0 ${width} ${height}" height="${height}">
       <line x1="${pad.l}" y1="${pad.t + h}" x2="${width - pad.r}" y2="${pad.t + h}" stroke="${css("--line")}"/>
       <text x="${pad.l - 6}" y="${pad.t + 10}" text-anchor="end">${esc(topLabel)}</text>
@@ -375,7 +375,27 @@
         .join("");
       return `<tr><td><span class="tok">${esc(tok.piece)}</span></td><td class="mono">${tok.id}</td><td>${chips}</td></tr>`;
     });
-    document.getElementById("route-out").innerHTML = `<table class="route"><thead><tr><th>${esc(K.t("routing.token"))}</th><th>id</th><th>${esc(K.t("routing.experts"))}</th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
+    const E = doc.num_experts;
+    const cell = Math.max(3, Math.min(16, Math.floor(900 / E)));
+    const heat = document.createElement("canvas");
+    heat.width = E * cell;
+    heat.height = doc.tokens.length * 14;
+    heat.className = "route-heat";
+    heat.title = K.t("routing.heat");
+    const ctx = heat.getContext("2d");
+    ctx.fillStyle = css("--panel");
+    ctx.fillRect(0, 0, heat.width, heat.height);
+    const wmax = Math.max(...layer.weights.flat(), 1e-9);
+    layer.experts.forEach((row, i) =>
+      row.forEach((e, j) => {
+        ctx.fillStyle = diverging(layer.weights[i][j], wmax);
+        ctx.fillRect(e * cell, i * 14 + 1, cell, 12);
+      }),
+    );
+    const tokens = doc.tokens.map((tok) => `<span class="tok">${esc(tok.piece)}</span>`).join("");
+    document.getElementById("route-out").innerHTML = `<div class="route-tokens">${tokens}</div>
+      <h3>${esc(K.t("routing.heat"))}</h3><div class="route-heat-wrap"></div><table class="route"><thead><tr><th>${esc(K.t("routing.token"))}</th><th>id</th><th>${esc(K.t("routing.experts"))}</th></tr></thead><tbody>${rows.join("")}</tbody></table>`;
+    document.querySelector("#route-out .route-heat-wrap").appendChild(heat);
   }
 
   K.viewerMap = () => viewer.map;
@@ -389,21 +409,22 @@
     if (scroll) document.getElementById("viewer").scrollIntoView();
   };
 
-  function firstTensor() {
-    // an expert matrix if there is one (the seed's subject), else the largest matrix
-    return K.get("api/layers.json").then(async (doc) => {
-      const other = await K.get("api/tensors/other.json");
-      let best = null;
-      for (const l of doc.layers) {
-        const ld = await K.get(`api/layer/${l.index}.json`);
-        const expert = ld.tensors.find((t) => t.expert != null && t.shape.length === 2);
-        if (expert) return expert.id;
-        for (const t of ld.tensors) if (t.shape.length === 2 && (!best || t.params > best.params)) best = t;
-        if (best && doc.layers.length > 8) break;
-      }
-      for (const t of other.tensors) if (t.shape.length === 2 && (!best || t.params > best.params)) best = t;
-      return best ? best.id : other.tensors.length ? other.tensors[0].id : null;
-    });
+  /** The tensor the viewer opens with: an expert matrix if there is one (the seed's subject), else the
+   * largest matrix outside the layers or in the first layer. */
+  async function firstTensor() {
+    if (grid.doc) {
+      const m = Object.keys(grid.doc.ids)[0];
+      const row = m && grid.doc.ids[m][0];
+      const id = row && row.find((x) => x != null);
+      if (id != null) return id;
+    }
+    const doc = await K.get("api/layers.json");
+    const candidates = (await K.get("api/tensors/other.json")).tensors.slice();
+    if (doc.layers.length) candidates.push(...(await K.get(`api/layer/${doc.layers[0].index}.json`)).tensors);
+    const matrices = candidates.filter((t) => t.shape.length === 2);
+    const pool = matrices.length ? matrices : candidates;
+    pool.sort((a, b) => b.params - a.params);
+    return pool.length ? pool[0].id : null;
   }
 
   K.panelsStart = async function () {
