@@ -1,0 +1,153 @@
+"""Benchmark the KDA ops: k3's chunk_kda against transformers' chunk fallback and the per-token loop.
+
+One run, same inputs for everyone: B=1, H=8, K=V=128, fp32, K3's bounded gate, L2-normalised q/k.
+For each T it prints time, tokens/s, achieved GFLOP/s and its share of this machine's fp32 GEMM
+throughput (a 2048^3 torch.mm measured in the same run), the speed-up over transformers, and
+forward+backward time. Then the decode step: time per token after contexts of 1k and 64k tokens
+(the state is [B, H, K, V] whatever the context, so the time must not grow).
+
+FLOPs counted for chunk_kda (per chunk of C tokens and head; the masked upper halves of the C x C
+products are counted, since they are computed; the C^3/3 of the triangular inverse and every
+elementwise op are not):
+    scores  [q; k] (k decayed)^T        2 * 2C * C * K
+    U       (I + A)^-1 diag(beta) v     2 * C * C * V
+    loop    [q Gamma; k Gamma] S        2 * 2C * K * V
+            U - solve (k Gamma S)       2 * C * C * V
+            o = q Gamma S + P u         2 * C * C * V
+            S <- Gamma_C S + K_hat^T u  2 * C * K * V
+    per token and head: 4 C K + 6 C V + 6 K V   (C = 64, K = V = 128: 163,840)
+Backward is autograd through the same ops (about twice the forward's matmuls).
+
+Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]``.
+Timings on a shared machine are noisy: each figure is the best of ``--repeats`` runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+
+from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
+
+
+def best_time(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> float:
+    if warm_up:
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def gemm_gflops(repeats: int) -> float:
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
+
+
+def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk_size: int) -> float:
+    C = chunk_size
+    chunks = -(-T // C)
+    per_chunk = 2 * 2 * C * C * K + 2 * C * C * V + 2 * 2 * C * K * V + 2 * 2 * C * C * V + 2 * C * K * V
+    return chunks * H * per_chunk
+
+
+def make_inputs(T: int, H: int, K: int, V: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, K, generator=gen)
+    k = torch.randn(1, T, H, K, generator=gen)
+    v = torch.randn(1, T, H, V, generator=gen)
+    beta = torch.rand(1, T, H, generator=gen)
+    f = torch.randn(1, T, H, K, generator=gen)
+    g = kda_gate(f, torch.randn(H, generator=gen) * 0.5, torch.randn(H * K, generator=gen))
+    return q, k, v, g, beta
+
+
+def transformers_chunk():
+    try:
+        from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+    except ImportError:
+        return None
+    return chunk_kimi_delta_attention
+
+
+def bench_one_length(args: argparse.Namespace, T: int, gemm: float) -> None:
+    H, K, V, C = args.heads, args.head_dim, args.head_dim, args.chunk_size
+    q, k, v, g, beta = make_inputs(T, H, K, V)
+    t_k3 = best_time(lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), args.repeats)
+    rate = chunk_kda_flops(T, H, K, V, C) / t_k3 / 1e9
+    peer = transformers_chunk() if T <= args.skip_peer_above else None
+    t_peer = None
+    if peer is not None:
+        run_peer = lambda: peer(q, k, v, g=g, beta=beta, chunk_size=64, use_qk_l2norm_in_kernel=True)  # noqa: E731
+        t_peer = best_time(run_peer, repeats=1, warm_up=False)
+    speedup = f"{t_peer / t_k3:8.1f}x" if t_peer else f"{'-':>9}"
+    share = f"{100 * rate / gemm:6.1f}%"
+    print(f"{T:>6} {'k3 chunk_kda':<14} {t_k3:9.4f} {T / t_k3:10.0f} {rate:8.1f} {share} {speedup}")
+    if t_peer:
+        print(f"{T:>6} {'transformers':<14} {t_peer:9.4f} {T / t_peer:10.0f}")
+    if T <= args.naive_max:
+        t_naive = best_time(lambda: naive_recurrent_kda(q, k, v, g, beta, use_qk_l2norm=True), 1, False)
+        print(f"{T:>6} {'naive loop':<14} {t_naive:9.4f} {T / t_naive:10.0f}")
+    if T <= args.backward_max:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+        weight = torch.randn(1, T, H, V)
+
+        def forward_backward() -> None:
+            o, _ = chunk_kda(*leaves, use_qk_l2norm=True, chunk_size=C)
+            torch.autograd.grad((o * weight).sum(), leaves)
+
+        t_fb = best_time(forward_backward, max(1, args.repeats // 2))
+        print(f"{T:>6} {'fwd+bwd':<14} {t_fb:9.4f} {T / t_fb:10.0f} {'':>8} {'':>7} {t_fb / t_k3:7.2f}x fwd")
+
+
+def bench_decode_after(args: argparse.Namespace, context: int) -> None:
+    H, K, V = args.heads, args.head_dim, args.head_dim
+    q, k, v, g, beta = make_inputs(context + args.decode_tokens, H, K, V, seed=1)
+    prefix = (x[:, :context] for x in (q, k, v, g, beta))
+    _, state = chunk_kda(*prefix, use_qk_l2norm=True, output_final_state=True)
+    tokens = [[x[:, t : t + 1] for x in (q, k, v, g, beta)] for t in range(context, q.shape[1])]
+
+    def decode() -> None:
+        s = state
+        for token in tokens:
+            _, s = recurrent_kda_step(*token, initial_state=s, use_qk_l2norm=True)
+
+    per_token = best_time(decode, args.repeats) / args.decode_tokens
+    print(f"  after {context:>6} tokens: {per_token * 1e6:8.1f} us/token, state {tuple(state.shape)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-peer-above", type=int, default=4096, help="skip transformers above this T")
+    parser.add_argument("--naive-max", type=int, default=1024, help="run the per-token loop up to this T")
+    parser.add_argument("--backward-max", type=int, default=16384, help="time forward+backward up to this T")
+    parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 65536])
+    parser.add_argument("--decode-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    gemm = gemm_gflops(args.repeats)
+    print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
+    H, K, C = args.heads, args.head_dim, args.chunk_size
+    print(f"\nprefill: B=1 H={H} K=V={K} fp32, chunk_size={C}, threads={torch.get_num_threads()}")
+    print(f"{'T':>6} {'impl':<14} {'time s':>9} {'tok/s':>10} {'GFLOP/s':>8} {'% GEMM':>7} {'speed-up':>9}")
+    for T in args.lengths:
+        bench_one_length(args, T, gemm)
+    print(f"\ndecode: recurrent_kda_step, one token per call, B=1 H={H} K=V={K}")
+    for context in args.decode_contexts:
+        bench_decode_after(args, context)
+
+
+if __name__ == "__main__":
+    main()
