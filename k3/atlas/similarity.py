@@ -9,11 +9,13 @@ and per matrix kind (w1, w2, w3), the cosine of:
 * `SAMPLED_PAIRS` further pairs drawn at random with a fixed seed.
 
 Memory stays bounded whatever the expert size: the matrices are walked together in row chunks, each chunk
-dequantized for every expert involved, and the dot products and squared norms accumulated in float64.
+dequantized for every expert involved into one reused buffer, the dot products (float32 per chunk)
+accumulated over chunks in float64.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 
@@ -63,17 +65,20 @@ def cosine_similarities(
     if missing:
         raise ValueError(f"pairs name experts that are not in this layer: {missing[:5]}")
     slot = {e: i for i, e in enumerate(involved)}
-    step = max(1, memory_budget // (4 * cols * len(involved)))
-    dots = torch.zeros(len(pairs), dtype=torch.float64)
-    norms_sq = torch.zeros(len(involved), dtype=torch.float64)
-    ia = torch.tensor([slot[a] for a, _ in pairs])
-    ib = torch.tensor([slot[b] for _, b in pairs])
+    step = max(1, min(rows, memory_budget // (4 * cols * len(involved))))
+    dots = [0.0] * len(pairs)
+    norms_sq = [0.0] * len(involved)
+    x = torch.empty(len(involved), step * cols, dtype=torch.float32)  # the row chunk of every expert
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
-        x = torch.stack([load_rows(e, r0, r1).reshape(-1) for e in involved])  # [n, (r1-r0)*cols] f32
-        norms_sq += (x * x).sum(dim=1, dtype=torch.float64)
-        for i in range(len(pairs)):
-            dots[i] += float(torch.dot(x[ia[i]], x[ib[i]]).double())
-        del x
-    denom = (norms_sq[ia] * norms_sq[ib]).sqrt()
-    return {p: (float(dots[i] / denom[i]) if denom[i] > 0 else None) for i, p in enumerate(pairs)}
+        n = (r1 - r0) * cols
+        for i, e in enumerate(involved):
+            x[i, :n] = load_rows(e, r0, r1).reshape(-1)
+            norms_sq[i] += float(torch.dot(x[i, :n], x[i, :n]))
+        for k, (a, b) in enumerate(pairs):
+            dots[k] += float(torch.dot(x[slot[a], :n], x[slot[b], :n]))
+    out: dict[tuple[int, int], float | None] = {}
+    for k, (a, b) in enumerate(pairs):
+        denom = math.sqrt(norms_sq[slot[a]] * norms_sq[slot[b]])
+        out[(a, b)] = dots[k] / denom if denom > 0 else None
+    return out

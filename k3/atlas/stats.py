@@ -180,8 +180,8 @@ class BitPatternStats:
 
     def update(self, chunk: torch.Tensor) -> None:
         """`chunk`: any shape, of this accumulator's dtype."""
-        if self.bits == 16:
-            keys = chunk.reshape(-1).view(torch.int16).to(torch.int32) & 0xFFFF
+        if self.bits == 16:  # bincount takes no uint16; the widening copy is the one pass over the chunk
+            keys = chunk.reshape(-1).view(torch.uint16).to(torch.int32)
         else:
             keys = chunk.reshape(-1).view(torch.uint8).to(torch.int32)
         self.patterns += torch.bincount(keys, minlength=1 << self.bits)
