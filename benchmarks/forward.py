@@ -8,8 +8,8 @@
    same Kimi Linear model (its weights saved with save_pretrained and loaded into k3: the logits are
    compared too), all in the same run.
 2. Peak RSS of `K3ForCausalLM.from_pretrained` on `mini` (and `k3-slice` with --k3-slice: ~11 GB written
-   to a temporary directory first) in a fresh subprocess: ru_maxrss after the imports, after loading and
-   after a 16-token forward, against the checkpoint's size on disk.
+   to a temporary directory first) in a fresh subprocess: the peak resident set (VmHWM) after the imports,
+   after loading and after a 16-token forward, against the checkpoint's size on disk.
 Timings on a shared machine are noisy; the ratio is measured on the same inputs in the same process.
 """
 
@@ -30,9 +30,10 @@ from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
 
 RSS_PROBE = """
-import json, resource, sys, torch
+import json, re, sys, torch
 from k3.model import K3ForCausalLM
-rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def rss():  # this process's peak resident set (VmHWM; ru_maxrss would include the parent's, from fork)
+    return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
 base = rss()
 model = K3ForCausalLM.from_pretrained(sys.argv[1])
 loaded = rss()
@@ -102,11 +103,14 @@ def prefill(tokens: int, repeat: int, workdir: Path) -> None:
             model(ids[:, :64])
         oracle(ids[:, :64])
 
-    t_k3, _ = timed(lambda: k3_mini(ids), repeat)
-    t_k3_kimi, ours = timed(lambda: k3_kimi(ids), repeat)
-    t_hf, theirs = timed(lambda: oracle(ids).logits, repeat)
+    # prefill as generation runs it: logits of the last position only (transformers' logits_to_keep=1)
+    t_k3, _ = timed(lambda: k3_mini(ids, logits_to_keep=1), repeat)
+    t_k3_kimi, ours = timed(lambda: k3_kimi(ids, logits_to_keep=1), repeat)
+    t_hf, theirs = timed(lambda: oracle(ids, logits_to_keep=1).logits, repeat)
     diff = (ours - theirs).abs().max().item() / theirs.abs().max().item()
-    print(f"prefill, {tokens} tokens, fp32, {torch.get_num_threads()} threads (best of {repeat}):")
+    print(
+        f"prefill, {tokens} tokens, fp32, {torch.get_num_threads()} threads (best of {repeat}), last logits:"
+    )
     rows = [
         ("k3, K3 mini (MXFP4 experts, AttnRes, latent MoE)", t_k3),
         ("k3, Kimi Linear mini", t_k3_kimi),
@@ -117,6 +121,9 @@ def prefill(tokens: int, repeat: int, workdir: Path) -> None:
     print(f"  speed-up on the same Kimi Linear model: {t_hf / t_k3_kimi:.1f}x")
     print(f"  K3 mini in k3 vs Kimi Linear mini in transformers: {t_hf / t_k3:.1f}x")
     print(f"  logits max |k3 - transformers| / max |logit| = {diff:.2e}")
+    t_full, _ = timed(lambda: k3_kimi(ids), 1)
+    t_hf_full, _ = timed(lambda: oracle(ids).logits, 1)
+    print(f"  with all {tokens} x {cfg.vocab_size} logits: k3 {t_full:.2f} s, transformers {t_hf_full:.2f} s")
 
 
 def checkpoint_bytes(directory: Path) -> int:

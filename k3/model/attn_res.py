@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import torch
 
-from k3.model.norm import Linear, RMSNorm, rms_norm
+from k3.model.norm import Linear, RMSNorm
 
 
 def attn_res_read(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor:
-    """sum_i p_i v_i over values [B, T, H] each, p = softmax_i(<rms(v_i, 1), norm.weight * proj.weight>)."""
+    """sum_i p_i v_i over values [B, T, H] each, p = softmax_i(<rms(v_i, 1), norm.weight * proj.weight>).
+
+    `<rms(v, 1), w>` is computed as `<v, w> / sqrt(mean(v^2) + eps)`: no normalised copy of v, no stack.
+    """
     w = norm.weight.float() * proj.weight[0].float()  # [H]
-    stacked = torch.stack(values)  # [N, B, T, H]
-    logits = (rms_norm(stacked.float(), None, norm.eps) * w).sum(-1)  # [N, B, T]
-    p = logits.softmax(dim=0).to(stacked.dtype)
-    return (p[..., None] * stacked).sum(0)
+    logits = torch.stack(
+        [(v.float() @ w) * torch.rsqrt(v.float().pow(2).mean(-1) + norm.eps) for v in values]
+    )  # [N, B, T]
+    p = logits.softmax(dim=0).to(values[0].dtype)
+    out = p[0, ..., None] * values[0]
+    for p_i, v in zip(p[1:], values[1:], strict=True):
+        out = out + p_i[..., None] * v
+    return out
 
 
 class ResidualStream:

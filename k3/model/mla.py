@@ -78,6 +78,10 @@ class MLAttention(nn.Module):
         k_nope, v = self.kv_b_proj(c).view(B, S, n, -1).split([self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, n, self.rope)], dim=-1)  # [B, S, n, dq]
         q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, n, dq]
+        # torch's fused CPU attention kernel needs one head size for q, k and v: zero-pad the smaller
+        # (zeros change neither the scores, the scale being explicit, nor the kept output columns)
+        width = max(q.shape[-1], self.v_dim)
+        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -85,8 +89,8 @@ class MLAttention(nn.Module):
             attn_mask=None if visible is None else visible[:, None],
             is_causal=visible is None,
             scale=self.scale,
-        )  # [B, n, T, dv]
-        return o.transpose(1, 2)
+        )  # [B, n, T, width]
+        return o.transpose(1, 2)[..., : self.v_dim]
 
     def attend_absorbed(
         self,
