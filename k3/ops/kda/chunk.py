@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3.ops.kda.inputs import check_inputs, compute_dtype, default_scale, l2norm
+from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
 from k3.ops.kda.layout import ChunkLayout
 
 EXP_LIMIT = 80.0  # largest exponent taken inside a sub-block; fp32 overflows at ~88.7
@@ -73,57 +73,77 @@ def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
     return torch.cat([top, torch.cat([x21, x22], dim=2)], dim=1)
 
 
+class _ExpBothWays(torch.autograd.Function):
+    """``(exp(x), exp(-x))`` with one exponential; for x in [-EXP_LIMIT, 0] both stay finite.
+
+    Plain ``1 / exp(x)`` would work forward, but its autograd formula squares the reciprocal
+    (up to e^160, inf in fp32); this backward uses ``d/dx = g1 exp(x) - g2 exp(-x)`` instead.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        down = x.exp()
+        up = down.reciprocal()
+        ctx.save_for_backward(down, up)
+        return down, up
+
+    @staticmethod
+    def backward(ctx, grad_down: torch.Tensor, grad_up: torch.Tensor) -> torch.Tensor:
+        down, up = ctx.saved_tensors
+        return grad_down * down - grad_up * up
+
+
 def _intra_chunk(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, s: int
+    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """Everything that does not depend on the state, for Z chunks at once.
 
-    q, k, g: [Z, C, K]; v: [Z, C, V]; beta: [Z, C]; s: sub-block size (divides C).
-    Returns W [Z, C, K] and q Gamma [Z, C, K] stacked as WQ [Z, 2C, K], U [Z, C, V],
-    P [Z, C, C], K_hat = k Gamma_C / Gamma [Z, C, K], Gamma_C [Z, K].
+    qk: [Z, 2, n, s, K] (q rows then k rows, in n sub-blocks of s tokens); v: [Z, C, V];
+    g: [Z, n, s, K]; beta: [Z, C]. Returns
+    ``[q Gamma; k Gamma]`` [Z, 2C, K], ``(I + A)^-1 diag(beta)`` [Z, C, C], U [Z, C, V], P [Z, C, C],
+    ``K_hat = k Gamma_C / Gamma`` [Z, C, K] and ``Gamma_C`` [Z, K].
     """
-    Z, C, K = k.shape
-    n = C // s
-    g = g.view(Z, n, s, K)
-    # Every log-decay below is a direct sum of same-sign terms (g <= 0), never a difference of two
-    # long prefix sums: that difference would lose |prefix| * eps of absolute precision.
-    local = F.pad(g[:, :, 1:].cumsum(dim=2), (0, 0, 1, 0))  # Gl [Z, n, s, K]: sum over (first_b, j]
-    head = g[:, :, 0]  # g of each block's first token [Z, n, K]
+    Z, _, n, s, K = qk.shape
+    C = n * s
+    # Block-level log-decays are direct sums of same-sign terms (g <= 0), never differences of two
+    # long prefix sums, which would lose |prefix| * eps; ``local`` subtracts a single step.
+    within = g.cumsum(dim=2)  # [Z, n, s, K] inclusive sums inside each sub-block
+    head = g[:, :, 0]  # g of each block's first token (its reference) [Z, n, K]
+    local = within - head.unsqueeze(2)  # Gl = G_j - G_first: sum over (first_b, j], in [-EXP_LIMIT, 0]
     rest = local[:, :, -1]  # sum over the block after its first token [Z, n, K]
-    totals = head + rest  # [Z, n, K]
+    totals = within[:, :, -1]  # [Z, n, K]
     first = F.pad(totals[:, :-1].cumsum(dim=1), (0, 0, 1, 0)) + head  # G at each block's first token
     after = F.pad(totals[:, 1:].flip(1).cumsum(dim=1).flip(1), (0, 0, 0, 1))  # sum over later blocks
     chunk_total = totals.sum(dim=1)  # G_C [Z, K]
 
-    decay_in = local.exp()  # exp(Gl) in [e^-EXP_LIMIT, 1]
-    decay_out = (-local).exp()  # exp(-Gl) in [1, e^EXP_LIMIT]
-    q4, k4 = q.view(Z, n, s, K), k.view(Z, n, s, K)
-    left = torch.cat([q4 * decay_in, k4 * decay_in], dim=2)  # [Z, n, 2s, K]: rows of P, then of A
-    k_out = k4 * decay_out  # [Z, n, s, K]
+    decay_in, decay_out = _ExpBothWays.apply(local)  # exp(Gl) in [e^-80, 1], exp(-Gl) in [1, e^80]
+    left = qk * decay_in.unsqueeze(1)  # [Z, 2, n, s, K]: rows of P (q), then of A (k)
+    k_out = qk[:, 1] * decay_out  # [Z, n, s, K]
     if n == 1:
-        right = k_out  # [Z, 1, C, K]
+        scores = torch.bmm(left.view(Z, 2 * C, K), k_out.view(Z, C, K).transpose(1, 2))  # [Z, 2C, C]
     else:
         # gap[a, b] = G_first(a) - G_first(b) = sum of the steps first(b') - first(b'-1), b < b' <= a
         steps = rest[:, :-1] + head[:, 1:]  # [Z, n - 1, K], step b' = 1 .. n-1
-        after_b = torch.ones(n - 1, n, dtype=torch.bool, device=g.device).tril().view(1, n - 1, n, 1)
+        after_b = torch.ones(n - 1, n, dtype=g.dtype, device=g.device).tril().view(1, n - 1, n, 1)
         gap = F.pad((steps.unsqueeze(2) * after_b).cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # [Z, n(a), n(b), K]
         later = torch.ones(n, n, dtype=torch.bool, device=g.device).triu(1).view(1, n, n, 1)
         pair = gap.masked_fill(later, float("-inf")).exp()  # exp(gap) for b <= a, 0 above
         right = (k_out.unsqueeze(1) * pair.unsqueeze(3)).view(Z, n, C, K)  # [Z, n(a), C, K]
-    scores = torch.matmul(left, right.transpose(-1, -2))  # [Z, n, 2s, C]
-    p = scores[:, :, :s].reshape(Z, C, C).tril()
-    a = scores[:, :, s:].reshape(Z, C, C).tril(-1) * beta.unsqueeze(-1)
+        by_block = left.transpose(1, 2).reshape(Z, n, 2 * s, K)  # row block a: its q rows, its k rows
+        scores = torch.matmul(by_block, right.transpose(-1, -2)).view(Z, n, 2, s, C)
+        scores = scores.transpose(1, 2).reshape(Z, 2 * C, C)
+    rows = torch.arange(C, device=g.device).view(C, 1)
+    cols = torch.arange(C, device=g.device)
+    # above the diagonal, inside a block, scores hold exp(Gl_i - Gl_j) > 1 (finite, <= e^EXP_LIMIT)
+    p = scores[:, :C] * (cols <= rows).to(g.dtype)  # [Z, C, C], j <= i
+    a = scores[:, C:] * ((cols < rows).to(g.dtype) * beta.unsqueeze(-1))  # j < i, times beta_i
 
-    first_decay = first.exp().unsqueeze(2)  # Gamma at each block's first token [Z, n, 1, K]
-    q_gamma = (left[:, :, :s] * first_decay).view(Z, C, K)  # q Gamma
-    k_gamma = (left[:, :, s:] * first_decay).view(Z, C, K)  # k Gamma
+    first_decay = first.exp().unsqueeze(2).unsqueeze(1)  # Gamma at each block's first token
+    qk_gamma = (left * first_decay).view(Z, 2 * C, K)  # [q Gamma; k Gamma]
     # Gamma_C / Gamma_j = exp(-Gl_j) * exp(rest_b + after_b)
     k_hat = (k_out * (rest + after).exp().unsqueeze(2)).view(Z, C, K)
-    inverse = unit_lower_inverse(a)  # (I + A)^-1 [Z, C, C]
-    beta = beta.unsqueeze(-1)
-    w = torch.bmm(inverse, k_gamma * beta)
-    u = torch.bmm(inverse, v * beta)
-    return torch.cat([w, q_gamma], dim=1), u, p, k_hat, chunk_total.exp()
+    solve = unit_lower_inverse(a) * beta.unsqueeze(-2)  # (I + A)^-1 diag(beta) [Z, C, C]
+    return qk_gamma, solve, torch.bmm(solve, v), p, k_hat, chunk_total.exp()
 
 
 def chunk_kda(
@@ -154,7 +174,6 @@ def chunk_kda(
     num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, num_seqs)
     in_dtype, dtype = q.dtype, compute_dtype(q)
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if T > 0:
         g_min, g_max = (x.item() for x in torch.aminmax(g.detach()))
         if g_max > 0:
@@ -162,41 +181,56 @@ def chunk_kda(
     else:
         g_min = 0.0
     s = sub_block_size(g_min, chunk_size)
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * default_scale(scale, K)
+    n = chunk_size // s
+    # q gets the scale; with the L2 norm it is folded into the normalising factor
+    qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1, 1)
 
     layout = (
         ChunkLayout.dense(B, T, chunk_size)
         if cu_seqlens is None
         else ChunkLayout.packed(cu_seqlens, T, chunk_size)
     )
-    q, k, v, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))  # [steps, N, H, C, *]
+    # token layout -> [steps, N, H, C, *] (views for dense inputs; each tile is copied once below)
+    q, k, v, g, beta = (layout.to_chunks(x) for x in (q, k, v, g, beta))
     N, C = layout.num_seqs, chunk_size
-    state = (
-        q.new_zeros(N * H, K, V) if initial_state is None else initial_state.to(dtype).reshape(N * H, K, V)
-    )
+    if initial_state is None:
+        state = torch.zeros(N * H, K, V, dtype=dtype, device=q.device)
+    else:
+        state = initial_state.to(dtype).reshape(N * H, K, V)
     tile = max(1, TILE_CHUNK_HEADS // (N * H))
     outputs = []
-    for t0 in range(0, layout.steps, tile):
-        t1 = min(t0 + tile, layout.steps)
-        Z = (t1 - t0) * N * H
-        wq, u_all, p, k_hat, chunk_decay = _intra_chunk(
-            q[t0:t1].reshape(Z, C, K),
-            k[t0:t1].reshape(Z, C, K),
-            v[t0:t1].reshape(Z, C, V),
-            g[t0:t1].reshape(Z, C, K),
-            beta[t0:t1].reshape(Z, C),
-            s,
+    # tiles by split, not slicing: a slice's backward writes into zeros the size of the whole input
+    tiles = zip(*(x.split(tile) for x in (q, k, v, g, beta)), strict=True)
+    for q_t, k_t, v_t, g_t, beta_t in tiles:
+        Z = q_t.shape[0] * N * H
+        # [t, N, H, 2, C, K] -> [Z, 2, n, s, K]: one copy (and dtype cast) for q and k together
+        qk = torch.stack([q_t, k_t], dim=3).to(dtype).view(Z, 2, n, s, K)
+        if use_qk_l2norm:
+            qk = qk * (qk_scale / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS))
+        else:
+            qk = qk * qk_scale
+        qk_gamma, solve, u_all, p, k_hat, chunk_decay = _intra_chunk(
+            qk,
+            v_t.reshape(Z, C, V).to(dtype),
+            g_t.reshape(Z, n, s, K).to(dtype),
+            beta_t.reshape(Z, C).to(dtype),
         )
-        shape = (t1 - t0, N * H)
-        wq, u_all, p = wq.view(*shape, 2 * C, K), u_all.view(*shape, C, V), p.view(*shape, C, C)
-        k_hat, chunk_decay = k_hat.view(*shape, C, K), chunk_decay.view(*shape, K, 1)
-        for i in range(t1 - t0):
-            from_state = torch.bmm(wq[i], state)  # [N*H, 2C, V]: W S and (q Gamma) S
-            u = u_all[i] - from_state[:, :C]  # pseudo values [N*H, C, V]
-            outputs.append(torch.baddbmm(from_state[:, C:], p[i], u))
-            state = torch.baddbmm(state * chunk_decay[i], k_hat[i].transpose(1, 2), u)
+        # per-chunk pieces by unbind/split, not indexing: their backward is one stack/cat, whereas
+        # each index's backward would write into a zero tensor the size of the whole tile
+        per_step = zip(
+            qk_gamma.view(-1, N * H, 2 * C, K).unbind(0),
+            solve.view(-1, N * H, C, C).unbind(0),
+            u_all.view(-1, N * H, C, V).unbind(0),
+            p.view(-1, N * H, C, C).unbind(0),
+            k_hat.view(-1, N * H, C, K).unbind(0),
+            chunk_decay.view(-1, N * H, K, 1).unbind(0),
+            strict=True,
+        )
+        for qk_gamma_i, solve_i, u_i, p_i, k_hat_i, decay_i in per_step:  # one state update per chunk
+            read_q, read_k = torch.bmm(qk_gamma_i, state).split(C, dim=1)  # (q Gamma) S, (k Gamma) S
+            u = torch.baddbmm(u_i, solve_i, read_k, alpha=-1)  # pseudo values [N*H, C, V]
+            outputs.append(torch.baddbmm(read_q, p_i, u))
+            state = torch.baddbmm(state * decay_i, k_hat_i.transpose(1, 2), u)
     o = torch.stack(outputs).view(layout.steps, N, H, C, V) if outputs else v.new_zeros(0, N, H, C, V)
     o = layout.to_tokens(o).to(in_dtype)
     final = state.view(N, H, K, V) if output_final_state else None
