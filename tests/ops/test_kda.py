@@ -301,6 +301,7 @@ def _gate_config(H, K, lower_bound=None):
 
 def test_softplus_gate_matches_transformers():
     tr = _transformers_kimi()
+    torch.manual_seed(0)
     H, K = 3, 8
     module = tr.KimiLinearForgetGate(_gate_config(H, K))
     torch.nn.init.normal_(module.A_log)
@@ -319,6 +320,7 @@ def test_softplus_gate_matches_transformers():
 
 def test_bounded_gate_matches_glm5_next_and_uses_first_heads_of_padded_A_log():
     glm = pytest.importorskip("transformers.models.glm5_next.modeling_glm5_next")
+    torch.manual_seed(0)
     H, K = 3, 8
     module = glm.Glm5NextTextForgetGate(_gate_config(H, K, lower_bound=-5.0))
     torch.nn.init.normal_(module.A_log)
@@ -330,10 +332,11 @@ def test_bounded_gate_matches_glm5_next_and_uses_first_heads_of_padded_A_log():
     g = kda_gate(f.view(2, 5, H, K), padded, module.dt_bias.detach())
     assert torch.allclose(g, expected.detach(), atol=1e-6)
     assert torch.allclose(kda_gate(f, padded, module.dt_bias.detach(), num_heads=H).view(2, 5, H, K), g)
-    assert (g < 0).all() and (g > -5).all()
+    assert (g < 0).all() and (g >= -5).all()  # sigmoid saturates to 1 in fp32: the bound is reached
 
 
 def test_gate_formulas_and_errors():
+    torch.manual_seed(0)
     H, K = 2, 4
     f = torch.randn(3, H, K)
     A_log, dt_bias = torch.randn(H), torch.randn(H * K)
