@@ -27,7 +27,7 @@ from typing import Any
 
 from k3.atlas.stats import STAT_KEYS
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # bump when the index or a record changes meaning
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -69,6 +69,8 @@ CREATE TABLE IF NOT EXISTS similarity_done (
 );
 """.replace("{stat_columns}", ",\n    ".join(f"{k} REAL" for k in STAT_KEYS))
 
+# layer numbers in other families' names (GPT-2 `h.3.`, `blocks.3.`, `layer.3.`), when k3.layout finds none
+_GENERIC_LAYER = re.compile(r"(?:^|\.)(?:layers?|h|blocks?)\.(\d+)\.")
 # `...experts.12.w1.weight`, `...experts.3.gate_proj.weight`: routed expert matrices of any MoE checkpoint
 _EXPERT = re.compile(r"\.experts\.(\d+)\.([A-Za-z0-9_]+)\.weight$")
 
@@ -130,6 +132,8 @@ def logical_tensors(infos: Sequence[Any], cfg: Any = None) -> list[LogicalTensor
         for d in shape:
             params *= d
         component, layer = classify(name, cfg)
+        if layer is None and (g := _GENERIC_LAYER.search(name)):
+            layer = int(g.group(1))
         m = _EXPERT.search(name)
         expert, matrix = (int(m.group(1)), m.group(2)) if m else (None, None)
         out.append(
@@ -141,8 +145,9 @@ def logical_tensors(infos: Sequence[Any], cfg: Any = None) -> list[LogicalTensor
 
 
 def fingerprint(infos: Iterable[Any]) -> str:
-    """Identifies a checkpoint's index: names, dtypes, shapes and byte ranges of every stored tensor."""
-    h = hashlib.sha256()
+    """Identifies a checkpoint's index: names, dtypes, shapes and byte ranges of every stored tensor (and
+    the version of the atlas's own index, so a database written by an older atlas is rebuilt)."""
+    h = hashlib.sha256(f"k3-atlas-index-{SCHEMA_VERSION}\n".encode())
     for t in infos:
         h.update(f"{t.name}|{t.dtype}|{list(t.shape)}|{t.shard}|{t.start}|{t.end}\n".encode())
     return h.hexdigest()

@@ -201,6 +201,7 @@ function drawLayerMap() {
   const rows = doc.layers;
   const maxParams = Math.max(1, ...rows.map((l) => l.params));
   const rhythm = document.getElementById("rhythm");
+  rhythm.previousElementSibling.classList.toggle("hidden", !rows.some((l) => l.mixer));
   rhythm.innerHTML = rows
     .filter((l) => l.mixer)
     .map((l) => {
@@ -285,7 +286,7 @@ function drawLayerDetail() {
 
 /** A name without its model and layer prefix (`...layers.12.self_attn.q_proj.weight` -> `self_attn.q_proj.weight`). */
 function shortName(name) {
-  const m = name.match(/(?:^|\.)layers\.\d+\.(.*)$/);
+  const m = name.match(/(?:^|\.)(?:layers?|h|blocks?)\.\d+\.(.*)$/);
   return m ? m[1] : name;
 }
 
@@ -313,11 +314,18 @@ function applyVisibility() {
   document.querySelectorAll(".moe-only").forEach((el) => el.classList.toggle("hidden", !(weights && s.has_experts)));
 }
 
+async function drawOtherTensors() {
+  if (K3.summary.kind !== "checkpoint") return;
+  const doc = await K3.get("api/tensors/other.json");
+  document.getElementById("other-tensors").innerHTML = tensorTable(doc.tensors);
+}
+
 function redrawAll() {
   drawHero();
   drawGuide();
   drawLayerMap();
   drawLayerDetail();
+  drawOtherTensors();
 }
 
 async function main() {
@@ -340,10 +348,12 @@ async function main() {
   };
   document.getElementById("layer-map").addEventListener("click", openFromEvent);
   document.getElementById("rhythm").addEventListener("click", openFromEvent);
-  document.getElementById("layer-detail").addEventListener("click", (e) => {
-    const row = e.target.closest("[data-tensor]");
-    if (row && K3.openTensor) K3.openTensor(Number(row.dataset.tensor), true);
-  });
+  for (const id of ["layer-detail", "other-tensors"]) {
+    document.getElementById(id).addEventListener("click", (e) => {
+      const row = e.target.closest("[data-tensor]");
+      if (row && K3.openTensor) K3.openTensor(Number(row.dataset.tensor), true);
+    });
+  }
   await setLanguage(lang);
   if (K3.panelsStart) await K3.panelsStart();
   document.body.dataset.ready = "1";
