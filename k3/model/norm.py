@@ -33,6 +33,9 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+CONVERT_ROWS_ELEMENTS = 1 << 24  # weights above 16 M elements are converted to the compute dtype in slices
+
+
 class Linear(nn.Linear):
     """A bias-free `nn.Linear` whose weight may be stored in another dtype than the activations."""
 
@@ -44,4 +47,12 @@ class Linear(nn.Linear):
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight.to(x.dtype))
+        w = self.weight
+        if w.dtype == x.dtype or w.numel() <= CONVERT_ROWS_ELEMENTS:
+            return F.linear(x, w.to(x.dtype))
+        # a big weight in another dtype (a BF16 lm_head with fp32 compute, say): convert it a slice of
+        # output rows at a time, so the converted copy never exists whole
+        rows = max(1, CONVERT_ROWS_ELEMENTS // w.shape[1])
+        return torch.cat(
+            [F.linear(x, w[i : i + rows].to(x.dtype)) for i in range(0, w.shape[0], rows)], dim=-1
+        )
