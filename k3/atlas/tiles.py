@@ -135,10 +135,11 @@ class TileRenderer:
             self.cache.popitem(last=False)
         return png
 
-    def render(
+    def pixel_values(
         self, t: LogicalTensor, stats: dict[str, Any] | None, mode: str, z: int, x: int, y: int
-    ) -> np.ndarray:
-        """RGBA [TILE, TILE, 4] of tile (x, y) at level z; ValueError for a tile that does not exist."""
+    ) -> tuple[np.ndarray, int]:
+        """(values [ph, pw] of the pixels of tile (x, y) at level z that lie on the matrix, f = weights per
+        pixel side). ValueError for a tile or mode that does not exist."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         geo = tile_geometry(t, stats)
@@ -152,25 +153,33 @@ class TileRenderer:
         r0, r1 = y * span, min(rows, (y + 1) * span)
         c0, c1 = x * span, min(cols, (x + 1) * span)
         ph, pw = math.ceil((r1 - r0) / f), math.ceil((c1 - c0) / f)
-        take = rows_per_pixel(f, t.bytes / max(rows, 1))
+        row_bytes = t.bytes / max(rows, 1)
+        take = rows_per_pixel(f, row_bytes)
         pixels = np.zeros((ph, pw), dtype=np.float64)
-        # pixel rows in groups whose rows fit the budget
-        group = max(1, READ_BUDGET // max(1, int(take * t.bytes / max(rows, 1))))
-        for p0 in range(0, ph, group):
-            p1 = min(ph, p0 + group)
-            if take == f:
+        if take == f:  # every row: pixel rows in groups whose rows fit the budget
+            group = max(1, int(READ_BUDGET // max(1.0, f * row_bytes)))
+            for p0 in range(0, ph, group):
+                p1 = min(ph, p0 + group)
                 block = self.load_rows(t, r0 + p0 * f, min(r1, r0 + p1 * f))[:, c0:c1]
                 pixels[p0:p1] = _reduce(block, f, mode)
-            else:
-                for p in range(p0, p1):
-                    rb = r0 + p * f
-                    block = self.load_rows(t, rb, min(r1, rb + take))[:, c0:c1]
-                    pixels[p] = _reduce(block, f, mode, row_block=block.shape[0])[0]
-        vmax = float(geo["vmax"] or np.abs(pixels).max() or 1.0)
+        else:  # the first `take` rows of each block of f
+            for p in range(ph):
+                rb = r0 + p * f
+                block = self.load_rows(t, rb, min(r1, rb + take))[:, c0:c1]
+                pixels[p] = _reduce(block, f, mode, row_block=block.shape[0])[0]
+        return pixels, f
+
+    def render(
+        self, t: LogicalTensor, stats: dict[str, Any] | None, mode: str, z: int, x: int, y: int
+    ) -> np.ndarray:
+        """RGBA [TILE, TILE, 4] of tile (x, y) at level z; ValueError for a tile that does not exist."""
+        pixels, f = self.pixel_values(t, stats, mode, z, x, y)
+        vmax = float((tile_geometry(t, stats)["vmax"]) or np.abs(pixels).max() or 1.0)
         if mode == "mean":
             vmax /= f
         canvas = np.zeros((TILE, TILE), dtype=np.float64)
         valid = np.zeros((TILE, TILE), dtype=bool)
+        ph, pw = pixels.shape
         canvas[:ph, :pw] = pixels
         valid[:ph, :pw] = True
         return colorize(canvas, vmax, valid)

@@ -235,3 +235,22 @@ def test_static_export_in_the_browser(browser, plain_dir: Path, tmp_path_factory
         page.close()
     finally:
         server.shutdown()
+
+
+def test_config_view_opens_a_layer_and_hover_values(browser, k3_preset_url: str, tiny_url: str) -> None:
+    page, errors = _open(browser, k3_preset_url)
+    page.click(".layer-row[data-layer='3'] .bar")  # an MLA + MoE layer of K3
+    detail = page.locator("#layer-detail")
+    detail.locator("table").wait_for()
+    assert "MLA" in detail.inner_text() and detail.locator("tr").count() >= 5
+    assert errors == []
+    page.close()
+    page, errors = _open(browser, tiny_url)
+    page.evaluate("K3.openTensor(0, true)")
+    page.wait_for_selector("#weight-map img.leaflet-tile-loaded")
+    page.evaluate("K3.viewerMap().setZoom(4, {animate: false})")  # past the finest level: weights as squares
+    box = page.locator("#weight-map").bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.wait_for_function("document.querySelector('#viewer-hover').textContent.includes('valor')")
+    assert errors == []
+    page.close()

@@ -250,3 +250,38 @@ def test_routing_runs_the_model(tmp_path_factory: pytest.TempPathFactory) -> Non
             assert all(0 <= e < cfg.num_experts for e in experts)
             assert sum(weights) == pytest.approx(1.0, abs=1e-4)  # renormalised
             assert weights == sorted(weights, reverse=True)
+
+
+def test_tile_pixels_are_block_means_and_sampled_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pixel values against loops written from the definition, with and without row sampling."""
+    from k3.atlas import tiles
+    from k3.atlas.reading import TensorReader
+    from k3.checkpoint import open_checkpoint, save_checkpoint
+
+    gen = torch.Generator().manual_seed(8)
+    w = torch.randn(4096, 40, generator=gen)  # F32, 160 bytes a row; levels 0..4, level 0: 16x16 blocks
+    save_checkpoint([("m.weight", w)], None, tmp_path / "ckpt")
+    atlas = Atlas.open(str(tmp_path / "ckpt"), tmp_path / "db")
+    t = atlas.tensor(0)
+    with open_checkpoint(tmp_path / "ckpt") as ckpt:
+        renderer = tiles.TileRenderer(TensorReader(ckpt, tmp_path / "ckpt"))
+
+        def expected(z: int, take: int, mode: str) -> np.ndarray:
+            f = 2 ** (4 - z)
+            out = np.zeros((min(256, -(-4096 // f)), -(-40 // f)))  # the first tile: at most 256 pixel rows
+            for p in range(out.shape[0]):
+                for q in range(out.shape[1]):
+                    block = w[p * f : p * f + take, q * f : (q + 1) * f].double()
+                    out[p, q] = block.mean() if mode == "mean" else block.flatten()[block.abs().argmax()]
+            return out
+
+        for z, mode in ((0, "mean"), (0, "maxabs"), (2, "mean")):
+            got, f = renderer.pixel_values(t, None, mode, z, 0, 0)
+            np.testing.assert_allclose(got, expected(z, f, mode), rtol=1e-6, atol=1e-7)
+        # a budget of 4 rows per block of 16 at level 0: the first 4 rows of each block
+        monkeypatch.setattr(tiles, "READ_BUDGET", 256 * 4 * 160)
+        assert tiles.tile_geometry(t, None)["row_sampled_up_to_level"] == 1  # level 1: 8 rows > 4
+        got, f = renderer.pixel_values(t, None, "mean", 0, 0, 0)
+        np.testing.assert_allclose(got, expected(0, 4, "mean"), rtol=1e-6, atol=1e-7)

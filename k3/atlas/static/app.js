@@ -256,7 +256,8 @@ async function openLayer(index, expertFrom = 0) {
   markOpen(index);
   const box = document.getElementById("layer-detail");
   if (K3.summary.kind !== "checkpoint") {
-    box.innerHTML = "";
+    K3.openLayerDoc = null;
+    drawLayerParts();
     return;
   }
   const doc = await K3.get(`api/layer/${index}.json`);
@@ -265,7 +266,21 @@ async function openLayer(index, expertFrom = 0) {
 }
 K3.openLayer = openLayer;
 
+/** Config-only view: the open layer's parts and their parameters (there are no tensors to list). */
+function drawLayerParts() {
+  const l = K3.layers.layers.find((x) => x.index === K3.openLayerIndex);
+  if (!l) return;
+  const { mixer, ffn } = layerKind(l);
+  const rows = PART_ORDER.filter((p) => l.parts[p])
+    .map((p) => `<tr><td><i class="p-${p} ${p === "attention" ? l.mixer : ""}" style="display:inline-block;width:.8rem;height:.8rem;border-radius:2px"></i> ${escapeHtml(K3.t(`layers.parts.${p}`))}</td>
+      <td class="num">${K3.fmtInt(l.parts[p])}</td><td class="num">${K3.fmtPct(l.parts[p] / l.params, 2)}</td></tr>`)
+    .join("");
+  document.getElementById("layer-detail").innerHTML = `<h3>${escapeHtml(K3.t("layers.open", { index: l.index, mixer, ffn, params: K3.fmtInt(l.params) }))}</h3>
+    <table class="tensors parts"><tbody>${rows}</tbody></table>`;
+}
+
 function drawLayerDetail() {
+  if (K3.summary.kind !== "checkpoint") return drawLayerParts();
   if (!K3.openLayerDoc) return;
   const { doc, expertFrom } = K3.openLayerDoc;
   const plain = doc.tensors.filter((t) => t.expert == null);
