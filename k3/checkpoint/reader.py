@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -79,8 +80,10 @@ class Checkpoint:
         config_error: str | None = None,
         http: HttpClient | None = None,
         findings: list[str] | None = None,
+        workers: int = 1,
     ):
-        """`sources`: shard name -> source, in shard order (they are owned, and closed, from here on)."""
+        """`sources`: shard name -> source, in shard order (they are owned, and closed, from here on).
+        `workers`: headers read at once (remote shards: each header is one or two round trips)."""
         self.location = location
         self._sources = sources
         self._http = http
@@ -89,7 +92,7 @@ class Checkpoint:
         self.findings: list[str] = list(findings or [])  # oddities that do not stop reading
         self._tensors: dict[str, TensorInfo] = {}
         try:
-            self._index(weight_map, index_metadata)
+            self._index(weight_map, index_metadata, workers)
         except BaseException:
             self.close()
             raise
@@ -104,10 +107,15 @@ class Checkpoint:
             except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong JSON type, deep down
                 self.config_error = f"{CONFIG_NAME} is not a K3-family config: {type(e).__name__}: {e}"
 
-    def _index(self, weight_map: dict[str, str] | None, index_metadata: dict[str, Any] | None) -> None:
+    def _index(
+        self, weight_map: dict[str, str] | None, index_metadata: dict[str, Any] | None, workers: int
+    ) -> None:
         index = f"{self.location}/{INDEX_NAME}"
-        for shard, source in self._sources.items():
-            for t in self._parse(shard, source):
+        with ThreadPoolExecutor(max(workers, 1)) as pool:
+            headers = list(pool.map(parse_header, self._sources.values(), self._sources))
+        for (shard, source), header in zip(self._sources.items(), headers, strict=True):
+            self.metadata[shard] = header.metadata
+            for t in header.tensors:
                 if t.name in self._tensors:
                     raise CheckpointError(
                         f"{source.name}: tensor {t.name!r} is also in {self._tensors[t.name].shard}"
@@ -129,11 +137,6 @@ class Checkpoint:
                 f"{INDEX_NAME} declares total_size {declared}, "
                 f"the shards hold {self.total_bytes} bytes of tensors"
             )
-
-    def _parse(self, shard: str, source: ByteSource) -> list[TensorInfo]:
-        header = parse_header(source, shard)
-        self.metadata[shard] = header.metadata
-        return header.tensors
 
     # ---- the index ----------------------------------------------------------------------------------------
     def tensors(self) -> Iterator[TensorInfo]:
@@ -359,16 +362,18 @@ def _open_remote(url: str, options: RemoteOptions) -> Checkpoint:
             weight_map, index_metadata = _parse_index(index_data, base + INDEX_NAME)
             shard_names = _shard_order(weight_map)
         raw_config, config_error = _parse_config(http.get(base + CONFIG_NAME), base + CONFIG_NAME)
-        sources: dict[str, ByteSource] = {}
-        for shard in shard_names:
-            try:
-                sources[shard] = HttpSource(base + quote(shard), http)
-            except RemoteNotFound:
-                if index_data is None:
-                    raise CheckpointError(
-                        f"{url}: no {INDEX_NAME} or {SINGLE_NAME} there (HTTP 404)"
-                    ) from None
-                raise CheckpointError(f"{base + INDEX_NAME}: shard {shard} is missing (HTTP 404)") from None
+        urls = {base + quote(shard): shard for shard in shard_names}
+        try:  # each source fetches its first range on creation: a few at once
+            with ThreadPoolExecutor(options.parallel) as pool:
+                opened = list(pool.map(lambda shard_url: HttpSource(shard_url, http), urls))
+        except RemoteNotFound as e:
+            if url.endswith(".safetensors"):
+                raise
+            if index_data is None:
+                raise CheckpointError(f"{url}: no {INDEX_NAME} or {SINGLE_NAME} there (HTTP 404)") from None
+            shard = urls[e.url]
+            raise CheckpointError(f"{base + INDEX_NAME}: shard {shard} is missing (HTTP 404)") from None
+        sources: dict[str, ByteSource] = dict(zip(shard_names, opened, strict=True))
     except BaseException:
         http.close()
         raise
@@ -380,4 +385,5 @@ def _open_remote(url: str, options: RemoteOptions) -> Checkpoint:
         raw_config=raw_config,
         config_error=config_error,
         http=http,
+        workers=options.parallel,
     )

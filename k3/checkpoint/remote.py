@@ -36,6 +36,10 @@ T = TypeVar("T")
 class RemoteNotFound(CheckpointError):
     """The server answered 404."""
 
+    def __init__(self, url: str):
+        super().__init__(f"{url}: not found (HTTP 404)")
+        self.url = url
+
 
 @dataclass(frozen=True)
 class RemoteOptions:
@@ -114,7 +118,7 @@ class HttpClient:
         if status == expected:
             return
         if status == 404:
-            raise RemoteNotFound(f"{url}: not found (HTTP 404)")
+            raise RemoteNotFound(url)
         if status >= 500 or status == 429:
             raise _Retryable(f"HTTP {status}")
         if status == 200 and expected == 206:

@@ -130,6 +130,8 @@ def test_not_found(server):
         CheckpointError, match=r"/empty: no model\.safetensors\.index\.json or model\.safetensors"
     ):
         open_checkpoint(f"{server.url}/empty", remote=FAST)
+    with pytest.raises(CheckpointError, match=r"/empty/x\.safetensors: not found \(HTTP 404\)"):
+        open_checkpoint(f"{server.url}/empty/x.safetensors", remote=FAST)
 
 
 def test_missing_shard(root, server, tmp_path):
@@ -183,8 +185,12 @@ def test_fault_during_a_tensor_read(root, server):
     ):
         shard = f"/tiny/{ckpt.info(name).shard}"
         server.faults[shard] += ["500", "drop", "truncate"]
+        retries_before = ckpt.fetch_stats.retries
         assert same(ckpt.read(name), local.read(name))
-        assert ckpt.fetch_stats.retries == 3
+        assert server.faults[shard] == []  # all three planted faults were met ...
+        # ... and each cost one retry. (At least: under heavy CPU load an unplanned transient error was
+        # seen once in many runs, and retried as designed; the exact count holds in the serial tests above.)
+        assert ckpt.fetch_stats.retries - retries_before >= 3
         server.faults[shard] += ["bad-range"]
         with pytest.raises(CheckpointError, match=rf"{server.url}{shard}: asked for bytes"):
             ckpt.read(name)
