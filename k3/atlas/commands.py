@@ -40,7 +40,6 @@ def run_scan(
         Progress,
         TaskProgressColumn,
         TextColumn,
-        TimeElapsedColumn,
         TimeRemainingColumn,
         TransferSpeedColumn,
     )
@@ -50,14 +49,13 @@ def run_scan(
     db_path = resolve_db_path(source, out)
     columns = (
         TextColumn("[bold]{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=24),
         TaskProgressColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TextColumn("{task.fields[tensors]}"),
-        TimeElapsedColumn(),
         TextColumn("ETA"),
-        TimeRemainingColumn(),
+        TimeRemainingColumn(compact=True),
     )
     with Progress(*columns, disable=quiet, transient=False) as bar:
         task = bar.add_task("scanning", total=None, tensors="")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -107,6 +108,7 @@ class TileRenderer:
         self.reader = reader
         self.cache: OrderedDict[tuple, bytes] = OrderedDict()
         self.cache_size = cache_size
+        self._lock = threading.Lock()  # the server renders tiles on several threads
 
     def load_rows(self, t: LogicalTensor, start: int, stop: int) -> torch.Tensor:
         """float32 [stop-start, cols] of the matrix view of t."""
@@ -126,13 +128,15 @@ class TileRenderer:
         self, t: LogicalTensor, stats: dict[str, Any] | None, mode: str, z: int, x: int, y: int
     ) -> bytes:
         key = (t.id, mode, z, x, y)
-        if key in self.cache:
-            self.cache.move_to_end(key)
-            return self.cache[key]
+        with self._lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
         png = encode_png(self.render(t, stats, mode, z, x, y))
-        self.cache[key] = png
-        if len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
+        with self._lock:
+            self.cache[key] = png
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
         return png
 
     def pixel_values(
