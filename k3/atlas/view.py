@@ -121,24 +121,22 @@ class Atlas:
             from k3.census import census_from_config, census_from_headers
 
             if self._tensors and self.is_checkpoint:
-                headers = [(t.name, t.dtype, t.shape) for t in self._stored_headers()]
+                headers = self._stored_headers()
                 self._census = census_from_headers(self.config, headers, self.source).to_json()
             else:
                 self._census = census_from_config(self.config).to_json()
         return self._census
 
-    def _stored_headers(self):
+    def _stored_headers(self) -> list[tuple[str, str, tuple[int, ...]]]:
         """(name, dtype, shape) of the stored tensors, MXFP4 pairs split back into packed + scale."""
-        from types import SimpleNamespace
-
         out = []
         for t in self._tensors:
             if t.dtype == "MXFP4":
-                rows, cols = t.shape[:-1], t.shape[-1]
-                out.append(SimpleNamespace(name=t.parts[0], dtype="U8", shape=(*rows, cols // 2)))
-                out.append(SimpleNamespace(name=t.parts[1], dtype="U8", shape=(*rows, cols // 32)))
+                *rows, cols = t.shape
+                out.append((t.parts[0], "U8", (*rows, cols // 2)))
+                out.append((t.parts[1], "U8", (*rows, cols // 32)))
             else:
-                out.append(SimpleNamespace(name=t.name, dtype=t.dtype, shape=t.shape))
+                out.append((t.name, t.dtype, t.shape))
         return out
 
     def summary(self) -> dict[str, Any]:
