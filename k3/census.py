@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from k3.config import FFN, K3Config, Mixer
+from k3.config import FFN, ConfigError, K3Config, Mixer
 from k3.layout import COMPONENTS, DTYPE_BYTES, classify, parameters_of, prefixes, published_tensors
 
 
@@ -180,5 +180,7 @@ def census_of(target: str) -> Census:
     from k3.checkpoint import open_checkpoint  # the checkpoint layer knows nothing of the census
 
     with open_checkpoint(target) as ckpt:
+        if ckpt.config is None:
+            raise ConfigError(f"{target}: no K3-family config to count against ({ckpt.config_error})")
         headers = [(t.name, t.dtype, t.shape) for t in ckpt.tensors()]
         return census_from_headers(ckpt.config, headers, source=target)

@@ -262,7 +262,10 @@ class K3Config:
         for theirs, ours in _TRANSFORMERS_ALIASES.items():
             if theirs in text and ours not in text:
                 text[ours] = text.pop(theirs)
-        return cls._from_text_config(text, form, outer)
+        try:
+            return cls._from_text_config(text, form, outer)
+        except (TypeError, AttributeError) as e:  # a value of the wrong JSON type somewhere
+            raise ConfigError(f"config: a value has the wrong type ({e})") from None
 
     @classmethod
     def _from_text_config(cls, text: dict[str, Any], form: str, outer: dict[str, Any]) -> K3Config:

@@ -115,3 +115,25 @@ def test_cli_bad_target_is_one_line(tmp_path):
     out = CliRunner().invoke(app, ["census", str(bad)])
     assert out.exit_code == 1
     assert "Traceback" not in out.output
+
+
+def test_census_of_checkpoint_directory_and_non_k3_checkpoint(tmp_path):
+    import torch
+
+    from k3.checkpoint import save_checkpoint
+
+    cfg = K3Config.preset("tiny")
+    tensors = (
+        (t.name, torch.zeros(t.shape, dtype=torch.uint8 if t.dtype == "U8" else torch.float32))
+        for t in published_tensors(cfg)
+    )
+    save_checkpoint(tensors, cfg, tmp_path / "tiny", max_shard_size=200_000)
+    out = CliRunner().invoke(app, ["census", str(tmp_path / "tiny"), "--json"])
+    assert out.exit_code == 0, out.output
+    counted = json.loads(out.output)
+    assert counted["total_params"] == census_from_config(cfg).total_params
+    assert counted["findings"] == []
+
+    save_checkpoint([("w", torch.ones(4, 4))], None, tmp_path / "plain")
+    out = CliRunner().invoke(app, ["census", str(tmp_path / "plain")])
+    assert out.exit_code == 1 and "no K3-family config" in out.output

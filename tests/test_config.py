@@ -151,5 +151,7 @@ def test_bad_files(tmp_path):
         K3Config.from_json(bad)
     with pytest.raises(ConfigError, match="unknown preset"):
         K3Config.preset("k4")
+    with pytest.raises(ConfigError, match="wrong type"):
+        K3Config.from_dict({"text_config": {"linear_attn_config": 5, "num_hidden_layers": 4}})
     with pytest.raises(ConfigError, match="text_config"):
         K3Config.from_dict({"model_type": "kimi_k3", "text_config": []})
