@@ -135,7 +135,10 @@ def main() -> None:
     parser.add_argument("--backward-max", type=int, default=16384, help="time forward+backward up to this T")
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 65536])
     parser.add_argument("--decode-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     gemm = gemm_gflops(args.repeats)
     print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
