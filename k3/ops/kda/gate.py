@@ -52,7 +52,7 @@ def kda_gate(
     *,
     num_heads: int | None = None,
 ) -> torch.Tensor:
-    """K3's bounded gate: ``g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``, in (lower_bound, 0)."""
+    """K3's gate: ``g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))``, in [lower_bound, 0)."""
     if lower_bound >= 0:
         raise ValueError(f"lower_bound must be negative, got {lower_bound}")
     x, rate = _gate_inputs(f, A_log, dt_bias, num_heads)
