@@ -8,7 +8,8 @@
    same Kimi Linear model (its weights saved with save_pretrained and loaded into k3: the logits are
    compared too), all in the same run.
 2. Peak RSS of `K3ForCausalLM.from_pretrained` on `mini` (and `k3-slice` with --k3-slice: ~11 GB written
-   to a temporary directory first) in a fresh subprocess: the peak resident set (VmHWM) after the imports,
+   to a temporary directory first) in a fresh subprocess: the peak resident set (VmHWM) after the imports
+   and a warm-up forward of `tiny`,
    after loading and after a 16-token forward, against the checkpoint's size on disk.
 Timings on a shared machine are noisy; the ratio is measured on the same inputs in the same process.
 """
@@ -34,6 +35,9 @@ import json, re, sys, torch
 from k3.model import K3ForCausalLM
 def rss():  # this process's peak resident set (VmHWM; ru_maxrss would include the parent's, from fork)
     return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1)) * 1024
+from k3.config import K3Config
+with torch.no_grad():  # warm up the runtime (thread pools, kernels) so that `base` holds it
+    K3ForCausalLM.from_config(K3Config.preset("tiny"))(torch.zeros(1, 4, dtype=torch.long))
 base = rss()
 model = K3ForCausalLM.from_pretrained(sys.argv[1])
 loaded = rss()
