@@ -89,6 +89,7 @@ def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def _open(browser, url: str):
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     page.set_default_timeout(60_000)  # generous: CI machines may be busy
+    page.emulate_media(reduced_motion="reduce")  # no smooth scrolling: element boxes are where they stay
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -249,6 +250,7 @@ def test_config_view_opens_a_layer_and_hover_values(browser, k3_preset_url: str,
     page.evaluate("K3.openTensor(0, true)")
     page.wait_for_selector("#weight-map img.leaflet-tile-loaded")
     page.evaluate("K3.viewerMap().setZoom(4, {animate: false})")  # past the finest level: weights as squares
+    page.locator("#weight-map").scroll_into_view_if_needed()
     box = page.locator("#weight-map").bounding_box()
     page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
     page.wait_for_function("document.querySelector('#viewer-hover').textContent.includes('valor')")
