@@ -38,7 +38,7 @@ def build_site(atlas: Atlas, out: str | Path, *, max_tile_level: int = 3) -> int
 
     shutil.copytree(STATIC_DIR, out / "static", dirs_exist_ok=True)
     count += sum(1 for p in (out / "static").rglob("*") if p.is_file())
-    shutil.copy(STATIC_DIR / "index.html", out / "index.html")
+    write("index.html", (STATIC_DIR / "index.html").read_bytes())
     for lang in I18N_DIR.glob("*.json"):
         write(f"i18n/{lang.name}", lang.read_bytes())
 
