@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-peer-above", type=int, default=4096, help="skip transformers above this T")
     parser.add_argument("--naive-max", type=int, default=1024, help="run the per-token loop up to this T")

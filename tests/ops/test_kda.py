@@ -96,7 +96,7 @@ def test_chunk_unnormalised_keys_and_scale():
     assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(s, s_ref) <= 1e-5
 
 
-@pytest.mark.parametrize("chunk_size", [1, 16, 32, 128])
+@pytest.mark.parametrize("chunk_size", [1, 32, 64, 128])
 def test_chunk_sizes_agree(chunk_size):
     q, k, v, g, beta = make_inputs(1, 150, 2, 32, 32, gate="k3", seed=5)
     o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm=True)

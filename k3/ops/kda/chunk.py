@@ -37,10 +37,10 @@ above -80: exp of values below about -87 is ~50x slower on x86) plus exp(-Gl).
 of the sequential loop, so intermediates stay in cache: on CPU an elementwise pass over a large
 fresh tensor costs more than the matmuls it feeds.
 
-**Chunk size.** 64 by default (fla's); K3's gate then runs 4 sub-blocks of 16. Measured on the
-2-core dev box in single-thread CPU time, chunk_size=16 (one sub-block, no pair factors) was ~20%
-faster forward and ~20% faster forward+backward; with two busy threads the fewer, larger matmuls
-of 64 held up better. See benchmarks/kda.py.
+**Chunk size.** 16 by default: with K3's gate that is exactly one sub-block (no pair factors, no
+denormals from exp(G) over long chunks), and it does the fewest flops. On the 2-core dev box
+(B=1, H=8, K=V=128, T=4096, fp32, 2 threads) chunk sizes 16 / 32 / 64 ran in 0.074 / 0.092 /
+0.112 s. See benchmarks/kda.py.
 
 Gradients come from autograd through this form (loop over chunks, not tokens); the per-chunk
 pieces are taken with unbind/split so that the backward stays linear in T (about 3.5x forward).
@@ -170,7 +170,7 @@ def chunk_kda(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA, equal to ``naive_recurrent_kda`` up to rounding; differentiable.
 
