@@ -31,9 +31,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check k3 tests benchmarks
 	$(VENV)/bin/ruff format --check k3 tests benchmarks
 
+# The main job: create the `mini` checkpoint if absent, scan it, serve its atlas and print the URL.
 demo: $(STAMP) native
-	$(VENV)/bin/k3 census k3
-	$(VENV)/bin/k3 census mini
+	$(VENV)/bin/k3 atlas demo --dir checkpoints/mini
 
 bench: $(STAMP) native
 	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -4,6 +4,7 @@ wires them together, so `k3 --help` stays fast (heavy imports happen inside the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -30,7 +31,7 @@ def _root() -> None:
 
 def fail(message: str, code: int = 1) -> None:
     """One line on stderr, no traceback, non-zero exit."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
     raise typer.Exit(code)
 
 
@@ -107,6 +108,39 @@ def census(
         print(json.dumps(c.to_json(), indent=2))
     else:
         print_census(c, target)
+
+
+def _register_rooms() -> None:
+    """Each room's commands, imported light (their heavy imports happen when a command runs)."""
+    from k3.atlas.commands import atlas_app
+    from k3.checkpoint.commands import inspect
+    from k3.engine.commands import chat, generate, serve, tokenize
+    from k3.model.commands import init as write_random_weights
+    from k3.train.commands import train_app
+
+    app.command("inspect")(inspect)
+
+    @app.command("init")
+    def init(
+        out: Path = typer.Argument(..., help="Directory to write the checkpoint into (created if missing)."),
+        preset: str = typer.Option(..., "--preset", help=f"One of {', '.join(PRESETS)}."),
+        seed: int = typer.Option(0, "--seed", help="Random seed: the same seed writes the same bytes."),
+        overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already in OUT."),
+    ) -> None:
+        """Write a random checkpoint in the published layout (shards, index, config.json, MXFP4 experts)
+        and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary."""
+        from k3.config import K3Config
+        from k3.engine.build_tokenizer import write_tokenizer
+
+        write_random_weights(out, preset, seed, overwrite)
+        write_tokenizer(out, K3Config.preset(preset).vocab_size)
+    for command in (tokenize, generate, chat, serve):
+        app.command()(command)
+    app.add_typer(atlas_app, name="atlas")
+    app.add_typer(train_app, name="train")
+
+
+_register_rooms()
 
 
 def main() -> None:
