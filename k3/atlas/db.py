@@ -10,7 +10,8 @@ Tables:
   record (histograms, value table) as JSON;
 * `similarity` / `similarity_done`: cosine similarity of expert pairs per (MoE layer, matrix).
 
-The database runs in WAL mode and the scan writes one transaction per tensor (and per similarity job), so
+The database runs in WAL mode with synchronous=NORMAL (a commit costs no fsync); the scan stores whole
+results only (the tensors finished since its last write in one transaction, each similarity job in one), so
 a scan killed at any instant leaves only whole results behind, and a rerun skips them.
 """
 
@@ -237,11 +238,13 @@ class AtlasDB:
 
     def write_stats(self, tid: int, record: dict[str, Any], seconds: float) -> None:
         """One transaction: the tensor's statistics appear whole or not at all."""
-        columns = [record.get(k) for k in STAT_KEYS]
+        self.write_stats_rows([stats_row(tid, record, seconds)])
+
+    def write_stats_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
+        """Rows of `stats_row`, in one transaction: each tensor's statistics appear whole or not at all."""
         with self.conn:
-            self.conn.execute(
-                f"INSERT OR REPLACE INTO stats VALUES (?, {', '.join('?' * len(STAT_KEYS))}, ?, ?, ?)",
-                (tid, *columns, int(bool(record["distinct_exact"])), seconds, json.dumps(record)),
+            self.conn.executemany(
+                f"INSERT OR REPLACE INTO stats VALUES (?, {', '.join('?' * len(STAT_KEYS))}, ?, ?, ?)", rows
             )
 
     def stats(self, tid: int) -> dict[str, Any] | None:
@@ -287,6 +290,13 @@ class AtlasDB:
             ).fetchall()
             out[m] = {"subset": json.loads(subset), "pairs": [list(p) for p in pairs]}
         return out
+
+
+def stats_row(tid: int, record: dict[str, Any], seconds: float) -> tuple[Any, ...]:
+    """The `stats` table row of one tensor, its record encoded as JSON. The scan's workers build rows (the
+    encoding of large value tables is a good part of a small tensor's cost) and the writer stores them."""
+    columns = [record.get(k) for k in STAT_KEYS]
+    return (tid, *columns, int(bool(record["distinct_exact"])), seconds, json.dumps(record))
 
 
 def _tensor(r: sqlite3.Row) -> LogicalTensor:

@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from k3.atlas.db import LogicalTensor
 from k3.atlas.stats import TORCH_DTYPES
 
-CHUNK_BYTES = 16 * 2**20  # stored bytes read at a time per worker
+# Stored bytes read at a time per worker. Locally, small: a 2 MiB chunk and its widened int32 keys stay in
+# the CPU caches while they are counted (measured twice as fast as 16 MiB chunks). Remotely, large: each
+# chunk is one HTTP request.
+CHUNK_BYTES = 2 * 2**20
+REMOTE_CHUNK_BYTES = 16 * 2**20
 
 
 class TensorReader:
@@ -34,6 +38,11 @@ class TensorReader:
         self._local = local
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+
+    @property
+    def chunk_bytes(self) -> int:
+        """The default chunk size: `CHUNK_BYTES` locally, `REMOTE_CHUNK_BYTES` over HTTP."""
+        return CHUNK_BYTES if self._local is not None else REMOTE_CHUNK_BYTES
 
     def close(self) -> None:
         with self._lock:
@@ -77,8 +86,10 @@ class TensorReader:
         buf = self._read_bytes(name, start * row_bytes, (stop - start) * row_bytes)
         return _as_tensor(buf, info.dtype, (stop - start, *info.shape[1:]))
 
-    def flat_chunks(self, name: str, chunk_bytes: int = CHUNK_BYTES) -> Iterator[torch.Tensor]:
-        """The elements of stored tensor `name` in order, as 1-D tensors of at most ~chunk_bytes each."""
+    def flat_chunks(self, name: str, chunk_bytes: int | None = None) -> Iterator[torch.Tensor]:
+        """The elements of stored tensor `name` in order, as 1-D tensors of at most ~chunk_bytes each
+        (default: `self.chunk_bytes`)."""
+        chunk_bytes = chunk_bytes or self.chunk_bytes
         info = self.ckpt.info(name)
         item = TORCH_DTYPES[info.dtype].itemsize
         if self._local is None and info.shape and info.shape[0] > 0:
@@ -93,8 +104,10 @@ class TensorReader:
             length = min(step, info.nbytes - off)
             yield _as_tensor(self._read_bytes(name, off, length), info.dtype, (length // item,))
 
-    def row_step(self, t: LogicalTensor, chunk_bytes: int = CHUNK_BYTES) -> int:
-        """Rows of logical tensor `t` per chunk so that one chunk's stored bytes stay near chunk_bytes."""
+    def row_step(self, t: LogicalTensor, chunk_bytes: int | None = None) -> int:
+        """Rows of logical tensor `t` per chunk so that one chunk's stored bytes stay near chunk_bytes
+        (default: `self.chunk_bytes`)."""
+        chunk_bytes = chunk_bytes or self.chunk_bytes
         rows = t.shape[0] if t.shape else 1
         return max(1, chunk_bytes // max(1, t.bytes // max(rows, 1)))
 

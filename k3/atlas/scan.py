@@ -2,14 +2,18 @@
 
     db_path = scan("checkpoints/mini")            # or an http(s) URL; returns the database path
 
-Work is split into jobs: one per logical tensor (statistics), then one per (MoE layer, matrix kind) (expert
-cosine similarity). Jobs run on a thread pool (torch releases the GIL while it counts) and are handed out
-round-robin over shards, so that workers read different files at once. The main thread alone writes to the
-database, one transaction per finished job, so the scan can be killed at any instant and rerun: finished
-jobs are skipped, unfinished ones redone from scratch.
+Work is split into jobs: one per large logical tensor, one per run of small tensors stored next to each
+other (up to a chunk's worth of bytes: a K3 checkpoint has tens of thousands of small expert matrices, and
+a job per matrix would cost more in hand-offs than in counting), then one per (MoE layer, matrix kind)
+(expert cosine similarity). Jobs run on a thread pool (torch releases the GIL while it counts; each worker
+runs its torch ops single-threaded, the workers being the parallelism) and are handed out round-robin over
+shards, so that workers read different files at once. Workers also encode each record as JSON; the main
+thread alone writes to the database, one transaction for whatever finished since its last write, so the
+scan can be killed at any instant and rerun: finished tensors are skipped, unfinished ones redone from
+scratch.
 
-Memory is bounded by the workers times the chunk size (`reading.CHUNK_BYTES` of stored bytes, a few times
-that once widened to float): whatever the size of the checkpoint, the scan holds a few hundred MB.
+Memory is bounded by the workers times the chunk size (`TensorReader.chunk_bytes` of stored bytes, a few
+times that once widened): whatever the size of the checkpoint, the scan holds a few hundred MB.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from k3.atlas.db import AtlasDB, LogicalTensor, fingerprint, logical_tensors
-from k3.atlas.reading import CHUNK_BYTES, TensorReader
+import torch
+
+from k3.atlas.db import AtlasDB, LogicalTensor, fingerprint, logical_tensors, stats_row
+from k3.atlas.reading import TensorReader
 from k3.atlas.similarity import MEMORY_BUDGET, cosine_similarities, expert_pairs
 from k3.atlas.stats import MXFP4Stats, accumulator_for
 
@@ -57,9 +63,11 @@ def resolve_db_path(source: str | Path, out: str | Path | None) -> Path:
 
 
 def tensor_statistics(
-    reader: TensorReader, t: LogicalTensor, chunk_bytes: int = CHUNK_BYTES
+    reader: TensorReader, t: LogicalTensor, chunk_bytes: int | None = None
 ) -> dict[str, Any]:
-    """The statistics record of one logical tensor, read in chunks of ~chunk_bytes stored bytes."""
+    """The statistics record of one logical tensor, read in chunks of ~chunk_bytes stored bytes (default:
+    `reader.chunk_bytes`)."""
+    chunk_bytes = chunk_bytes or reader.chunk_bytes
     if t.dtype == "MXFP4":
         acc = MXFP4Stats()
         packed, scale = t.parts
@@ -107,20 +115,59 @@ def layer_similarity(
     return cosine_similarities(ids, rows, cols, load, pairs, memory_budget), [ids[i] for i in pos_subset]
 
 
-def _round_robin(tensors: list[LogicalTensor]) -> Iterator[LogicalTensor]:
-    """Interleave tensors of different shards so that parallel workers read different files."""
-    by_shard: dict[str, list[LogicalTensor]] = defaultdict(list)
+MAX_TENSORS_PER_JOB = 32  # small tensors grouped into one job (a kill loses at most a few jobs of them)
+
+
+def _jobs(tensors: list[LogicalTensor], chunk_bytes: int) -> list[list[LogicalTensor]]:
+    """Runs of consecutive same-shard tensors of up to ~chunk_bytes (or MAX_TENSORS_PER_JOB) in all; a
+    tensor of a chunk or more is a job of its own."""
+    jobs: list[list[LogicalTensor]] = []
+    run: list[LogicalTensor] = []
+    run_bytes = 0
     for t in tensors:
-        by_shard[t.shard].append(t)
+        if run and (
+            t.shard != run[0].shard or run_bytes + t.bytes > chunk_bytes or len(run) == MAX_TENSORS_PER_JOB
+        ):
+            jobs.append(run)
+            run, run_bytes = [], 0
+        run.append(t)
+        run_bytes += t.bytes
+    if run:
+        jobs.append(run)
+    return jobs
+
+
+def _job_rows(reader: TensorReader, job: list[LogicalTensor], chunk_bytes: int) -> list[tuple[Any, ...]]:
+    """The `stats` rows of one job's tensors (computed in a worker thread)."""
+    rows = []
+    for t in job:
+        started = time.perf_counter()
+        record = tensor_statistics(reader, t, chunk_bytes)
+        rows.append(stats_row(t.id, record, time.perf_counter() - started))
+    return rows
+
+
+def _round_robin(jobs: list[list[LogicalTensor]]) -> Iterator[list[LogicalTensor]]:
+    """Interleave jobs of different shards so that parallel workers read different files."""
+    by_shard: dict[str, list[list[LogicalTensor]]] = defaultdict(list)
+    for job in jobs:
+        by_shard[job[0].shard].append(job)
     queues = [iter(v) for v in by_shard.values()]
     while queues:
         alive = []
         for q in queues:
-            t = next(q, None)
-            if t is not None:
-                yield t
+            job = next(q, None)
+            if job is not None:
+                yield job
                 alive.append(q)
         queues = alive
+
+
+def _single_threaded_torch() -> None:
+    """Pool initializer: torch ops in this worker thread run on this thread alone. (OpenMP's thread count
+    is per calling thread; left at the core count, every worker would start a team of its own and, on a
+    busy machine, wait on it: measured 15x slower with one worker beside another busy process.)"""
+    torch.set_num_threads(1)
 
 
 def scan(
@@ -129,14 +176,15 @@ def scan(
     *,
     workers: int | None = None,
     similarity: bool = True,
-    chunk_bytes: int = CHUNK_BYTES,
+    chunk_bytes: int | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> Path:
     """Scan `source` (checkpoint directory, file or URL) into `db_path` (default: `default_db_path`).
 
     Resumable: tensors and similarity jobs already in the database are not redone. `on_progress` is called
-    from the calling thread after every stored job (an exception there stops the scan; what was stored
-    stays). Returns the database path.
+    from the calling thread after every stored tensor and similarity job (an exception there stops the scan;
+    what was stored stays). `chunk_bytes` defaults to the reader's (`reading.CHUNK_BYTES` locally).
+    Returns the database path.
     """
     from k3.checkpoint import open_checkpoint
 
@@ -150,7 +198,7 @@ def scan(
         try:
             db.write_index(tensors, fingerprint(infos))
             _write_meta(db, source, ckpt)
-            _run(db, reader, tensors, workers, similarity, chunk_bytes, on_progress)
+            _run(db, reader, tensors, workers, similarity, chunk_bytes or reader.chunk_bytes, on_progress)
             db.set_meta("complete", similarity)
         finally:
             reader.close()
@@ -191,28 +239,32 @@ def _run(
     )
     if on_progress:
         on_progress(progress)
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="atlas-scan") as pool:
+    threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="atlas-scan", initializer=_single_threaded_torch)
+    try:
         # at most 2 jobs per worker in flight: results come back in memory, and a kill loses little
-        queue = iter(_round_robin(pending))
-        in_flight: dict[Future, tuple[LogicalTensor, float]] = {}
+        queue = _round_robin(_jobs(pending, chunk_bytes))
+        in_flight: dict[Future, list[LogicalTensor]] = {}
 
         def submit_next() -> None:
-            t = next(queue, None)
-            if t is not None:
-                in_flight[pool.submit(tensor_statistics, reader, t, chunk_bytes)] = (t, time.perf_counter())
+            job = next(queue, None)
+            if job is not None:
+                in_flight[pool.submit(_job_rows, reader, job, chunk_bytes)] = job
 
         for _ in range(2 * workers):
             submit_next()
         while in_flight:
             finished, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+            rows, stored = [], []
             for fut in finished:
-                t, started = in_flight.pop(fut)
-                record = fut.result()
-                db.write_stats(t.id, record, time.perf_counter() - started)
+                rows += fut.result()
+                stored += in_flight.pop(fut)
+                submit_next()
+            db.write_stats_rows(rows)  # one transaction for all that finished
+            for t in stored:
                 progress.tensors_done += 1
                 progress.bytes_done += t.bytes
                 progress.last = t.name
-                submit_next()
                 if on_progress:
                     on_progress(progress)
         # similarity: one job per (layer, matrix); the workers share one memory budget
@@ -226,6 +278,9 @@ def _run(
             progress.last = f"similarity layer {layer} {matrix}"
             if on_progress:
                 on_progress(progress)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads)  # the workers' setting also changed torch's process-wide count
 
 
 def _as_completed(futures: dict[Future, Any]) -> Iterator[Future]:

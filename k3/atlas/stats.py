@@ -6,21 +6,25 @@ Three accumulators, one per storage kind, all ending in the same record:
   (65,536 or 256 bins). Every statistic follows exactly from it: the distinct values are the patterns in use
   (with -0 and +0 merged, and all NaN patterns counted as one value), and min, max, mean, RMS and the
   magnitude histogram are sums over the (value, count) table.
-* `MXFP4Stats` for a `weight_packed` / `weight_scale` pair: the (value, count) table of
-  `k3.ops.mxfp4.mxfp4_value_counts`, merged over row chunks, plus code and scale histograms. The matrix is
-  never dequantized.
+* `MXFP4Stats` for a `weight_packed` / `weight_scale` pair: a joint histogram of (scale byte, packed byte)
+  (65,536 bins), from which the (value, count) table of `k3.ops.mxfp4.mxfp4_value_counts`, the code and the
+  scale histograms follow exactly. The matrix is never dequantized.
 * `StreamingStats` for everything else (F32, F64, wide integers): running moments and a magnitude
   histogram, and the distinct values kept exactly in a running `torch.unique` table until it holds more than
   `DISTINCT_CAP` entries; past that the count is a lower bound and `distinct_exact` is false.
 
-The record (`finish()`) is a plain dict ready for JSON; `STAT_KEYS` lists its scalar fields.
+The record (`finish()`) is a plain dict ready for JSON; `STAT_KEYS` lists its scalar fields. The
+per-tensor work after the pass (value tables of at most 65,536 entries) is numpy, whose per-call cost is a
+fraction of torch's: on checkpoints of many small matrices that fixed cost is what the scan spends.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 # Magnitude histogram: bins of a quarter octave over |w| in [2^-40, 2^24); zeros are counted apart, smaller
@@ -69,24 +73,29 @@ TORCH_DTYPES = {
 BIT_PATTERN_DTYPES = ("BF16", "F16", "U8", "I8", "BOOL")
 
 
-def _magnitude_histogram(magnitudes: torch.Tensor, counts: torch.Tensor | None = None) -> dict[str, Any]:
+def _magnitude_histogram(magnitudes: np.ndarray, counts: np.ndarray | None = None) -> dict[str, Any]:
     """Histogram of nonzero finite-or-inf magnitudes (float64 [N]), each weighted by `counts` (or 1)."""
-    weights = torch.ones_like(magnitudes, dtype=torch.int64) if counts is None else counts
     nonzero = magnitudes > 0
-    mags, weights = magnitudes[nonzero], weights[nonzero]
-    bins = torch.floor(torch.log2(mags) * HIST_PER_OCTAVE).to(torch.float64) - HIST_LOW_EXP * HIST_PER_OCTAVE
+    mags = magnitudes[nonzero]
+    weights = np.ones(mags.size, dtype=np.int64) if counts is None else counts[nonzero]
+    with np.errstate(over="ignore"):  # inf magnitudes go to `over`
+        bins = np.floor(np.log2(mags) * HIST_PER_OCTAVE) - HIST_LOW_EXP * HIST_PER_OCTAVE
     under = bins < 0
-    over = (bins >= HIST_BINS) | torch.isinf(mags)
+    over = (bins >= HIST_BINS) | np.isinf(mags)
     inside = ~(under | over)
-    hist = torch.zeros(HIST_BINS, dtype=torch.int64)
-    hist.scatter_add_(0, bins[inside].long(), weights[inside])
-    return {"hist": hist, "under": int(weights[under].sum()), "over": int(weights[over].sum())}
+    hist = np.bincount(bins[inside].astype(np.int64), weights=weights[inside], minlength=HIST_BINS)
+    # float64 weights sum exactly below 2^53 elements per bin
+    return {
+        "hist": hist.astype(np.int64),
+        "under": int(weights[under].sum()),
+        "over": int(weights[over].sum()),
+    }
 
 
-def _histogram_record(hist: torch.Tensor, under: int, over: int) -> dict[str, Any]:
+def _histogram_record(hist: np.ndarray, under: int, over: int) -> dict[str, Any]:
     """Compact JSON form: only the span of bins in use, with the log2 edge of the first."""
-    used = torch.nonzero(hist).flatten()
-    if used.numel() == 0:
+    used = np.flatnonzero(hist)
+    if used.size == 0:
         first, counts = 0, []
     else:
         first, last = int(used[0]), int(used[-1])
@@ -100,7 +109,7 @@ def _histogram_record(hist: torch.Tensor, under: int, over: int) -> dict[str, An
     }
 
 
-def _abs_quantile(hist: torch.Tensor, under: int, over: int, q: float, abs_max: float) -> float:
+def _abs_quantile(hist: np.ndarray, under: int, over: int, q: float, abs_max: float) -> float:
     """Upper edge of the histogram bin holding the q-quantile of nonzero magnitudes (capped by abs_max)."""
     total = int(hist.sum()) + under + over
     if total == 0:
@@ -108,42 +117,47 @@ def _abs_quantile(hist: torch.Tensor, under: int, over: int, q: float, abs_max: 
     target = q * total - under
     if target <= 0:
         return min(abs_max, 2.0**HIST_LOW_EXP)
-    cumulative = torch.cumsum(hist, 0)
-    idx = int(torch.searchsorted(cumulative, torch.tensor(target, dtype=torch.int64).ceil().long()))
+    idx = int(np.searchsorted(np.cumsum(hist), math.ceil(target)))
     if idx >= HIST_BINS:
         return abs_max
     return min(abs_max, 2.0 ** (HIST_LOW_EXP + (idx + 1) / HIST_PER_OCTAVE))
 
 
-def stats_from_value_table(values: torch.Tensor, counts: torch.Tensor, nan_count: int = 0) -> dict[str, Any]:
+def stats_from_value_table(
+    values: torch.Tensor | np.ndarray, counts: torch.Tensor | np.ndarray, nan_count: int = 0
+) -> dict[str, Any]:
     """Every statistic of a tensor whose distinct non-NaN values are `values` (float64 [V]) occurring
-    `counts` (int64 [V]) times. Exact up to float64 rounding of the sums."""
-    values = values.to(torch.float64)
-    counts = counts.to(torch.int64)
+    `counts` (int64 [V]) times. Exact up to float64 rounding of the sums.
+
+    Computed in numpy: the tables are small (at most 65,536 entries), where numpy's per-call cost is a
+    fraction of torch's, and a scan makes this call once per tensor."""
+    values = np.asarray(values, dtype=np.float64)
+    counts = np.asarray(counts, dtype=np.int64)
     n = int(counts.sum())
     total = n + nan_count
-    c = counts.to(torch.float64)
     record: dict[str, Any] = {"numel": total, "nan_count": nan_count}
     if n == 0:
         record.update(
             dict.fromkeys(("min", "max", "mean", "mean_abs", "rms", "std", "abs_max", "abs_p99"), None)
         )
         record.update(zero_fraction=0.0, positive_fraction=0.0, negative_fraction=0.0, sign_balance=0.0)
-        record["magnitude_histogram"] = _histogram_record(torch.zeros(HIST_BINS, dtype=torch.int64), 0, 0)
+        record["magnitude_histogram"] = _histogram_record(np.zeros(HIST_BINS, dtype=np.int64), 0, 0)
         return record
-    mean = float((values * c).sum()) / n
-    mean_sq = float((values * values * c).sum()) / n
+    c = counts.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):  # infinite values give infinite (or NaN) moments
+        mean = float(np.dot(values, c)) / n
+        mean_sq = float(np.dot(values * values, c)) / n
+    mags = np.abs(values)
     zeros = int(counts[values == 0].sum())
     positive = int(counts[values > 0].sum())
     negative = int(counts[values < 0].sum())
-    mags = values.abs()
     hist = _magnitude_histogram(mags, counts)
     abs_max = float(mags.max())
     record.update(
         min=float(values.min()),
         max=float(values.max()),
         mean=mean,
-        mean_abs=float((mags * c).sum()) / n,
+        mean_abs=float(np.dot(mags, c)) / n,
         rms=math.sqrt(mean_sq),
         std=math.sqrt(max(mean_sq - mean * mean, 0.0)),
         abs_max=abs_max,
@@ -157,19 +171,31 @@ def stats_from_value_table(values: torch.Tensor, counts: torch.Tensor, nan_count
     return record
 
 
-def _value_table_record(
-    values: torch.Tensor, counts: torch.Tensor, nan_count: int
-) -> list[list[float]] | None:
-    if values.numel() + (nan_count > 0) > VALUE_TABLE_LIMIT:
+def _value_table_record(values: np.ndarray, counts: np.ndarray, nan_count: int) -> list[list[Any]] | None:
+    if values.size + (nan_count > 0) > VALUE_TABLE_LIMIT:
         return None
-    table = [[float(v), int(c)] for v, c in zip(values.tolist(), counts.tolist(), strict=True)]
+    table: list[list[Any]] = [list(vc) for vc in zip(values.tolist(), counts.tolist(), strict=True)]
     if nan_count:
         table.append([None, nan_count])  # JSON has no NaN: the NaN entry's value is null
     return table
 
 
+def _merge_equal_values(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """(distinct non-NaN values ascending, their summed counts, NaN count) of a (value, count) table whose
+    values may repeat; -0.0 and +0.0 are one value."""
+    nan = np.isnan(values)
+    nan_count = int(counts[nan].sum())
+    distinct, inverse = np.unique(values[~nan] + 0.0, return_inverse=True)  # "+ 0.0": -0.0 -> +0.0
+    merged = np.zeros(distinct.size, dtype=np.int64)
+    np.add.at(merged, inverse.reshape(-1), counts[~nan])
+    return distinct, merged, nan_count
+
+
 class BitPatternStats:
-    """Exact statistics of a 16-bit float or 8-bit integer tensor from its bit-pattern histogram."""
+    """Exact statistics of a 16-bit float or 8-bit integer tensor from its bit-pattern histogram.
+
+    `update` is the only pass over the data: one `torch.bincount` per chunk (16-bit patterns are first
+    widened to int32 in a scratch buffer reused over chunks, since bincount takes no uint16)."""
 
     def __init__(self, dtype: str):
         if dtype not in BIT_PATTERN_DTYPES:
@@ -177,73 +203,97 @@ class BitPatternStats:
         self.dtype = dtype
         self.bits = 16 if dtype in ("BF16", "F16") else 8
         self.patterns = torch.zeros(1 << self.bits, dtype=torch.int64)  # [65536] or [256]
+        self._keys = torch.empty(0, dtype=torch.int32)  # scratch: the widened patterns of one chunk
 
     def update(self, chunk: torch.Tensor) -> None:
         """`chunk`: any shape, of this accumulator's dtype."""
-        if self.bits == 16:  # bincount takes no uint16; the widening copy is the one pass over the chunk
-            keys = chunk.reshape(-1).view(torch.uint16).to(torch.int32)
-        else:
-            keys = chunk.reshape(-1).view(torch.uint8).to(torch.int32)
-        self.patterns += torch.bincount(keys, minlength=1 << self.bits)
+        flat = chunk.reshape(-1)
+        if self.bits == 8:
+            self.patterns += torch.bincount(flat.view(torch.uint8), minlength=256)
+            return
+        if self._keys.numel() < flat.numel():
+            self._keys = torch.empty(flat.numel(), dtype=torch.int32)
+        keys = self._keys[: flat.numel()]
+        keys.copy_(flat.view(torch.int16))  # sign-extends: patterns >= 0x8000 come out negative ...
+        keys.bitwise_and_(0xFFFF)  # ... and this takes the sign extension off again
+        self.patterns += torch.bincount(keys, minlength=1 << 16)
 
-    def value_table(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(distinct non-NaN values float64 ascending, counts, NaN count)."""
-        used = torch.nonzero(self.patterns).flatten()
-        counts = self.patterns[used]
-        if self.bits == 16:
-            torch_dtype = TORCH_DTYPES[self.dtype]
-            values = used.to(torch.int32).to(torch.int16).view(torch_dtype).to(torch.float64)
-        else:
-            values = used.to(torch.uint8).view(TORCH_DTYPES[self.dtype]).to(torch.float64)
-        nan = values.isnan()
-        nan_count = int(counts[nan].sum())
-        values, counts = values[~nan], counts[~nan]
-        values = values + 0.0  # -0.0 -> +0.0, so the two zeros merge below
-        distinct, inverse = torch.unique(values, sorted=True, return_inverse=True)
-        merged = torch.zeros(distinct.numel(), dtype=torch.int64).scatter_add_(0, inverse, counts)
-        return distinct, merged, nan_count
+    def value_table(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """(distinct non-NaN values float64 ascending, counts int64, NaN count)."""
+        patterns = self.patterns.numpy()
+        used = np.flatnonzero(patterns)  # the bit patterns in use, ascending
+        if self.dtype == "BF16":  # a BF16 pattern is the high half of the float32 with the same value
+            values = (used.astype(np.uint32) << 16).view(np.float32)
+        elif self.dtype == "F16":
+            values = used.astype(np.uint16).view(np.float16)
+        elif self.dtype == "I8":
+            values = used.astype(np.uint8).view(np.int8)
+        elif self.dtype == "BOOL":
+            values = used != 0
+        else:  # U8
+            values = used
+        return _merge_equal_values(values.astype(np.float64), patterns[used])
 
     def finish(self) -> dict[str, Any]:
         values, counts, nan_count = self.value_table()
         record = stats_from_value_table(values, counts, nan_count)
-        record["distinct_values"] = int(values.numel()) + (nan_count > 0)
+        record["distinct_values"] = int(values.size) + (nan_count > 0)
         record["distinct_exact"] = True
         record["distinct_method"] = f"{self.bits}-bit pattern histogram"
         record["values"] = _value_table_record(values, counts, nan_count)
         return record
 
 
+@functools.cache
+def _mxfp4_pair_values() -> np.ndarray:
+    """float64 [256, 16]: the value of E2M1 code c under E8M0 scale byte s (row 255 is NaN); exact."""
+    from k3.ops.mxfp4.codec import e2m1_table, e8m0_table
+
+    return (e8m0_table(torch.float64)[:, None] * e2m1_table(torch.float64)[None, :]).numpy()
+
+
 class MXFP4Stats:
-    """Exact statistics of an MXFP4 matrix from its codes and scales, merged over row chunks."""
+    """Exact statistics of an MXFP4 matrix from its codes and scales, merged over row chunks.
+
+    The one pass over the data is a joint histogram of (scale byte, packed byte) over every byte of every
+    block (65,536 bins): each packed byte holds two codes under its block's scale, so the (scale, code) pair
+    counts, the value table (products merged where equal, as `k3.ops.mxfp4.mxfp4_value_counts` does), the
+    code histogram and the scale histogram all follow from it exactly. The matrix is never dequantized."""
 
     def __init__(self) -> None:
-        self.values = torch.zeros(0, dtype=torch.float64)
-        self.counts = torch.zeros(0, dtype=torch.int64)
-        self.nan_count = 0
-        self.code_histogram = torch.zeros(16, dtype=torch.int64)
-        self.scale_histogram = torch.zeros(256, dtype=torch.int64)
+        self.joint = torch.zeros(256 * 256, dtype=torch.int64)  # [scale byte * 256 + packed byte]
+        self.scale_histogram = torch.zeros(256, dtype=torch.int64)  # blocks per scale byte
+        self._keys = torch.empty(0, dtype=torch.int32)  # scratch: the joint keys of one chunk
 
     def update(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         """`packed` uint8 [r, K/2] and `scale` uint8 [r, K/32]: the same rows of both tensors."""
-        from k3.ops.mxfp4 import mxfp4_value_counts
-
-        vc = mxfp4_value_counts(packed, scale)
-        nan = vc.values.isnan()
-        self.nan_count += int(vc.counts[nan].sum())
-        values = torch.cat([self.values, vc.values[~nan]])
-        counts = torch.cat([self.counts, vc.counts[~nan]])
-        self.values, inverse = torch.unique(values, sorted=True, return_inverse=True)
-        self.counts = torch.zeros(self.values.numel(), dtype=torch.int64).scatter_add_(0, inverse, counts)
-        self.code_histogram += vc.code_histogram
-        self.scale_histogram += vc.scale_histogram
+        if packed.dtype != torch.uint8 or scale.dtype != torch.uint8:
+            raise ValueError(f"MXFP4 parts must be uint8, got {packed.dtype} and {scale.dtype}")
+        if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != 16 * scale.shape[-1]:
+            raise ValueError(f"packed {tuple(packed.shape)} and scale {tuple(scale.shape)} are not a pair")
+        blocks = scale.numel()
+        if self._keys.numel() < 16 * blocks:
+            self._keys = torch.empty(16 * blocks, dtype=torch.int32)
+        keys = self._keys[: 16 * blocks].view(blocks, 16)  # [B, 16]: the 16 bytes of each block
+        keys.copy_(packed.reshape(blocks, 16))
+        keys.add_(scale.reshape(blocks, 1).to(torch.int32) * 256)
+        self.joint += torch.bincount(keys.view(-1), minlength=256 * 256)
+        self.scale_histogram += torch.bincount(scale.reshape(-1), minlength=256)  # B keys: cheap
 
     def finish(self) -> dict[str, Any]:
-        record = stats_from_value_table(self.values, self.counts, self.nan_count)
-        record["distinct_values"] = int(self.values.numel()) + (self.nan_count > 0)
+        scales = np.flatnonzero(self.scale_histogram.numpy())  # [S] scale bytes in use (a few, typically)
+        joint = self.joint.numpy().reshape(256, 16, 16)[scales]  # [S, high nibble, low nibble]
+        pair_counts = joint.sum(axis=1) + joint.sum(axis=2)  # [S, 16]: low-nibble + high-nibble codes
+        in_use = pair_counts > 0
+        values, counts, nan_count = _merge_equal_values(
+            _mxfp4_pair_values()[scales][in_use], pair_counts[in_use]
+        )
+        record = stats_from_value_table(values, counts, nan_count)
+        record["distinct_values"] = int(values.size) + (nan_count > 0)
         record["distinct_exact"] = True
         record["distinct_method"] = "MXFP4 codes x scales"
-        record["values"] = _value_table_record(self.values, self.counts, self.nan_count)
-        record["code_histogram"] = self.code_histogram.tolist()
+        record["values"] = _value_table_record(values, counts, nan_count)
+        record["code_histogram"] = pair_counts.sum(axis=0).tolist()
         record["scale_histogram"] = self.scale_histogram.tolist()
         return record
 
@@ -263,7 +313,7 @@ class StreamingStats:
         self.sum = self.sum_abs = self.sum_sq = 0.0
         self.min, self.max = math.inf, -math.inf
         self.zeros = self.positive = self.negative = 0
-        self.hist = torch.zeros(HIST_BINS, dtype=torch.int64)
+        self.hist = np.zeros(HIST_BINS, dtype=np.int64)
         self.under = self.over = 0
         self.distinct: tuple[torch.Tensor, torch.Tensor] | None = (
             torch.zeros(0, dtype=torch.float64),
@@ -295,7 +345,7 @@ class StreamingStats:
         self.zeros += int((x == 0).sum())
         self.positive += int((x > 0).sum())
         self.negative += int((x < 0).sum())
-        h = _magnitude_histogram(a.to(torch.float64))
+        h = _magnitude_histogram(a.to(torch.float64).numpy())
         self.hist += h["hist"]
         self.under += h["under"]
         self.over += h["over"]
@@ -318,9 +368,9 @@ class StreamingStats:
 
     def finish(self) -> dict[str, Any]:
         if self.distinct is not None:
-            values, counts = self.distinct
+            values, counts = self.distinct[0].numpy(), self.distinct[1].numpy()
             record = stats_from_value_table(values, counts, self.nan_count)
-            record["distinct_values"] = int(values.numel()) + (self.nan_count > 0)
+            record["distinct_values"] = int(values.size) + (self.nan_count > 0)
             record["distinct_exact"] = True
             record["distinct_method"] = "exact (running unique)"
             record["values"] = _value_table_record(values, counts, self.nan_count)

@@ -138,3 +138,45 @@ def test_fast_dequantize_equals_the_codec() -> None:
     torch.testing.assert_close(
         dequantize_rows(packed, scale), dequantize_mxfp4(packed, scale), rtol=0, atol=0, equal_nan=True
     )
+
+
+def test_mxfp4_stats_equal_the_codecs_value_counts() -> None:
+    """The joint (scale, byte) histogram gives exactly `mxfp4_value_counts` of the whole matrix, NaN scales,
+    both zeros and equal products of different (scale, code) pairs included."""
+    from k3.ops.mxfp4 import mxfp4_value_counts
+
+    gen = torch.Generator().manual_seed(7)
+    packed = torch.randint(0, 256, (45, 48), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(120, 130, (45, 3), dtype=torch.uint8, generator=gen)
+    scale[3, 1], scale[9, 0], scale[10, 2] = 255, 0, 254  # NaN block, smallest and largest scale
+    acc = MXFP4Stats()
+    for r0 in range(0, 45, 16):
+        acc.update(packed[r0 : r0 + 16], scale[r0 : r0 + 16])
+    record = acc.finish()
+    want = mxfp4_value_counts(packed, scale)
+    finite = ~want.values.isnan()
+    assert record["values"][:-1] == [
+        [v, c] for v, c in zip(want.values[finite].tolist(), want.counts[finite].tolist(), strict=True)
+    ]
+    assert record["values"][-1] == [None, 32] and record["nan_count"] == 32
+    assert record["code_histogram"] == want.code_histogram.tolist()
+    assert record["scale_histogram"] == want.scale_histogram.tolist()
+    with pytest.raises(ValueError, match="not a pair"):
+        acc.update(packed[:2], scale[:3])
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name"), [(torch.int8, "I8"), (torch.uint8, "U8"), (torch.bool, "BOOL"), (torch.float16, "F16")]
+)
+def test_bit_pattern_stats_other_dtypes(dtype: torch.dtype, name: str) -> None:
+    gen = torch.Generator().manual_seed(8)
+    if dtype.is_floating_point:
+        x = (torch.randn(300, 250, generator=gen) * 100).to(dtype)
+    else:
+        x = torch.randint(
+            -128 if dtype == torch.int8 else 0, 2 if dtype == torch.bool else 128, (300, 250), generator=gen
+        ).to(dtype)
+    acc = BitPatternStats(name)
+    for c in chunks(x, 4):
+        acc.update(c)
+    check(acc.finish(), reference(x))
