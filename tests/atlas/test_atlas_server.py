@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import P, planted_tensors
 from fastapi.testclient import TestClient
 from PIL import Image
+from planted import P, planted_tensors
 
 from k3.atlas.server import STATIC_DIR, create_app
 from k3.atlas.site import build_site

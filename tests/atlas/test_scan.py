@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import P, planted_tensors
+from planted import P, planted_tensors
 from typer.testing import CliRunner
 
 from k3.atlas.commands import atlas_app
