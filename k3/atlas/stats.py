@@ -174,7 +174,7 @@ def stats_from_value_table(
 def _value_table_record(values: np.ndarray, counts: np.ndarray, nan_count: int) -> list[list[Any]] | None:
     if values.size + (nan_count > 0) > VALUE_TABLE_LIMIT:
         return None
-    table: list[list[Any]] = [list(vc) for vc in zip(values.tolist(), counts.tolist(), strict=True)]
+    table: list[list[Any]] = list(map(list, zip(values.tolist(), counts.tolist(), strict=True)))
     if nan_count:
         table.append([None, nan_count])  # JSON has no NaN: the NaN entry's value is null
     return table
@@ -401,7 +401,7 @@ class StreamingStats:
         }
 
 
-SMALL_TENSOR = 1 << 16  # elements; below this a running unique is cheaper than a 65,536-bin histogram
+SMALL_TENSOR = 1 << 12  # elements; below this a running unique is cheaper than a 65,536-bin histogram
 
 
 def accumulator_for(dtype: str, numel: int) -> BitPatternStats | StreamingStats:
