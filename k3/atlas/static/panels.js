@@ -176,7 +176,7 @@
     viewer.layer.addTo(viewer.map);
     viewer.map.setMaxZoom(top + 6);
     viewer.map.setMaxBounds(bounds.pad(0.5));
-    viewer.map.fitBounds(bounds);
+    viewer.map.fitBounds(bounds, { animate: false }); // a new matrix: jump, no zoom animation from the old one
     viewer.bounds = bounds;
     drawViewerFoot();
   }
