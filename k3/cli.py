@@ -13,6 +13,7 @@ from rich.table import Table
 from k3.census import Census, census_of
 from k3.config import PRESETS
 from k3.errors import K3Error
+from k3.terminal import fail
 
 app = typer.Typer(
     name="k3",
@@ -27,12 +28,6 @@ console = Console()
 @app.callback()
 def _root() -> None:
     """Kimi K3, exact and readable: census, checkpoints, model, atlas, engine, training."""
-
-
-def fail(message: str, code: int = 1) -> None:
-    """One line on stderr, no traceback, non-zero exit."""
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
 
 
 def _human(n: float, unit: str = "") -> str:
@@ -134,6 +129,7 @@ def _register_rooms() -> None:
 
         write_random_weights(out, preset, seed, overwrite)
         write_tokenizer(out, K3Config.preset(preset).vocab_size)
+
     for command in (tokenize, generate, chat, serve):
         app.command()(command)
     app.add_typer(atlas_app, name="atlas")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import typer
 
+from k3.terminal import fail
+
 atlas_app = typer.Typer(
     name="atlas",
     help="The atlas: scan a checkpoint and show what is inside it, in the browser.",
@@ -21,13 +23,6 @@ atlas_app = typer.Typer(
 
 SOURCE_HELP = "A checkpoint directory, a .safetensors file or an http(s) URL of one."
 SERVE_SOURCE_HELP = SOURCE_HELP + " A preset name or a config.json shows the config-only view (no weights)."
-
-
-def _fail(message: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(1)
 
 
 def run_scan(
@@ -88,7 +83,7 @@ def scan_command(
     try:
         db_path = run_scan(source, out, workers, similarity)
     except (K3Error, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     print(f"atlas database: {db_path}")
 
 
@@ -109,12 +104,12 @@ def stats_command(
         if not db_path.exists() or not AtlasDB(db_path).get_meta("complete"):
             run_scan(source, out, None, quiet=as_json)
     except (K3Error, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     db = AtlasDB(db_path)
     tensors = db.tensors() if not names else [db.tensor_by_name(n) for n in names]
     unknown = [n for n, t in zip(names or [], tensors, strict=False) if t is None]
     if unknown:
-        _fail(f"no tensor named {', '.join(unknown)} in {source}")
+        fail(f"no tensor named {', '.join(unknown)} in {source}")
     records = []
     for t in tensors:
         record = db.stats(t.id) or {}
@@ -182,7 +177,7 @@ def serve_command(
     try:
         app = _make_app(source, out, scan_first)
     except (K3Error, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     print(f"atlas of {source}: http://{host}:{port}/", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
@@ -208,7 +203,7 @@ def build_command(
             atlas = Atlas.open(source, db_dir)
         n = build_site(atlas, site, max_tile_level=max_tile_level)
     except (K3Error, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     print(f"static atlas: {n} files in {site} (open {site / 'index.html'} through any web server)")
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from k3.checkpoint import TORCH_DTYPES as CHECKPOINT_DTYPES
+
 # Magnitude histogram: bins of a quarter octave over |w| in [2^-40, 2^24); zeros are counted apart, smaller
 # nonzero magnitudes go to `under`, larger ones (and inf) to `over`.
 HIST_PER_OCTAVE = 4
@@ -54,22 +56,9 @@ STAT_KEYS = (
     "distinct_values",
 )
 
-# torch dtypes of the safetensors dtype strings the atlas reads as numbers
-TORCH_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "BOOL": torch.bool,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-}
+# torch dtypes of the safetensors dtype strings the atlas reads as numbers (the FP8 types have no
+# arithmetic on CPU to speak of)
+TORCH_DTYPES = {name: dtype for name, dtype in CHECKPOINT_DTYPES.items() if not name.startswith("F8")}
 BIT_PATTERN_DTYPES = ("BF16", "F16", "U8", "I8", "BOOL")
 
 

@@ -12,7 +12,7 @@ Nothing here unpickles, and nothing here knows the model: names, dtypes and shap
 """
 
 from k3.checkpoint.header import TensorInfo
-from k3.checkpoint.reader import Checkpoint, open_checkpoint
+from k3.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
 from k3.checkpoint.remote import FetchStats, RemoteOptions
 from k3.checkpoint.source import CheckpointError
 from k3.checkpoint.writer import save_checkpoint
@@ -22,6 +22,7 @@ __all__ = [
     "CheckpointError",
     "FetchStats",
     "RemoteOptions",
+    "TORCH_DTYPES",
     "TensorInfo",
     "open_checkpoint",
     "save_checkpoint",

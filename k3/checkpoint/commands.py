@@ -15,12 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from k3.errors import K3Error
-
-
-def _fail(message: str) -> None:
-    """One line on stderr (never wrapped), no traceback, exit code 1."""
-    Console(stderr=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
-    raise typer.Exit(1)
+from k3.terminal import fail
 
 
 def _report(source: str, pattern: re.Pattern[str] | None) -> dict[str, Any]:
@@ -102,11 +97,11 @@ def inspect(
     try:
         pattern = re.compile(filter) if filter is not None else None
     except re.error as e:
-        _fail(f"--filter {filter!r} is not a regular expression ({e})")
+        fail(f"--filter {filter!r} is not a regular expression ({e})")
     try:
         report = _report(source, pattern)
     except (K3Error, OSError) as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         print(json.dumps(report, indent=2))
     else:

@@ -8,12 +8,9 @@ import sys
 import typer
 from rich.console import Console
 
+from k3.terminal import fail
+
 console = Console()
-
-
-def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(1)
 
 
 def _show_bytes(piece: bytes) -> str:
@@ -53,7 +50,7 @@ def tokenize(
         tok = Tokenizer.from_dir(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
         pieces = tok.pieces(text, allowed_special="all" if special else frozenset())
     except K3Error as e:
-        _fail(str(e))
+        fail(str(e))
     source = checkpoint or f"built-in BPE, vocab {vocab_size}"
     table = Table(title=Text(f"{len(pieces)} tokens ({source})"), title_justify="left")
     table.add_column("#", justify="right")
@@ -79,9 +76,9 @@ def _load(checkpoint: str, layers: int | None):
         tokenizer = Tokenizer.from_dir(checkpoint)
         model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
     except (K3Error, OSError) as e:
-        _fail(f"{e}")
+        fail(f"{e}")
     if tokenizer.vocab_size != model.config.vocab_size:
-        _fail(
+        fail(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is "
             f"{model.config.vocab_size}"
         )
@@ -105,7 +102,7 @@ def _params(
             seed=seed,
         )
     except K3Error as e:
-        _fail(str(e))
+        fail(str(e))
 
 
 MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", help="Most tokens to generate.")
@@ -138,7 +135,7 @@ def generate(
     params = _params(max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos})
     ids = tok.encode(prompt)
     if not ids:
-        _fail("the prompt is empty")
+        fail("the prompt is empty")
     decoder = StreamDecoder(tok)
     sys.stdout.write(prompt)
     start, count = time.perf_counter(), 0

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 
 from k3.errors import K3Error
+from k3.terminal import fail
 
 
 def init(
@@ -37,8 +37,7 @@ def init(
             )
         files = init_checkpoint(cfg, out, seed=seed, overwrite=overwrite)
     except K3Error as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        fail(str(e))
     written = sum(f.stat().st_size for f in files)
     Console().print(f"wrote {preset} (seed {seed}) to {out}: {len(files)} files, {written / 1e9:.3f} GB")
 

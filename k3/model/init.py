@@ -22,12 +22,11 @@ from pathlib import Path
 
 import torch
 
-from k3.checkpoint import save_checkpoint
+from k3.checkpoint import TORCH_DTYPES, save_checkpoint
 from k3.config import K3Config
 from k3.layout import published_tensors
 from k3.ops.mxfp4 import quantize_mxfp4
 
-TORCH_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "F16": torch.float16}
 _RESIDUAL_WRITERS = (".o_proj.weight", ".down_proj.weight", ".w2.weight", "routed_expert_up_proj.weight")
 _ROWS_PER_CHUNK = 4096  # big matrices are drawn in row chunks so that no fp32 copy of them is ever whole
 

@@ -11,16 +11,13 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
+from k3.terminal import fail
+
 train_app = typer.Typer(
     help="Train K3-shaped models at small scale, with quantile-balanced routing.",
     no_args_is_help=False,
     add_completion=False,
 )
-
-
-def _fail(message: str) -> None:
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(1)
 
 
 @train_app.callback(invoke_without_command=True)
@@ -123,7 +120,7 @@ def train(
         with progress:
             run = run_training(tc, on_step=on_step)
     except (TrainError, K3Error, FileNotFoundError) as e:
-        _fail(str(e))
+        fail(str(e))
     if not quiet:
         Console().print(f"run folder: {run}")
 
@@ -136,7 +133,7 @@ def plot(run: Path = typer.Argument(..., help="A run folder holding log.csv.")) 
     try:
         written = plot_run(run)
     except (FileNotFoundError, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     for path in written:
         print(path)
 
