@@ -2,7 +2,7 @@
 
 One `ModelCache` holds one state per layer for a batch of B sequences:
 
-* `KDAState` (KDA layers): the last `ks - 1` inputs of each short conv, `conv_q/conv_k/conv_v` [B, P, ks-1],
+* `KDAState` (KDA layers): the last `ks - 1` inputs of each short conv, `conv_q/conv_k/conv_v` [B, ks-1, P],
   and the recurrent state `recurrent` [B, H, K, V] in fp32. Constant size, whatever the context length.
 * `MLAState` (MLA layers): per token the normalised latent [kv_lora] and the shared `k_rope` [rope] (the
   576 values the spec names), in buffers [B, capacity, .] that grow by doubling, plus `lengths` [B]: how
