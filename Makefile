@@ -35,8 +35,11 @@ lint: $(STAMP)
 demo: $(STAMP) native
 	$(VENV)/bin/k3 atlas demo --dir checkpoints/mini
 
+# Speed and memory against the peers (a few minutes; decode to 64k tokens takes longer: see its --help).
+# The training experiments (benchmarks/train_*.py) rewrite benchmarks/results/ and are run by hand.
 bench: $(STAMP) native
-	for b in benchmarks/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	for b in kda mxfp4 forward checkpoint_io atlas; do echo "== $$b"; $(PY) benchmarks/$$b.py || exit 1; done
+	$(PY) benchmarks/decode.py --contexts 1024,8192 --server
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
