@@ -7,6 +7,7 @@ checkpoint it counts the safetensors headers alone and reports where they disagr
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -124,9 +125,7 @@ def census_from_headers(
     model_prefix, lm_head = prefixes(cfg)
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, dtype, shape in tensors:
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         params = parameters_of(name, dtype, numel)
         disk[_storage_format(name, dtype)] += numel * DTYPE_BYTES.get(dtype, 0)
         if not (name.startswith(model_prefix) or name == lm_head):

@@ -7,6 +7,7 @@ Kimi Linear has no prefix and spells the low-rank output gate `g_a_proj` / `g_b_
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,10 +61,7 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     @property
     def params(self) -> int:
