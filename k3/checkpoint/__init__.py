@@ -11,19 +11,23 @@
 Nothing here unpickles, and nothing here knows the model: names, dtypes and shapes are data.
 """
 
-from k3.checkpoint.header import TensorInfo
-from k3.checkpoint.reader import TORCH_DTYPES, Checkpoint, open_checkpoint
-from k3.checkpoint.remote import FetchStats, RemoteOptions
-from k3.checkpoint.source import CheckpointError
-from k3.checkpoint.writer import save_checkpoint
+# Exports load on first use (PEP 562), so that `k3 --help` and `k3 census` do not pay for importing torch.
+_EXPORTS = {
+    "Checkpoint": "k3.checkpoint.reader",
+    "CheckpointError": "k3.checkpoint.source",
+    "FetchStats": "k3.checkpoint.remote",
+    "RemoteOptions": "k3.checkpoint.remote",
+    "TORCH_DTYPES": "k3.checkpoint.reader",
+    "TensorInfo": "k3.checkpoint.header",
+    "open_checkpoint": "k3.checkpoint.reader",
+    "save_checkpoint": "k3.checkpoint.writer",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "Checkpoint",
-    "CheckpointError",
-    "FetchStats",
-    "RemoteOptions",
-    "TORCH_DTYPES",
-    "TensorInfo",
-    "open_checkpoint",
-    "save_checkpoint",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'k3.checkpoint' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(_EXPORTS[name]), name)

@@ -6,16 +6,22 @@ Modules, one concept each: `norm` (RMSNorm, Linear), `activations` (SiTU, SiLU-G
 (from_pretrained), `init` (random weights, `init_checkpoint`), `commands` (`k3 init`).
 """
 
-from k3.model.cache import KDAState, MLAState, ModelCache
-from k3.model.loading import ModelLoadError
-from k3.model.model import K3DecoderLayer, K3ForCausalLM, K3Model
+# Exports load on first use (PEP 562), so that `k3 --help` does not pay for importing torch.
+_EXPORTS = {
+    "K3DecoderLayer": "k3.model.model",
+    "K3ForCausalLM": "k3.model.model",
+    "K3Model": "k3.model.model",
+    "KDAState": "k3.model.cache",
+    "MLAState": "k3.model.cache",
+    "ModelCache": "k3.model.cache",
+    "ModelLoadError": "k3.model.loading",
+}
+__all__ = sorted(_EXPORTS)
 
-__all__ = [
-    "K3DecoderLayer",
-    "K3ForCausalLM",
-    "K3Model",
-    "KDAState",
-    "MLAState",
-    "ModelCache",
-    "ModelLoadError",
-]
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'k3.model' has no attribute {name!r}")
+    from importlib import import_module
+
+    return getattr(import_module(_EXPORTS[name]), name)
