@@ -11,8 +11,9 @@
 Nothing here unpickles, and nothing here knows the model: names, dtypes and shapes are data.
 """
 
-# Exports load on first use (PEP 562), so that `k3 --help` and `k3 census` do not pay for importing torch.
-_EXPORTS = {
+from k3.lazy import lazy_exports
+
+_EXPORTS = {  # public name -> the module defining it, imported on first use
     "Checkpoint": "k3.checkpoint.reader",
     "CheckpointError": "k3.checkpoint.source",
     "FetchStats": "k3.checkpoint.remote",
@@ -24,10 +25,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'k3.checkpoint' has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

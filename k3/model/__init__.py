@@ -6,8 +6,9 @@ Modules, one concept each: `norm` (RMSNorm, Linear), `activations` (SiTU, SiLU-G
 (from_pretrained), `init` (random weights, `init_checkpoint`), `commands` (`k3 init`).
 """
 
-# Exports load on first use (PEP 562), so that `k3 --help` does not pay for importing torch.
-_EXPORTS = {
+from k3.lazy import lazy_exports
+
+_EXPORTS = {  # public name -> the module defining it, imported on first use
     "K3DecoderLayer": "k3.model.model",
     "K3ForCausalLM": "k3.model.model",
     "K3Model": "k3.model.model",
@@ -18,10 +19,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'k3.model' has no attribute {name!r}")
-    from importlib import import_module
-
-    return getattr(import_module(_EXPORTS[name]), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
