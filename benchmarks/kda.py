@@ -6,17 +6,15 @@ throughput (a 2048^3 torch.mm measured in the same run), the speed-up over trans
 forward+backward time. Then the decode step: time per token after contexts of 1k and 64k tokens
 (the state is [B, H, K, V] whatever the context, so the time must not grow).
 
-FLOPs counted for chunk_kda (per chunk of C tokens and head; the masked upper halves of the C x C
-products are counted, since they are computed; the C^3/3 of the triangular inverse and every
-elementwise op are not):
-    scores  [q; k] (k decayed)^T        2 * 2C * C * K
-    U       (I + A)^-1 diag(beta) v     2 * C * C * V
-    loop    [q Gamma; k Gamma] S        2 * 2C * K * V
-            U - solve (k Gamma S)       2 * C * C * V
-            o = q Gamma S + P u         2 * C * C * V
-            S <- Gamma_C S + K_hat^T u  2 * C * K * V
-    per token and head: 4 C K + 6 C V + 6 K V   (C = 64, K = V = 128: 163,840)
-Backward is autograd through the same ops (about twice the forward's matmuls).
+FLOPs counted for chunk_kda, per token and head, with base chunks of s = 16 tokens merged up to
+chunks of C (the masked upper halves of the products are counted, since they are computed; the
+triangular inverses and every elementwise op are not):
+    base     [q; k] (k decayed)^T 4 s K, W = solve (k Gamma) 2 s K, U = solve v 2 s V
+    merges   c (3 K + V) for each level c = s, 2s, ..., C / 2
+    loop     [q Gamma; W] S 4 K V, S <- Gamma_C S + K_hat^T u 2 K V
+    output   o = q Gamma S + P u 2 C V
+    (C = s = 16, K = V = 128: 118,784; C = 64: 155,648)
+Backward: autograd through the parallel parts, the hand-written adjoint loop of StatePassing.
 
 Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]``.
 Timings on a shared machine are noisy: each figure is the best of ``--repeats`` runs.
@@ -49,11 +47,14 @@ def gemm_gflops(repeats: int) -> float:
     return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
 
 
-def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk_size: int) -> float:
-    C = chunk_size
-    chunks = -(-T // C)
-    per_chunk = 2 * 2 * C * C * K + 2 * C * C * V + 2 * 2 * C * K * V + 2 * 2 * C * C * V + 2 * C * K * V
-    return chunks * H * per_chunk
+def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk_size: int, base: int = 16) -> float:
+    s = min(base, chunk_size)
+    per_token = 4 * s * K + 2 * s * K + 2 * s * V + 6 * K * V + 2 * chunk_size * V
+    c = s
+    while c < chunk_size:
+        per_token += c * (3 * K + V)
+        c *= 2
+    return -(-T // chunk_size) * chunk_size * H * per_token
 
 
 def make_inputs(T: int, H: int, K: int, V: int, seed: int = 0):

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, kda_softplus_gate, naive_recurrent_kda, recurrent_kda_step
-from k3.ops.kda.chunk import sub_block_size
+from k3.ops.kda.chunk import base_chunk_size
+from k3.ops.kda.state_passing import StatePassing
 
 
 def rel_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -104,13 +105,13 @@ def test_chunk_sizes_agree(chunk_size):
     assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(s, s_ref) <= 1e-5
 
 
-def test_sub_block_size_respects_the_exponent_limit():
-    assert sub_block_size(-5.0, 64) == 16  # K3's bound: 15 * 5 = 75 <= 80
-    assert sub_block_size(-1e-3, 64) == 64
-    assert sub_block_size(-50.0, 64) == 2
-    assert sub_block_size(-1e4, 64) == 1
+def test_base_chunk_size_respects_the_exponent_limit():
+    assert base_chunk_size(-5.0, 64) == 16  # K3's bound: 15 * 5 = 75 <= 80
+    assert base_chunk_size(-1e-3, 64) == 64
+    assert base_chunk_size(-50.0, 64) == 2
+    assert base_chunk_size(-1e4, 64) == 1
     for g_min in (-0.3, -2.0, -7.0, -33.0):
-        s = sub_block_size(g_min, 128)
+        s = base_chunk_size(g_min, 128)
         assert (s - 1) * -g_min <= 80 and (s == 128 or (2 * s - 1) * -g_min > 80)
 
 
@@ -232,6 +233,19 @@ def test_chunk_gradients_fp32_k3_gate():
     actual = torch.autograd.grad((chunk_kda(*inputs, use_qk_l2norm=True)[0] * w).sum(), inputs)
     for a, e in zip(actual, expected, strict=True):
         assert torch.isfinite(a).all() and rel_rms(a, e) <= 1e-4
+
+
+def test_state_passing_backward_passes_gradcheck():
+    # the hand-written adjoint loop against finite differences, every input, in float64
+    gen = torch.Generator().manual_seed(15)
+    steps, Z, C, K, V = 3, 2, 4, 5, 3
+
+    def rand(*shape, scale=0.3):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+
+    decay = torch.rand(steps, Z, K, 1, generator=gen, dtype=torch.float64).requires_grad_()
+    inputs = (rand(steps, Z, 2 * C, K), rand(steps, Z, C, V), rand(steps, Z, C, K), decay, rand(Z, K, V))
+    assert torch.autograd.gradcheck(StatePassing.apply, inputs)
 
 
 # ---------------------------------------------------------------- dtypes, errors

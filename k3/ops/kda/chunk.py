@@ -1,4 +1,4 @@
-"""Chunkwise Kimi Delta Attention: the fast path for prefill and training (forward + autograd).
+"""Chunkwise Kimi Delta Attention: the fast path for prefill and training (forward + gradients).
 
 Same recurrence as ``naive.py``. Within a chunk of C tokens starting from state S0, with
 ``G_i`` the in-chunk cumulative log-decay (inclusive) and ``Gamma_i = exp(G_i)`` (per channel),
@@ -9,80 +9,63 @@ the state after token t is ``Gamma_t S0 + sum_{j<=t} (Gamma_t / Gamma_j) k_j u_j
     o = (q Gamma) S0 + P u,                      P_ij = q_i^T diag(Gamma_i / Gamma_j) k_j         (j <= i)
     S_C = Gamma_C S0 + (k Gamma_C / Gamma)^T u
 
-So, all chunks at once: ``solve = (I + A)^-1 diag(beta)`` (block-recursive inverse, 16 x 16 base
-blocks by one batched triangular solve), ``U = solve v``, P and ``[q Gamma; k Gamma]``. Then the
-only sequential part, one loop over chunks, four matmuls each:
+So, for all chunks at once: ``W = (I + A)^-1 diag(beta) k Gamma`` and ``U = (I + A)^-1 diag(beta) v``
+(one batched triangular solve), P, ``q Gamma``, ``K_hat = k Gamma_C / Gamma``. Then the only
+sequential part, one loop over chunks (``state_passing.py``, two matmuls each):
 
-    [qS; kS] = [q Gamma; k Gamma] S;  u = U - solve kS;  o = qS + P u;  S <- Gamma_C S + K_hat^T u
+    [qS; wS] = [q Gamma; W] S;  u = U - wS;  S <- Gamma_C S + K_hat^T u
 
-(``solve (k Gamma S)`` instead of a precomputed ``W = solve k Gamma``: C x C x V instead of
-C x K x V flops per step, and no W to build.)
+and afterwards, for all chunks at once again, ``o = qS + P u``.
 
-**Safe decay products.** ``Gamma_i / Gamma_j`` per channel would be a [C, C, K] tensor. Instead
-each chunk is cut into sub-blocks of s tokens, and with ``Gl`` the log-decay relative to the
-first token of the sub-block (so ``-(s-1) * |min g| <= Gl <= 0``):
+**Safe decays: base chunks, then merges.** ``Gamma_i / Gamma_j`` per channel would be a [C, C, K]
+tensor. Instead A and P are plain matmuls of ``[q; k] * exp(G)`` with ``k * exp(-G)``, which is
+exact as long as ``exp(-G)`` stays finite; with G taken from the chunk's first token,
+``-G <= (s - 1) |min g|`` over s tokens. So the terms above are first built for base chunks of s
+tokens, s the largest power of two <= C with ``(s - 1) |min g| <= 80`` (fp32 holds e^88): K3's gate
+has g > -5 per step, so s = 16; a gate near 0 gives s = C; a huge softplus gate gives a smaller s,
+down to single tokens (where the exponent is 0). Then adjacent chunks a, b merge into one
+of twice the length with only products of decays (factors <= 1), never ``exp(+large)``:
 
-    Gamma_i / Gamma_j = exp(Gl_i) * exp(G_first(a) - G_first(b)) * exp(-Gl_j)    (i in block a, j in b <= a)
+    M = [q Gamma; W]_b K_hat_a^T                  (the b rows' view of what a wrote)
+    q Gamma' = [q Gamma_a; q Gamma_b Gamma_Ca]    W' = [W_a; W_b Gamma_Ca - M_w W_a]
+    U' = [U_a; U_b - M_w U_a]                     P' = [[P_a, 0], [M_q, P_b]]
+    K_hat' = [K_hat_a Gamma_Cb; K_hat_b]          Gamma_C' = Gamma_Ca Gamma_Cb
 
-The middle factor is a per-(a, b) [K] vector <= 1, so A and P become plain batched matmuls of
-``[q; k] * exp(Gl)`` with ``k * exp(-Gl) * pair(a, b)``. The only large number is ``exp(-Gl)``,
-bounded by ``exp((s-1) |min g|)``: s is chosen per call as the largest power of two with
-``(s-1) |min g| <= 80`` (fp32 holds e^88). K3's gate has g > -5 per step, so s = 16; a gate near 0
-gives s = C (one block); a huge softplus gate (say -50 per step) gives s = 2 and, beyond -80 per
-step, s = 1, where the blocks degenerate to the exact per-pair decays: always finite, never
-``exp(+large)``. Only one exponential per element is taken (``exp(Gl)``, whose argument stays
-above -80: exp of values below about -87 is ~50x slower on x86) plus exp(-Gl).
+(from ``S_b = Gamma_Ca S_a + K_hat_a^T u_a`` substituted into chunk b's reads and writes).
 
 **Cache tiling.** The parallel part runs on tiles of a few chunk steps, each followed by its part
 of the sequential loop, so intermediates stay in cache: on CPU an elementwise pass over a large
 fresh tensor costs more than the matmuls it feeds.
 
-**Chunk size.** 16 by default: with K3's gate that is exactly one sub-block (no pair factors, no
-denormals from exp(G) over long chunks), and it does the fewest flops. On the 2-core dev box
-(B=1, H=8, K=V=128, T=4096, fp32, 2 threads) chunk sizes 16 / 32 / 64 ran in 0.074 / 0.092 /
-0.112 s. See benchmarks/kda.py.
+**Chunk size.** 16 by default: with K3's gate that is exactly one base chunk, and it does the
+fewest flops. On the 2-core dev box (B=1, H=8, K=V=128, T=4096, fp32) chunk sizes 16 / 32 / 64 ran
+forward in 0.082 / 0.091 / 0.107 s and forward+backward in 0.32 / 0.32 / 0.33 s (benchmarks/kda.py).
 
-Gradients come from autograd through this form (loop over chunks, not tokens); the per-chunk
-pieces are taken with unbind/split so that the backward stays linear in T (about 3.5x forward).
+Gradients: autograd through the parallel parts, and the hand-written adjoint recurrence of
+``StatePassing`` for the loop (autograd through it would replay ~6 small ops per chunk).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
-import torch.nn.functional as F
 
 from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
 from k3.ops.kda.layout import ChunkLayout
+from k3.ops.kda.state_passing import StatePassing
 
-EXP_LIMIT = 80.0  # largest exponent taken inside a sub-block; fp32 overflows at ~88.7
+EXP_LIMIT = 80.0  # largest exponent taken inside a base chunk; fp32 overflows at ~88.7
+BASE_CHUNK = 16  # base chunks are at most this long; longer chunks are built by merges
 TILE_CHUNK_HEADS = 64  # chunks x sequences x heads processed per tile (sets the cache footprint)
-INVERSE_BASE = 16  # unit-triangular blocks up to this size are inverted by one batched solve
 
 
-def sub_block_size(g_min: float, chunk_size: int) -> int:
+def base_chunk_size(g_min: float, chunk_size: int) -> int:
     """Largest power of two s <= chunk_size with (s - 1) * |g_min| <= EXP_LIMIT."""
     s = chunk_size
     while s > 1 and (s - 1) * -g_min > EXP_LIMIT:
         s //= 2
     return s
-
-
-def unit_lower_inverse(a: torch.Tensor) -> torch.Tensor:
-    """(I + a)^-1 for strictly lower-triangular a [Z, C, C], by 2x2 block recursion.
-
-    ``[[I+a11, 0], [a21, I+a22]]^-1 = [[x11, 0], [-x22 a21 x11, x22]]``; both halves recurse as one
-    batch and the base blocks go to one batched triangular solve (faster than solving C x C).
-    """
-    Z, C, _ = a.shape
-    if C <= INVERSE_BASE or C % 2:
-        eye = torch.eye(C, dtype=a.dtype, device=a.device).expand(Z, C, C)
-        return torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True)
-    h = C // 2
-    halves = unit_lower_inverse(torch.cat([a[:, :h, :h], a[:, h:, h:]]))  # [2Z, h, h]
-    x11, x22 = halves[:Z], halves[Z:]
-    x21 = -torch.bmm(x22, torch.bmm(a[:, h:, :h], x11))
-    top = torch.cat([x11, x11.new_zeros(Z, h, h)], dim=2)
-    return torch.cat([top, torch.cat([x21, x22], dim=2)], dim=1)
 
 
 class _ExpBothWays(torch.autograd.Function):
@@ -105,57 +88,61 @@ class _ExpBothWays(torch.autograd.Function):
         return grad_down * down - grad_up * up
 
 
-def _intra_chunk(
-    qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
-) -> tuple[torch.Tensor, ...]:
-    """Everything that does not depend on the state, for Z chunks at once.
+class ChunkTerms(NamedTuple):
+    """Everything about Z chunks of c tokens that does not depend on the state."""
 
-    qk: [Z, 2, n, s, K] (q rows then k rows, in n sub-blocks of s tokens); v: [Z, C, V];
-    g: [Z, n, s, K]; beta: [Z, C]. Returns
-    ``[q Gamma; k Gamma]`` [Z, 2C, K], ``(I + A)^-1 diag(beta)`` [Z, C, C], U [Z, C, V], P [Z, C, C],
-    ``K_hat = k Gamma_C / Gamma`` [Z, C, K] and ``Gamma_C`` [Z, K].
+    q_gamma: torch.Tensor  # q Gamma [Z, c, K]
+    w: torch.Tensor  # W = (I + A)^-1 diag(beta) k Gamma [Z, c, K]
+    u: torch.Tensor  # U = (I + A)^-1 diag(beta) v [Z, c, V]
+    p: torch.Tensor  # P, lower triangle with diagonal [Z, c, c]
+    k_hat: torch.Tensor  # k Gamma_C / Gamma [Z, c, K]
+    decay: torch.Tensor  # Gamma_C [Z, 1, K]
+
+
+def base_terms(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> ChunkTerms:
+    """The terms of Z base chunks of s tokens, with (s - 1) |min g| <= EXP_LIMIT.
+
+    qk: [Z, 2, s, K] (q rows then k rows); v: [Z, s, V]; g: [Z, s, K]; beta: [Z, s].
     """
-    Z, _, n, s, K = qk.shape
-    C = n * s
-    # Block-level log-decays are direct sums of same-sign terms (g <= 0), never differences of two
-    # long prefix sums, which would lose |prefix| * eps; ``local`` subtracts a single step.
-    within = g.cumsum(dim=2)  # [Z, n, s, K] inclusive sums inside each sub-block
-    head = g[:, :, 0]  # g of each block's first token (its reference) [Z, n, K]
-    local = within - head.unsqueeze(2)  # Gl = G_j - G_first: sum over (first_b, j], in [-EXP_LIMIT, 0]
-    rest = local[:, :, -1]  # sum over the block after its first token [Z, n, K]
-    totals = within[:, :, -1]  # [Z, n, K]
-    first = F.pad(totals[:, :-1].cumsum(dim=1), (0, 0, 1, 0)) + head  # G at each block's first token
-    after = F.pad(totals[:, 1:].flip(1).cumsum(dim=1).flip(1), (0, 0, 0, 1))  # sum over later blocks
-    chunk_total = totals.sum(dim=1)  # G_C [Z, K]
+    Z, _, s, K = qk.shape
+    G = g.cumsum(dim=1)  # [Z, s, K]
+    # decays relative to the first token: Gl = G - g_0 in [-EXP_LIMIT, 0] (exactly 0 when s = 1)
+    local = G - g[:, :1]
+    down, up = _ExpBothWays.apply(local)  # exp(Gl) in [e^-80, 1], exp(-Gl) in [1, e^80]
+    left = qk * down.unsqueeze(1)  # [Z, 2, s, K]
+    k_over = qk[:, 1] * up  # [Z, s, K]
+    scores = torch.bmm(left.view(Z, 2 * s, K), k_over.transpose(1, 2))  # [Z, 2s, s]
+    # above the diagonal scores hold exp(G_i - G_j) > 1 (finite); tril drops them (no 0 * big)
+    p = scores[:, :s].tril()
+    a = scores[:, s:].tril(-1) * beta.unsqueeze(-1)  # A, strictly lower, times beta_i
+    decay = G[:, -1:].exp()  # Gamma_C [Z, 1, K]
+    q_gamma, k_gamma = (left * g[:, :1].exp().unsqueeze(1)).unbind(1)  # [q Gamma; k Gamma]
+    # (I + A)^-1 against the identity, then two matmuls: batched LAPACK solves against wide
+    # right-hand sides are several times slower on CPU
+    eye = torch.eye(s, dtype=g.dtype, device=g.device).expand(Z, s, s)
+    solve = torch.linalg.solve_triangular(a, eye, upper=False, unitriangular=True) * beta.unsqueeze(-2)
+    w, u = torch.bmm(solve, k_gamma), torch.bmm(solve, v)
+    return ChunkTerms(q_gamma, w, u, p, k_over * local[:, -1:].exp(), decay)
 
-    decay_in, decay_out = _ExpBothWays.apply(local)  # exp(Gl) in [e^-80, 1], exp(-Gl) in [1, e^80]
-    left = qk * decay_in.unsqueeze(1)  # [Z, 2, n, s, K]: rows of P (q), then of A (k)
-    k_out = qk[:, 1] * decay_out  # [Z, n, s, K]
-    if n == 1:
-        scores = torch.bmm(left.view(Z, 2 * C, K), k_out.view(Z, C, K).transpose(1, 2))  # [Z, 2C, C]
-    else:
-        # gap[a, b] = G_first(a) - G_first(b) = sum of the steps first(b') - first(b'-1), b < b' <= a
-        steps = rest[:, :-1] + head[:, 1:]  # [Z, n - 1, K], step b' = 1 .. n-1
-        after_b = torch.ones(n - 1, n, dtype=g.dtype, device=g.device).tril().view(1, n - 1, n, 1)
-        gap = F.pad((steps.unsqueeze(2) * after_b).cumsum(dim=1), (0, 0, 0, 0, 1, 0))  # [Z, n(a), n(b), K]
-        later = torch.ones(n, n, dtype=torch.bool, device=g.device).triu(1).view(1, n, n, 1)
-        pair = gap.masked_fill(later, float("-inf")).exp()  # exp(gap) for b <= a, 0 above
-        right = (k_out.unsqueeze(1) * pair.unsqueeze(3)).view(Z, n, C, K)  # [Z, n(a), C, K]
-        by_block = left.transpose(1, 2).reshape(Z, n, 2 * s, K)  # row block a: its q rows, its k rows
-        scores = torch.matmul(by_block, right.transpose(-1, -2)).view(Z, n, 2, s, C)
-        scores = scores.transpose(1, 2).reshape(Z, 2 * C, C)
-    rows = torch.arange(C, device=g.device).view(C, 1)
-    cols = torch.arange(C, device=g.device)
-    # above the diagonal, inside a block, scores hold exp(Gl_i - Gl_j) > 1 (finite, <= e^EXP_LIMIT)
-    p = scores[:, :C] * (cols <= rows).to(g.dtype)  # [Z, C, C], j <= i
-    a = scores[:, C:] * ((cols < rows).to(g.dtype) * beta.unsqueeze(-1))  # j < i, times beta_i
 
-    first_decay = first.exp().unsqueeze(2).unsqueeze(1)  # Gamma at each block's first token
-    qk_gamma = (left * first_decay).view(Z, 2 * C, K)  # [q Gamma; k Gamma]
-    # Gamma_C / Gamma_j = exp(-Gl_j) * exp(rest_b + after_b)
-    k_hat = (k_out * (rest + after).exp().unsqueeze(2)).view(Z, C, K)
-    solve = unit_lower_inverse(a) * beta.unsqueeze(-2)  # (I + A)^-1 diag(beta) [Z, C, C]
-    return qk_gamma, solve, torch.bmm(solve, v), p, k_hat, chunk_total.exp()
+def merge_pairs(t: ChunkTerms) -> ChunkTerms:
+    """Chunks (2i, 2i + 1) of every group of m -> one chunk: [Z * m, c, *] -> [Z * m / 2, 2c, *]."""
+    a, b = zip(*(x.view(-1, 2, *x.shape[1:]).unbind(1) for x in t), strict=True)
+    a, b = ChunkTerms(*a), ChunkTerms(*b)
+    c = a.q_gamma.shape[1]
+    m = torch.bmm(torch.cat([b.q_gamma, b.w], dim=1), a.k_hat.transpose(1, 2))  # [Z', 2c, c]
+    m_q, m_w = m.split(c, dim=1)
+    w_b = torch.baddbmm(b.w * a.decay, m_w, a.w, alpha=-1)
+    u_b = torch.baddbmm(b.u, m_w, a.u, alpha=-1)
+    p = torch.cat([torch.cat([a.p, torch.zeros_like(a.p)], dim=2), torch.cat([m_q, b.p], dim=2)], dim=1)
+    return ChunkTerms(
+        torch.cat([a.q_gamma, b.q_gamma * a.decay], dim=1),
+        torch.cat([a.w, w_b], dim=1),
+        torch.cat([a.u, u_b], dim=1),
+        p,
+        torch.cat([a.k_hat * b.decay, b.k_hat], dim=1),
+        a.decay * b.decay,
+    )
 
 
 def chunk_kda(
@@ -192,10 +179,9 @@ def chunk_kda(
             raise ValueError(f"g is a log-decay and must be <= 0, got max {g_max}")
     else:
         g_min = 0.0
-    s = sub_block_size(g_min, chunk_size)
-    n = chunk_size // s
+    s = base_chunk_size(g_min, min(chunk_size, BASE_CHUNK))
     # q gets the scale; with the L2 norm it is folded into the normalising factor
-    qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1, 1)
+    qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1)
 
     layout = (
         ChunkLayout.dense(B, T, chunk_size)
@@ -215,35 +201,33 @@ def chunk_kda(
     tiles = zip(*(x.split(tile) for x in (q, k, v, g, beta)), strict=True)
     for q_t, k_t, v_t, g_t, beta_t in tiles:
         Z = q_t.shape[0] * N * H
-        # [t, N, H, 2, C, K] -> [Z, 2, n, s, K]: one copy (and dtype cast) for q and k together
-        qk = torch.stack([q_t, k_t], dim=3).to(dtype).view(Z, 2, n, s, K)
+        # [t, N, H, C / s, 2, s, K] -> [Z * C / s, 2, s, K]: one copy (and dtype cast) for q and k
+        by_base = (x.unflatten(3, (C // s, s)) for x in (q_t, k_t))
+        qk = torch.stack(list(by_base), dim=4).to(dtype).view(-1, 2, s, K)
         if use_qk_l2norm:
-            qk = qk * (qk_scale / torch.sqrt((qk * qk).sum(dim=-1, keepdim=True) + L2NORM_EPS))
+            norm = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)
+            qk = qk * (qk_scale / torch.sqrt(norm * norm + L2NORM_EPS))
         else:
             qk = qk * qk_scale
-        qk_gamma, solve, u_all, p, k_hat, chunk_decay = _intra_chunk(
+        terms = base_terms(
             qk,
-            v_t.reshape(Z, C, V).to(dtype),
-            g_t.reshape(Z, n, s, K).to(dtype),
-            beta_t.reshape(Z, C).to(dtype),
+            v_t.reshape(-1, s, V).to(dtype),
+            g_t.reshape(-1, s, K).to(dtype),
+            beta_t.reshape(-1, s).to(dtype),
         )
-        # per-chunk pieces by unbind/split, not indexing: their backward is one stack/cat, whereas
-        # each index's backward would write into a zero tensor the size of the whole tile
-        per_step = zip(
-            qk_gamma.view(-1, N * H, 2 * C, K).unbind(0),
-            solve.view(-1, N * H, C, C).unbind(0),
-            u_all.view(-1, N * H, C, V).unbind(0),
-            p.view(-1, N * H, C, C).unbind(0),
-            k_hat.view(-1, N * H, C, K).unbind(0),
-            chunk_decay.view(-1, N * H, K, 1).unbind(0),
-            strict=True,
+        while terms.q_gamma.shape[1] < C:
+            terms = merge_pairs(terms)
+        t = Z // (N * H)
+        reads, u, state = StatePassing.apply(
+            torch.cat([terms.q_gamma, terms.w], dim=1).view(t, N * H, 2 * C, K),
+            terms.u.view(t, N * H, C, V),
+            terms.k_hat.view(t, N * H, C, K),
+            terms.decay.view(t, N * H, K, 1),
+            state,
         )
-        for qk_gamma_i, solve_i, u_i, p_i, k_hat_i, decay_i in per_step:  # one state update per chunk
-            read_q, read_k = torch.bmm(qk_gamma_i, state).split(C, dim=1)  # (q Gamma) S, (k Gamma) S
-            u = torch.baddbmm(u_i, solve_i, read_k, alpha=-1)  # pseudo values [N*H, C, V]
-            outputs.append(torch.baddbmm(read_q, p_i, u))
-            state = torch.baddbmm(state * decay_i, k_hat_i.transpose(1, 2), u)
-    o = torch.stack(outputs).view(layout.steps, N, H, C, V) if outputs else v.new_zeros(0, N, H, C, V)
+        o_t = torch.baddbmm(reads[:, :, :C].reshape(Z, C, V), terms.p, u.view(Z, C, V))  # (q Gamma) S + P u
+        outputs.append(o_t.view(t, N, H, C, V))
+    o = torch.cat(outputs) if outputs else v.new_zeros(0, N, H, C, V)
     o = layout.to_tokens(o).to(in_dtype)
     final = state.view(N, H, K, V) if output_final_state else None
     return o, final
