@@ -180,11 +180,20 @@ def _merge_equal_values(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
     return distinct, merged, nan_count
 
 
+def native_histograms() -> Any:
+    """The native kernel module with `histogram_u16` / `histogram_scaled_bytes` (built by `make native`), or
+    None: the accumulators then count with `torch.bincount`, ~3x slower, with the same results."""
+    from k3.ops.mxfp4.native import load_native
+
+    return load_native()
+
+
 class BitPatternStats:
     """Exact statistics of a 16-bit float or 8-bit integer tensor from its bit-pattern histogram.
 
-    `update` is the only pass over the data: one `torch.bincount` per chunk (16-bit patterns are first
-    widened to int32 in a scratch buffer reused over chunks, since bincount takes no uint16)."""
+    `update` is the only pass over the data: one native histogram per chunk, or without the native module
+    one `torch.bincount` (16-bit patterns are first widened to int32 in a scratch buffer reused over
+    chunks, since bincount takes no uint16)."""
 
     def __init__(self, dtype: str):
         if dtype not in BIT_PATTERN_DTYPES:
@@ -193,12 +202,16 @@ class BitPatternStats:
         self.bits = 16 if dtype in ("BF16", "F16") else 8
         self.patterns = torch.zeros(1 << self.bits, dtype=torch.int64)  # [65536] or [256]
         self._keys = torch.empty(0, dtype=torch.int32)  # scratch: the widened patterns of one chunk
+        self._native = native_histograms() if self.bits == 16 else None
 
     def update(self, chunk: torch.Tensor) -> None:
         """`chunk`: any shape, of this accumulator's dtype."""
         flat = chunk.reshape(-1)
         if self.bits == 8:
             self.patterns += torch.bincount(flat.view(torch.uint8), minlength=256)
+            return
+        if self._native is not None:
+            self._native.histogram_u16(flat.contiguous(), self.patterns)
             return
         if self._keys.numel() < flat.numel():
             self._keys = torch.empty(flat.numel(), dtype=torch.int32)
@@ -253,6 +266,7 @@ class MXFP4Stats:
         self.joint = torch.zeros(256 * 256, dtype=torch.int64)  # [scale byte * 256 + packed byte]
         self.scale_histogram = torch.zeros(256, dtype=torch.int64)  # blocks per scale byte
         self._keys = torch.empty(0, dtype=torch.int32)  # scratch: the joint keys of one chunk
+        self._native = native_histograms()
 
     def update(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
         """`packed` uint8 [r, K/2] and `scale` uint8 [r, K/32]: the same rows of both tensors."""
@@ -260,6 +274,10 @@ class MXFP4Stats:
             raise ValueError(f"MXFP4 parts must be uint8, got {packed.dtype} and {scale.dtype}")
         if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != 16 * scale.shape[-1]:
             raise ValueError(f"packed {tuple(packed.shape)} and scale {tuple(scale.shape)} are not a pair")
+        self.scale_histogram += torch.bincount(scale.reshape(-1), minlength=256)  # B keys: cheap
+        if self._native is not None:
+            self._native.histogram_scaled_bytes(packed.contiguous(), scale.contiguous(), self.joint)
+            return
         blocks = scale.numel()
         if self._keys.numel() < 16 * blocks:
             self._keys = torch.empty(16 * blocks, dtype=torch.int32)
@@ -267,7 +285,6 @@ class MXFP4Stats:
         keys.copy_(packed.reshape(blocks, 16))
         keys.add_(scale.reshape(blocks, 1).to(torch.int32) * 256)
         self.joint += torch.bincount(keys.view(-1), minlength=256 * 256)
-        self.scale_histogram += torch.bincount(scale.reshape(-1), minlength=256)  # B keys: cheap
 
     def finish(self) -> dict[str, Any]:
         scales = np.flatnonzero(self.scale_histogram.numpy())  # [S] scale bytes in use (a few, typically)

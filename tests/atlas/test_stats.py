@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from k3.atlas.reading import dequantize_rows
 from k3.atlas.similarity import cosine_similarities, expert_pairs
 from k3.atlas.stats import BitPatternStats, MXFP4Stats, StreamingStats, stats_from_value_table
-from k3.ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from k3.ops.mxfp4 import dequantize_mxfp4, native_available, quantize_mxfp4
 
 
 def reference(x: torch.Tensor) -> dict[str, float]:
@@ -180,3 +181,31 @@ def test_bit_pattern_stats_other_dtypes(dtype: torch.dtype, name: str) -> None:
     for c in chunks(x, 4):
         acc.update(c)
     check(acc.finish(), reference(x))
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built: python -m k3.ops.mxfp4.build")
+def test_native_and_bincount_histograms_give_the_same_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The native byte histograms (the scan's fast path) against torch.bincount, chunk by chunk."""
+    gen = torch.Generator().manual_seed(3)
+    every_pattern = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    chunks = [
+        every_pattern,
+        torch.randn(5000, generator=gen).to(torch.bfloat16),
+        torch.zeros(7, dtype=torch.bfloat16),
+    ]
+    packed, scale = quantize_mxfp4(torch.randn(48, 256, generator=gen) * 3.0)
+    scale[0, 0] = 0  # an all-zero-scale block and the NaN scale byte
+    scale[1, 1] = 255
+
+    def records() -> tuple[dict, dict]:
+        bits = BitPatternStats("BF16")
+        for chunk in chunks:
+            bits.update(chunk)
+        mx = MXFP4Stats()
+        for r0 in range(0, 48, 20):
+            mx.update(packed[r0 : r0 + 20], scale[r0 : r0 + 20])
+        return bits.finish(), mx.finish()
+
+    native = json.dumps(records())  # as text: the all-patterns record has NaN moments (NaN != NaN)
+    monkeypatch.setattr("k3.atlas.stats.native_histograms", lambda: None)
+    assert json.dumps(records()) == native

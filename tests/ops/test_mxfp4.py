@@ -408,3 +408,25 @@ def test_matmul_rejects_mismatched_operands():
         dequantize_mxfp4(packed, scale, torch.int32)
     with pytest.raises(ValueError, match="in_features"):
         MXFP4Linear(48, 8)
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_histograms_equal_bincount():
+    native = load_native()
+    gen = torch.Generator().manual_seed(4)
+    data = torch.randint(-(1 << 15), 1 << 15, (100_003,), generator=gen, dtype=torch.int32).to(torch.int16)
+    out = torch.full((1 << 16,), 5, dtype=torch.int64)  # counts are added to what is there
+    native.histogram_u16(data, out)
+    expected = torch.bincount(data.to(torch.int32) & 0xFFFF, minlength=1 << 16) + 5
+    assert torch.equal(out, expected)
+
+    packed = torch.randint(0, 256, (999, 16), generator=gen, dtype=torch.uint8)
+    scale = torch.randint(0, 256, (999,), generator=gen, dtype=torch.uint8)
+    out = torch.zeros(1 << 16, dtype=torch.int64)
+    native.histogram_scaled_bytes(packed, scale, out)
+    keys = scale.to(torch.int64).view(-1, 1) * 256 + packed.to(torch.int64)
+    assert torch.equal(out, torch.bincount(keys.view(-1), minlength=1 << 16))
+    with pytest.raises(RuntimeError, match="16 bytes per scale"):
+        native.histogram_scaled_bytes(packed.view(-1)[: 999 * 8], scale, out)
+    with pytest.raises(RuntimeError, match="65,536"):
+        native.histogram_u16(data, torch.zeros(10, dtype=torch.int64))

@@ -1,4 +1,5 @@
-// Native CPU kernels for MXFP4 matmul: out[M, N] = x[M, K] @ W[N, K]^T with W kept packed.
+// Native CPU kernels for MXFP4 matmul: out[M, N] = x[M, K] @ W[N, K]^T with W kept packed; and, at the
+// end, the two byte histograms the atlas scan counts MXFP4 and 16-bit tensors with.
 //
 // Layout (compressed-tensors `mxfp4-pack-quantized`):
 //   packed [N, K/2] uint8: element 2j in the low nibble of byte j, element 2j+1 in the high nibble
@@ -20,9 +21,11 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 // The build passes -DK3_MXFP4_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
 #ifndef K3_MXFP4_SOURCE_HASH
@@ -228,6 +231,62 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
   return matmul_tiled(x, packed, scale, tile_n, tile_k);
 }
 
+// Histograms for the atlas scan (k3.atlas.stats), 65,536 bins each. Single-threaded on purpose: the scan
+// runs one per worker thread, with the GIL released. Counts go to a uint32 table (256 KiB, stays in L2)
+// that is added into the int64 output after every 2^31 elements, so no count can overflow.
+constexpr int64_t kBins = 1 << 16;
+constexpr int64_t kFlushEvery = int64_t(1) << 31;
+
+void check_histogram_out(const torch::Tensor& out) {
+  TORCH_CHECK(out.scalar_type() == torch::kInt64 && out.is_contiguous() && out.numel() == kBins,
+              "out must be a contiguous int64 tensor of 65,536 counts");
+}
+
+void flush(std::vector<uint32_t>& table, int64_t* out) {
+  for (int64_t b = 0; b < kBins; ++b) {
+    out[b] += table[b];
+    table[b] = 0;
+  }
+}
+
+// out[pattern] += occurrences of every 16-bit pattern in `data` (BF16, F16, int16: any 2-byte dtype).
+void histogram_u16(const torch::Tensor& data, torch::Tensor& out) {
+  TORCH_CHECK(data.is_contiguous() && data.element_size() == 2, "data must be a contiguous 16-bit tensor");
+  check_histogram_out(out);
+  const auto* p = static_cast<const uint16_t*>(data.data_ptr());
+  const int64_t n = data.numel();
+  std::vector<uint32_t> table(kBins, 0);
+  for (int64_t start = 0; start < n; start += kFlushEvery) {
+    const int64_t end = std::min(n, start + kFlushEvery);
+    for (int64_t i = start; i < end; ++i) ++table[p[i]];
+    flush(table, out.data_ptr<int64_t>());
+  }
+}
+
+// out[scale * 256 + byte] += 1 for every packed byte, `scale` being its block's E8M0 byte:
+// packed uint8 [blocks * 16], scale uint8 [blocks] (MXFP4: 16 bytes = 32 codes per scale).
+void histogram_scaled_bytes(const torch::Tensor& packed, const torch::Tensor& scale, torch::Tensor& out) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kUInt8,
+              "packed and scale must be uint8");
+  TORCH_CHECK(packed.is_contiguous() && scale.is_contiguous(), "packed and scale must be contiguous");
+  TORCH_CHECK(packed.numel() == kBlockBytes * scale.numel(), "packed must hold 16 bytes per scale byte");
+  check_histogram_out(out);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  const int64_t blocks = scale.numel();
+  const int64_t flush_blocks = kFlushEvery / kBlockBytes;
+  std::vector<uint32_t> table(kBins, 0);
+  for (int64_t start = 0; start < blocks; start += flush_blocks) {
+    const int64_t end = std::min(blocks, start + flush_blocks);
+    for (int64_t b = start; b < end; ++b) {
+      uint32_t* row = table.data() + (static_cast<uint32_t>(sp[b]) << 8);
+      const uint8_t* bytes = pp + b * kBlockBytes;
+      for (int64_t j = 0; j < kBlockBytes; ++j) ++row[bytes[j]];
+    }
+    flush(table, out.data_ptr<int64_t>());
+  }
+}
+
 bool cpu_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
@@ -236,10 +295,15 @@ bool cpu_supported() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA)";
+  m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA) and the atlas scan's byte histograms";
   m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
         py::arg("tile_k"));
+  m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
+        py::arg("data"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("histogram_scaled_bytes", &histogram_scaled_bytes,
+        "out[65536] int64 += counts of (block scale byte * 256 + packed byte)", py::arg("packed"),
+        py::arg("scale"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
   m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_MXFP4_SOURCE_HASH);
 }
