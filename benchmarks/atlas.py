@@ -26,9 +26,7 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 CHUNK = 16 * 2**20
@@ -126,64 +124,21 @@ def measure(files: list[Path], directory: Path, db_dir: Path, workers: int, cold
     return {"read_seconds": min(reads), "scan": stats}
 
 
-class _CountingRangeHandler(SimpleHTTPRequestHandler):
-    """Static files with `Range: bytes=a-b`; counts the body bytes it sends."""
-
-    sent = 0
-    lock = threading.Lock()
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path = Path(self.translate_path(self.path))
-        if not path.is_file():
-            self.send_error(404)
-            return
-        size = path.stat().st_size
-        start, stop = 0, size - 1
-        rng = self.headers.get("Range")
-        if rng:
-            a, b = rng.removeprefix("bytes=").split("-")
-            start, stop = int(a), min(size - 1, int(b) if b else size - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{stop}/{size}")
-        else:
-            self.send_response(200)
-        with open(path, "rb") as f:
-            f.seek(start)
-            body = f.read(stop - start + 1)
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        self.wfile.write(body)
-        with _CountingRangeHandler.lock:
-            _CountingRangeHandler.sent += len(body)
-
-
 def remote_census(directory: Path) -> dict:
     from k3.atlas.view import Atlas
+    from k3.checkpoint.serve import RangeServer
 
-    server = ThreadingHTTPServer(
-        ("127.0.0.1", 0), lambda *a, **k: _CountingRangeHandler(*a, directory=str(directory), **k)
-    )
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        _CountingRangeHandler.sent = 0
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        with tempfile.TemporaryDirectory() as tmp:
-            t = time.perf_counter()
-            atlas = Atlas.open(url, tmp)
-            summary, layers = atlas.summary(), atlas.layers()
-            seconds = time.perf_counter() - t
+    with RangeServer(directory) as server, tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        atlas = Atlas.open(server.url, tmp)
+        summary, layers = atlas.summary(), atlas.layers()
+        seconds = time.perf_counter() - t
         return {
             "seconds": seconds,
-            "bytes_fetched": _CountingRangeHandler.sent,
+            "bytes_fetched": server.bytes_served,
             "layers": len(layers["layers"]),
             "total_params": summary["census"]["total_params"] if summary["census"] else summary["params"],
         }
-    finally:
-        server.shutdown()
 
 
 def main() -> None:

@@ -8,9 +8,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-import threading
 import time
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -22,6 +20,7 @@ from k3.atlas.commands import atlas_app
 from k3.atlas.db import AtlasDB
 from k3.atlas.scan import scan
 from k3.checkpoint import save_checkpoint
+from k3.checkpoint.serve import RangeServer
 from k3.ops.mxfp4 import dequantize_mxfp4
 
 EXPERTS = f"{P}layers.1.block_sparse_moe.experts."
@@ -151,42 +150,9 @@ def test_scan_killed_with_sigkill_resumes(many_tensors_dir: Path, tmp_path: Path
     assert _dump(db_path) == _dump(scan(many_tensors_dir, tmp_path / "clean" / "atlas.sqlite", workers=2))
 
 
-class _RangeHandler(SimpleHTTPRequestHandler):
-    """Static files with single-range `Range: bytes=a-b` support (http.server has none)."""
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def do_GET(self) -> None:
-        path = Path(self.translate_path(self.path))
-        if not path.is_file():
-            self.send_error(404)
-            return
-        data = path.read_bytes()
-        rng = self.headers.get("Range")
-        if rng:
-            a, b = rng.removeprefix("bytes=").split("-")
-            start, stop = int(a), min(len(data) - 1, int(b) if b else len(data) - 1)
-            self.send_response(206)
-            self.send_header("Content-Range", f"bytes {start}-{stop}/{len(data)}")
-            data = data[start : stop + 1]
-        else:
-            self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.send_header("Accept-Ranges", "bytes")
-        self.end_headers()
-        self.wfile.write(data)
-
-
 def test_remote_scan_equals_local(planted_dir: Path, planted_db: Path, tmp_path: Path) -> None:
-    handler = lambda *a, **k: _RangeHandler(*a, directory=str(planted_dir), **k)  # noqa: E731
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}"
-        remote = scan(url, tmp_path / "remote" / "atlas.sqlite", workers=2)
-    finally:
-        server.shutdown()
+    with RangeServer(planted_dir) as server:
+        remote = scan(server.url, tmp_path / "remote" / "atlas.sqlite", workers=2)
     assert _dump(remote) == _dump(planted_db)
 
 

@@ -1,4 +1,4 @@
-"""Helpers for the checkpoint tests: random tensors, hand-made safetensors files, a Range-capable server.
+"""Helpers for the checkpoint tests: random tensors, hand-made safetensors files, a Range server with faults.
 
 The hand-made files are written here byte by byte from the format spec, independently of k3's writer, so
 tests can plant exactly the corruption they check for.
@@ -7,17 +7,15 @@ tests can plant exactly the corruption they check for.
 from __future__ import annotations
 
 import json
-import re
 import struct
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from k3.checkpoint.serve import RANGE, RangeRequestHandler, RangeServer
 from k3.config import K3Config
 from k3.layout import published_tensors
 
@@ -78,110 +76,54 @@ def entry(dtype: str, shape: list[int], begin: int, end: int) -> dict[str, Any]:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
 
-# ---- a Range-capable HTTP server ----------------------------------------------------------------------
-_RANGE = re.compile(r"bytes=(\d+)-(\d*)")
+# ---- k3's Range server, with planted faults ---------------------------------------------------------------
 
 
-class RangeServer(ThreadingHTTPServer):
-    """Serves `root` on 127.0.0.1 (ephemeral port) with single `Range: bytes=a-b` requests answered 206.
+class FaultyRangeServer(RangeServer):
+    """`k3.checkpoint.serve.RangeServer` on 127.0.0.1 (ephemeral port) with planted faults.
 
     `faults[path]` is a queue of faults for the next requests of that path: "500" (answer 500), "drop"
     (close the connection without answering), "truncate" (announce the length, send half, close),
     "bad-range" (a Content-Range for other bytes), "ignore-range" (answer 200 with the whole file).
-    `bytes_served` and `requests` count what went out, independently of the client's own counters.
     """
 
-    daemon_threads = True
-
     def __init__(self, root: Path):
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.root = Path(root)
+        super().__init__(root, handler=_FaultyHandler)
         self.faults: dict[str, list[str]] = defaultdict(list)
-        self.bytes_served = 0
-        self.requests: list[tuple[str, str | None]] = []  # (path, Range header)
-        self.lock = threading.Lock()
-        self.thread = threading.Thread(target=self.serve_forever, args=(0.02,), daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-    def __enter__(self) -> RangeServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.shutdown()
-        self.server_close()
-        self.thread.join()
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """Stay quiet about clients hanging up (they do, on purpose, in the fault tests); report the rest."""
-        import sys
-
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
-
-    def reset_counters(self) -> None:
-        with self.lock:
-            self.bytes_served = 0
-            self.requests.clear()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: RangeServer
-    protocol_version = "HTTP/1.1"
-    disable_nagle_algorithm = True  # headers and body go out in two writes: no 40 ms delayed-ACK stall
+class _FaultyHandler(RangeRequestHandler):
+    server: FaultyRangeServer
 
-    def log_message(self, format: str, *args: Any) -> None:  # quiet
-        pass
-
-    def _send(self, status: int, body: bytes, headers: dict[str, str]) -> None:
-        self.send_response(status)
-        for k, v in {"Content-Length": str(len(body)), **headers}.items():
-            self.send_header(k, v)
-        self.end_headers()
-        with self.server.lock:  # counted before sending, so a client that has the bytes sees the count
-            self.server.bytes_served += len(body)
-        self.wfile.write(body)
-
-    def do_GET(self) -> None:
+    def answer(self, send_body: bool) -> None:
         path = self.path.split("?")[0]
-        range_header = self.headers.get("Range")
         with self.server.lock:
-            self.server.requests.append((path, range_header))
             fault = self.server.faults[path].pop(0) if self.server.faults[path] else None
-        file = (self.server.root / path.lstrip("/")).resolve()
+        file = self.server.resolve(path)
+        if fault is None or file is None:
+            super().answer(send_body)
+            return
+        range_header = self.headers.get("Range")
+        self.server.count_request(path, range_header)
         if fault == "drop":
             self.close_connection = True
             return
         if fault == "500":
-            self._send(500, b"boom", {})
-            return
-        if not file.is_file() or self.server.root.resolve() not in file.parents:
-            self._send(404, b"not found", {})
+            self.send_bytes(500, b"boom", {})
             return
         size = file.stat().st_size
-        m = _RANGE.fullmatch(range_header or "")
+        m = RANGE.fullmatch(range_header or "")
         if m is None or fault == "ignore-range":
-            self._send(200, file.read_bytes(), {})
+            self.send_bytes(200, file.read_bytes(), {})
             return
         first = int(m.group(1))
         last = min(int(m.group(2)) if m.group(2) else size - 1, size - 1)
-        if first >= size:
-            self._send(416, b"", {"Content-Range": f"bytes */{size}"})
-            return
-        with open(file, "rb") as f:
-            f.seek(first)
-            body = f.read(last + 1 - first)
+        body = file.read_bytes()[first : last + 1]
         if fault == "bad-range":
-            first, last = first + 1, last + 1
-        if fault == "truncate":
-            self.send_response(206)
-            self.send_header("Content-Length", str(len(body)))
-            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
-            self.end_headers()
+            self.send_bytes(206, body, {"Content-Range": f"bytes {first + 1}-{last + 1}/{size}"})
+        elif fault == "truncate":
+            self.send_head(206, len(body), {"Content-Range": f"bytes {first}-{last}/{size}"})
             self.wfile.write(body[: len(body) // 2])
             self.close_connection = True
-            return
-        self._send(206, body, {"Content-Range": f"bytes {first}-{last}/{size}"})
+        else:
+            raise ValueError(f"unknown fault {fault!r}")

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from ckpt_testing import RangeServer, same, tiny_tensors
+from ckpt_testing import FaultyRangeServer, same, tiny_tensors
 
 from k3.census import census_of
 from k3.checkpoint import CheckpointError, RemoteOptions, open_checkpoint, save_checkpoint
@@ -30,7 +30,7 @@ def root(tmp_path_factory):
 
 @pytest.fixture
 def server(root):
-    with RangeServer(root) as s:
+    with FaultyRangeServer(root) as s:
         yield s
 
 
@@ -138,7 +138,10 @@ def test_missing_shard(root, server, tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"w": "model-00001-of-00001.safetensors"}})
     )
-    with RangeServer(tmp_path) as s, pytest.raises(CheckpointError, match="shard model-00001-of-00001.* 404"):
+    with (
+        FaultyRangeServer(tmp_path) as s,
+        pytest.raises(CheckpointError, match="shard model-00001-of-00001.* 404"),
+    ):
         open_checkpoint(s.url, remote=FAST)
 
 
