@@ -50,6 +50,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
 from k3.ops.kda.layout import ChunkLayout
@@ -126,22 +127,30 @@ def base_terms(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
 
 
 def merge_pairs(t: ChunkTerms) -> ChunkTerms:
-    """Chunks (2i, 2i + 1) of every group of m -> one chunk: [Z * m, c, *] -> [Z * m / 2, 2c, *]."""
-    a, b = zip(*(x.view(-1, 2, *x.shape[1:]).unbind(1) for x in t), strict=True)
-    a, b = ChunkTerms(*a), ChunkTerms(*b)
-    c = a.q_gamma.shape[1]
-    m = torch.bmm(torch.cat([b.q_gamma, b.w], dim=1), a.k_hat.transpose(1, 2))  # [Z', 2c, c]
-    m_q, m_w = m.split(c, dim=1)
-    w_b = torch.baddbmm(b.w * a.decay, m_w, a.w, alpha=-1)
-    u_b = torch.baddbmm(b.u, m_w, a.u, alpha=-1)
-    p = torch.cat([torch.cat([a.p, torch.zeros_like(a.p)], dim=2), torch.cat([m_q, b.p], dim=2)], dim=1)
+    """Chunks (2i, 2i + 1) of every group of m -> one chunk: [Z * m, c, *] -> [Z * m / 2, 2c, *].
+
+    A pair is already one merged chunk in memory ([Z', 2, c, *] viewed as [Z', 2c, *]), so the merge is
+    a per-half scaling and, for W and U, the block transform ``[[I, 0], [-M_w, I]]``: no large copies.
+    """
+    Z2, c, K = t.q_gamma.shape[0] // 2, t.q_gamma.shape[1], t.q_gamma.shape[2]
+    q_gamma, w, k_hat = (x.view(Z2, 2, c, K) for x in (t.q_gamma, t.w, t.k_hat))
+    decay_a, decay_b = t.decay.view(Z2, 2, 1, K).unbind(1)  # [Z', 1, K]
+    ones = torch.ones_like(decay_a)
+    k_hat_a = k_hat[:, 0].transpose(1, 2)  # [Z', K, c]
+    m_q = torch.bmm(q_gamma[:, 1], k_hat_a)  # [Z', c, c]: what b's queries read of a's writes
+    m_w = torch.bmm(w[:, 1], k_hat_a)
+    top = F.pad(t.p.view(Z2, 2, c, c)[:, 0], (0, c))  # [P_a, 0]
+    p = torch.cat([top, torch.cat([m_q, t.p.view(Z2, 2, c, c)[:, 1]], dim=2)], dim=1)
+    eye = torch.eye(2 * c, dtype=m_w.dtype, device=m_w.device)
+    transform = eye - F.pad(m_w, (0, c, c, 0))  # [[I, 0], [-M_w, I]] [Z', 2c, 2c]
+    w_scaled = (w * torch.stack([ones, decay_a], dim=1)).view(Z2, 2 * c, K)
     return ChunkTerms(
-        torch.cat([a.q_gamma, b.q_gamma * a.decay], dim=1),
-        torch.cat([a.w, w_b], dim=1),
-        torch.cat([a.u, u_b], dim=1),
+        (q_gamma * torch.stack([ones, decay_a], dim=1)).view(Z2, 2 * c, K),
+        torch.bmm(transform, w_scaled),
+        torch.bmm(transform, t.u.view(Z2, 2 * c, -1)),
         p,
-        torch.cat([a.k_hat * b.decay, b.k_hat], dim=1),
-        a.decay * b.decay,
+        (k_hat * torch.stack([decay_b, ones], dim=1)).view(Z2, 2 * c, K),
+        decay_a * decay_b,
     )
 
 
