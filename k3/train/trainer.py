@@ -1,4 +1,4 @@
-"""The training loop: AdamW, warm-up + cosine/WSD, gradient accumulation, clipping, routing balance,
+"""The training loop: AdamW or Muon, warm-up + cosine/WSD, gradient accumulation, clipping, routing balance,
 CSV log, atomic resumable checkpoints, and an MXFP4 export at the end.
 
 A run lives in one folder:
@@ -36,6 +36,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
+from k3.train.optim import OPTIMIZERS, build_optimizer
 from k3.train.routing import BALANCE_METHODS, RoutingBalancer, max_over_mean
 from k3.train.schedule import SCHEDULES, learning_rate
 from k3.train.state import list_checkpoints, load_training_state, save_training_state
@@ -62,6 +63,7 @@ class TrainConfig:
     seq_len: int = 64
     accum: int = 1  # micro-batches per optimizer step
     lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | muon (hidden matrices; AdamW for the rest)
     min_lr_ratio: float = 0.1
     warmup: int = 10
     schedule: str = "cosine"
@@ -105,6 +107,8 @@ class TrainConfig:
             bad("schedule", f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         if self.balance not in BALANCE_METHODS:
             bad("balance", f"unknown method {self.balance!r} (known: {', '.join(BALANCE_METHODS)})")
+        if self.optimizer not in OPTIMIZERS:
+            bad("optimizer", f"unknown optimizer {self.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
         if self.dtype not in ("fp32", "bf16"):
             bad("dtype", f"must be fp32 or bf16, got {self.dtype!r}")
         if not 0 <= self.warmup <= self.steps:
@@ -181,15 +185,6 @@ def log_columns(moe_layers: list[int], extra: list[str]) -> list[str]:
     return ["step", "loss", "lr", "grad_norm", "tokens_per_s", "max_over_mean_load", *per_layer, *extra]
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only (not on norms, gate vectors or 1-D KDA parameters)."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _prepare_run(tc: TrainConfig, run: Path) -> None:
     """Write train.json, or check that an existing one describes the same computation."""
     path = run / TRAIN_JSON
@@ -260,9 +255,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     torch.manual_seed(tc.seed)
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
     model.train()
-    optimizer = torch.optim.AdamW(
-        _param_groups(model, tc.weight_decay), lr=tc.lr, betas=(tc.beta1, tc.beta2), foreach=False
-    )
+    optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2))
     tap = RouterTap(model)
     moe_layers = sorted(tap.routers)
     balancer = RoutingBalancer(

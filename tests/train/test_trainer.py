@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from k3.train.optim import build_optimizer
 from k3.train.trainer import TrainConfig, TrainError, train
 
 pytest.importorskip("k3.model")
@@ -93,6 +94,45 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(uninterrupted: Path, tmp
     train(tiny(run))
     assert column(run, "loss") == column(uninterrupted, "loss")
     assert not (run / "checkpoints" / ".tmp-step-00000004").exists()
+
+
+def test_muon_run_resumes_bitwise_and_differs_from_adamw(uninterrupted: Path, tmp_path: Path) -> None:
+    straight = train(tiny(tmp_path / "straight", optimizer="muon"))
+    run = tmp_path / "run"
+    train(tiny(run, optimizer="muon", stop_after=3))
+    train(tiny(run, optimizer="muon"))
+    assert column(run, "loss") == column(straight, "loss")
+    assert column(run, "grad_norm") == column(straight, "grad_norm")
+    # same data and weights at step 1, another optimizer from there on
+    assert column(straight, "loss")[0] == column(uninterrupted, "loss")[0]
+    assert column(straight, "loss")[1:] != column(uninterrupted, "loss")[1:]
+
+
+def test_muon_takes_the_hidden_matrices_and_adamw_the_rest() -> None:
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0, quantized_experts=False)
+    pair = build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95))
+    muon, adamw = pair.parts
+    in_muon = {id(p) for group in muon.param_groups for p in group["params"]}
+    for name, p in model.named_parameters():
+        hidden = p.dim() == 2 and "embed_tokens" not in name and "lm_head" not in name
+        assert (id(p) in in_muon) == hidden, name
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    # one state dict in torch's format, parameters numbered across both, and back
+    model(torch.randint(0, 100, (1, 8))).sum().backward()
+    pair.step()
+    state = pair.state_dict()
+    numbered = sorted(i for g in state["param_groups"] for i in g["params"])
+    assert numbered == list(range(len(numbered)))
+    assert set(state["state"]) <= set(numbered) and len(state["state"]) > len(numbered) // 2
+    fresh = build_optimizer(model, "muon", 1e-3, 0.1, (0.9, 0.95))
+    fresh.load_state_dict(state)
+    for before, after in zip(pair.parts, fresh.parts, strict=True):
+        for p in (p for g in before.param_groups for p in g["params"]):
+            for key, value in before.state[p].items():
+                assert torch.equal(value, after.state[p][key]), key
 
 
 def test_resuming_with_other_settings_is_refused(tmp_path: Path) -> None:
