@@ -1,11 +1,15 @@
 """Expert load balance while training `mini`: quantile balancing vs the DeepSeek-V3 sign update vs none.
 
 Same seed, same data (Python standard-library source text, tokenised with the built-in k3 BPE of mini's
-vocabulary), same schedule; only `--balance` differs. Each run is a `k3.train` run in its own process
-(one torch thread each). Writes to benchmarks/results/:
+vocabulary), same schedule; only the balance method differs (QB with the latest batch's bias, QB with an
+EMA of it, DeepSeek's sign update, none). Each run is a `k3.train` run in its own process (one torch
+thread each). Then each final model (router weights and bias as trained) routes a held-out batch of
+`--eval-batches` x batch tokens, large enough that sampling noise stays small: that measures how well
+the learned bias balances the *expected* loads. Writes to benchmarks/results/:
 
     train_balance.csv       per method: max/mean load after warm-up (worst layer and layer mean, per step),
-                            the same on loads pooled over windows of steps, and the sampling-noise floor
+                            the same on loads pooled over windows of steps, the sampling-noise floor of
+                            one training batch; on the held-out batch, worst layer, layer mean and floor
     train_balance.png       worst-layer max/mean load against step, one line per method
     train_balance_runs/     the runs' log.csv and loads.csv (checkpoints and exports are not kept)
 
@@ -13,7 +17,7 @@ The noise floor is what perfectly balanced *expected* loads still show on one ba
 choosing k distinct experts uniformly at random; its max/mean is what a bias learned on earlier batches
 can at best reach on a new batch of the same size.
 
-    .venv/bin/python benchmarks/train_balance.py [--steps 60] [--batch-size 8] [--seq-len 64] [--jobs 3]
+    .venv/bin/python benchmarks/train_balance.py [--steps 80] [--batch-size 16] [--seq-len 128] [--jobs 2]
 """
 
 from __future__ import annotations
@@ -31,7 +35,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-METHODS = ("qb", "deepseek", "none")
+METHODS = {  # name -> k3 train options
+    "qb": ["--balance", "qb"],
+    "qb_ema": ["--balance", "qb", "--balance-ema", "0.9"],
+    "deepseek": ["--balance", "deepseek"],
+    "none": ["--balance", "none"],
+}
 
 
 def corpus(path: Path, max_bytes: int) -> Path:
@@ -48,7 +57,7 @@ def corpus(path: Path, max_bytes: int) -> Path:
     return path
 
 
-def noise_floor(tokens: int, experts: int, k: int, trials: int = 2000, seed: int = 0) -> float:
+def noise_floor(tokens: int, experts: int, k: int, trials: int = 200, seed: int = 0) -> float:
     """Mean max/mean load of uniformly random distinct top-k choices: the best a bias can do on one batch."""
     g = torch.Generator().manual_seed(seed)
     ratios = []
@@ -95,15 +104,47 @@ def summarise(run: Path, warmup: int, window: int) -> dict[str, float]:
     }
 
 
+def held_out_balance(run: Path, text: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Route `--eval-batches` held-out batches through the run's final model; max/mean of the summed loads."""
+    from safetensors.torch import load_file
+
+    from k3.config import K3Config
+    from k3.engine.build_tokenizer import builtin_tokenizer
+    from k3.model import K3ForCausalLM
+    from k3.train.data import TextFile
+    from k3.train.state import list_checkpoints
+    from k3.train.trainer import RouterTap
+
+    cfg = K3Config.preset("mini")
+    model = K3ForCausalLM.from_config(cfg, seed=args.seed, quantized_experts=False)
+    model.load_state_dict(load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors")), strict=True)
+    model.eval()
+    tap = RouterTap(model)
+    tap.active = True
+    tokenizer = builtin_tokenizer(cfg.vocab_size)
+    # the trainer's held-out stream (seed + 7919): windows the runs did not train on
+    data = TextFile(text, tokenizer, args.seq_len, args.batch_size, cfg.vocab_size, seed=args.seed + 7919)
+    loads = {layer: torch.zeros(cfg.num_experts) for layer in tap.routers}
+    with torch.no_grad():
+        for index in range(args.eval_batches):
+            model(data.batch(index)[0])
+            _, chosen = tap.take()
+            for layer, experts in chosen.items():
+                loads[layer] += torch.bincount(experts.flatten(), minlength=cfg.num_experts).float()
+    ratios = [float(v.max() / v.mean()) for v in loads.values()]
+    return {"held_out_worst_layer": max(ratios), "held_out_layer_mean": sum(ratios) / len(ratios)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches routed at the end")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--window", type=int, default=10, help="steps pooled for the pooled imbalance")
-    parser.add_argument("--jobs", type=int, default=3, help="runs at once (one torch thread each)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
@@ -115,12 +156,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
         jobs = []
-        for method in METHODS:
+        for method, options in METHODS.items():
             command = [
                 sys.executable, "-m", "k3.train.commands", "--preset", "mini", "--data", str(text),
                 "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-                "--balance", method, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
+                *options, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
                 "--no-export", "--quiet", "--threads", "1",
             ]  # fmt: skip
             jobs.append((method, command))
@@ -135,7 +176,11 @@ def main() -> None:
                 raise SystemExit(f"the {method} run failed")
         logs = {}
         rows = []
-        floor = noise_floor(args.batch_size * args.seq_len, cfg.num_experts, cfg.num_experts_per_token)
+        batch_tokens = args.batch_size * args.seq_len
+        floor = noise_floor(batch_tokens, cfg.num_experts, cfg.num_experts_per_token)
+        held_out_floor = noise_floor(
+            batch_tokens * args.eval_batches, cfg.num_experts, cfg.num_experts_per_token, trials=50
+        )
         for method in METHODS:
             run = Path(tmp) / method
             target = keep / method
@@ -147,7 +192,18 @@ def main() -> None:
             logs[method] = read_log(run)
             summary = summarise(run, args.warmup, args.window)
             final_loss = sum(logs[method]["loss"][-10:]) / len(logs[method]["loss"][-10:])
-            rows.append({"method": method, **summary, "loss_last_10": final_loss, "noise_floor": floor})
+            held_out = held_out_balance(run, text, args)
+            rows.append(
+                {
+                    "method": method,
+                    **summary,
+                    "loss_last_10": final_loss,
+                    "noise_floor": floor,
+                    **held_out,
+                    "held_out_noise_floor": held_out_floor,
+                }
+            )
+            print(f"{method}: held-out {held_out}", flush=True)
 
     from k3.train.plot import plot_comparison
 
