@@ -234,7 +234,9 @@ class BitPatternStats:
             values = used != 0
         else:  # U8
             values = used
-        return _merge_equal_values(values.astype(np.float64), patterns[used])
+        with np.errstate(invalid="ignore"):  # signalling-NaN patterns widen to NaN (counted as NaN)
+            wide = values.astype(np.float64)
+        return _merge_equal_values(wide, patterns[used])
 
     def finish(self) -> dict[str, Any]:
         values, counts, nan_count = self.value_table()
