@@ -19,6 +19,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import unquote
 
 RANGE = re.compile(r"bytes=(\d+)-(\d*)")
 PIECE = 1 << 20  # bytes per write of a streamed body
@@ -126,7 +127,7 @@ class RangeServer(ThreadingHTTPServer):
 
     def resolve(self, url_path: str) -> Path | None:
         """The regular file under root that ``url_path`` names, or None (missing, a folder, or outside)."""
-        file = (self.root / url_path.lstrip("/")).resolve()
+        file = (self.root / unquote(url_path).lstrip("/")).resolve()
         return file if file.is_file() and self.root in file.parents else None
 
     def count_request(self, path: str, range_header: str | None) -> None:

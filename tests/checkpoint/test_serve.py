@@ -18,6 +18,7 @@ def served(tmp_path: Path):
     data = bytes(range(256)) * (PIECE // 256 * 2 + 3)  # more than two streamed pieces
     (root / "model.safetensors").write_bytes(data)
     (root / "sub").mkdir()
+    (root / "with space.json").write_text("{}")
     (tmp_path / "secret.txt").write_text("outside the root")
     with RangeServer(root) as server:
         yield server, data
@@ -49,6 +50,7 @@ def test_ranges_whole_files_and_counters(served) -> None:
     assert server.bytes_served == 10 + 5 + 2 * len(data)  # HEAD sends no body
     assert httpx.get(url, headers={"Range": f"bytes={len(data)}-"}).status_code == 416
     assert [p for p, _ in server.requests] == ["/model.safetensors"] * 6
+    assert httpx.get(f"{server.url}/with%20space.json").text == "{}"  # percent-encoded names
 
 
 def test_nothing_outside_the_root_nor_folders(served) -> None:
