@@ -1,9 +1,9 @@
 """Expert load balance while training `mini`: quantile balancing vs the DeepSeek-V3 sign update vs none.
 
-Same seed, same data (Python standard-library source text, tokenised with the built-in k3 BPE of mini's
-vocabulary), same schedule; only the balance method differs (QB with the latest batch's bias, QB with an
-EMA of it, DeepSeek's sign update, none). Each run is a `k3.train` run in its own process (one torch
-thread each). Then each final model (router weights and bias as trained) routes a held-out batch of
+Same seed, same data (Python standard-library source text, tokenised with the built-in k3 BPE of the
+model's vocabulary), same schedule; only the balance method differs (QB with the latest batch's bias,
+QB with an EMA of it, DeepSeek's sign update, none). Each run is a `k3.train` run in its own process
+(one torch thread each). Then each final model (router weights and bias as trained) routes a held-out batch of
 `--eval-batches` x batch tokens, large enough that sampling noise stays small: that measures how well
 the learned bias balances the *expected* loads. Writes to benchmarks/results/:
 
@@ -18,6 +18,7 @@ choosing k distinct experts uniformly at random; its max/mean is what a bias lea
 can at best reach on a new batch of the same size.
 
     .venv/bin/python benchmarks/train_balance.py [--steps 80] [--batch-size 16] [--seq-len 128] [--jobs 2]
+        [--preset mini]    (another preset writes train_balance_<preset>.* and train_balance_<preset>_runs/)
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def held_out_balance(run: Path, text: Path, args: argparse.Namespace) -> dict[st
     from k3.train.state import list_checkpoints
     from k3.train.trainer import RouterTap
 
-    cfg = K3Config.preset("mini")
+    cfg = K3Config.preset(args.preset)
     model = K3ForCausalLM.from_config(cfg, seed=args.seed, quantized_experts=False)
     model.load_state_dict(load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors")), strict=True)
     model.eval()
@@ -137,6 +138,7 @@ def held_out_balance(run: Path, text: Path, args: argparse.Namespace) -> dict[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="mini", help="the model trained (a preset name)")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -150,15 +152,16 @@ def main() -> None:
 
     from k3.config import K3Config
 
-    cfg = K3Config.preset("mini")
+    cfg = K3Config.preset(args.preset)
+    stem = "train_balance" if args.preset == "mini" else f"train_balance_{args.preset}"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    keep = RESULTS / "train_balance_runs"
+    keep = RESULTS / f"{stem}_runs"
     with tempfile.TemporaryDirectory() as tmp:
         text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
         jobs = []
         for method, options in METHODS.items():
             command = [
-                sys.executable, "-m", "k3.train.commands", "--preset", "mini", "--data", str(text),
+                sys.executable, "-m", "k3.train.commands", "--preset", args.preset, "--data", str(text),
                 "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
                 *options, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
@@ -210,11 +213,12 @@ def main() -> None:
     plot_comparison(
         logs,
         "max_over_mean_load",
-        RESULTS / "train_balance.png",
-        "max / mean expert load (worst of 8 MoE layers)",
-        f"mini, {args.batch_size}x{args.seq_len} tokens/step: routing balance (noise floor {floor:.2f})",
+        RESULTS / f"{stem}.png",
+        f"max / mean expert load (worst of {cfg.num_moe_layers} MoE layers)",
+        f"{args.preset}, {args.batch_size}x{args.seq_len} tokens/step: routing balance "
+        f"(noise floor {floor:.2f})",
     )
-    with (RESULTS / "train_balance.csv").open("w", newline="") as f:
+    with (RESULTS / f"{stem}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         for row in rows:
