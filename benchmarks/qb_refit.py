@@ -21,22 +21,11 @@ little; the held-out pass uses the refit biases everywhere).
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 from pathlib import Path
 
 import torch
-from train_balance import noise_floor  # benchmarks/ is on the path when run as a script
-
-
-def route(model, tap, data, first_batch: int, batches: int) -> dict[int, torch.Tensor]:
-    """Router scores [N, E] per MoE layer for `batches` batches from `first_batch` on."""
-    scores: dict[int, list[torch.Tensor]] = {}
-    with torch.no_grad():
-        for index in range(first_batch, first_batch + batches):
-            model(data.batch(index)[0])
-            for layer, s in tap.take()[0].items():
-                scores.setdefault(layer, []).append(s)
-    return {layer: torch.cat(s) for layer, s in scores.items()}
+from train_balance import final_model, noise_floor, route  # benchmarks/ is on the path as a script
 
 
 def balance(scores: dict[int, torch.Tensor], biases: dict[int, torch.Tensor], k: int) -> dict[str, float]:
@@ -63,37 +52,22 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from safetensors.torch import load_file
-
-    from k3.engine.build_tokenizer import builtin_tokenizer
-    from k3.model import K3ForCausalLM
-    from k3.train.data import TextFile
     from k3.train.routing import quantile_balance_bias
-    from k3.train.state import list_checkpoints
-    from k3.train.trainer import RouterTap, load_model_config
+    from k3.train.trainer import make_dataset
 
-    tc = json.loads((args.run / "train.json").read_text())
-    cfg = load_model_config(tc["preset"])
-    model = K3ForCausalLM.from_config(cfg, seed=tc["seed"], quantized_experts=False)
-    step, checkpoint = list_checkpoints(args.run)[-1]
-    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=True)
-    model.eval()
-    tap = RouterTap(model)
-    tap.active = True
-    k, batch_tokens = cfg.num_experts_per_token, tc["batch_size"] * tc["seq_len"]
-    tokenizer = builtin_tokenizer(cfg.vocab_size)
-
-    def stream(seed: int) -> TextFile:
-        return TextFile(args.text, tokenizer, tc["seq_len"], tc["batch_size"], cfg.vocab_size, seed=seed)
+    model, cfg, tc, tap = final_model(args.run)
+    tc = dataclasses.replace(tc, data=str(args.text))  # the run's own copy may be gone
+    k, batch_tokens = cfg.num_experts_per_token, tc.batch_size * tc.seq_len
+    held_out_data, training_data = make_dataset(tc, cfg, stream=1), make_dataset(tc, cfg, stream=0)
 
     trained = {layer: r.e_score_correction_bias.detach().clone() for layer, r in tap.routers.items()}
-    held_out = route(model, tap, stream(tc["seed"] + 7919), 0, args.held_out_batches)
+    held_out, _ = route(model, tap, held_out_data, 0, args.held_out_batches)
     floor = noise_floor(batch_tokens * args.held_out_batches, cfg.num_experts, k, trials=50)
-    print(f"run {args.run} at step {step}: {batch_tokens} tokens per training batch")
+    print(f"run {args.run}, last checkpoint: {batch_tokens} tokens per training batch")
     print(f"held-out: {batch_tokens * args.held_out_batches} tokens, noise floor (one layer) {floor:.3f}")
     show("bias as trained", balance(held_out, trained, k))
-    first_unused = tc["steps"] * tc.get("accum", 1) + 1000
-    fit = route(model, tap, stream(tc["seed"]), first_unused, -(-max(args.fit_tokens) // batch_tokens))
+    first_unused = tc.steps * tc.accum + 1000
+    fit, _ = route(model, tap, training_data, first_unused, -(-max(args.fit_tokens) // batch_tokens))
     for n in sorted(args.fit_tokens):
         biases = {
             layer: quantile_balance_bias(s[:n], k, iters=100, init_bias=trained[layer])
@@ -101,7 +75,7 @@ def main() -> None:
         }
         for layer, router in tap.routers.items():
             router.e_score_correction_bias.copy_(biases[layer])
-        rerouted = route(model, tap, stream(tc["seed"] + 7919), 0, args.held_out_batches)
+        rerouted, _ = route(model, tap, held_out_data, 0, args.held_out_batches)
         show(f"QB refit on {n} tokens", balance(rerouted, biases, k))
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import shutil
 import subprocess
 import sys
@@ -105,34 +106,45 @@ def summarise(run: Path, warmup: int, window: int) -> dict[str, float]:
     }
 
 
-def held_out_balance(run: Path, text: Path, args: argparse.Namespace) -> dict[str, float]:
-    """Route `--eval-batches` held-out batches through the run's final model; max/mean of the summed loads."""
-    from safetensors.torch import load_file
-
-    from k3.config import K3Config
-    from k3.engine.build_tokenizer import builtin_tokenizer
+def final_model(run: Path):
+    """(model, config, TrainConfig, RouterTap) of a `k3 train` run at its last checkpoint, in eval mode."""
     from k3.model import K3ForCausalLM
-    from k3.train.data import TextFile
-    from k3.train.state import list_checkpoints
-    from k3.train.trainer import RouterTap
+    from k3.train.state import list_checkpoints, load_model_state
+    from k3.train.trainer import RouterTap, TrainConfig, load_model_config
 
-    cfg = K3Config.preset(args.preset)
-    model = K3ForCausalLM.from_config(cfg, seed=args.seed, quantized_experts=False)
-    model.load_state_dict(load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors")), strict=True)
+    tc = TrainConfig(**json.loads((run / "train.json").read_text()))
+    cfg = load_model_config(tc.preset)
+    model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
+    load_model_state(list_checkpoints(run)[-1][1], model)
     model.eval()
     tap = RouterTap(model)
     tap.active = True
-    tokenizer = builtin_tokenizer(cfg.vocab_size)
-    # the trainer's held-out stream (seed + 7919): windows the runs did not train on
-    data = TextFile(text, tokenizer, args.seq_len, args.batch_size, cfg.vocab_size, seed=args.seed + 7919)
-    loads = {layer: torch.zeros(cfg.num_experts) for layer in tap.routers}
+    return model, cfg, tc, tap
+
+
+def route(model, tap, data, first_batch: int, batches: int) -> tuple[dict, dict]:
+    """Router scores [N, E] and chosen experts [N, k] per MoE layer over `batches` batches of `data`."""
+    scores: dict[int, list[torch.Tensor]] = {}
+    chosen: dict[int, list[torch.Tensor]] = {}
     with torch.no_grad():
-        for index in range(args.eval_batches):
+        for index in range(first_batch, first_batch + batches):
             model(data.batch(index)[0])
-            _, chosen = tap.take()
-            for layer, experts in chosen.items():
-                loads[layer] += torch.bincount(experts.flatten(), minlength=cfg.num_experts).float()
-    ratios = [float(v.max() / v.mean()) for v in loads.values()]
+            batch_scores, batch_chosen = tap.take()
+            for layer in batch_scores:
+                scores.setdefault(layer, []).append(batch_scores[layer])
+                chosen.setdefault(layer, []).append(batch_chosen[layer])
+    return {k: torch.cat(v) for k, v in scores.items()}, {k: torch.cat(v) for k, v in chosen.items()}
+
+
+def held_out_balance(run: Path, eval_batches: int) -> dict[str, float]:
+    """Route `eval_batches` held-out batches through the run's final model; max/mean of the summed loads."""
+    from k3.train.trainer import make_dataset
+
+    model, cfg, tc, tap = final_model(run)
+    # the trainer's held-out stream: windows the run did not train on
+    _, chosen = route(model, tap, make_dataset(tc, cfg, stream=1), 0, eval_batches)
+    loads = [torch.bincount(c.flatten(), minlength=cfg.num_experts).float() for c in chosen.values()]
+    ratios = [float(v.max() / v.mean()) for v in loads]
     return {"held_out_worst_layer": max(ratios), "held_out_layer_mean": sum(ratios) / len(ratios)}
 
 
@@ -195,7 +207,7 @@ def main() -> None:
             logs[method] = read_log(run)
             summary = summarise(run, args.warmup, args.window)
             final_loss = sum(logs[method]["loss"][-10:]) / len(logs[method]["loss"][-10:])
-            held_out = held_out_balance(run, text, args)
+            held_out = held_out_balance(run, args.eval_batches)
             rows.append(
                 {
                     "method": method,

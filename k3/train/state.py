@@ -90,11 +90,16 @@ def save_training_state(
     return final
 
 
+def load_model_state(checkpoint: str | Path, model: nn.Module) -> None:
+    """Load a checkpoint's parameters and buffers (routing biases included) into `model`, strictly."""
+    model.load_state_dict(load_file(str(Path(checkpoint) / "model.safetensors")), strict=True)
+
+
 def load_training_state(checkpoint: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """Restore model, optimizer and RNG from a checkpoint directory; returns its `state.json`."""
     checkpoint = Path(checkpoint)
     meta = json.loads((checkpoint / "state.json").read_text())
-    model.load_state_dict(load_file(str(checkpoint / "model.safetensors")), strict=True)
+    load_model_state(checkpoint, model)
     tensors = load_file(str(checkpoint / "optimizer.safetensors"))
     torch.set_rng_state(tensors.pop("rng.torch"))
     state: dict[int, dict[str, torch.Tensor]] = {}
