@@ -60,3 +60,23 @@ def check_inputs(
 
 def default_scale(scale: float | None, head_dim: int) -> float:
     return head_dim**-0.5 if scale is None else float(scale)
+
+
+def prepare_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The five inputs in the compute dtype, q and k L2-normalised if asked, q times the scale.
+
+    Used by the per-token forms (the reference and the decode step); the chunked form folds the same
+    steps into its per-tile copy."""
+    dtype = compute_dtype(q)
+    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    return q * default_scale(scale, q.shape[-1]), k, v, g, beta

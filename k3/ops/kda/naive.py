@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.inputs import check_inputs, compute_dtype, default_scale, l2norm
+from k3.ops.kda.inputs import check_inputs, prepare_inputs
 
 
 def naive_recurrent_kda(
@@ -36,16 +36,13 @@ def naive_recurrent_kda(
     Returns ``(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32 or None)``.
     """
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state)
-    in_dtype, dtype = q.dtype, compute_dtype(q)
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * default_scale(scale, K)
+    in_dtype = q.dtype
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
 
     if initial_state is None:
         state = q.new_zeros(B, H, K, V)  # [B, H, K, V]
     else:
-        state = initial_state.to(dtype)
+        state = initial_state.to(q.dtype)
     outputs = []
     for t in range(T):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]  # [B, H, K], [B, H, K], [B, H, V]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.inputs import check_inputs, compute_dtype, default_scale, l2norm
+from k3.ops.kda.inputs import check_inputs, prepare_inputs
 
 
 def recurrent_kda_step(
@@ -34,15 +34,12 @@ def recurrent_kda_step(
     The input state is never modified; the returned one is a new fp32 tensor.
     """
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state)
-    in_dtype, dtype = q.dtype, compute_dtype(q)
-    q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    q = q * default_scale(scale, K)
+    in_dtype = q.dtype
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
     if initial_state is None:
         state = q.new_zeros(B * H, K, V)
     else:
-        state = initial_state.to(dtype).reshape(B * H, K, V)
+        state = initial_state.to(q.dtype).reshape(B * H, K, V)
 
     decay = g.exp()  # [B, T, H, K]
     readers = torch.stack([k * decay, q * decay], dim=3).reshape(B, T, H, 2, K)  # [k~; q~] per token
