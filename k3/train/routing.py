@@ -179,13 +179,17 @@ class RoutingBalancer:
         self.method, self.k, self.gamma, self.ema, self.qb_iters = method, k, gamma, ema, qb_iters
         self.biases = {layer: torch.zeros(num_experts, dtype=torch.float32) for layer in layers}
 
-    def update(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+    def update(self, layer: int, scores: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
         """Fold one batch's router scores [T, E] (unbiased, after the sigmoid) into the layer's bias.
 
-        Returns the expert loads [E] this batch had under the bias it was routed with."""
+        Returns the expert loads [E] this batch had under the bias it was routed with: counted from
+        `chosen` [T, k], the experts the router picked, when given; else re-derived from the scores."""
         scores = scores.detach().float()
         bias = self.biases[layer]
-        loads = expert_loads(scores, self.k, bias)
+        if chosen is None:
+            loads = expert_loads(scores, self.k, bias)
+        else:
+            loads = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1]).to(scores.dtype)
         if self.method == "qb":
             fresh = quantile_balance_bias(scores, self.k, iters=self.qb_iters, init_bias=bias)
             self.biases[layer] = self.ema * bias + (1.0 - self.ema) * fresh

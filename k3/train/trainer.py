@@ -308,7 +308,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip or math.inf))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scores, _ = tap.take()
+            scores, chosen = tap.take()
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),
@@ -316,7 +316,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             }
             worst = 0.0
             for layer in moe_layers:
-                loads = balancer.update(layer, scores[layer])
+                loads = balancer.update(layer, scores[layer], chosen[layer])
                 tap.routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
                 loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
                 ratio = max_over_mean(loads)
