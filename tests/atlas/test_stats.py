@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from k3.atlas.reading import dequantize_rows
 from k3.atlas.similarity import cosine_similarities, expert_pairs
 from k3.atlas.stats import BitPatternStats, MXFP4Stats, StreamingStats, stats_from_value_table
 from k3.ops.mxfp4 import dequantize_mxfp4, native_available, quantize_mxfp4
@@ -129,16 +128,6 @@ def test_cosine_similarities_match_direct_computation() -> None:
                 mats[a].flatten().double(), mats[b].flatten().double(), 0
             )
             assert got[(a, b)] == pytest.approx(float(want), abs=1e-6)
-
-
-def test_fast_dequantize_equals_the_codec() -> None:
-    gen = torch.Generator().manual_seed(6)
-    packed = torch.randint(0, 256, (37, 64), dtype=torch.uint8, generator=gen)
-    scale = torch.randint(0, 256, (37, 4), dtype=torch.uint8, generator=gen)
-    scale[0] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)  # extremes, overflow to inf, NaN
-    torch.testing.assert_close(
-        dequantize_rows(packed, scale), dequantize_mxfp4(packed, scale), rtol=0, atol=0, equal_nan=True
-    )
 
 
 def test_mxfp4_stats_equal_the_codecs_value_counts() -> None:

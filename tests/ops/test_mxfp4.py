@@ -430,3 +430,18 @@ def test_native_histograms_equal_bincount():
         native.histogram_scaled_bytes(packed.view(-1)[: 999 * 8], scale, out)
     with pytest.raises(RuntimeError, match="65,536"):
         native.histogram_u16(data, torch.zeros(10, dtype=torch.int64))
+
+
+def test_byte_pair_decoding_equals_nibble_unpacking() -> None:
+    """dequantize_mxfp4 looks both values of a byte up at once; against unpacking nibbles into codes."""
+    gen = torch.Generator().manual_seed(6)
+    packed = torch.randint(0, 256, (37, 64), dtype=torch.uint8, generator=gen)
+    scale = torch.randint(0, 256, (37, 4), dtype=torch.uint8, generator=gen)
+    scale[0] = torch.tensor([0, 1, 254, 255], dtype=torch.uint8)  # extremes, overflow to inf, NaN
+    code_values = torch.tensor([float(m) for m in E2M1_MAGNITUDES] + [-float(m) for m in E2M1_MAGNITUDES])
+    scale_values = torch.tensor([math.ldexp(1.0, s - 127) for s in range(255)] + [math.nan])
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2).long()  # [37, 128]
+    values = code_values[codes].view(37, 4, 32) * scale_values[scale.long()][..., None]
+    torch.testing.assert_close(
+        dequantize_mxfp4(packed, scale), values.view(37, 128), rtol=0, atol=0, equal_nan=True
+    )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 BLOCK_SIZE = 32
 """Elements sharing one E8M0 scale."""
@@ -54,6 +55,12 @@ def e8m0_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def e2m1_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[16]`` table of the E2M1 code values."""
     return torch.tensor(E2M1_VALUES, dtype=dtype)
+
+
+def byte_pair_table(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[256, 2]`` the two E2M1 values of every packed byte, low nibble (the earlier element) first."""
+    byte = torch.arange(256)
+    return e2m1_table(dtype)[torch.stack([byte & 0x0F, byte >> 4], dim=-1)]
 
 
 def check_packed(packed: torch.Tensor, scale: torch.Tensor) -> None:
@@ -125,11 +132,6 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.reshape(*lead, n // 2), scale.reshape(*lead, n // BLOCK_SIZE)
 
 
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """Packed bytes [..., K/2] -> E2M1 codes uint8 [..., K] in element order."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
-
-
 def dequantize_mxfp4(
     packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
@@ -146,13 +148,15 @@ def dequantize_mxfp4(
     *lead, half_k = packed.shape
     rows_packed = packed.reshape(-1, half_k)  # [R, K/2]
     rows_scale = scale.reshape(-1, scale.shape[-1])  # [R, K/32]
-    code_values = e2m1_table(work_dtype).to(packed.device)
+    # one table lookup per byte gives both of its values (a [3072, 3584] matrix in 37 ms instead of
+    # 50 ms by unpacking nibbles into codes first)
+    pair_values = byte_pair_table(work_dtype).to(packed.device)
     scale_values = e8m0_table(work_dtype).to(packed.device)
     out = torch.empty(rows_packed.shape[0], 2 * half_k, dtype=dtype, device=packed.device)
     step = max(1, _CHUNK_ELEMENTS // (2 * half_k))
     for r0 in range(0, rows_packed.shape[0], step):
-        codes = unpack_codes(rows_packed[r0 : r0 + step]).long()  # [r, K]
-        values = code_values[codes].unflatten(-1, (-1, BLOCK_SIZE))  # [r, K/32, 32]
+        pairs = F.embedding(rows_packed[r0 : r0 + step].to(torch.int32), pair_values)  # [r, K/2, 2]
+        values = pairs.flatten(-2).unflatten(-1, (-1, BLOCK_SIZE))  # [r, K/32, 32]
         values *= scale_values[rows_scale[r0 : r0 + step].long()][..., None]
         out[r0 : r0 + step] = values.flatten(-2)
     return out.reshape(*lead, 2 * half_k)
