@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from k3.checkpoint import TORCH_DTYPES as CHECKPOINT_DTYPES
+from k3.ops.mxfp4.stats import add_scaled_byte_histogram
 
 # Magnitude histogram: bins of a quarter octave over |w| in [2^-40, 2^24); zeros are counted apart, smaller
 # nonzero magnitudes go to `under`, larger ones (and inf) to `over`.
@@ -260,14 +261,13 @@ class MXFP4Stats:
     """Exact statistics of an MXFP4 matrix from its codes and scales, merged over row chunks.
 
     The one pass over the data is a joint histogram of (scale byte, packed byte) over every byte of every
-    block (65,536 bins): each packed byte holds two codes under its block's scale, so the (scale, code) pair
-    counts, the value table (products merged where equal, as `k3.ops.mxfp4.mxfp4_value_counts` does), the
-    code histogram and the scale histogram all follow from it exactly. The matrix is never dequantized."""
+    block (65,536 bins; `k3.ops.mxfp4.stats.add_scaled_byte_histogram`, shared with the codec's stats):
+    each packed byte holds two codes under its block's scale, so the (scale, code) pair counts, the value
+    table (products merged where equal, as `k3.ops.mxfp4.mxfp4_value_counts` does), the code histogram
+    and the scale histogram all follow from it exactly. The matrix is never dequantized."""
 
     def __init__(self) -> None:
         self.joint = torch.zeros(256 * 256, dtype=torch.int64)  # [scale byte * 256 + packed byte]
-        self.scale_histogram = torch.zeros(256, dtype=torch.int64)  # blocks per scale byte
-        self._keys = torch.empty(0, dtype=torch.int32)  # scratch: the joint keys of one chunk
         self._native = native_histograms()
 
     def update(self, packed: torch.Tensor, scale: torch.Tensor) -> None:
@@ -276,20 +276,11 @@ class MXFP4Stats:
             raise ValueError(f"MXFP4 parts must be uint8, got {packed.dtype} and {scale.dtype}")
         if packed.shape[:-1] != scale.shape[:-1] or packed.shape[-1] != 16 * scale.shape[-1]:
             raise ValueError(f"packed {tuple(packed.shape)} and scale {tuple(scale.shape)} are not a pair")
-        self.scale_histogram += torch.bincount(scale.reshape(-1), minlength=256)  # B keys: cheap
-        if self._native is not None:
-            self._native.histogram_scaled_bytes(packed.contiguous(), scale.contiguous(), self.joint)
-            return
-        blocks = scale.numel()
-        if self._keys.numel() < 16 * blocks:
-            self._keys = torch.empty(16 * blocks, dtype=torch.int32)
-        keys = self._keys[: 16 * blocks].view(blocks, 16)  # [B, 16]: the 16 bytes of each block
-        keys.copy_(packed.reshape(blocks, 16))
-        keys.add_(scale.reshape(blocks, 1).to(torch.int32) * 256)
-        self.joint += torch.bincount(keys.view(-1), minlength=256 * 256)
+        add_scaled_byte_histogram(self.joint, packed, scale, self._native)
 
     def finish(self) -> dict[str, Any]:
-        scales = np.flatnonzero(self.scale_histogram.numpy())  # [S] scale bytes in use (a few, typically)
+        scale_histogram = self.joint.numpy().reshape(256, 256).sum(axis=1) // 16  # blocks per scale byte
+        scales = np.flatnonzero(scale_histogram)  # [S] scale bytes in use (a few, typically)
         joint = self.joint.numpy().reshape(256, 16, 16)[scales]  # [S, high nibble, low nibble]
         pair_counts = joint.sum(axis=1) + joint.sum(axis=2)  # [S, 16]: low-nibble + high-nibble codes
         in_use = pair_counts > 0
@@ -302,7 +293,7 @@ class MXFP4Stats:
         record["distinct_method"] = "MXFP4 codes x scales"
         record["values"] = _value_table_record(values, counts, nan_count)
         record["code_histogram"] = pair_counts.sum(axis=0).tolist()
-        record["scale_histogram"] = self.scale_histogram.tolist()
+        record["scale_histogram"] = scale_histogram.tolist()
         return record
 
 

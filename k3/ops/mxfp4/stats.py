@@ -9,10 +9,12 @@ pairs with equal products (code 2 = 1.0 at scale s equals code 1 = 0.5 at scale 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 
 from k3.ops.mxfp4.codec import BLOCK_SIZE, E8M0_NAN, check_packed, e2m1_table, e8m0_table
+from k3.ops.mxfp4.native import load_native
 
 _CHUNK_BLOCKS = 1 << 18  # blocks counted at a time (bounds the [blocks, 16] key tensor to 16 MiB)
 
@@ -37,17 +39,33 @@ class MXFP4ValueCounts:
         return int(self.values.numel())
 
 
-def _scale_code_counts(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """int64 [256, 16]: how many elements have each (scale byte, code) pair."""
+def add_scaled_byte_histogram(
+    joint: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, native: ModuleType | None = None
+) -> None:
+    """``joint`` int64 [65536] += how many packed bytes there are per (block scale byte, byte) pair.
+
+    Index ``scale * 256 + byte``; ``packed`` [..., K/2] and ``scale`` [..., K/32] uint8 (16 bytes per scale).
+    ``native``: the native kernel module (``load_native()``) for a single-threaded pass ~4x faster than
+    ``torch.bincount``, or None for bincount.
+    """
+    if native is not None:
+        native.histogram_scaled_bytes(packed.contiguous().view(-1), scale.contiguous().view(-1), joint)
+        return
     block_bytes = packed.reshape(-1, BLOCK_SIZE // 2)  # [B, 16]: the 16 bytes of each block
     block_scale = scale.reshape(-1)  # [B]
-    byte_counts = torch.zeros(256 * 256, dtype=torch.int64, device=packed.device)  # [scale * 256 + byte]
     for b0 in range(0, block_scale.numel(), _CHUNK_BLOCKS):
         key = (
             block_scale[b0 : b0 + _CHUNK_BLOCKS, None].int() * 256
             + block_bytes[b0 : b0 + _CHUNK_BLOCKS].int()
         )
-        byte_counts += torch.bincount(key.flatten(), minlength=256 * 256)
+        joint += torch.bincount(key.flatten(), minlength=256 * 256)
+
+
+def _scale_code_counts(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int64 [256, 16]: how many elements have each (scale byte, code) pair."""
+    byte_counts = torch.zeros(256 * 256, dtype=torch.int64, device=packed.device)  # [scale * 256 + byte]
+    native = load_native() if packed.device.type == "cpu" else None
+    add_scaled_byte_histogram(byte_counts, packed, scale, native)
     byte_counts = byte_counts.view(256, 16, 16)  # [scale, high nibble, low nibble]
     return byte_counts.sum(dim=1) + byte_counts.sum(dim=2)  # low-nibble codes + high-nibble codes
 
