@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The packed-MXFP4 CPU kernel (a small C++ extension); k3 falls back to pure torch without it.
+# The native CPU kernels (MXFP4 matmul and histograms, the KDA state loop: two small C++ extensions);
+# k3 falls back to pure torch without them.
 native: $(STAMP)
 	$(PY) -m k3.ops.mxfp4.build
 

@@ -3,7 +3,7 @@
     python benchmarks/mxfp4.py [--m 1 16 256] [--repeat 20] [--threads N] [--copies 8]
 
 For each shape and each number of rows M of x, times ``mxfp4_matmul`` (native kernels, if built with
-``python -m k3.ops.mxfp4.build``, and the pure-torch fallback) against dense bfloat16 and float32
+``python -m k3.ops.build``, and the pure-torch fallback) against dense bfloat16 and float32
 ``F.linear`` on the dequantized weight, and prints: median time, weight bytes read per second (the bytes
 each method's weight occupies, read once per call), GFLOP/s (2*M*N*K per call) and resident weight bytes
 per parameter. Then checks the targets: resident <= 0.54 B/param; at M = 1 the native kernel at least as

@@ -172,7 +172,7 @@ def test_bit_pattern_stats_other_dtypes(dtype: torch.dtype, name: str) -> None:
     check(acc.finish(), reference(x))
 
 
-@pytest.mark.skipif(not native_available(), reason="native kernels not built: python -m k3.ops.mxfp4.build")
+@pytest.mark.skipif(not native_available(), reason="native kernels not built: python -m k3.ops.build")
 def test_native_and_bincount_histograms_give_the_same_records(monkeypatch: pytest.MonkeyPatch) -> None:
     """The native byte histograms (the scan's fast path) against torch.bincount, chunk by chunk."""
     gen = torch.Generator().manual_seed(3)

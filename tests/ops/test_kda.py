@@ -13,8 +13,10 @@ import types
 import pytest
 import torch
 
+from k3.ops.kda import chunk as chunk_module
 from k3.ops.kda import chunk_kda, kda_gate, kda_softplus_gate, naive_recurrent_kda, recurrent_kda_step
 from k3.ops.kda.chunk import base_chunk_size
+from k3.ops.kda.native import load_native
 from k3.ops.kda.state_passing import StatePassing
 
 
@@ -235,17 +237,117 @@ def test_chunk_gradients_fp32_k3_gate():
         assert torch.isfinite(a).all() and rel_rms(a, e) <= 1e-4
 
 
-def test_state_passing_backward_passes_gradcheck():
-    # the hand-written adjoint loop against finite differences, every input, in float64
-    gen = torch.Generator().manual_seed(15)
-    steps, Z, C, K, V = 3, 2, 4, 5, 3
+def state_passing_inputs(steps, Z, C, K, V, seed, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.3):
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).requires_grad_()
+        return (torch.randn(*shape, generator=gen, dtype=dtype) * scale).requires_grad_()
 
-    decay = torch.rand(steps, Z, K, 1, generator=gen, dtype=torch.float64).requires_grad_()
-    inputs = (rand(steps, Z, 2 * C, K), rand(steps, Z, C, V), rand(steps, Z, C, K), decay, rand(Z, K, V))
-    assert torch.autograd.gradcheck(StatePassing.apply, inputs)
+    decay = torch.rand(steps, Z, K, generator=gen, dtype=dtype).requires_grad_()
+    return (
+        rand(steps, Z, C, K),
+        rand(steps, Z, C, K),
+        rand(steps, Z, C, V),
+        rand(steps, Z, C, K),
+        decay,
+        rand(Z, K, V),
+    )
+
+
+def test_state_passing_backward_passes_gradcheck():
+    # the hand-written adjoint loop (torch ops) against finite differences, every input, in float64
+    inputs = state_passing_inputs(3, 2, 4, 5, 3, seed=15)
+    assert torch.autograd.gradcheck(lambda *x: StatePassing.apply(*x, None), inputs)
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+@pytest.mark.parametrize(
+    "steps,Z,C,K,V", [(5, 3, 16, 128, 128), (4, 2, 7, 13, 27), (3, 1, 1, 8, 8), (2, 2, 32, 64, 17)]
+)
+def test_native_state_passing_matches_torch_loops(steps, Z, C, K, V):
+    # the C++ loops against the torch loops (themselves checked by gradcheck above), outputs and
+    # every gradient, in fp32; odd sizes reach the kernel's short row blocks and single columns
+    inputs = state_passing_inputs(steps, Z, C, K, V, seed=16, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(17)
+    weights = [torch.randn(steps, Z, C, V, generator=gen) for _ in range(2)] + [
+        torch.randn(Z, K, V, generator=gen)
+    ]
+
+    def run(native):
+        outputs = StatePassing.apply(*inputs, native)
+        loss = sum((o * w).sum() for o, w in zip(outputs, weights, strict=True))
+        return [*outputs, *torch.autograd.grad(loss, inputs)]
+
+    names = ["reads", "u", "final", "d_q_gamma", "d_w", "d_u_in", "d_k_hat", "d_decay", "d_state"]
+    for name, a, e in zip(names, run(load_native()), run(None), strict=True):
+        assert a.shape == e.shape and rel_rms(a, e) <= 1e-6, name
+
+
+class CountingNative:
+    """The native module with a count of the fused forward calls (to know which path ran)."""
+
+    def __init__(self, module):
+        self.module, self.forward_calls = module, 0
+
+    def __getattr__(self, name):
+        return getattr(self.module, name)
+
+    def forward(self, *args):
+        self.forward_calls += 1
+        return self.module.forward(*args)
+
+
+FUSED_CASES = {  # name: (B, T, H, K, V, gate, chunk_size, cu_seqlens, l2norm, initial state)
+    "k3": (1, 100, 3, 32, 24, "k3", 16, None, True, True),
+    "odd_dims": (2, 37, 2, 13, 27, "k3", 16, None, True, False),
+    "no_l2norm": (1, 50, 2, 16, 16, "k3", 16, None, False, True),
+    "chunk_8": (1, 45, 2, 16, 8, "minus5", 8, None, True, True),
+    "chunk_1": (1, 9, 2, 8, 8, "minus200", 1, None, True, True),
+    "chunk_4_near_zero": (1, 150, 2, 32, 32, "near_zero", 4, None, True, False),
+    "packed": (1, 90, 2, 16, 16, "k3", 16, [0, 7, 7, 40, 90], True, True),
+}
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+@pytest.mark.parametrize("case", FUSED_CASES)
+def test_fused_native_forward_matches_torch_path(monkeypatch, case):
+    # without gradients chunk_kda runs one native call from token layout to token layout; the torch
+    # path (checked against the per-token loop above) is the reference, outputs and final states
+    B, T, H, K, V, gate, chunk_size, cu, l2, with_state = FUSED_CASES[case]
+    q, k, v, g, beta = make_inputs(B, T, H, K, V, gate=gate, seed=18)
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    N = B if cu is None else len(cu) - 1
+    h0 = random_state(N, H, K, V) if with_state else None
+    native = CountingNative(load_native())
+    kwargs = dict(
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=l2,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+    monkeypatch.setattr(chunk_module, "load_native", lambda: native)
+    fused = chunk_kda(q, k, v, g, beta, **kwargs)
+    assert native.forward_calls == 1
+    monkeypatch.setattr(chunk_module, "load_native", lambda: None)
+    torch_only = chunk_kda(q, k, v, g, beta, **kwargs)
+    for a, e in zip(fused, torch_only, strict=True):
+        assert a.shape == e.shape and rel_rms(a, e) <= 2e-6
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+def test_native_paths_by_gradient_need(monkeypatch):
+    # gradients: torch prep + native state loop; none needed: the fused forward; bf16 inputs come back bf16
+    native = CountingNative(load_native())
+    monkeypatch.setattr(chunk_module, "load_native", lambda: native)
+    q, k, v, g, beta = make_inputs(1, 40, 2, 16, 16, gate="k3", seed=19)
+    chunk_kda(q, k, v, g, beta.requires_grad_())
+    assert native.forward_calls == 0
+    with torch.no_grad():
+        chunk_kda(q, k, v, g, beta)
+    assert native.forward_calls == 1
+    o, _ = chunk_kda(*(x.detach().bfloat16() for x in (q, k, v, g, beta)), use_qk_l2norm=True)
+    assert o.dtype == torch.bfloat16 and native.forward_calls == 2
 
 
 # ---------------------------------------------------------------- dtypes, errors

@@ -17,6 +17,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
+from k3.ops.extension import NativeExtension
 from k3.ops.mxfp4 import (
     MXFP4Linear,
     dequantize_mxfp4,
@@ -25,7 +26,6 @@ from k3.ops.mxfp4 import (
     native_available,
     quantize_mxfp4,
 )
-from k3.ops.mxfp4 import native as native_module
 from k3.ops.mxfp4.native import load_native
 
 E2M1_MAGNITUDES = [Fraction(v) for v in ("0", "0.5", "1", "1.5", "2", "3", "4", "6")]
@@ -42,7 +42,7 @@ BACKENDS = [
     pytest.param(
         "native",
         marks=pytest.mark.skipif(
-            not native_available(), reason="native kernels not built: python -m k3.ops.mxfp4.build"
+            not native_available(), reason="native kernels not built: python -m k3.ops.build"
         ),
     ),
 ]
@@ -254,7 +254,7 @@ def test_native_paths_with_small_tiles(m):
 def test_stale_native_build_is_ignored_and_torch_path_is_used(monkeypatch):
     packed, scale = random_pairs(16, 64, seed=6, scale_low=120, scale_high=130)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
-    monkeypatch.setattr(native_module, "source_hash", lambda: "0" * 16)
+    monkeypatch.setattr(NativeExtension, "source_hash", lambda self: "0" * 16)
     load_native.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="older _native.cpp"):

@@ -11,9 +11,9 @@ the state after token t is ``Gamma_t S0 + sum_{j<=t} (Gamma_t / Gamma_j) k_j u_j
 
 So, for all chunks at once: ``W = (I + A)^-1 diag(beta) k Gamma`` and ``U = (I + A)^-1 diag(beta) v``
 (one batched triangular solve), P, ``q Gamma``, ``K_hat = k Gamma_C / Gamma``. Then the only
-sequential part, one loop over chunks (``state_passing.py``, two matmuls each):
+sequential part, one loop over chunks (``state_passing.py``, in C++ where built; three products each):
 
-    [qS; wS] = [q Gamma; W] S;  u = U - wS;  S <- Gamma_C S + K_hat^T u
+    qS = (q Gamma) S;  u = U - W S;  S <- Gamma_C S + K_hat^T u
 
 and afterwards, for all chunks at once again, ``o = qS + P u``.
 
@@ -53,7 +53,8 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
-from k3.ops.kda.layout import ChunkLayout
+from k3.ops.kda.layout import ChunkLayout, sequence_bounds
+from k3.ops.kda.native import load_native
 from k3.ops.kda.state_passing import StatePassing
 
 EXP_LIMIT = 80.0  # largest exponent taken inside a base chunk; fp32 overflows at ~88.7
@@ -117,7 +118,8 @@ def base_terms(qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.T
     p = scores[:, :s].tril()
     a = scores[:, s:].tril(-1) * beta.unsqueeze(-1)  # A, strictly lower, times beta_i
     decay = G[:, -1:].exp()  # Gamma_C [Z, 1, K]
-    q_gamma, k_gamma = (left * g[:, :1].exp().unsqueeze(1)).unbind(1)  # [q Gamma; k Gamma]
+    first = g[:, :1].exp()  # Gamma_0 [Z, 1, K]: the decays above were relative to it
+    q_gamma, k_gamma = left[:, 0] * first, left[:, 1] * first  # q Gamma, k Gamma [Z, s, K]
     # (I + A)^-1 against the identity, then two matmuls: batched LAPACK solves against wide
     # right-hand sides are several times slower on CPU
     eye = torch.eye(s, dtype=g.dtype, device=g.device).expand(Z, s, s)
@@ -189,6 +191,16 @@ def chunk_kda(
     else:
         g_min = 0.0
     s = base_chunk_size(g_min, min(chunk_size, BASE_CHUNK))
+    # the native kernels where built (fp32 on CPU): the whole forward when no gradient is needed and
+    # one base chunk is the whole chunk, else the state loop only
+    native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
+    tracked = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in tracked)
+    if native is not None and not needs_grad and s == chunk_size and T > 0:
+        o, final = native_forward(
+            native, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm
+        )
+        return o.to(in_dtype), final if output_final_state else None
     # q gets the scale; with the L2 norm it is folded into the normalising factor
     qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1)
 
@@ -228,15 +240,48 @@ def chunk_kda(
             terms = merge_pairs(terms)
         t = Z // (N * H)
         reads, u, state = StatePassing.apply(
-            torch.cat([terms.q_gamma, terms.w], dim=1).view(t, N * H, 2 * C, K),
+            terms.q_gamma.view(t, N * H, C, K),
+            terms.w.view(t, N * H, C, K),
             terms.u.view(t, N * H, C, V),
             terms.k_hat.view(t, N * H, C, K),
-            terms.decay.view(t, N * H, K, 1),
+            terms.decay.view(t, N * H, K),
             state,
+            native,
         )
-        o_t = torch.baddbmm(reads[:, :, :C].reshape(Z, C, V), terms.p, u.view(Z, C, V))  # (q Gamma) S + P u
+        o_t = torch.baddbmm(reads.view(Z, C, V), terms.p, u.view(Z, C, V))  # (q Gamma) S + P u
         outputs.append(o_t.view(t, N, H, C, V))
     o = torch.cat(outputs) if outputs else v.new_zeros(0, N, H, C, V)
     o = layout.to_tokens(o).to(in_dtype)
     final = state.view(N, H, K, V) if output_final_state else None
     return o, final
+
+
+def native_forward(native, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm):
+    """chunk_kda's forward in one native call (no gradients): returns ``(o fp32, final state fp32)``.
+
+    Sequences are row ranges of the token layout: the B rows of a dense batch, or the packed ones.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        starts, lengths = torch.arange(B) * T, torch.full((B,), T)
+    else:
+        bounds = torch.tensor(sequence_bounds(cu_seqlens, T))
+        starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
+    N = starts.numel()
+    if initial_state is None:
+        state = torch.zeros(N, H, K, V)
+    else:
+        state = initial_state.to(torch.float32).contiguous()
+    rows = (x.reshape(B * T, *x.shape[2:]).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
+    o, final = native.forward(
+        *rows,
+        starts.contiguous(),
+        lengths.contiguous(),
+        state,
+        chunk_size,
+        default_scale(scale, K),
+        use_qk_l2norm,
+        L2NORM_EPS,
+    )
+    return o.view(B, T, H, V), final

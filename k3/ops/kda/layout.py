@@ -18,6 +18,16 @@ import torch
 import torch.nn.functional as F
 
 
+def sequence_bounds(cu_seqlens: torch.Tensor, seq_len: int) -> list[int]:
+    """The checked boundaries [0, end_1, ..., T] of packed sequences."""
+    bounds = cu_seqlens.tolist()
+    if cu_seqlens.dim() != 1 or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={seq_len}], got {bounds}")
+    if any(end < start for start, end in zip(bounds[:-1], bounds[1:], strict=True)):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return bounds
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where every token goes in the ``[steps, N, H, C, D]`` chunk layout."""
@@ -39,12 +49,8 @@ class ChunkLayout:
 
     @staticmethod
     def packed(cu_seqlens: torch.Tensor, seq_len: int, chunk_size: int) -> ChunkLayout:
-        bounds = cu_seqlens.tolist()
-        if cu_seqlens.dim() != 1 or len(bounds) < 2 or bounds[0] != 0 or bounds[-1] != seq_len:
-            raise ValueError(f"cu_seqlens must be 1-D [0, ..., T={seq_len}], got {bounds}")
+        bounds = sequence_bounds(cu_seqlens, seq_len)
         lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
-        if min(lengths) < 0:
-            raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
         num_seqs = len(lengths)
         steps = max(-(-n // chunk_size) for n in lengths)
         # token_of_slot[step, seq, c] = start_seq + step * C + c if inside the sequence, else T (padding)

@@ -1,7 +1,8 @@
 """MXFP4 (OCP MX v1.0: E2M1 elements, one E8M0 scale per 32) in compressed-tensors' packed layout.
 
 Modules: ``codec`` (quantize / dequantize), ``matmul`` (packed matmul, ``MXFP4Linear``), ``stats``
-(exact value counts), ``native`` + ``build`` + ``_native.cpp`` (optional AVX2 kernels).
+(exact value counts), ``native`` + ``_native.cpp`` (optional AVX2 kernels, built by
+``python -m k3.ops.build``).
 """
 
 from k3.ops.mxfp4.codec import dequantize_mxfp4, quantize_mxfp4

@@ -27,9 +27,9 @@
 #include <limits>
 #include <vector>
 
-// The build passes -DK3_MXFP4_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
-#ifndef K3_MXFP4_SOURCE_HASH
-#define K3_MXFP4_SOURCE_HASH unknown
+// The build passes -DK3_NATIVE_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
+#ifndef K3_NATIVE_SOURCE_HASH
+#define K3_NATIVE_SOURCE_HASH unknown
 #endif
 #define K3_STRINGIFY_VALUE(x) K3_STRINGIFY(x)
 #define K3_STRINGIFY(x) #x
@@ -305,5 +305,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[65536] int64 += counts of (block scale byte * 256 + packed byte)", py::arg("packed"),
         py::arg("scale"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
-  m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_MXFP4_SOURCE_HASH);
+  m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);
 }

@@ -2,7 +2,7 @@
 
 Two implementations, chosen automatically:
 
-* ``native``: the C++ kernels in ``_native.cpp`` (AVX2, built by ``python -m k3.ops.mxfp4.build``). For a
+* ``native``: the C++ kernels in ``_native.cpp`` (AVX2, built by ``python -m k3.ops.build``). For a
   few rows of ``x`` (decoding) they stream the packed bytes once, decode nibbles with a byte shuffle and
   accumulate with FMAs, so they read 4x fewer bytes than a bfloat16 matrix; for many rows (prefill) they
   decode ``W`` tile by tile to float32 and multiply each tile with sgemm.
@@ -76,7 +76,7 @@ def mxfp4_matmul(
     if backend == "native" and native is None:
         raise RuntimeError(
             "the native MXFP4 kernels are not available (CPU tensors only; build them with "
-            "`python -m k3.ops.mxfp4.build`; the CPU needs AVX2 and FMA)"
+            "`python -m k3.ops.build`; the CPU needs AVX2 and FMA)"
         )
 
     x2d = x.reshape(-1, k).to(torch.float32).contiguous()  # [M, K]

@@ -1,44 +1,24 @@
-"""Loading the optional native kernels (``_native.cpp``, built by ``python -m k3.ops.mxfp4.build``).
+"""The optional native MXFP4 kernels (``_native.cpp``; built by ``python -m k3.ops.build``).
 
-:func:`load_native` returns the compiled module, or None when it is not built, was built from an older
-``_native.cpp`` (a stale build is ignored with a warning), or the CPU lacks AVX2/FMA. Callers then use
-the pure-torch path.
+:func:`load_native` returns the compiled module, or None when it is not built, is stale or the CPU
+lacks AVX2/FMA (see :mod:`k3.ops.extension`); callers then use the pure-torch path.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import warnings
 from pathlib import Path
 from types import ModuleType
 
-SOURCE = Path(__file__).resolve().parent / "_native.cpp"
+from k3.ops.extension import NativeExtension
 
-
-def source_hash() -> str:
-    """First 16 hex digits of the SHA-256 of ``_native.cpp`` (compiled into the module by the build)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", Path(__file__).resolve().parent / "_native.cpp")
 
 
 @functools.cache
 def load_native() -> ModuleType | None:
     """The native kernel module if it is built, current and usable on this CPU, else None."""
-    try:
-        from k3.ops.mxfp4 import _native
-    except ImportError:
-        return None
-    if SOURCE.exists() and _native.source_hash != source_hash():
-        warnings.warn(
-            "k3.ops.mxfp4: the native kernels were built from an older _native.cpp and are ignored; "
-            "rebuild with `python -m k3.ops.mxfp4.build`",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-        return None
-    if not _native.cpu_supported():
-        return None
-    return _native
+    return MXFP4_EXTENSION.load()
 
 
 def native_available() -> bool:

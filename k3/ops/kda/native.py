@@ -1,0 +1,22 @@
+"""The optional native KDA kernels (``_native.cpp``: the inter-chunk state recurrence and its adjoint;
+built by ``python -m k3.ops.build``).
+
+:func:`load_native` returns the compiled module, or None when it is not built, is stale or the CPU
+lacks AVX2/FMA (see :mod:`k3.ops.extension`); ``chunk_kda`` then runs the same loops in torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+
+from k3.ops.extension import NativeExtension
+
+KDA_EXTENSION = NativeExtension("k3.ops.kda._native", Path(__file__).resolve().parent / "_native.cpp")
+
+
+@functools.cache
+def load_native() -> ModuleType | None:
+    """The native kernel module if it is built, current and usable on this CPU, else None."""
+    return KDA_EXTENSION.load()
