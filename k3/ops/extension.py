@@ -21,14 +21,19 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # k3/ops -> the folder holding 
 
 @dataclass(frozen=True)
 class NativeExtension:
-    """A C++ source (``source``, a path inside k3/) and the importable module it builds (``name``)."""
+    """A C++ source (``source``, a path inside k3/), the headers it includes from beside it, and the
+    importable module it builds (``name``)."""
 
     name: str
     source: Path
+    headers: tuple[Path, ...] = ()
 
     def source_hash(self) -> str:
-        """First 16 hex digits of the SHA-256 of the source (compiled into the module by the build)."""
-        return hashlib.sha256(self.source.read_bytes()).hexdigest()[:16]
+        """First 16 hex digits of the SHA-256 of the source and its headers (compiled into the module)."""
+        digest = hashlib.sha256()
+        for path in (self.source, *self.headers):
+            digest.update(path.read_bytes())
+        return digest.hexdigest()[:16]
 
     def load(self) -> ModuleType | None:
         """The compiled module if it is built, current and usable on this CPU, else None."""

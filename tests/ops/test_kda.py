@@ -336,18 +336,63 @@ def test_fused_native_forward_matches_torch_path(monkeypatch, case):
 
 
 @pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
-def test_native_paths_by_gradient_need(monkeypatch):
-    # gradients: torch prep + native state loop; none needed: the fused forward; bf16 inputs come back bf16
+@pytest.mark.parametrize("case", FUSED_CASES)
+@pytest.mark.parametrize("loss_on", ["both", "output", "state"])
+def test_fused_native_backward_matches_torch_path(monkeypatch, case, loss_on):
+    # the fused backward (its own adjoint of every step) against autograd through the torch path, on
+    # every input and the initial state; a loss on o only or the final state only leaves the other
+    # gradient None
+    B, T, H, K, V, gate, chunk_size, cu, l2, with_state = FUSED_CASES[case]
+    inputs = [x.requires_grad_() for x in make_inputs(B, T, H, K, V, gate=gate, seed=20)]
+    cu_seqlens = None if cu is None else torch.tensor(cu)
+    N = B if cu is None else len(cu) - 1
+    h0 = random_state(N, H, K, V).requires_grad_() if with_state else None
+    gen = torch.Generator().manual_seed(21)
+    w_o, w_s = torch.randn(B, T, H, V, generator=gen), torch.randn(N, H, K, V, generator=gen)
+    wrt = inputs if h0 is None else [*inputs, h0]
+    kwargs = dict(
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=l2,
+        cu_seqlens=cu_seqlens,
+        chunk_size=chunk_size,
+    )
+
+    def grads(native):
+        monkeypatch.setattr(chunk_module, "load_native", lambda: native)
+        o, s = chunk_kda(*inputs, **kwargs)
+        loss = {
+            "both": (o * w_o).sum() + (s * w_s).sum(),
+            "output": (o * w_o).sum(),
+            "state": (s * w_s).sum(),
+        }
+        return torch.autograd.grad(loss[loss_on], wrt, allow_unused=True)
+
+    native = CountingNative(load_native())
+    fused = grads(native)
+    assert native.forward_calls == 1
+    for name, a, e in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], fused, grads(None), strict=False):
+        # both are fp32 with the same terms in a different order: ~1e-7 apart, up to ~1e-5 under the
+        # -5 gate, whose in-chunk factors reach e^35
+        assert torch.isfinite(a).all() and rel_rms(a, e) <= 5e-5, name
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+def test_native_paths_by_chunk_shape(monkeypatch):
+    # one base chunk per chunk: the fused kernels, with or without gradients, bf16 in -> bf16 out;
+    # chunks built by merges (a larger chunk, or a gate too steep for one base chunk): torch + state loop
     native = CountingNative(load_native())
     monkeypatch.setattr(chunk_module, "load_native", lambda: native)
     q, k, v, g, beta = make_inputs(1, 40, 2, 16, 16, gate="k3", seed=19)
     chunk_kda(q, k, v, g, beta.requires_grad_())
-    assert native.forward_calls == 0
     with torch.no_grad():
         chunk_kda(q, k, v, g, beta)
-    assert native.forward_calls == 1
+    assert native.forward_calls == 2
     o, _ = chunk_kda(*(x.detach().bfloat16() for x in (q, k, v, g, beta)), use_qk_l2norm=True)
-    assert o.dtype == torch.bfloat16 and native.forward_calls == 2
+    assert o.dtype == torch.bfloat16 and native.forward_calls == 3
+    chunk_kda(q, k, v, g, beta, chunk_size=32)
+    chunk_kda(q, k, v, torch.full_like(g, -50.0), beta)
+    assert native.forward_calls == 3
 
 
 # ---------------------------------------------------------------- dtypes, errors

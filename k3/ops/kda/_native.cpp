@@ -37,6 +37,8 @@
 #include <tuple>
 #include <vector>
 
+#include "_native_products.h"
+
 // The build passes -DK3_NATIVE_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
 #ifndef K3_NATIVE_SOURCE_HASH
 #define K3_NATIVE_SOURCE_HASH unknown
@@ -45,101 +47,6 @@
 #define K3_STRINGIFY(x) #x
 
 namespace {
-
-constexpr int kRows = 6;  // rows of the output per register block: 6 x 16 floats = 12 accumulators
-
-// A matrix operand read element by element: (m, k) at data[m * row_stride + k * col_stride], so that
-// A and A^T of a row-major matrix are both plain operands.
-struct Operand {
-  const float* data;
-  int64_t row_stride;
-  int64_t col_stride;
-};
-
-// One product, out[M, N] = diag(scale) base + sign * A[M, Kd] B[Kd, N], with B and out row-major
-// (leading dimension N), base [M, N] (may be out itself, or nullptr for zero) and scale [M] (nullptr
-// for ones).
-struct Product {
-  int64_t M, N, Kd;
-  Operand a;
-  const float* b;
-  float sign;
-  const float* base;
-  const float* scale;
-  float* out;
-};
-
-// Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
-// The sign is applied once at the end: acc = sign * scale * base, acc += A B, out = sign * acc.
-template <int R, int W>
-__attribute__((target("avx2,fma"))) inline void register_block(const Product& p, int64_t m0, int64_t n0) {
-  const int64_t N = p.N, Kd = p.Kd, a_rows = p.a.row_stride, a_cols = p.a.col_stride;
-  const __m256 sign = _mm256_set1_ps(p.sign);
-  __m256 acc[R][W];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    const float* base = p.base + (m0 + r) * N + n0;
-    const __m256 s = _mm256_mul_ps(sign, _mm256_set1_ps(p.scale ? p.scale[m0 + r] : 1.0f));
-#pragma GCC unroll 2
-    for (int w = 0; w < W; ++w) {
-      acc[r][w] = p.base ? _mm256_mul_ps(s, _mm256_loadu_ps(base + 8 * w)) : _mm256_setzero_ps();
-    }
-  }
-  const float* a = p.a.data + m0 * a_rows;
-  const float* b = p.b + n0;
-  for (int64_t k = 0; k < Kd; ++k) {
-    __m256 b_k[W];
-#pragma GCC unroll 2
-    for (int w = 0; w < W; ++w) b_k[w] = _mm256_loadu_ps(b + k * N + 8 * w);
-    const float* a_k = a + k * a_cols;
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a_k + r * a_rows);
-#pragma GCC unroll 2
-      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(x, b_k[w], acc[r][w]);
-    }
-  }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 2
-    for (int w = 0; w < W; ++w) _mm256_storeu_ps(p.out + (m0 + r) * N + n0 + 8 * w, _mm256_mul_ps(sign, acc[r][w]));
-  }
-}
-
-// The rows [m0, M) in blocks of kRows, the last block shorter.
-template <int W>
-__attribute__((target("avx2,fma"))) void column_panel(const Product& p, int64_t n0) {
-  int64_t m0 = 0;
-  for (; m0 + kRows <= p.M; m0 += kRows) register_block<kRows, W>(p, m0, n0);
-  switch (p.M - m0) {
-    case 5: register_block<5, W>(p, m0, n0); break;
-    case 4: register_block<4, W>(p, m0, n0); break;
-    case 3: register_block<3, W>(p, m0, n0); break;
-    case 2: register_block<2, W>(p, m0, n0); break;
-    case 1: register_block<1, W>(p, m0, n0); break;
-    default: break;
-  }
-}
-
-// Column panels of 16 (a B panel of Kd x 16 floats stays in L1 across the row blocks), then 8, then
-// single columns for N not a multiple of 8.
-__attribute__((target("avx2,fma"))) void run(const Product& p) {
-  int64_t n0 = 0;
-  for (; n0 + 16 <= p.N; n0 += 16) column_panel<2>(p, n0);
-  for (; n0 + 8 <= p.N; n0 += 8) column_panel<1>(p, n0);
-  for (; n0 < p.N; ++n0) {
-    for (int64_t m = 0; m < p.M; ++m) {
-      float acc = p.base ? (p.scale ? p.scale[m] : 1.0f) * p.base[m * p.N + n0] : 0.0f;
-      for (int64_t k = 0; k < p.Kd; ++k) {
-        acc += p.sign * p.a.data[m * p.a.row_stride + k * p.a.col_stride] * p.b[k * p.N + n0];
-      }
-      p.out[m * p.N + n0] = acc;
-    }
-  }
-}
-
-Operand plain(const float* data, int64_t cols) { return {data, cols, 1}; }
-Operand transposed(const float* data, int64_t cols) { return {data, 1, cols}; }
 
 void check(const torch::Tensor& t, int64_t dim, const char* name) {
   TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got ", t.dim());
@@ -216,222 +123,447 @@ torch::Tensor state_history(const torch::Tensor& k_hat, const torch::Tensor& u, 
   return states;
 }
 
-// du (total gradient of u) and dS_i for i = 0..steps: the adjoint recurrence, parallel over z.
-std::tuple<torch::Tensor, torch::Tensor> state_backward(
-    const torch::Tensor& q_gamma, const torch::Tensor& w, const torch::Tensor& k_hat,
-    const torch::Tensor& decay, const torch::Tensor& d_reads, const torch::Tensor& d_u,
-    const torch::Tensor& d_final) {
+// Every gradient of the recurrence: the adjoint loop, parallel over z, and per chunk the products
+// with S_i and dS_{i+1} while both are in cache:
+//     d(q Gamma)_i = dR_i S_i^T,  dW_i = -du_i S_i^T,  dK_hat_i = u_i dS_{i+1}^T,
+//     dgamma_i = sum_V S_i * dS_{i+1},  dU_i = du_i,  d initial state = dS_0.
+// `states` [steps + 1, Z, K, V] are the chunks' starting states (state_history).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
+state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch::Tensor& k_hat,
+               const torch::Tensor& decay, const torch::Tensor& u, const torch::Tensor& states,
+               const torch::Tensor& d_reads, const torch::Tensor& d_u, const torch::Tensor& d_final) {
   const Shape s = check_shapes(q_gamma, w, k_hat, decay, d_reads, d_final);
-  TORCH_CHECK(d_u.sizes() == d_reads.sizes(), "d_u must be [steps, Z, C, V]");
-  check(d_u, 4, "d_u");
+  for (const auto* t : {&u, &d_u}) {
+    check(*t, 4, "u and d_u");
+    TORCH_CHECK(t->sizes() == d_reads.sizes(), "u and d_u must be [steps, Z, C, V]");
+  }
+  check(states, 4, "states");
+  TORCH_CHECK(states.sizes() == torch::IntArrayRef({s.steps + 1, s.Z, s.K, s.V}), "states must be "
+              "[steps + 1, Z, K, V]");
+  auto d_q_gamma = torch::empty_like(q_gamma);
+  auto d_w = torch::empty_like(w);
   auto du = torch::empty_like(d_u);
-  auto d_states = torch::empty({s.steps + 1, s.Z, s.K, s.V}, d_final.options());
-  d_states[s.steps].copy_(d_final);
+  auto d_k_hat = torch::empty_like(k_hat);
+  auto d_decay = torch::empty_like(decay);
+  auto d_state = d_final.clone();  // dS, carried back chunk by chunk
   const int64_t kv = s.K * s.V, ck = s.C * s.K, cv = s.C * s.V;
   at::parallel_for(0, s.Z, 1, [&](int64_t z0, int64_t z1) {
     for (int64_t z = z0; z < z1; ++z) {
+      float* dS = d_state.data_ptr<float>() + z * kv;  // dS_{i+1} on entry to step i, dS_i after it
       for (int64_t i = s.steps - 1; i >= 0; --i) {
         const int64_t at = i * s.Z + z;
-        const float* d_next = d_states.data_ptr<float>() + (at + s.Z) * kv;
-        float* d_now = d_states.data_ptr<float>() + at * kv;
+        const float* S = states.data_ptr<float>() + at * kv;
+        const float* gamma = decay.data_ptr<float>() + at * s.K;
+        const float* dR = d_reads.data_ptr<float>() + at * cv;
         float* du_i = du.data_ptr<float>() + at * cv;
-        run({s.C, s.V, s.K, plain(k_hat.data_ptr<float>() + at * ck, s.K), d_next, 1.0f,
+        run({s.C, s.V, s.K, plain(k_hat.data_ptr<float>() + at * ck, s.K), dS, 1.0f,
              d_u.data_ptr<float>() + at * cv, nullptr, du_i});
-        run({s.K, s.V, s.C, transposed(q_gamma.data_ptr<float>() + at * ck, s.K),
-             d_reads.data_ptr<float>() + at * cv, 1.0f, d_next, decay.data_ptr<float>() + at * s.K, d_now});
-        run({s.K, s.V, s.C, transposed(w.data_ptr<float>() + at * ck, s.K), du_i, -1.0f, d_now, nullptr,
-             d_now});
+        product_with_transpose(u.data_ptr<float>() + at * cv, dS, s.C, s.K, s.V, 1.0f,
+                               d_k_hat.data_ptr<float>() + at * ck);  // u dS^T
+        row_dots(S, dS, s.K, s.V, d_decay.data_ptr<float>() + at * s.K);
+        product_with_transpose(dR, S, s.C, s.K, s.V, 1.0f, d_q_gamma.data_ptr<float>() + at * ck);  // dR S^T
+        product_with_transpose(du_i, S, s.C, s.K, s.V, -1.0f, d_w.data_ptr<float>() + at * ck);  // -du S^T
+        run({s.K, s.V, s.C, transposed(q_gamma.data_ptr<float>() + at * ck, s.K), dR, 1.0f, dS, gamma, dS});
+        run({s.K, s.V, s.C, transposed(w.data_ptr<float>() + at * ck, s.K), du_i, -1.0f, dS, nullptr, dS});
       }
     }
   });
-  return {du, d_states};
+  return {d_q_gamma, d_w, du, d_k_hat, d_decay, d_state};
 }
 
-// ---------------------------------------------------------------- the fused forward (no gradients)
+// ---------------------------------------------------------------- the fused chunked form, token layout in and out
 
-// exp(x) for x in [-87, 88]: 2^n exp(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2],
-// exp(r) by Cephes' degree-6 polynomial (relative error ~2e-7, about torch's vectorised exp).
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n ln2_hi
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-// out[j] = exp(x[j]) for j < n
-__attribute__((target("avx2,fma"))) void exp_into(const float* x, float* out, int64_t n) {
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, exp8(_mm256_loadu_ps(x + j)));
-  for (; j < n; ++j) out[j] = std::exp(x[j]);
-}
-
-struct ForwardOptions {
-  int64_t C;          // chunk size: one base chunk, (C - 1) |min g| <= 80 (checked by the caller)
-  float scale;        // q's scale
-  bool l2norm;        // L2-normalise q and k first
-  float eps;          // inside the L2 norm's square root
+struct ChunkOptions {
+  int64_t C;    // chunk size: one base chunk, (C - 1) |min g| <= 80 (checked by the caller)
+  float scale;  // q's scale
+  bool l2norm;  // L2-normalise q and k first
+  float eps;    // inside the L2 norm's square root
 };
 
-// One thread's working memory for one chunk, reused from chunk to chunk (a few tens of kB).
-struct ChunkScratch {
+// Where the sequences lie in the token layout: sequence n is rows [start[n], start[n] + length[n]), one
+// after the other, covering every row.
+struct Sequences {
+  const int64_t* start;
+  const int64_t* length;
+};
+
+// Asks for the cache lines of x[0, n) ahead of use.
+inline void prefetch(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(x + j);
+}
+
+// One chunk's inputs and terms (chunk.py's base_terms for s = C), in one thread's scratch memory,
+// reused from chunk to chunk. [C, K] unless noted.
+struct ChunkTerms {
   int64_t C, K, V;
-  std::vector<float> q, k, v, beta;  // the chunk's inputs, q and k normalised and scaled
-  std::vector<float> G, local, down;  // cumulative log-decay, relative to the first token, exp(local)
-  std::vector<float> left;            // [q; k] * exp(local) [2C, K]; the q rows become q Gamma
-  std::vector<float> k_over, k_over_t, k_gamma, k_hat;  // k * exp(-local), its transpose, k Gamma, K_hat
-  std::vector<float> scores, t_beta;  // [P; A] [2C, C], (I + A)^-1 diag(beta) [C, C]
-  std::vector<float> w, u_in, reads, u, o, decay;
-  ChunkScratch(int64_t C_, int64_t K_, int64_t V_)
-      : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), G(C * K), local(C * K), down(C * K),
-        left(2 * C * K), k_over(C * K), k_over_t(K * C), k_gamma(C * K), k_hat(C * K), scores(2 * C * C),
-        t_beta(C * C), w(C * K), u_in(C * V), reads(C * V), u(C * V), o(C * V), decay(K) {}
+  std::vector<float> q, k, v, beta;   // inputs; q and k normalised and scaled in place; v [C, V], beta [C]
+  std::vector<float> q_factor, k_factor;  // [C]: what the rows of q and k were multiplied by
+  std::vector<float> G, local, down;  // in-chunk cumulative log-decay, G - G_0, exp(G - G_0)
+  std::vector<float> left_q, left_k, k_over, k_over_t;  // q, k times down; k / down; its [K, C] transpose
+  std::vector<float> scores;          // [2C, C]: P (lower triangle with the diagonal), then left_k k_over^T
+  std::vector<float> t_inv, t_beta;   // [C, C]: T = (I + A)^-1 with A = diag(beta) strict_lower(...); T diag(beta)
+  std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
+  std::vector<float> q_gamma, k_gamma, k_hat, w, u_in;  // u_in = U [C, V]
+  ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
+      : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), q_factor(C), k_factor(C), G(C * K),
+        local(C * K), down(C * K), left_q(C * K), left_k(C * K), k_over(C * K), k_over_t(K * C),
+        scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), q_gamma(C * K),
+        k_gamma(C * K), k_hat(C * K), w(C * K), u_in(C * V) {}
+
+  float* P() { return scores.data(); }
+  float* Sk() { return scores.data() + C * C; }
+
+  // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
+  // writes) and builds the terms. The `next_valid` rows from `next_first_row` on (the chunk to be loaded
+  // next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each in K3's shapes,
+  // which the hardware prefetchers do not follow.
+  void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
+            int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
+            int64_t next_first_row, int64_t next_valid) {
+    for (int64_t c = 0; c < next_valid; ++c) {
+      const int64_t row = (next_first_row + c) * H + h;
+      for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
+      prefetch(v_in + row * V, V);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      if (c < valid) {
+        const int64_t row = (first_row + c) * H + h;
+        std::copy_n(q_in + row * K, K, q.data() + c * K);
+        std::copy_n(k_in + row * K, K, k.data() + c * K);
+        std::copy_n(g_in + row * K, K, G.data() + c * K);
+        std::copy_n(v_in + row * V, V, v.data() + c * V);
+        beta[c] = beta_in[row];
+      } else {
+        std::fill_n(q.data() + c * K, K, 0.0f);
+        std::fill_n(k.data() + c * K, K, 0.0f);
+        std::fill_n(G.data() + c * K, K, 0.0f);
+        std::fill_n(v.data() + c * V, V, 0.0f);
+        beta[c] = 0.0f;
+      }
+    }
+    build(opt);
+  }
+
+  __attribute__((target("avx2,fma"))) void build(const ChunkOptions& opt) {
+    for (int64_t c = 0; c < C; ++c) {  // L2 norm (fla's x / sqrt(sum x^2 + eps)) and q's scale
+      float* qc = q.data() + c * K;
+      float* kc = k.data() + c * K;
+      q_factor[c] = opt.scale, k_factor[c] = 1.0f;
+      if (opt.l2norm) {
+        float sq[1], sk[1];
+        row_dots(qc, qc, 1, K, sq);
+        row_dots(kc, kc, 1, K, sk);
+        q_factor[c] = opt.scale / std::sqrt(sq[0] + opt.eps);
+        k_factor[c] = 1.0f / std::sqrt(sk[0] + opt.eps);
+      }
+      for (int64_t j = 0; j < K; ++j) qc[j] *= q_factor[c], kc[j] *= k_factor[c];
+    }
+    for (int64_t c = 1; c < C; ++c) {  // G: in-chunk cumulative sum (G holds g on entry)
+      for (int64_t j = 0; j < K; ++j) G[c * K + j] += G[(c - 1) * K + j];
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) local[c * K + j] = G[c * K + j] - G[j];
+    }
+    exp_into(local.data(), down.data(), C * K);  // in [e^-80, 1]
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = c * K + j;
+        left_q[at] = q[at] * down[at];
+        left_k[at] = k[at] * down[at];
+        k_over[at] = k[at] / down[at];
+        k_over_t[j * C + c] = k_over[at];
+      }
+    }
+    // [P; Sk] = [left_q; left_k] k_over^T in one product (left_q and left_k are adjacent in spirit only,
+    // so two products into the two halves)
+    run({C, C, K, plain(left_q.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});
+    run({C, C, K, plain(left_k.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, Sk()});
+    // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
+    // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
+    std::fill(t_inv.begin(), t_inv.end(), 0.0f);
+    for (int64_t i = 0; i < C; ++i) {
+      for (int64_t j = i + 1; j < C; ++j) P()[i * C + j] = 0.0f;
+      float* Ti = t_inv.data() + i * C;
+      Ti[i] = 1.0f;
+      for (int64_t m = 0; m < i; ++m) {  // T[i, :] -= A[i, m] T[m, :] (T[m, :] ends at m)
+        const float a = beta[i] * Sk()[i * C + m];
+        const float* Tm = t_inv.data() + m * C;
+        for (int64_t j = 0; j <= m; ++j) Ti[j] -= a * Tm[j];
+      }
+    }
+    for (int64_t i = 0; i < C * C; ++i) t_beta[i] = t_inv[i] * beta[i % C];
+    exp_into(G.data(), first.data(), K);
+    exp_into(local.data() + (C - 1) * K, last.data(), K);
+    exp_into(G.data() + (C - 1) * K, decay.data(), K);
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = c * K + j;
+        q_gamma[at] = left_q[at] * first[j];  // q Gamma = q exp(G)
+        k_gamma[at] = left_k[at] * first[j];
+        k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
+      }
+    }
+    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w.data()});
+    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()});
+  }
 };
 
-// The terms of one chunk (chunk.py's base_terms for s = C), from its `rows` valid tokens (the rest
-// are padding: zeros, which neither decay nor write).
-__attribute__((target("avx2,fma"))) void chunk_terms(ChunkScratch& t, const ForwardOptions& opt) {
+// One chunk of the recurrence from state S: u = U - W S, S_next = Gamma_C S + K_hat^T u (S_next may be
+// S itself), and, if `o` is given, o = (q Gamma) S + P u.
+__attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, float* S, float* S_next, float* u, float* o) {
   const int64_t C = t.C, K = t.K, V = t.V;
-  for (int64_t c = 0; c < C; ++c) {  // L2 norm (fla's x / sqrt(sum x^2 + eps)) and q's scale
-    float* qc = t.q.data() + c * K;
-    float* kc = t.k.data() + c * K;
-    float fq = opt.scale, fk = 1.0f;
-    if (opt.l2norm) {
-      float sq = 0.0f, sk = 0.0f;
-      for (int64_t j = 0; j < K; ++j) sq += qc[j] * qc[j], sk += kc[j] * kc[j];
-      fq = opt.scale / std::sqrt(sq + opt.eps);
-      fk = 1.0f / std::sqrt(sk + opt.eps);
-    }
-    for (int64_t j = 0; j < K; ++j) qc[j] *= fq, kc[j] *= fk;
-  }
-  for (int64_t c = 1; c < C; ++c) {  // G: in-chunk cumulative sum (t.G holds g on entry)
-    for (int64_t j = 0; j < K; ++j) t.G[c * K + j] += t.G[(c - 1) * K + j];
-  }
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) t.local[c * K + j] = t.G[c * K + j] - t.G[j];
-  }
-  exp_into(t.local.data(), t.down.data(), C * K);  // in [e^-80, 1]
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t at = c * K + j;
-      t.left[at] = t.q[at] * t.down[at];
-      t.left[C * K + at] = t.k[at] * t.down[at];
-      t.k_over[at] = t.k[at] / t.down[at];
-      t.k_over_t[j * C + c] = t.k_over[at];
-    }
-  }
-  run({2 * C, C, K, plain(t.left.data(), K), t.k_over_t.data(), 1.0f, nullptr, nullptr, t.scores.data()});
-  // P keeps its lower triangle with the diagonal; A = beta_i * (strict lower triangle), then
-  // (I + A)^-1 by forward substitution, its columns times beta_j
-  float* P = t.scores.data();
-  float* A = t.scores.data() + C * C;
-  std::fill(t.t_beta.begin(), t.t_beta.end(), 0.0f);
-  for (int64_t i = 0; i < C; ++i) {
-    for (int64_t j = i + 1; j < C; ++j) P[i * C + j] = 0.0f;
-    for (int64_t j = 0; j < i; ++j) A[i * C + j] *= t.beta[i];
-    float* Ti = t.t_beta.data() + i * C;
-    Ti[i] = 1.0f;
-    for (int64_t m = 0; m < i; ++m) {  // row i of T = -sum_m A[i, m] T[m, :] (T[m, :] ends at m)
-      const float a = A[i * C + m];
-      const float* Tm = t.t_beta.data() + m * C;
-      for (int64_t j = 0; j <= m; ++j) Ti[j] -= a * Tm[j];
-    }
-  }
-  for (int64_t i = 0; i < C; ++i) {
-    for (int64_t j = 0; j <= i; ++j) t.t_beta[i * C + j] *= t.beta[j];
-  }
-  // exp(g_0) turns the decays relative to the first token into Gamma: q Gamma (in place) and k Gamma
-  exp_into(t.G.data(), t.decay.data(), K);
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) {
-      t.left[c * K + j] *= t.decay[j];
-      t.k_gamma[c * K + j] = t.left[C * K + c * K + j] * t.decay[j];
-    }
-  }
-  run({C, K, C, plain(t.t_beta.data(), C), t.k_gamma.data(), 1.0f, nullptr, nullptr, t.w.data()});
-  run({C, V, C, plain(t.t_beta.data(), C), t.v.data(), 1.0f, nullptr, nullptr, t.u_in.data()});
-  // K_hat = k exp(-local) exp(local_last); Gamma_C = exp(G_last)
-  exp_into(t.local.data() + (C - 1) * K, t.down.data(), K);
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) t.k_hat[c * K + j] = t.k_over[c * K + j] * t.down[j];
-  }
-  exp_into(t.G.data() + (C - 1) * K, t.decay.data(), K);
+  if (o) run({C, V, K, plain(t.q_gamma.data(), K), S, 1.0f, nullptr, nullptr, o});
+  run({C, V, K, plain(t.w.data(), K), S, -1.0f, t.u_in.data(), nullptr, u});
+  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next});
+  if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o});
 }
 
-// o [rows, H, V] and final states [N, H, K, V] from fla's token layout; sequence n is rows
-// [starts[n], starts[n] + lengths[n]). Parallel over (sequence, head).
-std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k,
-                                                 const torch::Tensor& v, const torch::Tensor& g,
-                                                 const torch::Tensor& beta, const torch::Tensor& starts,
-                                                 const torch::Tensor& lengths, const torch::Tensor& initial_state,
-                                                 int64_t chunk_size, double scale, bool l2norm, double eps) {
+struct TokenLayout {  // checked pointers into the token-layout tensors of one call
+  int64_t rows, H, K, V, N;
+  Sequences seqs;
+};
+
+TokenLayout check_token_layout(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const torch::Tensor& g, const torch::Tensor& beta, const torch::Tensor& starts,
+                               const torch::Tensor& lengths, const torch::Tensor& state, int64_t chunk_size) {
   check(q, 3, "q");
   check(k, 3, "k");
   check(v, 3, "v");
   check(g, 3, "g");
   check(beta, 2, "beta");
-  check(initial_state, 4, "initial_state");
-  const int64_t rows = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), N = starts.numel();
+  check(state, 4, "initial_state");
+  const TokenLayout l{q.size(0), q.size(1), q.size(2), v.size(2), starts.numel(), {nullptr, nullptr}};
   TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), "k and g must have q's shape [rows, H, K]");
-  TORCH_CHECK(v.size(0) == rows && v.size(1) == H && beta.size(0) == rows && beta.size(1) == H,
+  TORCH_CHECK(v.size(0) == l.rows && v.size(1) == l.H && beta.size(0) == l.rows && beta.size(1) == l.H,
               "v must be [rows, H, V] and beta [rows, H]");
-  TORCH_CHECK(initial_state.sizes() == torch::IntArrayRef({N, H, K, V}), "initial_state must be [N, H, K, V]");
+  TORCH_CHECK(state.sizes() == torch::IntArrayRef({l.N, l.H, l.K, l.V}), "initial_state must be [N, H, K, V]");
   TORCH_CHECK(chunk_size >= 1 && chunk_size <= 64, "chunk_size must be in [1, 64]");
   TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
-                  lengths.numel() == N,
-              "starts and lengths must be int64 [N]");
-  const int64_t* start_of = starts.data_ptr<int64_t>();
-  const int64_t* length_of = lengths.data_ptr<int64_t>();
-  for (int64_t n = 0; n < N; ++n) {
-    TORCH_CHECK(start_of[n] >= 0 && length_of[n] >= 0 && start_of[n] + length_of[n] <= rows,
-                "sequence ", n, " lies outside the rows");
+                  starts.is_contiguous() && lengths.is_contiguous() && lengths.numel() == l.N,
+              "starts and lengths must be contiguous int64 [N]");
+  const Sequences seqs{starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>()};
+  int64_t end = 0;  // sequences in order, disjoint (threads write their rows), covering [0, rows)
+  for (int64_t n = 0; n < l.N; ++n) {
+    TORCH_CHECK(seqs.start[n] == end && seqs.length[n] >= 0, "sequence ", n, " does not start where the one ",
+                "before it ends");
+    end += seqs.length[n];
   }
-  auto o = torch::zeros({rows, H, V}, q.options());
+  TORCH_CHECK(end == l.rows, "the sequences cover ", end, " rows, not all ", l.rows);
+  return {l.rows, l.H, l.K, l.V, l.N, seqs};
+}
+
+// o [rows, H, V] and final states [N, H, K, V] from fla's token layout. Parallel over (sequence, head).
+std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                 const torch::Tensor& v, const torch::Tensor& g,
+                                                 const torch::Tensor& beta, const torch::Tensor& starts,
+                                                 const torch::Tensor& lengths, const torch::Tensor& initial_state,
+                                                 int64_t chunk_size, double scale, bool l2norm, double eps) {
+  const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
+  auto o = torch::empty({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
   auto final_state = initial_state.clone();
-  const ForwardOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>();
-  float* op = o.data_ptr<float>();
-  at::parallel_for(0, N * H, 1, [&](int64_t z0, int64_t z1) {
+  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
+  at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     const int64_t C = opt.C;
-    ChunkScratch t(C, K, V);
+    ChunkTerms t(C, l.K, l.V);
+    std::vector<float> u(C * l.V), o_chunk(C * l.V);
     for (int64_t z = z0; z < z1; ++z) {
-      const int64_t n = z / H, h = z % H, length = length_of[n];
-      float* S = final_state.data_ptr<float>() + z * K * V;
+      const int64_t n = z / l.H, h = z % l.H, start = l.seqs.start[n], length = l.seqs.length[n];
+      float* S = final_state.data_ptr<float>() + z * l.K * l.V;
       for (int64_t c0 = 0; c0 < length; c0 += C) {
         const int64_t valid = std::min(C, length - c0);
-        for (int64_t c = 0; c < C; ++c) {  // gather the chunk's rows (zeros past the end)
-          const int64_t row = (start_of[n] + c0 + c) * H + h;
-          const bool inside = c < valid;
-          for (int64_t j = 0; j < K; ++j) {
-            t.q[c * K + j] = inside ? qp[row * K + j] : 0.0f;
-            t.k[c * K + j] = inside ? kp[row * K + j] : 0.0f;
-            t.G[c * K + j] = inside ? gp[row * K + j] : 0.0f;
-          }
-          for (int64_t j = 0; j < V; ++j) t.v[c * V + j] = inside ? vp[row * V + j] : 0.0f;
-          t.beta[c] = inside ? bp[row] : 0.0f;
-        }
-        chunk_terms(t, opt);
-        run({C, V, K, plain(t.left.data(), K), S, 1.0f, nullptr, nullptr, t.reads.data()});
-        run({C, V, K, plain(t.w.data(), K), S, -1.0f, t.u_in.data(), nullptr, t.u.data()});
-        run({K, V, C, transposed(t.k_hat.data(), K), t.u.data(), 1.0f, S, t.decay.data(), S});
-        run({C, V, C, plain(t.scores.data(), C), t.u.data(), 1.0f, t.reads.data(), nullptr, t.o.data()});
+        t.load(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
+               beta.data_ptr<float>(), l.H, start + c0, valid, h, opt, start + c0 + C,
+               std::min(C, std::max<int64_t>(0, length - c0 - C)));
+        chunk_step(t, S, S, u.data(), o_chunk.data());
         for (int64_t c = 0; c < valid; ++c) {
-          std::copy_n(t.o.data() + c * V, V, op + ((start_of[n] + c0 + c) * H + h) * V);
+          std::copy_n(o_chunk.data() + c * l.V, l.V, o.data_ptr<float>() + ((start + c0 + c) * l.H + h) * l.V);
         }
       }
     }
   });
   return {o, final_state};
+}
+
+// One thread's gradient scratch for one chunk. [C, K] unless noted.
+struct ChunkGrads {
+  std::vector<float> outer, u;  // outer [2C, V]: d_o, then du (adjacent for one product with S^T); u [C, V]
+  float* d_o() { return outer.data(); }
+  float* du() { return outer.data() + outer.size() / 2; }
+  std::vector<float> dq_gamma_w;                         // [2C, K]: d(q Gamma), then dW
+  std::vector<float> dP, dT_beta, dT, tmp, dA, dSk;      // [C, C]
+  std::vector<float> dk_hat, dk_gamma, dv, dleft_q, dleft_k, dk_over, dG;  // dv [C, V]
+  float* dq_gamma() { return dq_gamma_w.data(); }
+  float* dw() { return dq_gamma_w.data() + dq_gamma_w.size() / 2; }
+  std::vector<float> d_decay, d_first, d_last;           // [K]
+  std::vector<float> dbeta, dots;                        // [C]
+  std::vector<float> state_t;                            // [V, K]: S^T, then dS^T
+  ChunkGrads(int64_t C, int64_t K, int64_t V)
+      : outer(2 * C * V), u(C * V), dq_gamma_w(2 * C * K), dP(C * C), dT_beta(C * C), dT(C * C), tmp(C * C), dA(C * C),
+        dSk(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dleft_q(C * K),
+        dleft_k(C * K), dk_over(C * K), dG(C * K), d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C),
+        state_t(V * K) {}
+};
+
+// Gradients of one chunk, from the state S at its start, dS = dL/d(state after it) (updated in place
+// to dL/dS), d_o and u (in d): the recurrence's products as in state_backward plus o's P u, then the
+// terms backwards to dq, dk, dv, dG (w.r.t. the cumulative log-decay) and dbeta, in d.
+__attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S, float* dS,
+                                                       const ChunkOptions& opt) {
+  const int64_t C = t.C, K = t.K, V = t.V;
+  // du = P^T d_o + K_hat dS; dP = d_o u^T (lower triangle); d(q Gamma) = d_o S^T; dW = -du S^T;
+  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + (q Gamma)^T d_o - W^T du
+  run({C, V, C, transposed(t.P(), C), d.d_o(), 1.0f, nullptr, nullptr, d.du()});
+  run({C, V, K, plain(t.k_hat.data(), K), dS, 1.0f, d.du(), nullptr, d.du()});
+  product_with_transpose(d.d_o(), d.u.data(), C, C, V, 1.0f, d.dP.data());
+  transpose_into(S, K, V, d.state_t.data());  // [d_o; du] S^T as a plain product with S^T [V, K]
+  run({2 * C, K, V, plain(d.outer.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
+  for (int64_t i = 0; i < C * K; ++i) d.dw()[i] = -d.dw()[i];
+  transpose_into(dS, K, V, d.state_t.data());
+  run({C, K, V, plain(d.u.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
+  row_dots(S, dS, K, V, d.d_decay.data());
+  run({K, V, C, transposed(t.q_gamma.data(), K), d.d_o(), 1.0f, dS, t.decay.data(), dS});
+  run({K, V, C, transposed(t.w.data(), K), d.du(), -1.0f, dS, nullptr, dS});
+  // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
+  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
+  product_with_transpose(d.du(), t.v.data(), C, C, V, 1.0f, d.dT_beta.data(), true);
+  run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()});
+  run({C, V, C, transposed(t.t_beta.data(), C), d.du(), 1.0f, nullptr, nullptr, d.dv.data()});
+  // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
+  std::fill(d.dbeta.begin(), d.dbeta.end(), 0.0f);
+  for (int64_t i = 0; i < C; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
+      d.dT[i * C + j] = d.dT_beta[i * C + j] * t.beta[j];
+      d.dbeta[j] += d.dT_beta[i * C + j] * t.t_inv[i * C + j];
+    }
+  }
+  run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()});
+  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data());
+  for (int64_t i = 0; i < C; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
+      const bool strict = j < i;
+      d.dbeta[i] += strict ? d.dA[i * C + j] * t.Sk()[i * C + j] : 0.0f;
+      d.dSk[i * C + j] = strict ? t.beta[i] * d.dA[i * C + j] : 0.0f;
+      if (j > i) d.dP[i * C + j] = 0.0f;  // P is its lower triangle
+    }
+  }
+  // P = left_q k_over^T, Sk = left_k k_over^T
+  run({C, K, C, plain(d.dP.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft_q.data()});
+  run({C, K, C, plain(d.dSk.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft_k.data()});
+  run({C, K, C, transposed(d.dP.data(), C), t.left_q.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
+  run({C, K, C, transposed(d.dSk.data(), C), t.left_k.data(), 1.0f, d.dk_over.data(), nullptr, d.dk_over.data()});
+  // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
+  // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
+  std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
+  std::fill(d.d_last.begin(), d.d_last.end(), 0.0f);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t at = c * K + j;
+      d.d_last[j] += d.dk_hat[at] * t.k_over[at];
+      d.d_first[j] += d.dq_gamma()[at] * t.left_q[at] + d.dk_gamma[at] * t.left_k[at];
+      const float dk_over = d.dk_over[at] + d.dk_hat[at] * t.last[j];
+      const float dleft_q = d.dleft_q[at] + d.dq_gamma()[at] * t.first[j];
+      const float dleft_k = d.dleft_k[at] + d.dk_gamma[at] * t.first[j];
+      const float down = t.down[at];
+      const float d_down = dleft_q * t.q[at] + dleft_k * t.k[at];
+      const float d_up = dk_over * t.k[at];
+      d.dleft_q[at] = dleft_q * down;                 // now d(normalised q)
+      d.dleft_k[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
+      d.dG[at] = d_down * down - d_up / down;           // d local, for now
+    }
+  }
+  for (int64_t j = 0; j < K; ++j) d.dG[(C - 1) * K + j] += d.d_last[j] * t.last[j];
+  for (int64_t j = 0; j < K; ++j) d.dG[j] = 0.0f;  // local = G - G_0 (so local_0 = 0 whatever G_0)
+  for (int64_t c = 1; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) d.dG[j] -= d.dG[c * K + j];
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    d.dG[j] += d.d_first[j] * t.first[j];
+    d.dG[(C - 1) * K + j] += d.d_decay[j] * t.decay[j];
+  }
+  // the L2 norm (and scale): x_n = f x with f = s / sqrt(|x|^2 + eps): dx = f (dx_n - x_n (x_n . dx_n) / s^2)
+  for (int pass = 0; pass < 2; ++pass) {
+    float* dx = pass == 0 ? d.dleft_q.data() : d.dleft_k.data();
+    const float* xn = pass == 0 ? t.q.data() : t.k.data();
+    const float* f = pass == 0 ? t.q_factor.data() : t.k_factor.data();
+    const float inv_s2 = pass == 0 ? 1.0f / (opt.scale * opt.scale) : 1.0f;
+    if (opt.l2norm) row_dots(xn, dx, C, K, d.dots.data());
+    for (int64_t c = 0; c < C; ++c) {
+      const float along = opt.l2norm ? d.dots[c] * inv_s2 : 0.0f;
+      for (int64_t j = 0; j < K; ++j) dx[c * K + j] = f[c] * (dx[c * K + j] - xn[c * K + j] * along);
+    }
+  }
+}
+
+// (dq, dk, dv, dg, dbeta, d initial state) in the token layout: per (sequence, head), the states at
+// every chunk start are recomputed forwards (kept in one [chunks, K, V] buffer per thread), then the
+// chunks are walked backwards, each rebuilding its terms. Parallel over (sequence, head).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
+    const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
+    const torch::Tensor& initial_state, const torch::Tensor& d_o, const torch::Tensor& d_final,
+    int64_t chunk_size, double scale, bool l2norm, double eps) {
+  const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
+  check(d_o, 3, "d_o");
+  check(d_final, 4, "d_final");
+  TORCH_CHECK(d_o.sizes() == v.sizes() && d_final.sizes() == initial_state.sizes(),
+              "d_o must have v's shape and d_final the state's");
+  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
+  auto dg = torch::empty_like(g), dbeta = torch::empty_like(beta);
+  auto d_state = d_final.clone();
+  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>(), *dop = d_o.data_ptr<float>();
+  at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
+    const int64_t C = opt.C, K = l.K, V = l.V, H = l.H;
+    ChunkTerms t(C, K, V);
+    ChunkGrads d(C, K, V);
+    std::vector<float> states, pseudo_values, running(K);  // per chunk: S at its start [K, V], u [C, V]
+    for (int64_t z = z0; z < z1; ++z) {
+      const int64_t n = z / H, h = z % H, start = l.seqs.start[n], length = l.seqs.length[n];
+      const int64_t chunks = (length + C - 1) / C;
+      states.resize(chunks * K * V);
+      pseudo_values.resize(chunks * C * V);
+      std::copy_n(initial_state.data_ptr<float>() + z * K * V, K * V, states.data());
+      for (int64_t i = 0; i + 1 < chunks; ++i) {
+        t.load(qp, kp, vp, gp, bp, H, start + i * C, C, h, opt, start + (i + 1) * C,
+               i + 2 < chunks ? C : 0);
+        float* S_i = states.data() + i * K * V;
+        chunk_step(t, S_i, S_i + K * V, pseudo_values.data() + i * C * V, nullptr);
+      }
+      float* dS = d_state.data_ptr<float>() + z * K * V;
+      for (int64_t i = chunks - 1; i >= 0; --i) {
+        const int64_t first_row = start + i * C, valid = std::min(C, length - i * C);
+        const float* S_i = states.data() + i * K * V;
+        t.load(qp, kp, vp, gp, bp, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0);
+        if (i + 1 < chunks) {  // u from the first pass (the last chunk's was not needed there)
+          std::copy_n(pseudo_values.data() + i * C * V, C * V, d.u.data());
+        } else {
+          run({C, V, K, plain(t.w.data(), K), S_i, -1.0f, t.u_in.data(), nullptr, d.u.data()});
+        }
+        for (int64_t c = 0; c < C; ++c) {
+          float* row = d.d_o() + c * V;
+          if (c < valid) {
+            std::copy_n(dop + ((first_row + c) * H + h) * V, V, row);
+          } else {
+            std::fill_n(row, V, 0.0f);
+          }
+        }
+        chunk_backward(t, d, S_i, dS, opt);
+        std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG
+        for (int64_t c = C - 1; c >= 0; --c) {
+          for (int64_t j = 0; j < K; ++j) running[j] += d.dG[c * K + j];
+          if (c >= valid) continue;
+          const int64_t row = (first_row + c) * H + h;
+          std::copy_n(d.dleft_q.data() + c * K, K, dq.data_ptr<float>() + row * K);
+          std::copy_n(d.dleft_k.data() + c * K, K, dk.data_ptr<float>() + row * K);
+          std::copy_n(running.data(), K, dg.data_ptr<float>() + row * K);
+          std::copy_n(d.dv.data() + c * V, V, dv.data_ptr<float>() + row * V);
+          dbeta.data_ptr<float>()[row] = d.dbeta[c];
+        }
+      }
+    }
+  });
+  return {dq, dk, dv, dg, dbeta, d_state};
 }
 
 bool cpu_supported() {
@@ -448,13 +580,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("state"));
   m.def("state_history", &state_history, "[steps + 1, Z, K, V] states from the first state and u",
         py::arg("k_hat"), py::arg("u"), py::arg("decay"), py::arg("state"));
-  m.def("state_backward", &state_backward, "(du, d states) of the adjoint recurrence", py::arg("q_gamma"),
-        py::arg("w"), py::arg("k_hat"), py::arg("decay"), py::arg("d_reads"), py::arg("d_u"),
-        py::arg("d_final"));
+  m.def("state_backward", &state_backward,
+        "(d q_gamma, d w, d u_in, d k_hat, d decay, d state): every gradient of the recurrence",
+        py::arg("q_gamma"), py::arg("w"), py::arg("k_hat"), py::arg("decay"), py::arg("u"), py::arg("states"),
+        py::arg("d_reads"), py::arg("d_u"), py::arg("d_final"));
   m.def("forward", &forward, "(o, final states): the chunked forward from the token layout, no gradients",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"),
         py::arg("lengths"), py::arg("initial_state"), py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"),
         py::arg("eps"));
+  m.def("backward", &backward,
+        "(dq, dk, dv, dg, dbeta, d initial state) of `forward`, in the token layout", py::arg("q"), py::arg("k"),
+        py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
+        py::arg("initial_state"), py::arg("d_o"), py::arg("d_final"), py::arg("chunk_size"), py::arg("scale"),
+        py::arg("l2norm"), py::arg("eps"));
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
   m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);
 }

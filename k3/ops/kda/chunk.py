@@ -52,8 +52,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from k3.ops.kda.fused import fused_chunk_kda
 from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
-from k3.ops.kda.layout import ChunkLayout, sequence_bounds
+from k3.ops.kda.layout import ChunkLayout
 from k3.ops.kda.native import load_native
 from k3.ops.kda.state_passing import StatePassing
 
@@ -191,15 +192,12 @@ def chunk_kda(
     else:
         g_min = 0.0
     s = base_chunk_size(g_min, min(chunk_size, BASE_CHUNK))
-    # the native kernels where built (fp32 on CPU): the whole forward when no gradient is needed and
-    # one base chunk is the whole chunk, else the state loop only
+    # the native kernels where built (fp32 on CPU): the fused forward and backward when one base chunk
+    # is the whole chunk, else the state loop only
     native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
-    tracked = (q, k, v, g, beta) if initial_state is None else (q, k, v, g, beta, initial_state)
-    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in tracked)
-    if native is not None and not needs_grad and s == chunk_size and T > 0:
-        o, final = native_forward(
-            native, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm
-        )
+    if native is not None and s == chunk_size and T > 0:
+        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm)
+        o, final = fused_chunk_kda(native, q, k, v, g, beta, *args)
         return o.to(in_dtype), final if output_final_state else None
     # q gets the scale; with the L2 norm it is folded into the normalising factor
     qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1)
@@ -254,34 +252,3 @@ def chunk_kda(
     o = layout.to_tokens(o).to(in_dtype)
     final = state.view(N, H, K, V) if output_final_state else None
     return o, final
-
-
-def native_forward(native, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm):
-    """chunk_kda's forward in one native call (no gradients): returns ``(o fp32, final state fp32)``.
-
-    Sequences are row ranges of the token layout: the B rows of a dense batch, or the packed ones.
-    """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if cu_seqlens is None:
-        starts, lengths = torch.arange(B) * T, torch.full((B,), T)
-    else:
-        bounds = torch.tensor(sequence_bounds(cu_seqlens, T))
-        starts, lengths = bounds[:-1], bounds[1:] - bounds[:-1]
-    N = starts.numel()
-    if initial_state is None:
-        state = torch.zeros(N, H, K, V)
-    else:
-        state = initial_state.to(torch.float32).contiguous()
-    rows = (x.reshape(B * T, *x.shape[2:]).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
-    o, final = native.forward(
-        *rows,
-        starts.contiguous(),
-        lengths.contiguous(),
-        state,
-        chunk_size,
-        default_scale(scale, K),
-        use_qk_l2norm,
-        L2NORM_EPS,
-    )
-    return o.view(B, T, H, V), final

@@ -59,10 +59,12 @@ def state_history(k_hat, u, decay, state):
     return states
 
 
-def backward_loop(q_gamma, w, k_hat, decay, d_reads, d_u, d_final):
-    """(du', dS for every chunk boundary [steps + 1, Z, K, V]): the adjoint recurrence."""
-    steps = q_gamma.shape[0]
-    d_states = d_final.new_empty(steps + 1, *d_final.shape)
+def backward_loop(q_gamma, w, k_hat, decay, u, states, d_reads, d_u, d_final):
+    """Every gradient, ``(d q_gamma, d w, d u_in, d k_hat, d decay, d state)``: the adjoint recurrence,
+    then the products with the states as batched matmuls over all chunks. ``states``: state_history."""
+    steps, Z, C, K = q_gamma.shape
+    V = u.shape[-1]
+    d_states = d_final.new_empty(steps + 1, *d_final.shape)  # dS_i; dS_n = d final state
     d_states[steps].copy_(d_final)
     du = torch.empty_like(d_u)
     q_gamma_t, w_t, gamma = q_gamma.transpose(-1, -2), w.transpose(-1, -2), decay.unsqueeze(-1)
@@ -72,7 +74,13 @@ def backward_loop(q_gamma, w, k_hat, decay, d_reads, d_u, d_final):
         torch.mul(d_next, gamma[i], out=d_states[i])
         d_states[i].baddbmm_(q_gamma_t[i], d_reads[i])
         d_states[i].baddbmm_(w_t[i], du[i], alpha=-1)
-    return du, d_states
+    before = states[:steps].view(-1, K, V)  # S_i
+    after = d_states[1:].view(-1, K, V)  # dS_{i+1}
+    d_q_gamma = torch.bmm(d_reads.reshape(-1, C, V), before.transpose(1, 2)).view(q_gamma.shape)
+    d_w = torch.bmm(du.view(-1, C, V), before.transpose(1, 2)).neg_().view(w.shape)
+    d_k_hat = torch.bmm(u.view(-1, C, V), after.transpose(1, 2)).view(k_hat.shape)
+    d_decay = (before * after).sum(dim=-1).view(decay.shape)
+    return d_q_gamma, d_w, du, d_k_hat, d_decay, d_states[0]
 
 
 class StatePassing(torch.autograd.Function):
@@ -102,20 +110,12 @@ class StatePassing(torch.autograd.Function):
     def backward(ctx, d_reads, d_u, d_final):
         q_gamma, w, k_hat, decay, state, u = ctx.saved_tensors
         native = ctx.native
-        steps, Z, C, K = q_gamma.shape
-        V = u.shape[-1]
         if native is not None:
             d_reads, d_u, d_final = (x.contiguous() for x in (d_reads, d_u, d_final))
         # the states again from the saved first one (cheaper than keeping them: fresh memory for
         # every state would cost a page fault per 4 kB, and [steps, Z, K, V] is large)
         states = (native.state_history if native else state_history)(k_hat, u, decay, state)
-        du, d_states = (native.state_backward if native else backward_loop)(
-            q_gamma, w, k_hat, decay, d_reads, d_u, d_final
+        grads = (native.state_backward if native else backward_loop)(
+            q_gamma, w, k_hat, decay, u, states, d_reads, d_u, d_final
         )
-        before_t = states[:steps].view(-1, K, V).transpose(1, 2)  # S_i^T [steps * Z, V, K]
-        after = d_states[1:].view(-1, K, V)  # dS_{i+1}
-        d_q_gamma = torch.bmm(d_reads.reshape(-1, C, V), before_t).view(q_gamma.shape)
-        d_w = torch.bmm(du.view(-1, C, V), before_t).neg_().view(w.shape)
-        d_k_hat = torch.bmm(u.view(-1, C, V), after.transpose(1, 2)).view(k_hat.shape)
-        d_decay = (states[:steps].view(-1, K, V) * after).sum(dim=-1).view(decay.shape)
-        return d_q_gamma, d_w, du, d_k_hat, d_decay, d_states[0], None
+        return *grads, None

@@ -1,0 +1,239 @@
+// Small dense products and vector helpers for the KDA native kernels (_native.cpp), in AVX2 + FMA.
+//
+// The products are the sizes of one chunk: [C x K] x [K x V] and the like, with C = 16 and K = V = 128
+// in K3, small enough to stay in L1/L2. `run` covers out = diag(scale) base + sign * A B with A read
+// through strides (so A and A^T are both plain operands) and B row-major; `product_with_transpose`
+// covers a b^T with both operands read along their rows. Everything lives in an anonymous namespace:
+// this header is included by _native.cpp only.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+constexpr int kRows = 6;  // rows of the output per register block: 6 x 16 floats = 12 accumulators
+
+// A matrix operand read element by element: (m, k) at data[m * row_stride + k * col_stride], so that
+// A and A^T of a row-major matrix are both plain operands.
+struct Operand {
+  const float* data;
+  int64_t row_stride;
+  int64_t col_stride;
+};
+
+// One product, out[M, N] = diag(scale) base + sign * A[M, Kd] B[Kd, N], with B and out row-major
+// (leading dimension N), base [M, N] (may be out itself, or nullptr for zero) and scale [M] (nullptr
+// for ones).
+struct Product {
+  int64_t M, N, Kd;
+  Operand a;
+  const float* b;
+  float sign;
+  const float* base;
+  const float* scale;
+  float* out;
+};
+
+// Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
+// The sign is applied once at the end: acc = sign * scale * base, acc += A B, out = sign * acc.
+template <int R, int W>
+__attribute__((target("avx2,fma"))) inline void register_block(const Product& p, int64_t m0, int64_t n0) {
+  const int64_t N = p.N, Kd = p.Kd, a_rows = p.a.row_stride, a_cols = p.a.col_stride;
+  const __m256 sign = _mm256_set1_ps(p.sign);
+  __m256 acc[R][W];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    const float* base = p.base + (m0 + r) * N + n0;
+    const __m256 s = _mm256_mul_ps(sign, _mm256_set1_ps(p.scale ? p.scale[m0 + r] : 1.0f));
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) {
+      acc[r][w] = p.base ? _mm256_mul_ps(s, _mm256_loadu_ps(base + 8 * w)) : _mm256_setzero_ps();
+    }
+  }
+  const float* a = p.a.data + m0 * a_rows;
+  const float* b = p.b + n0;
+  for (int64_t k = 0; k < Kd; ++k) {
+    __m256 b_k[W];
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) b_k[w] = _mm256_loadu_ps(b + k * N + 8 * w);
+    const float* a_k = a + k * a_cols;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a_k + r * a_rows);
+#pragma GCC unroll 2
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm256_fmadd_ps(x, b_k[w], acc[r][w]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) _mm256_storeu_ps(p.out + (m0 + r) * N + n0 + 8 * w, _mm256_mul_ps(sign, acc[r][w]));
+  }
+}
+
+// The rows [m0, M) in blocks of kRows, the last block shorter.
+template <int W>
+__attribute__((target("avx2,fma"))) void column_panel(const Product& p, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + kRows <= p.M; m0 += kRows) register_block<kRows, W>(p, m0, n0);
+  switch (p.M - m0) {
+    case 5: register_block<5, W>(p, m0, n0); break;
+    case 4: register_block<4, W>(p, m0, n0); break;
+    case 3: register_block<3, W>(p, m0, n0); break;
+    case 2: register_block<2, W>(p, m0, n0); break;
+    case 1: register_block<1, W>(p, m0, n0); break;
+    default: break;
+  }
+}
+
+// Column panels of 16 (a B panel of Kd x 16 floats stays in L1 across the row blocks), then 8, then
+// single columns for N not a multiple of 8.
+__attribute__((target("avx2,fma"))) void run(const Product& p) {
+  int64_t n0 = 0;
+  for (; n0 + 16 <= p.N; n0 += 16) column_panel<2>(p, n0);
+  for (; n0 + 8 <= p.N; n0 += 8) column_panel<1>(p, n0);
+  for (; n0 < p.N; ++n0) {
+    for (int64_t m = 0; m < p.M; ++m) {
+      float acc = p.base ? (p.scale ? p.scale[m] : 1.0f) * p.base[m * p.N + n0] : 0.0f;
+      for (int64_t k = 0; k < p.Kd; ++k) {
+        acc += p.sign * p.a.data[m * p.a.row_stride + k * p.a.col_stride] * p.b[k * p.N + n0];
+      }
+      p.out[m * p.N + n0] = acc;
+    }
+  }
+}
+
+Operand plain(const float* data, int64_t cols) { return {data, cols, 1}; }
+Operand transposed(const float* data, int64_t cols) { return {data, 1, cols}; }
+
+// dst [cols, rows] = src [rows, cols]^T, by 8 x 8 blocks in registers where both sizes allow
+__attribute__((target("avx2,fma"))) void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
+  if (rows % 8 || cols % 8) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+    }
+    return;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+      __m256 x[8], y[8];
+      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r0 + i) * cols + c0);
+      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+        y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+        y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 8; i += 4) {  // quads of rows
+        x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
+        x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xEE);
+        x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
+        x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
+      }
+      for (int i = 0; i < 4; ++i) {  // the two 128-bit halves
+        y[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
+        y[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+      }
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c0 + i) * rows + r0, y[i]);
+    }
+  }
+}
+
+// horizontal sum of the 8 lanes
+__attribute__((target("avx2,fma"))) inline float lane_sum(__m256 v) {
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+// out[r] = sum_j a[r, j] b[r, j] for [rows, cols] row-major a and b
+__attribute__((target("avx2,fma"))) void row_dots(const float* a, const float* b, int64_t rows, int64_t cols,
+                                                  float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *ar = a + r * cols, *br = b + r * cols;
+    __m256 acc = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(ar + j), _mm256_loadu_ps(br + j), acc);
+    float total = lane_sum(acc);
+    for (; j < cols; ++j) total += ar[j] * br[j];
+    out[r] = total;
+  }
+}
+
+// out[m0 + r, n0 + c] = sign * a[m0 + r, :] . b[n0 + c, :] for an R x W block: both operands are
+// read along their rows (8 lanes of the shared dimension at a time), so neither is transposed.
+template <int R, int W>
+__attribute__((target("avx2,fma"))) inline void dot_block(const float* a, const float* b, int64_t N, int64_t Kd,
+                                                          float sign, bool accumulate, float* out, int64_t m0,
+                                                          int64_t n0) {
+  __m256 acc[R][W];
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 8 <= Kd; k += 8) {
+    __m256 bv[W];
+    for (int c = 0; c < W; ++c) bv[c] = _mm256_loadu_ps(b + (n0 + c) * Kd + k);
+    for (int r = 0; r < R; ++r) {
+      const __m256 av = _mm256_loadu_ps(a + (m0 + r) * Kd + k);
+      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < W; ++c) {
+      float total = lane_sum(acc[r][c]);
+      for (int64_t j = k; j < Kd; ++j) total += a[(m0 + r) * Kd + j] * b[(n0 + c) * Kd + j];
+      float& o = out[(m0 + r) * N + n0 + c];
+      o = accumulate ? o + sign * total : sign * total;
+    }
+  }
+}
+
+// out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the products with a state's
+// transpose); `accumulate` adds to out instead of overwriting it.
+__attribute__((target("avx2,fma"))) void product_with_transpose(const float* a, const float* b, int64_t M,
+                                                                int64_t N, int64_t Kd, float sign, float* out,
+                                                                bool accumulate = false) {
+  int64_t m0 = 0;
+  for (; m0 + 2 <= M; m0 += 2) {
+    int64_t n0 = 0;
+    for (; n0 + 4 <= N; n0 += 4) dot_block<2, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
+    for (; n0 < N; ++n0) dot_block<2, 1>(a, b, N, Kd, sign, accumulate, out, m0, n0);
+  }
+  for (; m0 < M; ++m0) {
+    int64_t n0 = 0;
+    for (; n0 + 4 <= N; n0 += 4) dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
+    for (; n0 < N; ++n0) dot_block<1, 1>(a, b, N, Kd, sign, accumulate, out, m0, n0);
+  }
+}
+
+// exp(x) for x in [-87, 88]: 2^n exp(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2],
+// exp(r) by Cephes' degree-6 polynomial (relative error ~2e-7, about torch's vectorised exp).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n ln2_hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
+}
+
+// out[j] = exp(x[j]) for j < n
+__attribute__((target("avx2,fma"))) void exp_into(const float* x, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, exp8(_mm256_loadu_ps(x + j)));
+  for (; j < n; ++j) out[j] = std::exp(x[j]);
+}
+
+
+}  // namespace

@@ -1,0 +1,82 @@
+"""chunk_kda in two native calls: the fused forward and backward of ``_native.cpp``.
+
+Used by :func:`k3.ops.kda.chunk_kda` for fp32 CPU work when one base chunk is the whole chunk (K3's
+gate at the default chunk of 16). Each call goes from the token layout to the token layout: every
+(sequence, head) is one thread's job, chunk after chunk, with the chunk's terms built in scratch
+memory (the same arithmetic as ``base_terms`` and ``StatePassing``) and nothing else written.
+The backward recomputes the states at the chunk starts and walks the chunks backwards, each one
+rebuilding its terms; nothing but the inputs is saved between the passes.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from k3.ops.kda.inputs import L2NORM_EPS, default_scale
+from k3.ops.kda.layout import sequence_bounds
+
+
+class FusedChunkKDA(torch.autograd.Function):
+    """``(o, final) = FusedChunkKDA.apply(q, k, v, g, beta, state, starts, lengths, options)``.
+
+    q, k, g [rows, H, K]; v [rows, H, V]; beta [rows, H]; state [N, H, K, V]; all fp32, contiguous.
+    Sequence n is rows [starts[n], starts[n] + lengths[n]). ``options``: (native module, chunk size,
+    scale, L2-normalise q and k). Returns o [rows, H, V] and the final states [N, H, K, V].
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, state, starts, lengths, options):
+        native, chunk_size, scale, l2norm = options
+        o, final = native.forward(
+            q, k, v, g, beta, starts, lengths, state, chunk_size, scale, l2norm, L2NORM_EPS
+        )
+        ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths)
+        ctx.options = options
+        return o, final
+
+    @staticmethod
+    def backward(ctx, d_o, d_final):
+        q, k, v, g, beta, state, starts, lengths = ctx.saved_tensors
+        native, chunk_size, scale, l2norm = ctx.options
+        d_o = torch.zeros_like(v) if d_o is None else d_o.contiguous()
+        d_final = torch.zeros_like(state) if d_final is None else d_final.contiguous()
+        grads = native.backward(
+            q, k, v, g, beta, starts, lengths, state, d_o, d_final, chunk_size, scale, l2norm, L2NORM_EPS
+        )
+        return *grads, None, None, None
+
+
+def fused_chunk_kda(
+    native: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+    chunk_size: int,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_kda's result ``(o [B, T, H, V] fp32, final state [N, H, K, V] fp32)``, differentiable.
+
+    Sequences are row ranges of the token layout: the B rows of a dense batch, or the packed ones.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if cu_seqlens is None:
+        starts, lengths = torch.arange(B) * T, torch.full((B,), T)
+    else:
+        bounds = torch.tensor(sequence_bounds(cu_seqlens, T))
+        starts, lengths = bounds[:-1].contiguous(), (bounds[1:] - bounds[:-1]).contiguous()
+    if initial_state is None:
+        state = torch.zeros(starts.numel(), H, K, V)
+    else:
+        state = initial_state.to(torch.float32).contiguous()
+    rows = (x.reshape(B * T, *x.shape[2:]).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
+    options = (native, chunk_size, default_scale(scale, K), use_qk_l2norm)
+    o, final = FusedChunkKDA.apply(*rows, state, starts, lengths, options)
+    return o.view(B, T, H, V), final
