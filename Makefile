@@ -14,10 +14,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The native CPU kernels (MXFP4 matmul and histograms, the KDA state loop: two small C++ extensions);
+# The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions);
 # k3 falls back to pure torch without them.
 native: $(STAMP)
-	$(PY) -m k3.ops.mxfp4.build
+	$(PY) -m k3.ops.build
 
 # Debian's Chromium for the atlas browser tests (the tests skip, saying why, where it cannot be had).
 browser:

@@ -424,6 +424,31 @@ def test_shape_and_value_errors():
         chunk_kda(q, k, v, g, beta, chunk_size=48)
 
 
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+def test_native_kernels_check_their_inputs():
+    # the C++ entry points validate what they are given instead of reading out of bounds
+    native = load_native()
+    q, k, v, g, beta = (x[0].contiguous() for x in make_inputs(1, 10, 2, 8, 4))
+    state = torch.zeros(1, 2, 8, 4)
+
+    def forward(starts, lengths, **changes):
+        args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state) | changes
+        sequences = dict(starts=torch.tensor(starts), lengths=torch.tensor(lengths))
+        return native.forward(**args, **sequences, chunk_size=16, scale=0.5, l2norm=True, eps=1e-6)
+
+    with pytest.raises(RuntimeError, match="cover 8 rows, not all 10"):
+        forward([0], [8])
+    with pytest.raises(RuntimeError, match="does not start where"):
+        forward([0, 3], [5, 5], initial_state=torch.zeros(2, 2, 8, 4))
+    with pytest.raises(RuntimeError, match="contiguous fp32"):
+        forward([0], [10], q=q.double())
+    with pytest.raises(RuntimeError, match="initial_state must be"):
+        forward([0], [10], initial_state=torch.zeros(2, 2, 8, 4))
+    with pytest.raises(RuntimeError, match="k and g must have q's shape"):
+        forward([0], [10], k=k[:, :1].contiguous())
+    assert forward([0, 4], [4, 6], initial_state=torch.zeros(2, 2, 8, 4))[0].shape == (10, 2, 4)
+
+
 def test_empty_sequence():
     q, k, v, g, beta = make_inputs(1, 0, 2, 8, 4)
     h0 = random_state(1, 2, 8, 4)

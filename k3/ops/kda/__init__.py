@@ -4,9 +4,11 @@ Layouts follow fla: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state 
 Every attention function returns ``(o [B, T, H, V], final_state or None)``.
 
 Modules: ``naive`` (the specification, a loop over tokens), ``chunk`` (chunkwise WY form, the fast
-path), ``state_passing`` (its inter-chunk loop, with a hand-written backward), ``recurrent`` (decode
-step), ``gate`` (K3's bounded gate, Kimi Linear's softplus gate), ``layout`` (token <-> chunk layout,
-packed sequences), ``inputs`` (shape checks, L2 norm).
+path), ``state_passing`` (its inter-chunk loop, with a hand-written backward), ``fused`` (the same
+chunked form in two native calls, forward and backward), ``native`` + ``_native.cpp`` (the optional
+C++ kernels, built by ``python -m k3.ops.build``), ``recurrent`` (decode step), ``gate`` (K3's
+bounded gate, Kimi Linear's softplus gate), ``layout`` (token <-> chunk layout, packed sequences),
+``inputs`` (shape checks, L2 norm).
 """
 
 from k3.ops.kda.chunk import chunk_kda

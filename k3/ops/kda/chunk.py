@@ -38,11 +38,15 @@ of the sequential loop, so intermediates stay in cache: on CPU an elementwise pa
 fresh tensor costs more than the matmuls it feeds.
 
 **Chunk size.** 16 by default: with K3's gate that is exactly one base chunk, and it does the
-fewest flops. On the 2-core dev box (B=1, H=8, K=V=128, T=4096, fp32) chunk sizes 16 / 32 / 64 ran
-forward in 0.082 / 0.091 / 0.107 s and forward+backward in 0.32 / 0.32 / 0.33 s (benchmarks/kda.py).
+fewest flops. On the 2-core dev box (B=1, H=8, K=V=128, T=4096, fp32, torch path) chunk sizes
+16 / 32 / 64 ran forward in 0.082 / 0.091 / 0.107 s and forward+backward in 0.32 / 0.32 / 0.33 s.
 
-Gradients: autograd through the parallel parts, and the hand-written adjoint recurrence of
-``StatePassing`` for the loop (autograd through it would replay ~6 small ops per chunk).
+**Two implementations.** This file, in torch: any dtype, device, gate and chunk size; gradients by
+autograd through the parallel parts and the hand-written adjoint of ``StatePassing`` for the loop
+(its two loops in C++ where built). And, for fp32 on CPU when one base chunk is the whole chunk
+(K3's gate at C = 16), ``fused.py``: the same arithmetic per chunk in two native calls, forward and
+backward, from the token layout to the token layout (~2x faster forward, ~1.5x forward+backward;
+benchmarks/kda.py). The tests hold each against this one and this one against ``naive.py``.
 """
 
 from __future__ import annotations

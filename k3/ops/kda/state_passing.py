@@ -21,7 +21,8 @@ per chunk) instead of holding [steps, Z, K, V] between the passes.
 
 Two implementations of the two loops, the same arithmetic: torch ops per chunk (any dtype and
 device), and the native kernels of ``_native.cpp`` (fp32 on CPU: each thread takes whole heads
-through all chunks with the state in cache, ~1.8x faster).
+through all chunks with the state in cache, ~1.8x faster). chunk_kda uses this Function where it
+builds chunks by merges; with one base chunk per chunk it runs the fused kernels of ``fused.py``.
 """
 
 from __future__ import annotations
