@@ -203,12 +203,15 @@ struct ChunkTerms {
   std::vector<float> scores;          // [2C, C]: P (lower triangle with the diagonal), then left_k k_over^T
   std::vector<float> t_inv, t_beta;   // [C, C]: T = (I + A)^-1 with A = diag(beta) strict_lower(...); T diag(beta)
   std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
-  std::vector<float> q_gamma, k_gamma, k_hat, w, u_in;  // u_in = U [C, V]
+  std::vector<float> reading;          // [2C, K]: q Gamma, then W (what reads the state, in one product)
+  std::vector<float> k_gamma, k_hat, u_in;  // u_in = U [C, V]
+  float* q_gamma() { return reading.data(); }
+  float* w() { return reading.data() + C * K; }
   ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
       : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), q_factor(C), k_factor(C), G(C * K),
         local(C * K), down(C * K), left_q(C * K), left_k(C * K), k_over(C * K), k_over_t(K * C),
-        scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), q_gamma(C * K),
-        k_gamma(C * K), k_hat(C * K), w(C * K), u_in(C * V) {}
+        scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), reading(2 * C * K),
+        k_gamma(C * K), k_hat(C * K), u_in(C * V) {}
 
   float* P() { return scores.data(); }
   float* Sk() { return scores.data() + C * C; }
@@ -298,22 +301,27 @@ struct ChunkTerms {
     for (int64_t c = 0; c < C; ++c) {
       for (int64_t j = 0; j < K; ++j) {
         const int64_t at = c * K + j;
-        q_gamma[at] = left_q[at] * first[j];  // q Gamma = q exp(G)
+        q_gamma()[at] = left_q[at] * first[j];  // q Gamma = q exp(G)
         k_gamma[at] = left_k[at] * first[j];
         k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
       }
     }
-    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w.data()});
+    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()});
     run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()});
   }
 };
 
 // One chunk of the recurrence from state S: u = U - W S, S_next = Gamma_C S + K_hat^T u (S_next may be
-// S itself), and, if `o` is given, o = (q Gamma) S + P u.
+// S itself), and, if `o` is given ([2C, V] of room: o is its first C rows), o = (q Gamma) S + P u, with
+// [q Gamma; W] S as one product.
 __attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, float* S, float* S_next, float* u, float* o) {
   const int64_t C = t.C, K = t.K, V = t.V;
-  if (o) run({C, V, K, plain(t.q_gamma.data(), K), S, 1.0f, nullptr, nullptr, o});
-  run({C, V, K, plain(t.w.data(), K), S, -1.0f, t.u_in.data(), nullptr, u});
+  if (o) {
+    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o});
+    for (int64_t i = 0; i < C * V; ++i) u[i] = t.u_in[i] - o[C * V + i];
+  } else {
+    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u});
+  }
   run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next});
   if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o});
 }
@@ -365,7 +373,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const t
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     const int64_t C = opt.C;
     ChunkTerms t(C, l.K, l.V);
-    std::vector<float> u(C * l.V), o_chunk(C * l.V);
+    std::vector<float> u(C * l.V), o_chunk(2 * C * l.V);
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t n = z / l.H, h = z % l.H, start = l.seqs.start[n], length = l.seqs.length[n];
       float* S = final_state.data_ptr<float>() + z * l.K * l.V;
@@ -386,9 +394,9 @@ std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const t
 
 // One thread's gradient scratch for one chunk. [C, K] unless noted.
 struct ChunkGrads {
-  std::vector<float> outer, u;  // outer [2C, V]: d_o, then du (adjacent for one product with S^T); u [C, V]
+  std::vector<float> outer, u;  // outer [2C, V]: d_o, then -du (what multiplies [q Gamma; W]); u [C, V]
   float* d_o() { return outer.data(); }
-  float* du() { return outer.data() + outer.size() / 2; }
+  float* minus_du() { return outer.data() + outer.size() / 2; }
   std::vector<float> dq_gamma_w;                         // [2C, K]: d(q Gamma), then dW
   std::vector<float> dP, dT_beta, dT, tmp, dA, dSk;      // [C, C]
   std::vector<float> dk_hat, dk_gamma, dv, dleft_q, dleft_k, dk_over, dG;  // dv [C, V]
@@ -410,24 +418,22 @@ struct ChunkGrads {
 __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S, float* dS,
                                                        const ChunkOptions& opt) {
   const int64_t C = t.C, K = t.K, V = t.V;
-  // du = P^T d_o + K_hat dS; dP = d_o u^T (lower triangle); d(q Gamma) = d_o S^T; dW = -du S^T;
-  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + (q Gamma)^T d_o - W^T du
-  run({C, V, C, transposed(t.P(), C), d.d_o(), 1.0f, nullptr, nullptr, d.du()});
-  run({C, V, K, plain(t.k_hat.data(), K), dS, 1.0f, d.du(), nullptr, d.du()});
+  // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
+  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
+  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
+  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
   product_with_transpose(d.d_o(), d.u.data(), C, C, V, 1.0f, d.dP.data());
-  transpose_into(S, K, V, d.state_t.data());  // [d_o; du] S^T as a plain product with S^T [V, K]
+  transpose_into(S, K, V, d.state_t.data());  // products with S^T and dS^T as plain ones
   run({2 * C, K, V, plain(d.outer.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
-  for (int64_t i = 0; i < C * K; ++i) d.dw()[i] = -d.dw()[i];
   transpose_into(dS, K, V, d.state_t.data());
   run({C, K, V, plain(d.u.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
   row_dots(S, dS, K, V, d.d_decay.data());
-  run({K, V, C, transposed(t.q_gamma.data(), K), d.d_o(), 1.0f, dS, t.decay.data(), dS});
-  run({K, V, C, transposed(t.w.data(), K), d.du(), -1.0f, dS, nullptr, dS});
+  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS});
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
   product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
-  product_with_transpose(d.du(), t.v.data(), C, C, V, 1.0f, d.dT_beta.data(), true);
+  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true);
   run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()});
-  run({C, V, C, transposed(t.t_beta.data(), C), d.du(), 1.0f, nullptr, nullptr, d.dv.data()});
+  run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()});
   // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
   std::fill(d.dbeta.begin(), d.dbeta.end(), 0.0f);
   for (int64_t i = 0; i < C; ++i) {
@@ -538,7 +544,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         if (i + 1 < chunks) {  // u from the first pass (the last chunk's was not needed there)
           std::copy_n(pseudo_values.data() + i * C * V, C * V, d.u.data());
         } else {
-          run({C, V, K, plain(t.w.data(), K), S_i, -1.0f, t.u_in.data(), nullptr, d.u.data()});
+          run({C, V, K, plain(t.w(), K), S_i, -1.0f, t.u_in.data(), nullptr, d.u.data()});
         }
         for (int64_t c = 0; c < C; ++c) {
           float* row = d.d_o() + c * V;
