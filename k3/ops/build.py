@@ -1,14 +1,15 @@
 """Build the optional native CPU kernels of every op family: ``python -m k3.ops.build``.
 
 Compiles each :class:`~k3.ops.extension.NativeExtension` in place (``k3/ops/<op>/_native.<abi>.so``,
-git-ignored; intermediate objects in ``build/native``). Without them k3 runs its
-pure-torch paths.
+git-ignored; intermediate objects in ``build/native/<op>``), one process per extension so that they
+compile side by side. Without them k3 runs its pure-torch paths.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+from concurrent.futures import ProcessPoolExecutor
 
 from k3.ops.extension import REPO_ROOT, NativeExtension
 from k3.ops.kda.native import KDA_EXTENSION
@@ -17,18 +18,18 @@ from k3.ops.mxfp4.native import MXFP4_EXTENSION
 EXTENSIONS = (MXFP4_EXTENSION, KDA_EXTENSION)
 
 
-def build(extensions: tuple[NativeExtension, ...] = EXTENSIONS, verbose: bool = False) -> None:
-    """Compile the extensions into the source tree; raises if one of them did not appear."""
+def build_one(extension: NativeExtension, verbose: bool = False) -> None:
+    """Compile one extension into the source tree; raises if it did not appear."""
     from setuptools import setup
     from torch.utils.cpp_extension import BuildExtension
 
-    build_temp = REPO_ROOT / "build" / "native"
+    build_temp = REPO_ROOT / "build" / "native" / extension.source.parent.name
     build_temp.mkdir(parents=True, exist_ok=True)
     # run from the temp folder so that setuptools does not read the project's pyproject.toml
     with contextlib.chdir(build_temp):
         setup(
-            name="k3-native",
-            ext_modules=[ext.setup_extension() for ext in extensions],
+            name=f"k3-native-{extension.source.parent.name}",
+            ext_modules=[extension.setup_extension()],
             cmdclass={"build_ext": BuildExtension},
             script_args=[
                 "--verbose" if verbose else "--quiet",
@@ -39,9 +40,15 @@ def build(extensions: tuple[NativeExtension, ...] = EXTENSIONS, verbose: bool = 
                 str(build_temp),
             ],
         )
-    for ext in extensions:
-        if not list(ext.source.parent.glob("_native*.so")):
-            raise RuntimeError(f"build finished but {ext.name} did not appear in {ext.source.parent}")
+    if not list(extension.source.parent.glob("_native*.so")):
+        raise RuntimeError(f"build finished but {extension.name} did not appear in {extension.source.parent}")
+
+
+def build(extensions: tuple[NativeExtension, ...] = EXTENSIONS, verbose: bool = False) -> None:
+    """Compile the extensions, each in its own process."""
+    with ProcessPoolExecutor(max_workers=len(extensions)) as pool:
+        for done in [pool.submit(build_one, ext, verbose) for ext in extensions]:
+            done.result()
 
 
 def main() -> None:
