@@ -308,24 +308,29 @@ FUSED_CASES = {  # name: (B, T, H, K, V, gate, chunk_size, cu_seqlens, l2norm, i
 }
 
 
+def fused_case(case, seed, requires_grad=False):
+    """(inputs, chunk_kda keyword arguments, number of sequences) of one FUSED_CASES entry."""
+    B, T, H, K, V, gate, chunk_size, cu, l2, with_state = FUSED_CASES[case]
+    inputs = [x.requires_grad_(requires_grad) for x in make_inputs(B, T, H, K, V, gate=gate, seed=seed)]
+    N = B if cu is None else len(cu) - 1
+    h0 = random_state(N, H, K, V).requires_grad_(requires_grad) if with_state else None
+    kwargs = dict(
+        initial_state=h0,
+        output_final_state=True,
+        use_qk_l2norm=l2,
+        cu_seqlens=None if cu is None else torch.tensor(cu),
+        chunk_size=chunk_size,
+    )
+    return inputs, kwargs, N
+
+
 @pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
 @pytest.mark.parametrize("case", FUSED_CASES)
 def test_fused_native_forward_matches_torch_path(monkeypatch, case):
     # without gradients chunk_kda runs one native call from token layout to token layout; the torch
     # path (checked against the per-token loop above) is the reference, outputs and final states
-    B, T, H, K, V, gate, chunk_size, cu, l2, with_state = FUSED_CASES[case]
-    q, k, v, g, beta = make_inputs(B, T, H, K, V, gate=gate, seed=18)
-    cu_seqlens = None if cu is None else torch.tensor(cu)
-    N = B if cu is None else len(cu) - 1
-    h0 = random_state(N, H, K, V) if with_state else None
+    (q, k, v, g, beta), kwargs, _ = fused_case(case, seed=18)
     native = CountingNative(load_native())
-    kwargs = dict(
-        initial_state=h0,
-        output_final_state=True,
-        use_qk_l2norm=l2,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
     monkeypatch.setattr(chunk_module, "load_native", lambda: native)
     fused = chunk_kda(q, k, v, g, beta, **kwargs)
     assert native.forward_calls == 1
@@ -342,21 +347,13 @@ def test_fused_native_backward_matches_torch_path(monkeypatch, case, loss_on):
     # the fused backward (its own adjoint of every step) against autograd through the torch path, on
     # every input and the initial state; a loss on o only or the final state only leaves the other
     # gradient None
-    B, T, H, K, V, gate, chunk_size, cu, l2, with_state = FUSED_CASES[case]
-    inputs = [x.requires_grad_() for x in make_inputs(B, T, H, K, V, gate=gate, seed=20)]
-    cu_seqlens = None if cu is None else torch.tensor(cu)
-    N = B if cu is None else len(cu) - 1
-    h0 = random_state(N, H, K, V).requires_grad_() if with_state else None
+    inputs, kwargs, N = fused_case(case, seed=20, requires_grad=True)
+    h0 = kwargs["initial_state"]
+    B, T, H, K = inputs[0].shape
+    V = inputs[2].shape[-1]
     gen = torch.Generator().manual_seed(21)
     w_o, w_s = torch.randn(B, T, H, V, generator=gen), torch.randn(N, H, K, V, generator=gen)
     wrt = inputs if h0 is None else [*inputs, h0]
-    kwargs = dict(
-        initial_state=h0,
-        output_final_state=True,
-        use_qk_l2norm=l2,
-        cu_seqlens=cu_seqlens,
-        chunk_size=chunk_size,
-    )
 
     def grads(native):
         monkeypatch.setattr(chunk_module, "load_native", lambda: native)

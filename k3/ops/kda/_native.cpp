@@ -580,7 +580,7 @@ bool cpu_supported() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "k3 KDA native CPU kernels (AVX2 + FMA): the inter-chunk state recurrence and its adjoint";
+  m.doc() = "k3 KDA native CPU kernels (AVX2 + FMA): the fused chunked forward and backward, the state loops";
   m.def("state_forward", &state_forward, "(reads, u, final state) of the chunk recurrence",
         py::arg("q_gamma"), py::arg("w"), py::arg("u_in"), py::arg("k_hat"), py::arg("decay"),
         py::arg("state"));
