@@ -1,7 +1,8 @@
 // Native CPU kernels for chunked KDA (k3/ops/kda/chunk.py holds the math and the same steps in torch;
 // this file only runs them faster). Two entry points:
 //
-// 1. The inter-chunk state recurrence and its adjoint, for training (state_passing.py's StatePassing).
+// 1. The inter-chunk state recurrence and its adjoint (state_passing.py's StatePassing, which chunk.py
+//    uses where it builds chunks by merges).
 //    Per chunk i of every sequence-head z, from the state S [K, V] at the chunk's start:
 //        reads_i = (q Gamma)_i S                 [C, V]
 //        u_i     = U_i - W_i S                   [C, V]
@@ -10,10 +11,11 @@
 //        du_i = d_u_i + K_hat_i dS               (total gradient of u_i)
 //        dS  <- diag(gamma_i) dS + (q Gamma)_i^T d_reads_i - W_i^T du_i
 //
-// 2. `forward`: the whole chunked forward without gradients (prefill), from the token layout to the
-//    token layout. Each thread takes whole sequence-heads; per chunk it builds the chunk's terms
-//    (base_terms in chunk.py: L2 norms, decays, the triangular solve, W, U, K_hat) in scratch memory,
-//    then runs the step above and o = reads + P u. Nothing but the inputs and outputs touches memory.
+// 2. `forward` and `backward`: the whole chunked form when one base chunk is the chunk (fused.py), from
+//    the token layout to the token layout. Each thread takes whole sequence-heads; per chunk it builds
+//    the chunk's terms (base_terms in chunk.py: L2 norms, decays, the triangular inverse, W, U, K_hat)
+//    in scratch memory, then runs the step above and o = reads + P u. The backward recomputes the
+//    chunk-start states, then walks the chunks backwards through the adjoint of every step.
 //
 // Why native: per chunk these are [16 x 128] x [128 x 128] products, too small for torch's batched
 // matmul to run near GEMM speed (~65 of ~190 GFLOP/s here), and torch pays a few microseconds of
@@ -148,6 +150,7 @@ state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch
   auto d_state = d_final.clone();  // dS, carried back chunk by chunk
   const int64_t kv = s.K * s.V, ck = s.C * s.K, cv = s.C * s.V;
   at::parallel_for(0, s.Z, 1, [&](int64_t z0, int64_t z1) {
+    std::vector<float> state_t(kv);  // [V, K]: dS^T, then S^T
     for (int64_t z = z0; z < z1; ++z) {
       float* dS = d_state.data_ptr<float>() + z * kv;  // dS_{i+1} on entry to step i, dS_i after it
       for (int64_t i = s.steps - 1; i >= 0; --i) {
@@ -158,11 +161,15 @@ state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch
         float* du_i = du.data_ptr<float>() + at * cv;
         run({s.C, s.V, s.K, plain(k_hat.data_ptr<float>() + at * ck, s.K), dS, 1.0f,
              d_u.data_ptr<float>() + at * cv, nullptr, du_i});
-        product_with_transpose(u.data_ptr<float>() + at * cv, dS, s.C, s.K, s.V, 1.0f,
-                               d_k_hat.data_ptr<float>() + at * ck);  // u dS^T
+        transpose_into(dS, s.K, s.V, state_t.data());  // products with dS^T and S^T as plain ones
+        run({s.C, s.K, s.V, plain(u.data_ptr<float>() + at * cv, s.V), state_t.data(), 1.0f, nullptr, nullptr,
+             d_k_hat.data_ptr<float>() + at * ck});
         row_dots(S, dS, s.K, s.V, d_decay.data_ptr<float>() + at * s.K);
-        product_with_transpose(dR, S, s.C, s.K, s.V, 1.0f, d_q_gamma.data_ptr<float>() + at * ck);  // dR S^T
-        product_with_transpose(du_i, S, s.C, s.K, s.V, -1.0f, d_w.data_ptr<float>() + at * ck);  // -du S^T
+        transpose_into(S, s.K, s.V, state_t.data());
+        run({s.C, s.K, s.V, plain(dR, s.V), state_t.data(), 1.0f, nullptr, nullptr,
+             d_q_gamma.data_ptr<float>() + at * ck});
+        run({s.C, s.K, s.V, plain(du_i, s.V), state_t.data(), -1.0f, nullptr, nullptr,
+             d_w.data_ptr<float>() + at * ck});
         run({s.K, s.V, s.C, transposed(q_gamma.data_ptr<float>() + at * ck, s.K), dR, 1.0f, dS, gamma, dS});
         run({s.K, s.V, s.C, transposed(w.data_ptr<float>() + at * ck, s.K), du_i, -1.0f, dS, nullptr, dS});
       }
