@@ -68,8 +68,11 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from k3.errors import K3Error
+    from k3.train.allocator import keep_freed_memory
     from k3.train.trainer import TrainConfig, TrainError
     from k3.train.trainer import train as run_training
+
+    keep_freed_memory()  # every step frees and reallocates the same large tensors
 
     tc = TrainConfig(
         preset=preset,
