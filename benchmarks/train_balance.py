@@ -19,6 +19,8 @@ can at best reach on a new batch of the same size.
 
     .venv/bin/python benchmarks/train_balance.py [--steps 80] [--batch-size 16] [--seq-len 128] [--jobs 2]
         [--preset mini]    (another preset writes train_balance_<preset>.* and train_balance_<preset>_runs/)
+        [--accum N]        (N micro-batches per step, balanced as one batch: writes ..._accum<N>.*)
+        [--methods qb none ...]
 """
 
 from __future__ import annotations
@@ -160,22 +162,28 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=10, help="steps pooled for the pooled imbalance")
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (one balance batch)")
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
     args = parser.parse_args()
+    methods = {name: METHODS[name] for name in args.methods}
 
     from k3.config import K3Config
 
     cfg = K3Config.preset(args.preset)
     stem = "train_balance" if args.preset == "mini" else f"train_balance_{args.preset}"
+    if args.accum > 1:
+        stem += f"_accum{args.accum}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     keep = RESULTS / f"{stem}_runs"
     with tempfile.TemporaryDirectory() as tmp:
         text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
         jobs = []
-        for method, options in METHODS.items():
+        for method, options in methods.items():
             command = [
                 sys.executable, "-m", "k3.train.commands", "--preset", args.preset, "--data", str(text),
                 "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
                 "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
+                "--accum", str(args.accum),
                 *options, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
                 "--no-export", "--quiet", "--threads", "1",
             ]  # fmt: skip
@@ -191,12 +199,15 @@ def main() -> None:
                 raise SystemExit(f"the {method} run failed")
         logs = {}
         rows = []
-        batch_tokens = args.batch_size * args.seq_len
+        batch_tokens = args.batch_size * args.seq_len * args.accum
         floor = noise_floor(batch_tokens, cfg.num_experts, cfg.num_experts_per_token)
-        held_out_floor = noise_floor(
-            batch_tokens * args.eval_batches, cfg.num_experts, cfg.num_experts_per_token, trials=50
+        held_out_floor = noise_floor(  # the held-out set is eval_batches micro-batches
+            args.batch_size * args.seq_len * args.eval_batches,
+            cfg.num_experts,
+            cfg.num_experts_per_token,
+            trials=50,
         )
-        for method in METHODS:
+        for method in methods:
             run = Path(tmp) / method
             target = keep / method
             target.mkdir(parents=True, exist_ok=True)
@@ -227,8 +238,7 @@ def main() -> None:
         "max_over_mean_load",
         RESULTS / f"{stem}.png",
         f"max / mean expert load (worst of {cfg.num_moe_layers} MoE layers)",
-        f"{args.preset}, {args.batch_size}x{args.seq_len} tokens/step: routing balance "
-        f"(noise floor {floor:.2f})",
+        f"{args.preset}, {batch_tokens} tokens/step: routing balance (noise floor {floor:.2f})",
     )
     with (RESULTS / f"{stem}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
