@@ -206,7 +206,7 @@ struct ChunkTerms {
   std::vector<float> q, k, v, beta;   // inputs; q and k normalised and scaled in place; v [C, V], beta [C]
   std::vector<float> q_factor, k_factor;  // [C]: what the rows of q and k were multiplied by
   std::vector<float> G, local, down;  // in-chunk cumulative log-decay, G - G_0, exp(G - G_0)
-  std::vector<float> left_q, left_k, k_over, k_over_t;  // q, k times down; k / down; its [K, C] transpose
+  std::vector<float> left, k_over, k_over_t;  // [2C, K]: q, then k, times down; k / down; its [K, C] transpose
   std::vector<float> scores;          // [2C, C]: P (lower triangle with the diagonal), then left_k k_over^T
   std::vector<float> t_inv, t_beta;   // [C, C]: T = (I + A)^-1 with A = diag(beta) strict_lower(...); T diag(beta)
   std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
@@ -216,10 +216,12 @@ struct ChunkTerms {
   float* w() { return reading.data() + C * K; }
   ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
       : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), q_factor(C), k_factor(C), G(C * K),
-        local(C * K), down(C * K), left_q(C * K), left_k(C * K), k_over(C * K), k_over_t(K * C),
+        local(C * K), down(C * K), left(2 * C * K), k_over(C * K), k_over_t(K * C),
         scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), reading(2 * C * K),
         k_gamma(C * K), k_hat(C * K), u_in(C * V) {}
 
+  float* left_q() { return left.data(); }
+  float* left_k() { return left.data() + C * K; }
   float* P() { return scores.data(); }
   float* Sk() { return scores.data() + C * C; }
 
@@ -278,16 +280,13 @@ struct ChunkTerms {
     for (int64_t c = 0; c < C; ++c) {
       for (int64_t j = 0; j < K; ++j) {
         const int64_t at = c * K + j;
-        left_q[at] = q[at] * down[at];
-        left_k[at] = k[at] * down[at];
+        left_q()[at] = q[at] * down[at];
+        left_k()[at] = k[at] * down[at];
         k_over[at] = k[at] / down[at];
         k_over_t[j * C + c] = k_over[at];
       }
     }
-    // [P; Sk] = [left_q; left_k] k_over^T in one product (left_q and left_k are adjacent in spirit only,
-    // so two products into the two halves)
-    run({C, C, K, plain(left_q.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});
-    run({C, C, K, plain(left_k.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, Sk()});
+    run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});  // [P; Sk]
     // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
     // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
     std::fill(t_inv.begin(), t_inv.end(), 0.0f);
@@ -308,8 +307,8 @@ struct ChunkTerms {
     for (int64_t c = 0; c < C; ++c) {
       for (int64_t j = 0; j < K; ++j) {
         const int64_t at = c * K + j;
-        q_gamma()[at] = left_q[at] * first[j];  // q Gamma = q exp(G)
-        k_gamma[at] = left_k[at] * first[j];
+        q_gamma()[at] = left_q()[at] * first[j];  // q Gamma = q exp(G)
+        k_gamma[at] = left_k()[at] * first[j];
         k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
       }
     }
@@ -401,22 +400,28 @@ std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const t
 
 // One thread's gradient scratch for one chunk. [C, K] unless noted.
 struct ChunkGrads {
-  std::vector<float> outer, u;  // outer [2C, V]: d_o, then -du (what multiplies [q Gamma; W]); u [C, V]
+  std::vector<float> outer, u;        // outer [2C, V]: d_o, then -du (what multiplies [q Gamma; W]); u [C, V]
+  std::vector<float> dq_gamma_w;      // [2C, K]: d(q Gamma), then dW
+  std::vector<float> dscores;         // [2C, C]: dP, then dSk
+  std::vector<float> dleft;           // [2C, K]: d left_q, then d left_k (later d of the normalised q, k)
+  std::vector<float> dT_beta, dT, tmp, dA;  // [C, C]
+  std::vector<float> dk_hat, dk_gamma, dv, dk_over, dG;  // dv [C, V]
+  std::vector<float> d_decay, d_first, d_last;  // [K]
+  std::vector<float> dbeta, dots;     // [C]
+  std::vector<float> state_t;         // [V, K]: S^T, then dS^T
+  ChunkGrads(int64_t C, int64_t K, int64_t V)
+      : outer(2 * C * V), u(C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
+        dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
+        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), state_t(V * K) {}
+
   float* d_o() { return outer.data(); }
   float* minus_du() { return outer.data() + outer.size() / 2; }
-  std::vector<float> dq_gamma_w;                         // [2C, K]: d(q Gamma), then dW
-  std::vector<float> dP, dT_beta, dT, tmp, dA, dSk;      // [C, C]
-  std::vector<float> dk_hat, dk_gamma, dv, dleft_q, dleft_k, dk_over, dG;  // dv [C, V]
   float* dq_gamma() { return dq_gamma_w.data(); }
   float* dw() { return dq_gamma_w.data() + dq_gamma_w.size() / 2; }
-  std::vector<float> d_decay, d_first, d_last;           // [K]
-  std::vector<float> dbeta, dots;                        // [C]
-  std::vector<float> state_t;                            // [V, K]: S^T, then dS^T
-  ChunkGrads(int64_t C, int64_t K, int64_t V)
-      : outer(2 * C * V), u(C * V), dq_gamma_w(2 * C * K), dP(C * C), dT_beta(C * C), dT(C * C), tmp(C * C), dA(C * C),
-        dSk(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dleft_q(C * K),
-        dleft_k(C * K), dk_over(C * K), dG(C * K), d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C),
-        state_t(V * K) {}
+  float* dP() { return dscores.data(); }
+  float* dSk() { return dscores.data() + dscores.size() / 2; }
+  float* dleft_q() { return dleft.data(); }
+  float* dleft_k() { return dleft.data() + dleft.size() / 2; }
 };
 
 // Gradients of one chunk, from the state S at its start, dS = dL/d(state after it) (updated in place
@@ -429,7 +434,7 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
   run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
   run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
-  product_with_transpose(d.d_o(), d.u.data(), C, C, V, 1.0f, d.dP.data());
+  product_with_transpose(d.d_o(), d.u.data(), C, C, V, 1.0f, d.dP());
   transpose_into(S, K, V, d.state_t.data());  // products with S^T and dS^T as plain ones
   run({2 * C, K, V, plain(d.outer.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
   transpose_into(dS, K, V, d.state_t.data());
@@ -455,15 +460,13 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
     for (int64_t j = 0; j < C; ++j) {
       const bool strict = j < i;
       d.dbeta[i] += strict ? d.dA[i * C + j] * t.Sk()[i * C + j] : 0.0f;
-      d.dSk[i * C + j] = strict ? t.beta[i] * d.dA[i * C + j] : 0.0f;
-      if (j > i) d.dP[i * C + j] = 0.0f;  // P is its lower triangle
+      d.dSk()[i * C + j] = strict ? t.beta[i] * d.dA[i * C + j] : 0.0f;
+      if (j > i) d.dP()[i * C + j] = 0.0f;  // P is its lower triangle
     }
   }
-  // P = left_q k_over^T, Sk = left_k k_over^T
-  run({C, K, C, plain(d.dP.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft_q.data()});
-  run({C, K, C, plain(d.dSk.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft_k.data()});
-  run({C, K, C, transposed(d.dP.data(), C), t.left_q.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
-  run({C, K, C, transposed(d.dSk.data(), C), t.left_k.data(), 1.0f, d.dk_over.data(), nullptr, d.dk_over.data()});
+  // [P; Sk] = [left_q; left_k] k_over^T: d left = [dP; dSk] k_over, dk_over = [dP; dSk]^T [left_q; left_k]
+  run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()});
+  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
   // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
   // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
   std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
@@ -472,15 +475,15 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
     for (int64_t j = 0; j < K; ++j) {
       const int64_t at = c * K + j;
       d.d_last[j] += d.dk_hat[at] * t.k_over[at];
-      d.d_first[j] += d.dq_gamma()[at] * t.left_q[at] + d.dk_gamma[at] * t.left_k[at];
+      d.d_first[j] += d.dq_gamma()[at] * t.left_q()[at] + d.dk_gamma[at] * t.left_k()[at];
       const float dk_over = d.dk_over[at] + d.dk_hat[at] * t.last[j];
-      const float dleft_q = d.dleft_q[at] + d.dq_gamma()[at] * t.first[j];
-      const float dleft_k = d.dleft_k[at] + d.dk_gamma[at] * t.first[j];
+      const float dleft_q = d.dleft_q()[at] + d.dq_gamma()[at] * t.first[j];
+      const float dleft_k = d.dleft_k()[at] + d.dk_gamma[at] * t.first[j];
       const float down = t.down[at];
       const float d_down = dleft_q * t.q[at] + dleft_k * t.k[at];
       const float d_up = dk_over * t.k[at];
-      d.dleft_q[at] = dleft_q * down;                 // now d(normalised q)
-      d.dleft_k[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
+      d.dleft_q()[at] = dleft_q * down;                 // now d(normalised q)
+      d.dleft_k()[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
       d.dG[at] = d_down * down - d_up / down;           // d local, for now
     }
   }
@@ -495,7 +498,7 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   }
   // the L2 norm (and scale): x_n = f x with f = s / sqrt(|x|^2 + eps): dx = f (dx_n - x_n (x_n . dx_n) / s^2)
   for (int pass = 0; pass < 2; ++pass) {
-    float* dx = pass == 0 ? d.dleft_q.data() : d.dleft_k.data();
+    float* dx = pass == 0 ? d.dleft_q() : d.dleft_k();
     const float* xn = pass == 0 ? t.q.data() : t.k.data();
     const float* f = pass == 0 ? t.q_factor.data() : t.k_factor.data();
     const float inv_s2 = pass == 0 ? 1.0f / (opt.scale * opt.scale) : 1.0f;
@@ -567,8 +570,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
           for (int64_t j = 0; j < K; ++j) running[j] += d.dG[c * K + j];
           if (c >= valid) continue;
           const int64_t row = (first_row + c) * H + h;
-          std::copy_n(d.dleft_q.data() + c * K, K, dq.data_ptr<float>() + row * K);
-          std::copy_n(d.dleft_k.data() + c * K, K, dk.data_ptr<float>() + row * K);
+          std::copy_n(d.dleft_q() + c * K, K, dq.data_ptr<float>() + row * K);
+          std::copy_n(d.dleft_k() + c * K, K, dk.data_ptr<float>() + row * K);
           std::copy_n(running.data(), K, dg.data_ptr<float>() + row * K);
           std::copy_n(d.dv.data() + c * V, V, dv.data_ptr<float>() + row * V);
           dbeta.data_ptr<float>()[row] = d.dbeta[c];
