@@ -14,7 +14,9 @@ triangular inverses and every elementwise op are not):
     loop     [q Gamma; W] S 4 K V, S <- Gamma_C S + K_hat^T u 2 K V
     output   o = q Gamma S + P u 2 C V
     (C = s = 16, K = V = 128: 118,784; C = 64: 155,648)
-Backward: autograd through the parallel parts, the hand-written adjoint loop of StatePassing.
+With the native kernels built (`make native`) chunk_kda runs the fused forward and backward of
+k3/ops/kda/fused.py here (K3's gate, chunk 16); without them, the torch path (autograd through the
+parallel parts, the hand-written adjoint loop of StatePassing). The same FLOPs are counted for both.
 
 Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]``.
 Timings on a shared machine are noisy: each figure is the best of ``--repeats`` runs.
