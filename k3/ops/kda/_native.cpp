@@ -346,24 +346,24 @@ TokenLayout check_token_layout(const torch::Tensor& q, const torch::Tensor& k, c
   check(g, 3, "g");
   check(beta, 2, "beta");
   check(state, 4, "initial_state");
-  const TokenLayout l{q.size(0), q.size(1), q.size(2), v.size(2), starts.numel(), {nullptr, nullptr}};
+  const int64_t rows = q.size(0), H = q.size(1), K = q.size(2), V = v.size(2), N = starts.numel();
   TORCH_CHECK(k.sizes() == q.sizes() && g.sizes() == q.sizes(), "k and g must have q's shape [rows, H, K]");
-  TORCH_CHECK(v.size(0) == l.rows && v.size(1) == l.H && beta.size(0) == l.rows && beta.size(1) == l.H,
+  TORCH_CHECK(v.size(0) == rows && v.size(1) == H && beta.size(0) == rows && beta.size(1) == H,
               "v must be [rows, H, V] and beta [rows, H]");
-  TORCH_CHECK(state.sizes() == torch::IntArrayRef({l.N, l.H, l.K, l.V}), "initial_state must be [N, H, K, V]");
+  TORCH_CHECK(state.sizes() == torch::IntArrayRef({N, H, K, V}), "initial_state must be [N, H, K, V]");
   TORCH_CHECK(chunk_size >= 1 && chunk_size <= 64, "chunk_size must be in [1, 64]");
   TORCH_CHECK(starts.scalar_type() == torch::kInt64 && lengths.scalar_type() == torch::kInt64 &&
-                  starts.is_contiguous() && lengths.is_contiguous() && lengths.numel() == l.N,
+                  starts.is_contiguous() && lengths.is_contiguous() && lengths.numel() == N,
               "starts and lengths must be contiguous int64 [N]");
   const Sequences seqs{starts.data_ptr<int64_t>(), lengths.data_ptr<int64_t>()};
   int64_t end = 0;  // sequences in order, disjoint (threads write their rows), covering [0, rows)
-  for (int64_t n = 0; n < l.N; ++n) {
+  for (int64_t n = 0; n < N; ++n) {
     TORCH_CHECK(seqs.start[n] == end && seqs.length[n] >= 0, "sequence ", n, " does not start where the one ",
                 "before it ends");
     end += seqs.length[n];
   }
-  TORCH_CHECK(end == l.rows, "the sequences cover ", end, " rows, not all ", l.rows);
-  return {l.rows, l.H, l.K, l.V, l.N, seqs};
+  TORCH_CHECK(end == rows, "the sequences cover ", end, " rows, not all ", rows);
+  return {rows, H, K, V, N, seqs};
 }
 
 // o [rows, H, V] and final states [N, H, K, V] from fla's token layout. Parallel over (sequence, head).
@@ -400,7 +400,7 @@ std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const t
 
 // One thread's gradient scratch for one chunk. [C, K] unless noted.
 struct ChunkGrads {
-  std::vector<float> outer, u;        // outer [2C, V]: d_o, then -du (what multiplies [q Gamma; W]); u [C, V]
+  std::vector<float> outer;           // [2C, V]: d_o, then -du (what multiplies [q Gamma; W])
   std::vector<float> dq_gamma_w;      // [2C, K]: d(q Gamma), then dW
   std::vector<float> dscores;         // [2C, C]: dP, then dSk
   std::vector<float> dleft;           // [2C, K]: d left_q, then d left_k (later d of the normalised q, k)
@@ -410,7 +410,7 @@ struct ChunkGrads {
   std::vector<float> dbeta, dots;     // [C]
   std::vector<float> state_t;         // [V, K]: S^T, then dS^T
   ChunkGrads(int64_t C, int64_t K, int64_t V)
-      : outer(2 * C * V), u(C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
+      : outer(2 * C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
         dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
         d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), state_t(V * K) {}
 
@@ -424,21 +424,22 @@ struct ChunkGrads {
   float* dleft_k() { return dleft.data() + dleft.size() / 2; }
 };
 
-// Gradients of one chunk, from the state S at its start, dS = dL/d(state after it) (updated in place
-// to dL/dS), d_o and u (in d): the recurrence's products as in state_backward plus o's P u, then the
-// terms backwards to dq, dk, dv, dG (w.r.t. the cumulative log-decay) and dbeta, in d.
-__attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S, float* dS,
-                                                       const ChunkOptions& opt) {
+// Gradients of one chunk, from the state S at its start, its pseudo values u [C, V], dS = dL/d(state
+// after it) (updated in place to dL/dS) and d_o (in d): the recurrence's products as in state_backward
+// plus o's P u, then the terms backwards to dq, dk, dv, dG (w.r.t. the cumulative log-decay) and dbeta,
+// in d.
+__attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S,
+                                                       const float* u, float* dS, const ChunkOptions& opt) {
   const int64_t C = t.C, K = t.K, V = t.V;
   // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
   run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
   run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
-  product_with_transpose(d.d_o(), d.u.data(), C, C, V, 1.0f, d.dP());
+  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP());
   transpose_into(S, K, V, d.state_t.data());  // products with S^T and dS^T as plain ones
   run({2 * C, K, V, plain(d.outer.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
   transpose_into(dS, K, V, d.state_t.data());
-  run({C, K, V, plain(d.u.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
+  run({C, K, V, plain(u, V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
   row_dots(S, dS, K, V, d.d_decay.data());
   run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS});
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
@@ -511,8 +512,8 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
 }
 
 // (dq, dk, dv, dg, dbeta, d initial state) in the token layout: per (sequence, head), the states at
-// every chunk start are recomputed forwards (kept in one [chunks, K, V] buffer per thread), then the
-// chunks are walked backwards, each rebuilding its terms. Parallel over (sequence, head).
+// every chunk start and the pseudo values are recomputed forwards (kept in per-thread buffers), then
+// the chunks are walked backwards, each rebuilding its terms. Parallel over (sequence, head).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
@@ -537,12 +538,13 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t n = z / H, h = z % H, start = l.seqs.start[n], length = l.seqs.length[n];
       const int64_t chunks = (length + C - 1) / C;
-      states.resize(chunks * K * V);
+      states.resize((chunks + 1) * K * V);  // the last one is the final state, written but not read
       pseudo_values.resize(chunks * C * V);
       std::copy_n(initial_state.data_ptr<float>() + z * K * V, K * V, states.data());
-      for (int64_t i = 0; i + 1 < chunks; ++i) {
-        t.load(qp, kp, vp, gp, bp, H, start + i * C, C, h, opt, start + (i + 1) * C,
-               i + 2 < chunks ? C : 0);
+      for (int64_t i = 0; i < chunks; ++i) {
+        const int64_t first_row = start + i * C;
+        t.load(qp, kp, vp, gp, bp, H, first_row, std::min(C, length - i * C), h, opt, first_row + C,
+               std::min(C, std::max<int64_t>(0, length - (i + 1) * C)));
         float* S_i = states.data() + i * K * V;
         chunk_step(t, S_i, S_i + K * V, pseudo_values.data() + i * C * V, nullptr);
       }
@@ -551,11 +553,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         const int64_t first_row = start + i * C, valid = std::min(C, length - i * C);
         const float* S_i = states.data() + i * K * V;
         t.load(qp, kp, vp, gp, bp, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0);
-        if (i + 1 < chunks) {  // u from the first pass (the last chunk's was not needed there)
-          std::copy_n(pseudo_values.data() + i * C * V, C * V, d.u.data());
-        } else {
-          run({C, V, K, plain(t.w(), K), S_i, -1.0f, t.u_in.data(), nullptr, d.u.data()});
-        }
         for (int64_t c = 0; c < C; ++c) {
           float* row = d.d_o() + c * V;
           if (c < valid) {
@@ -564,7 +561,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
             std::fill_n(row, V, 0.0f);
           }
         }
-        chunk_backward(t, d, S_i, dS, opt);
+        chunk_backward(t, d, S_i, pseudo_values.data() + i * C * V, dS, opt);
         std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG
         for (int64_t c = C - 1; c >= 0; --c) {
           for (int64_t j = 0; j < K; ++j) running[j] += d.dG[c * K + j];
