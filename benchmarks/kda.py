@@ -17,20 +17,28 @@ triangular inverses and every elementwise op are not):
 With the native kernels built (`make native`) chunk_kda runs the fused forward and backward of
 k3/ops/kda/fused.py here (K3's gate, chunk 16); without them, the torch path (autograd through the
 parallel parts, the hand-written adjoint loop of StatePassing). The same FLOPs are counted for both.
+Forward+backward is timed twice: as chunk_kda does it by default (the forward keeps every chunk's
+starting state for the backward) and with ``keep_states=False`` (the backward recomputes them).
+The forward's kept states are large fresh buffers (twice the inputs), so how the allocator serves
+them matters: ``--train-allocator`` times everything with freed memory kept in the process, as
+``k3 train`` runs.
 
-Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]``.
+Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]
+[--train-allocator]``.
 Timings on a shared machine are noisy: each figure is the best of ``--repeats`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
+from k3.train.allocator import keep_freed_memory
 
 
 def best_time(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> float:
@@ -100,12 +108,13 @@ def bench_one_length(args: argparse.Namespace, T: int, gemm: float) -> None:
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
         weight = torch.randn(1, T, H, V)
 
-        def forward_backward() -> None:
-            o, _ = chunk_kda(*leaves, use_qk_l2norm=True, chunk_size=C)
+        def forward_backward(keep_states: bool) -> None:
+            o, _ = chunk_kda(*leaves, use_qk_l2norm=True, chunk_size=C, keep_states=keep_states)
             torch.autograd.grad((o * weight).sum(), leaves)
 
-        t_fb = best_time(forward_backward, max(1, args.repeats // 2))
-        print(f"{T:>6} {'fwd+bwd':<14} {t_fb:9.4f} {T / t_fb:10.0f} {'':>8} {'':>7} {t_fb / t_k3:7.2f}x fwd")
+        for keep_states, name in [(True, "fwd+bwd"), (False, "  recomputing")]:
+            t_fb = best_time(functools.partial(forward_backward, keep_states), max(1, args.repeats // 2))
+            print(f"{T:>6} {name:<14} {t_fb:9.4f} {T / t_fb:10.0f} {'':>8} {'':>7} {t_fb / t_k3:7.2f}x fwd")
 
 
 def bench_decode_after(args: argparse.Namespace, context: int) -> None:
@@ -139,9 +148,16 @@ def main() -> None:
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 65536])
     parser.add_argument("--decode-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
+    parser.add_argument(
+        "--train-allocator",
+        action="store_true",
+        help="keep freed memory in the process, as `k3 train` does (k3.train.allocator)",
+    )
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if args.train_allocator:
+        print(f"glibc keeps freed memory (as in k3 train): {keep_freed_memory()}")
 
     gemm = gemm_gflops(args.repeats)
     print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s ({torch.get_num_threads()} threads)")

@@ -284,16 +284,18 @@ def test_native_state_passing_matches_torch_loops(steps, Z, C, K, V):
 
 
 class CountingNative:
-    """The native module with a count of the fused forward calls (to know which path ran)."""
+    """The native module with a count of the fused forward calls (to know which path ran) and whether
+    the last one kept the chunk-start states for the backward."""
 
     def __init__(self, module):
-        self.module, self.forward_calls = module, 0
+        self.module, self.forward_calls, self.kept = module, 0, None
 
     def __getattr__(self, name):
         return getattr(self.module, name)
 
     def forward(self, *args):
         self.forward_calls += 1
+        self.kept = args[-1]
         return self.module.forward(*args)
 
 
@@ -343,11 +345,13 @@ def test_fused_native_forward_matches_torch_path(monkeypatch, case):
 @pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
 @pytest.mark.parametrize("case", FUSED_CASES)
 @pytest.mark.parametrize("loss_on", ["both", "output", "state"])
-def test_fused_native_backward_matches_torch_path(monkeypatch, case, loss_on):
+@pytest.mark.parametrize("keep_states", [True, False])
+def test_fused_native_backward_matches_torch_path(monkeypatch, case, loss_on, keep_states):
     # the fused backward (its own adjoint of every step) against autograd through the torch path, on
-    # every input and the initial state; a loss on o only or the final state only leaves the other
-    # gradient None
+    # every input and the initial state, from the chunk-start states the forward kept or recomputed;
+    # a loss on o only or the final state only leaves the other gradient None
     inputs, kwargs, N = fused_case(case, seed=20, requires_grad=True)
+    kwargs["keep_states"] = keep_states
     h0 = kwargs["initial_state"]
     B, T, H, K = inputs[0].shape
     V = inputs[2].shape[-1]
@@ -367,11 +371,40 @@ def test_fused_native_backward_matches_torch_path(monkeypatch, case, loss_on):
 
     native = CountingNative(load_native())
     fused = grads(native)
-    assert native.forward_calls == 1
+    assert native.forward_calls == 1 and native.kept == keep_states
     for name, a, e in zip(["dq", "dk", "dv", "dg", "dbeta", "dh0"], fused, grads(None), strict=False):
         # both are fp32 with the same terms in a different order: ~1e-7 apart, up to ~1e-5 under the
         # -5 gate, whose in-chunk factors reach e^35
         assert torch.isfinite(a).all() and rel_rms(a, e) <= 5e-5, name
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+def test_fused_native_forward_keeps_chunk_start_states():
+    # what the forward keeps for the backward: per (sequence, head), chunk i's starting state
+    # transposed, [V, K], which is the final state after the sequence's first i C tokens
+    (q, k, v, g, beta), kwargs, N = fused_case("packed", seed=22)
+    cu, C, h0 = kwargs["cu_seqlens"].tolist(), kwargs["chunk_size"], kwargs["initial_state"]
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    rows = (x[0].contiguous() for x in (q, k, v, g, beta))
+    starts, lengths = torch.tensor(cu[:-1]), torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
+    _, _, states, pseudo_values = load_native().forward(
+        *rows, starts, lengths, h0, C, K**-0.5, True, 1e-6, True
+    )
+    expected = []
+    for n in range(N):
+        chunks = -(-(cu[n + 1] - cu[n]) // C)
+        for h in range(H):
+            for i in range(chunks):
+                prefix = slice(cu[n], cu[n] + i * C)
+                _, s = naive_recurrent_kda(
+                    *(x[:, prefix, h : h + 1] for x in (q, k, v, g, beta)),
+                    initial_state=h0[n : n + 1, h : h + 1],
+                    output_final_state=True,
+                    use_qk_l2norm=True,
+                )
+                expected.append(s[0, 0].T)
+    assert states.shape == (len(expected), V, K) and pseudo_values.shape == (len(expected), C, V)
+    assert rel_rms(states, torch.stack(expected)) <= 1e-5
 
 
 @pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
@@ -382,9 +415,10 @@ def test_native_paths_by_chunk_shape(monkeypatch):
     monkeypatch.setattr(chunk_module, "load_native", lambda: native)
     q, k, v, g, beta = make_inputs(1, 40, 2, 16, 16, gate="k3", seed=19)
     chunk_kda(q, k, v, g, beta.requires_grad_())
+    assert native.kept  # for the backward
     with torch.no_grad():
         chunk_kda(q, k, v, g, beta)
-    assert native.forward_calls == 2
+    assert native.forward_calls == 2 and not native.kept
     o, _ = chunk_kda(*(x.detach().bfloat16() for x in (q, k, v, g, beta)), use_qk_l2norm=True)
     assert o.dtype == torch.bfloat16 and native.forward_calls == 3
     chunk_kda(q, k, v, g, beta, chunk_size=32)
@@ -431,7 +465,7 @@ def test_native_kernels_check_their_inputs():
     def forward(starts, lengths, **changes):
         args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state) | changes
         sequences = dict(starts=torch.tensor(starts), lengths=torch.tensor(lengths))
-        return native.forward(**args, **sequences, chunk_size=16, scale=0.5, l2norm=True, eps=1e-6)
+        return native.forward(**args, **sequences, chunk_size=16, scale=0.5, l2norm=True, eps=1e-6, keep=True)
 
     with pytest.raises(RuntimeError, match="cover 8 rows, not all 10"):
         forward([0], [8])
@@ -444,6 +478,20 @@ def test_native_kernels_check_their_inputs():
     with pytest.raises(RuntimeError, match="k and g must have q's shape"):
         forward([0], [10], k=k[:, :1].contiguous())
     assert forward([0, 4], [4, 6], initial_state=torch.zeros(2, 2, 8, 4))[0].shape == (10, 2, 4)
+    _, _, states, pseudo_values = forward([0], [10])
+
+    def backward(**changes):
+        args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state, states=states) | changes
+        sequences = dict(starts=torch.tensor([0]), lengths=torch.tensor([10]))
+        grads = dict(d_o=torch.ones_like(v), d_final=torch.zeros_like(state))
+        options = dict(chunk_size=16, scale=0.5, l2norm=True, eps=1e-6)
+        return native.backward(**args, **sequences, pseudo_values=pseudo_values, **grads, **options)
+
+    assert backward()[0].shape == q.shape
+    with pytest.raises(RuntimeError, match="states must be"):
+        backward(states=states[:, :2].contiguous())
+    with pytest.raises(RuntimeError, match="states must be"):
+        backward(states=torch.cat([states, states]))
 
 
 def test_empty_sequence():

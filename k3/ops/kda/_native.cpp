@@ -14,8 +14,9 @@
 // 2. `forward` and `backward`: the whole chunked form when one base chunk is the chunk (fused.py), from
 //    the token layout to the token layout. Each thread takes whole sequence-heads; per chunk it builds
 //    the chunk's terms (base_terms in chunk.py: L2 norms, decays, the triangular inverse, W, U, K_hat)
-//    in scratch memory, then runs the step above and o = reads + P u. The backward recomputes the
-//    chunk-start states, then walks the chunks backwards through the adjoint of every step.
+//    in scratch memory, then runs the step above and o = reads + P u. For training, the forward also
+//    keeps every chunk's starting state and pseudo values (else the backward recomputes them); the
+//    backward walks the chunks backwards through the adjoint of every step.
 //
 // Why native: per chunk these are [16 x 128] x [128 x 128] products, too small for torch's batched
 // matmul to run near GEMM speed (~65 of ~190 GFLOP/s here), and torch pays a few microseconds of
@@ -32,6 +33,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -39,6 +41,7 @@
 #include <tuple>
 #include <vector>
 
+#include "_native_chunk.h"
 #include "_native_products.h"
 
 // The build passes -DK3_NATIVE_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
@@ -180,13 +183,6 @@ state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch
 
 // ---------------------------------------------------------------- the fused chunked form, token layout in and out
 
-struct ChunkOptions {
-  int64_t C;    // chunk size: one base chunk, (C - 1) |min g| <= 80 (checked by the caller)
-  float scale;  // q's scale
-  bool l2norm;  // L2-normalise q and k first
-  float eps;    // inside the L2 norm's square root
-};
-
 // Where the sequences lie in the token layout: sequence n is rows [start[n], start[n] + length[n]), one
 // after the other, covering every row.
 struct Sequences {
@@ -194,147 +190,10 @@ struct Sequences {
   const int64_t* length;
 };
 
-// Asks for the cache lines of x[0, n) ahead of use.
-inline void prefetch(const float* x, int64_t n) {
-  for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(x + j);
-}
-
-// One chunk's inputs and terms (chunk.py's base_terms for s = C), in one thread's scratch memory,
-// reused from chunk to chunk. [C, K] unless noted.
-struct ChunkTerms {
-  int64_t C, K, V;
-  std::vector<float> q, k, v, beta;   // inputs; q and k normalised and scaled in place; v [C, V], beta [C]
-  std::vector<float> q_factor, k_factor;  // [C]: what the rows of q and k were multiplied by
-  std::vector<float> G, local, down;  // in-chunk cumulative log-decay, G - G_0, exp(G - G_0)
-  std::vector<float> left, k_over, k_over_t;  // [2C, K]: q, then k, times down; k / down; its [K, C] transpose
-  std::vector<float> scores;          // [2C, C]: P (lower triangle with the diagonal), then left_k k_over^T
-  std::vector<float> t_inv, t_beta;   // [C, C]: T = (I + A)^-1 with A = diag(beta) strict_lower(...); T diag(beta)
-  std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
-  std::vector<float> reading;          // [2C, K]: q Gamma, then W (what reads the state, in one product)
-  std::vector<float> k_gamma, k_hat, u_in;  // u_in = U [C, V]
-  float* q_gamma() { return reading.data(); }
-  float* w() { return reading.data() + C * K; }
-  ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
-      : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), q_factor(C), k_factor(C), G(C * K),
-        local(C * K), down(C * K), left(2 * C * K), k_over(C * K), k_over_t(K * C),
-        scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), reading(2 * C * K),
-        k_gamma(C * K), k_hat(C * K), u_in(C * V) {}
-
-  float* left_q() { return left.data(); }
-  float* left_k() { return left.data() + C * K; }
-  float* P() { return scores.data(); }
-  float* Sk() { return scores.data() + C * C; }
-
-  // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
-  // writes) and builds the terms. The `next_valid` rows from `next_first_row` on (the chunk to be loaded
-  // next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each in K3's shapes,
-  // which the hardware prefetchers do not follow.
-  void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
-            int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
-            int64_t next_first_row, int64_t next_valid) {
-    for (int64_t c = 0; c < next_valid; ++c) {
-      const int64_t row = (next_first_row + c) * H + h;
-      for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
-      prefetch(v_in + row * V, V);
-    }
-    for (int64_t c = 0; c < C; ++c) {
-      if (c < valid) {
-        const int64_t row = (first_row + c) * H + h;
-        std::copy_n(q_in + row * K, K, q.data() + c * K);
-        std::copy_n(k_in + row * K, K, k.data() + c * K);
-        std::copy_n(g_in + row * K, K, G.data() + c * K);
-        std::copy_n(v_in + row * V, V, v.data() + c * V);
-        beta[c] = beta_in[row];
-      } else {
-        std::fill_n(q.data() + c * K, K, 0.0f);
-        std::fill_n(k.data() + c * K, K, 0.0f);
-        std::fill_n(G.data() + c * K, K, 0.0f);
-        std::fill_n(v.data() + c * V, V, 0.0f);
-        beta[c] = 0.0f;
-      }
-    }
-    build(opt);
-  }
-
-  __attribute__((target("avx2,fma"))) void build(const ChunkOptions& opt) {
-    for (int64_t c = 0; c < C; ++c) {  // L2 norm (fla's x / sqrt(sum x^2 + eps)) and q's scale
-      float* qc = q.data() + c * K;
-      float* kc = k.data() + c * K;
-      q_factor[c] = opt.scale, k_factor[c] = 1.0f;
-      if (opt.l2norm) {
-        float sq[1], sk[1];
-        row_dots(qc, qc, 1, K, sq);
-        row_dots(kc, kc, 1, K, sk);
-        q_factor[c] = opt.scale / std::sqrt(sq[0] + opt.eps);
-        k_factor[c] = 1.0f / std::sqrt(sk[0] + opt.eps);
-      }
-      for (int64_t j = 0; j < K; ++j) qc[j] *= q_factor[c], kc[j] *= k_factor[c];
-    }
-    for (int64_t c = 1; c < C; ++c) {  // G: in-chunk cumulative sum (G holds g on entry)
-      for (int64_t j = 0; j < K; ++j) G[c * K + j] += G[(c - 1) * K + j];
-    }
-    for (int64_t c = 0; c < C; ++c) {
-      for (int64_t j = 0; j < K; ++j) local[c * K + j] = G[c * K + j] - G[j];
-    }
-    exp_into(local.data(), down.data(), C * K);  // in [e^-80, 1]
-    for (int64_t c = 0; c < C; ++c) {
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t at = c * K + j;
-        left_q()[at] = q[at] * down[at];
-        left_k()[at] = k[at] * down[at];
-        k_over[at] = k[at] / down[at];
-        k_over_t[j * C + c] = k_over[at];
-      }
-    }
-    run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});  // [P; Sk]
-    // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
-    // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
-    std::fill(t_inv.begin(), t_inv.end(), 0.0f);
-    for (int64_t i = 0; i < C; ++i) {
-      for (int64_t j = i + 1; j < C; ++j) P()[i * C + j] = 0.0f;
-      float* Ti = t_inv.data() + i * C;
-      Ti[i] = 1.0f;
-      for (int64_t m = 0; m < i; ++m) {  // T[i, :] -= A[i, m] T[m, :] (T[m, :] ends at m)
-        const float a = beta[i] * Sk()[i * C + m];
-        const float* Tm = t_inv.data() + m * C;
-        for (int64_t j = 0; j <= m; ++j) Ti[j] -= a * Tm[j];
-      }
-    }
-    for (int64_t i = 0; i < C * C; ++i) t_beta[i] = t_inv[i] * beta[i % C];
-    exp_into(G.data(), first.data(), K);
-    exp_into(local.data() + (C - 1) * K, last.data(), K);
-    exp_into(G.data() + (C - 1) * K, decay.data(), K);
-    for (int64_t c = 0; c < C; ++c) {
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t at = c * K + j;
-        q_gamma()[at] = left_q()[at] * first[j];  // q Gamma = q exp(G)
-        k_gamma[at] = left_k()[at] * first[j];
-        k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
-      }
-    }
-    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()});
-    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()});
-  }
-};
-
-// One chunk of the recurrence from state S: u = U - W S, S_next = Gamma_C S + K_hat^T u (S_next may be
-// S itself), and, if `o` is given ([2C, V] of room: o is its first C rows), o = (q Gamma) S + P u, with
-// [q Gamma; W] S as one product.
-__attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, float* S, float* S_next, float* u, float* o) {
-  const int64_t C = t.C, K = t.K, V = t.V;
-  if (o) {
-    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o});
-    for (int64_t i = 0; i < C * V; ++i) u[i] = t.u_in[i] - o[C * V + i];
-  } else {
-    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u});
-  }
-  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next});
-  if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o});
-}
-
-struct TokenLayout {  // checked pointers into the token-layout tensors of one call
+struct TokenLayout {  // one call's checked token-layout inputs: sizes, sequences, data
   int64_t rows, H, K, V, N;
   Sequences seqs;
+  const float *q, *k, *v, *g, *beta;
 };
 
 TokenLayout check_token_layout(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
@@ -363,196 +222,146 @@ TokenLayout check_token_layout(const torch::Tensor& q, const torch::Tensor& k, c
     end += seqs.length[n];
   }
   TORCH_CHECK(end == rows, "the sequences cover ", end, " rows, not all ", rows);
-  return {rows, H, K, V, N, seqs};
+  return {rows, H, K, V, N, seqs, q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(),
+          g.data_ptr<float>(), beta.data_ptr<float>()};
 }
 
-// o [rows, H, V] and final states [N, H, K, V] from fla's token layout. Parallel over (sequence, head).
-std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k,
-                                                 const torch::Tensor& v, const torch::Tensor& g,
-                                                 const torch::Tensor& beta, const torch::Tensor& starts,
-                                                 const torch::Tensor& lengths, const torch::Tensor& initial_state,
-                                                 int64_t chunk_size, double scale, bool l2norm, double eps) {
-  const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
-  auto o = torch::empty({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
-  auto final_state = initial_state.clone();
-  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
-  at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
-    const int64_t C = opt.C;
-    ChunkTerms t(C, l.K, l.V);
-    std::vector<float> u(C * l.V), o_chunk(2 * C * l.V);
-    for (int64_t z = z0; z < z1; ++z) {
-      const int64_t n = z / l.H, h = z % l.H, start = l.seqs.start[n], length = l.seqs.length[n];
-      float* S = final_state.data_ptr<float>() + z * l.K * l.V;
-      for (int64_t c0 = 0; c0 < length; c0 += C) {
-        const int64_t valid = std::min(C, length - c0);
-        t.load(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), g.data_ptr<float>(),
-               beta.data_ptr<float>(), l.H, start + c0, valid, h, opt, start + c0 + C,
-               std::min(C, std::max<int64_t>(0, length - c0 - C)));
-        chunk_step(t, S, S, u.data(), o_chunk.data());
-        for (int64_t c = 0; c < valid; ++c) {
-          std::copy_n(o_chunk.data() + c * l.V, l.V, o.data_ptr<float>() + ((start + c0 + c) * l.H + h) * l.V);
-        }
-      }
-    }
-  });
-  return {o, final_state};
+// Where each (sequence, head)'s chunks lie in the buffers kept for the backward: chunk i of z = n H + h
+// is entry first[z] + i, the sequences' heads one after another; first[N H] counts them all.
+std::vector<int64_t> chunk_offsets(const TokenLayout& l, int64_t C) {
+  std::vector<int64_t> first(l.N * l.H + 1, 0);
+  for (int64_t z = 0; z < l.N * l.H; ++z) first[z + 1] = first[z] + (l.seqs.length[z / l.H] + C - 1) / C;
+  return first;
 }
 
-// One thread's gradient scratch for one chunk. [C, K] unless noted.
-struct ChunkGrads {
-  std::vector<float> outer;           // [2C, V]: d_o, then -du (what multiplies [q Gamma; W])
-  std::vector<float> dq_gamma_w;      // [2C, K]: d(q Gamma), then dW
-  std::vector<float> dscores;         // [2C, C]: dP, then dSk
-  std::vector<float> dleft;           // [2C, K]: d left_q, then d left_k (later d of the normalised q, k)
-  std::vector<float> dT_beta, dT, tmp, dA;  // [C, C]
-  std::vector<float> dk_hat, dk_gamma, dv, dk_over, dG;  // dv [C, V]
-  std::vector<float> d_decay, d_first, d_last;  // [K]
-  std::vector<float> dbeta, dots;     // [C]
-  std::vector<float> state_t;         // [V, K]: S^T, then dS^T
-  ChunkGrads(int64_t C, int64_t K, int64_t V)
-      : outer(2 * C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
-        dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
-        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), state_t(V * K) {}
+// An uninitialised tensor whose whole 2 MB pages the kernel backs with huge pages when first written
+// (where transparent huge pages are enabled "on madvise"): the outputs and kept states here are large
+// and fresh, and faulting them in by 4 kB pages costs 3x as long as by 2 MB ones (~35 vs ~10 ms for
+// 134 MB on the dev box), about as long as the forward itself at T = 4096.
+torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::TensorOptions& options) {
+  auto t = torch::empty(sizes, options);
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+  return t;
+}
 
-  float* d_o() { return outer.data(); }
-  float* minus_du() { return outer.data() + outer.size() / 2; }
-  float* dq_gamma() { return dq_gamma_w.data(); }
-  float* dw() { return dq_gamma_w.data() + dq_gamma_w.size() / 2; }
-  float* dP() { return dscores.data(); }
-  float* dSk() { return dscores.data() + dscores.size() / 2; }
-  float* dleft_q() { return dleft.data(); }
-  float* dleft_k() { return dleft.data() + dleft.size() / 2; }
+// One thread's scratch for the forward, besides the chunk's terms.
+struct StepScratch {
+  std::vector<float> u, o, state_t;  // [C, V], [2C, V] (see chunk_step), [V, K]
+  StepScratch(int64_t C, int64_t K, int64_t V) : u(C * V), o(2 * C * V), state_t(V * K) {}
 };
 
-// Gradients of one chunk, from the state S at its start, its pseudo values u [C, V], dS = dL/d(state
-// after it) (updated in place to dL/dS) and d_o (in d): the recurrence's products as in state_backward
-// plus o's P u, then the terms backwards to dq, dk, dv, dG (w.r.t. the cumulative log-decay) and dbeta,
-// in d.
-__attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S,
-                                                       const float* u, float* dS, const ChunkOptions& opt) {
-  const int64_t C = t.C, K = t.K, V = t.V;
-  // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
-  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
-  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
-  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
-  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP());
-  transpose_into(S, K, V, d.state_t.data());  // products with S^T and dS^T as plain ones
-  run({2 * C, K, V, plain(d.outer.data(), V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
-  transpose_into(dS, K, V, d.state_t.data());
-  run({C, K, V, plain(u, V), d.state_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
-  row_dots(S, dS, K, V, d.d_decay.data());
-  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS});
-  // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
-  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
-  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true);
-  run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()});
-  run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()});
-  // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
-  std::fill(d.dbeta.begin(), d.dbeta.end(), 0.0f);
-  for (int64_t i = 0; i < C; ++i) {
-    for (int64_t j = 0; j < C; ++j) {
-      d.dT[i * C + j] = d.dT_beta[i * C + j] * t.beta[j];
-      d.dbeta[j] += d.dT_beta[i * C + j] * t.t_inv[i * C + j];
+// Runs sequence n's chunks of head h forwards from S (left as the final state): writes o's rows if `o`
+// is given, and if `kept_states` is, keeps chunk i's starting state transposed ([V, K]: the backward's
+// products take S^T) at kept_states + i V K and its pseudo values at kept_u + i C V. The states are
+// streamed past the cache: nothing reads them before the backward.
+void forward_sequence_head(const TokenLayout& l, int64_t n, int64_t h, const ChunkOptions& opt, ChunkTerms& t,
+                           StepScratch& scratch, float* S, float* o, float* kept_states, float* kept_u) {
+  const int64_t C = opt.C, K = l.K, V = l.V, start = l.seqs.start[n], length = l.seqs.length[n];
+  for (int64_t i = 0, c0 = 0; c0 < length; ++i, c0 += C) {
+    const int64_t valid = std::min(C, length - c0);
+    t.load(l.q, l.k, l.v, l.g, l.beta, l.H, start + c0, valid, h, opt, start + c0 + C,
+           std::min(C, std::max<int64_t>(0, length - c0 - C)));
+    float* u = scratch.u.data();
+    if (kept_states) {
+      transpose_into(S, K, V, scratch.state_t.data());
+      stream_copy(scratch.state_t.data(), kept_states + i * V * K, V * K);
+      u = kept_u + i * C * V;
     }
-  }
-  run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()});
-  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data());
-  for (int64_t i = 0; i < C; ++i) {
-    for (int64_t j = 0; j < C; ++j) {
-      const bool strict = j < i;
-      d.dbeta[i] += strict ? d.dA[i * C + j] * t.Sk()[i * C + j] : 0.0f;
-      d.dSk()[i * C + j] = strict ? t.beta[i] * d.dA[i * C + j] : 0.0f;
-      if (j > i) d.dP()[i * C + j] = 0.0f;  // P is its lower triangle
-    }
-  }
-  // [P; Sk] = [left_q; left_k] k_over^T: d left = [dP; dSk] k_over, dk_over = [dP; dSk]^T [left_q; left_k]
-  run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()});
-  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
-  // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
-  // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
-  std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
-  std::fill(d.d_last.begin(), d.d_last.end(), 0.0f);
-  for (int64_t c = 0; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) {
-      const int64_t at = c * K + j;
-      d.d_last[j] += d.dk_hat[at] * t.k_over[at];
-      d.d_first[j] += d.dq_gamma()[at] * t.left_q()[at] + d.dk_gamma[at] * t.left_k()[at];
-      const float dk_over = d.dk_over[at] + d.dk_hat[at] * t.last[j];
-      const float dleft_q = d.dleft_q()[at] + d.dq_gamma()[at] * t.first[j];
-      const float dleft_k = d.dleft_k()[at] + d.dk_gamma[at] * t.first[j];
-      const float down = t.down[at];
-      const float d_down = dleft_q * t.q[at] + dleft_k * t.k[at];
-      const float d_up = dk_over * t.k[at];
-      d.dleft_q()[at] = dleft_q * down;                 // now d(normalised q)
-      d.dleft_k()[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
-      d.dG[at] = d_down * down - d_up / down;           // d local, for now
-    }
-  }
-  for (int64_t j = 0; j < K; ++j) d.dG[(C - 1) * K + j] += d.d_last[j] * t.last[j];
-  for (int64_t j = 0; j < K; ++j) d.dG[j] = 0.0f;  // local = G - G_0 (so local_0 = 0 whatever G_0)
-  for (int64_t c = 1; c < C; ++c) {
-    for (int64_t j = 0; j < K; ++j) d.dG[j] -= d.dG[c * K + j];
-  }
-  for (int64_t j = 0; j < K; ++j) {
-    d.dG[j] += d.d_first[j] * t.first[j];
-    d.dG[(C - 1) * K + j] += d.d_decay[j] * t.decay[j];
-  }
-  // the L2 norm (and scale): x_n = f x with f = s / sqrt(|x|^2 + eps): dx = f (dx_n - x_n (x_n . dx_n) / s^2)
-  for (int pass = 0; pass < 2; ++pass) {
-    float* dx = pass == 0 ? d.dleft_q() : d.dleft_k();
-    const float* xn = pass == 0 ? t.q.data() : t.k.data();
-    const float* f = pass == 0 ? t.q_factor.data() : t.k_factor.data();
-    const float inv_s2 = pass == 0 ? 1.0f / (opt.scale * opt.scale) : 1.0f;
-    if (opt.l2norm) row_dots(xn, dx, C, K, d.dots.data());
-    for (int64_t c = 0; c < C; ++c) {
-      const float along = opt.l2norm ? d.dots[c] * inv_s2 : 0.0f;
-      for (int64_t j = 0; j < K; ++j) dx[c * K + j] = f[c] * (dx[c * K + j] - xn[c * K + j] * along);
+    chunk_step(t, S, S, u, o ? scratch.o.data() : nullptr);
+    for (int64_t c = 0; o && c < valid; ++c) {
+      std::copy_n(scratch.o.data() + c * V, V, o + ((start + c0 + c) * l.H + h) * V);
     }
   }
 }
 
-// (dq, dk, dv, dg, dbeta, d initial state) in the token layout: per (sequence, head), the states at
-// every chunk start and the pseudo values are recomputed forwards (kept in per-thread buffers), then
-// the chunks are walked backwards, each rebuilding its terms. Parallel over (sequence, head).
+// o [rows, H, V] and final states [N, H, K, V] from fla's token layout; with `keep`, also every chunk's
+// starting state, transposed [chunks, V, K], and pseudo values [chunks, C, V] for the backward (else
+// empty tensors). Parallel over (sequence, head).
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
+    const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
+    const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
+    const torch::Tensor& initial_state, int64_t chunk_size, double scale, bool l2norm, double eps, bool keep) {
+  const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
+  auto o = empty_on_huge_pages({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
+  auto final_state = initial_state.clone();
+  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
+  const std::vector<int64_t> first = chunk_offsets(l, opt.C);
+  const int64_t kept = keep ? first.back() : 0;
+  auto states = empty_on_huge_pages({kept, l.V, l.K}, q.options());
+  auto pseudo_values = empty_on_huge_pages({kept, opt.C, l.V}, q.options());
+  at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
+    ChunkTerms t(opt.C, l.K, l.V);
+    StepScratch scratch(opt.C, l.K, l.V);
+    for (int64_t z = z0; z < z1; ++z) {
+      float* kept_states = keep ? states.data_ptr<float>() + first[z] * l.V * l.K : nullptr;
+      float* kept_u = keep ? pseudo_values.data_ptr<float>() + first[z] * opt.C * l.V : nullptr;
+      forward_sequence_head(l, z / l.H, z % l.H, opt, t, scratch, final_state.data_ptr<float>() + z * l.K * l.V,
+                            o.data_ptr<float>(), kept_states, kept_u);
+    }
+    _mm_sfence();  // the streamed states are visible before the backward reads them
+  });
+  return {o, final_state, states, pseudo_values};
+}
+
+// (dq, dk, dv, dg, dbeta, d initial state) in the token layout, per (sequence, head): the chunks walked
+// backwards, each rebuilding its terms, from the chunk-start states and pseudo values `forward` kept
+// (`states` [chunks, V, K], `pseudo_values` [chunks, C, V]) or, if those are empty, recomputed forwards
+// first into per-thread buffers. Parallel over (sequence, head).
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> backward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
-    const torch::Tensor& initial_state, const torch::Tensor& d_o, const torch::Tensor& d_final,
-    int64_t chunk_size, double scale, bool l2norm, double eps) {
+    const torch::Tensor& initial_state, const torch::Tensor& states, const torch::Tensor& pseudo_values,
+    const torch::Tensor& d_o, const torch::Tensor& d_final, int64_t chunk_size, double scale, bool l2norm,
+    double eps) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
   check(d_o, 3, "d_o");
   check(d_final, 4, "d_final");
   TORCH_CHECK(d_o.sizes() == v.sizes() && d_final.sizes() == initial_state.sizes(),
               "d_o must have v's shape and d_final the state's");
-  auto dq = torch::empty_like(q), dk = torch::empty_like(k), dv = torch::empty_like(v);
-  auto dg = torch::empty_like(g), dbeta = torch::empty_like(beta);
+  const std::vector<int64_t> first = chunk_offsets(l, chunk_size);
+  check(states, 3, "states");
+  check(pseudo_values, 3, "pseudo_values");
+  const bool kept = states.size(0) > 0;
+  const int64_t chunks_kept = kept ? first.back() : 0;
+  TORCH_CHECK(states.sizes() == torch::IntArrayRef({chunks_kept, l.V, l.K}) &&
+                  pseudo_values.sizes() == torch::IntArrayRef({chunks_kept, chunk_size, l.V}),
+              "states must be [chunks, V, K] and pseudo_values [chunks, C, V] as `forward` keeps them, or "
+              "both empty");
+  auto dq = empty_on_huge_pages(q.sizes(), q.options()), dk = empty_on_huge_pages(k.sizes(), k.options());
+  auto dv = empty_on_huge_pages(v.sizes(), v.options()), dg = empty_on_huge_pages(g.sizes(), g.options());
+  auto dbeta = torch::empty_like(beta);
   auto d_state = d_final.clone();
   const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
-  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const float *gp = g.data_ptr<float>(), *bp = beta.data_ptr<float>(), *dop = d_o.data_ptr<float>();
+  const float* dop = d_o.data_ptr<float>();
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     const int64_t C = opt.C, K = l.K, V = l.V, H = l.H;
     ChunkTerms t(C, K, V);
     ChunkGrads d(C, K, V);
-    std::vector<float> states, pseudo_values, running(K);  // per chunk: S at its start [K, V], u [C, V]
+    StepScratch scratch(C, K, V);
+    std::vector<float> own_states, own_pseudo_values, S(K * V), running(K);  // used when nothing was kept
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t n = z / H, h = z % H, start = l.seqs.start[n], length = l.seqs.length[n];
-      const int64_t chunks = (length + C - 1) / C;
-      states.resize((chunks + 1) * K * V);  // the last one is the final state, written but not read
-      pseudo_values.resize(chunks * C * V);
-      std::copy_n(initial_state.data_ptr<float>() + z * K * V, K * V, states.data());
-      for (int64_t i = 0; i < chunks; ++i) {
-        const int64_t first_row = start + i * C;
-        t.load(qp, kp, vp, gp, bp, H, first_row, std::min(C, length - i * C), h, opt, first_row + C,
-               std::min(C, std::max<int64_t>(0, length - (i + 1) * C)));
-        float* S_i = states.data() + i * K * V;
-        chunk_step(t, S_i, S_i + K * V, pseudo_values.data() + i * C * V, nullptr);
+      const int64_t chunks = first[z + 1] - first[z];
+      const float *states_t, *u_all;  // chunk i's S^T and u at states_t + i V K and u_all + i C V
+      if (kept) {
+        states_t = states.data_ptr<float>() + first[z] * V * K;
+        u_all = pseudo_values.data_ptr<float>() + first[z] * C * V;
+      } else {
+        own_states.resize(chunks * V * K);
+        own_pseudo_values.resize(chunks * C * V);
+        std::copy_n(initial_state.data_ptr<float>() + z * K * V, K * V, S.data());
+        forward_sequence_head(l, n, h, opt, t, scratch, S.data(), nullptr, own_states.data(),
+                              own_pseudo_values.data());
+        states_t = own_states.data();
+        u_all = own_pseudo_values.data();
       }
       float* dS = d_state.data_ptr<float>() + z * K * V;
       for (int64_t i = chunks - 1; i >= 0; --i) {
         const int64_t first_row = start + i * C, valid = std::min(C, length - i * C);
-        const float* S_i = states.data() + i * K * V;
-        t.load(qp, kp, vp, gp, bp, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0);
+        t.load(l.q, l.k, l.v, l.g, l.beta, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0);
         for (int64_t c = 0; c < C; ++c) {
           float* row = d.d_o() + c * V;
           if (c < valid) {
@@ -561,20 +370,22 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
             std::fill_n(row, V, 0.0f);
           }
         }
-        chunk_backward(t, d, S_i, pseudo_values.data() + i * C * V, dS, opt);
+        for (int64_t c = 0; i > 0 && c < C; ++c) prefetch(dop + ((first_row - C + c) * H + h) * V, V);
+        chunk_backward(t, d, states_t + i * V * K, u_all + i * C * V, dS, opt);
         std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG
         for (int64_t c = C - 1; c >= 0; --c) {
           for (int64_t j = 0; j < K; ++j) running[j] += d.dG[c * K + j];
           if (c >= valid) continue;
-          const int64_t row = (first_row + c) * H + h;
-          std::copy_n(d.dleft_q() + c * K, K, dq.data_ptr<float>() + row * K);
-          std::copy_n(d.dleft_k() + c * K, K, dk.data_ptr<float>() + row * K);
-          std::copy_n(running.data(), K, dg.data_ptr<float>() + row * K);
-          std::copy_n(d.dv.data() + c * V, V, dv.data_ptr<float>() + row * V);
+          const int64_t row = (first_row + c) * H + h;  // streamed: nothing here reads them again
+          stream_copy(d.dleft_q() + c * K, dq.data_ptr<float>() + row * K, K);
+          stream_copy(d.dleft_k() + c * K, dk.data_ptr<float>() + row * K, K);
+          stream_copy(running.data(), dg.data_ptr<float>() + row * K, K);
+          stream_copy(d.dv.data() + c * V, dv.data_ptr<float>() + row * V, V);
           dbeta.data_ptr<float>()[row] = d.dbeta[c];
         }
       }
     }
+    _mm_sfence();
   });
   return {dq, dk, dv, dg, dbeta, d_state};
 }
@@ -597,15 +408,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "(d q_gamma, d w, d u_in, d k_hat, d decay, d state): every gradient of the recurrence",
         py::arg("q_gamma"), py::arg("w"), py::arg("k_hat"), py::arg("decay"), py::arg("u"), py::arg("states"),
         py::arg("d_reads"), py::arg("d_u"), py::arg("d_final"));
-  m.def("forward", &forward, "(o, final states): the chunked forward from the token layout, no gradients",
+  m.def("forward", &forward,
+        "(o, final states, kept chunk-start states, kept pseudo values): the chunked forward from the token layout",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"),
         py::arg("lengths"), py::arg("initial_state"), py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"),
-        py::arg("eps"));
+        py::arg("eps"), py::arg("keep"));
   m.def("backward", &backward,
         "(dq, dk, dv, dg, dbeta, d initial state) of `forward`, in the token layout", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
-        py::arg("initial_state"), py::arg("d_o"), py::arg("d_final"), py::arg("chunk_size"), py::arg("scale"),
-        py::arg("l2norm"), py::arg("eps"));
+        py::arg("initial_state"), py::arg("states"), py::arg("pseudo_values"), py::arg("d_o"), py::arg("d_final"),
+        py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"));
   m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
   m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);
 }

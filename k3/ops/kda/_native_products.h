@@ -162,6 +162,24 @@ __attribute__((target("avx2,fma"))) void row_dots(const float* a, const float* b
   }
 }
 
+// out[c] = sum_r a[r, c] b[r, c] for [rows, cols] row-major a and b
+__attribute__((target("avx2,fma"))) void column_dots(const float* a, const float* b, int64_t rows, int64_t cols,
+                                                     float* out) {
+  int64_t c0 = 0;
+  for (; c0 + 8 <= cols; c0 += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + r * cols + c0), _mm256_loadu_ps(b + r * cols + c0), acc);
+    }
+    _mm256_storeu_ps(out + c0, acc);
+  }
+  for (; c0 < cols; ++c0) {
+    float total = 0.0f;
+    for (int64_t r = 0; r < rows; ++r) total += a[r * cols + c0] * b[r * cols + c0];
+    out[c0] = total;
+  }
+}
+
 // out[m0 + r, n0 + c] = sign * a[m0 + r, :] . b[n0 + c, :] for an R x W block: both operands are
 // read along their rows (8 lanes of the shared dimension at a time), so neither is transposed.
 template <int R, int W>
@@ -228,6 +246,17 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+// dst[0, n) = src[0, n), with non-temporal stores where dst is 32-byte aligned: for data that is read
+// again much later (the states kept for the backward), so neither kept in cache nor read in first.
+// The caller issues _mm_sfence() before another thread may read dst.
+__attribute__((target("avx2,fma"))) void stream_copy(const float* src, float* dst, int64_t n) {
+  if (reinterpret_cast<uintptr_t>(dst) % 32 || n % 8) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
+    return;
+  }
+  for (int64_t j = 0; j < n; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(src + j));
 }
 
 // out[j] = exp(x[j]) for j < n

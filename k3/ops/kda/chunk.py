@@ -174,12 +174,15 @@ def chunk_kda(
     use_qk_l2norm: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 16,
+    keep_states: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunked KDA, equal to ``naive_recurrent_kda`` up to rounding; differentiable.
 
     q, k, g: [B, T, H, K] (g <= 0); v: [B, T, H, V]; beta: [B, T, H]. With ``cu_seqlens``
     ([N + 1] boundaries of N packed sequences), B must be 1 and states are per sequence:
     initial_state [N, H, K, V], final state [N, H, K, V]. ``chunk_size`` must be a power of two.
+    ``keep_states=False`` trades backward time for memory on the fused path: its forward then keeps
+    no chunk-start states for the backward (see ``fused.py``).
     Returns ``(o [B, T, H, V] in q's dtype, final state fp32 or None)``.
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -200,7 +203,7 @@ def chunk_kda(
     # is the whole chunk, else the state loop only
     native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
     if native is not None and s == chunk_size and T > 0:
-        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm)
+        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm, keep_states)
         o, final = fused_chunk_kda(native, q, k, v, g, beta, *args)
         return o.to(in_dtype), final if output_final_state else None
     # q gets the scale; with the L2 norm it is folded into the normalising factor

@@ -4,8 +4,12 @@ Used by :func:`k3.ops.kda.chunk_kda` for fp32 CPU work when one base chunk is th
 gate at the default chunk of 16). Each call goes from the token layout to the token layout: every
 (sequence, head) is one thread's job, chunk after chunk, with the chunk's terms built in scratch
 memory (the same arithmetic as ``base_terms`` and ``StatePassing``) and nothing else written.
-The backward recomputes the states at the chunk starts and walks the chunks backwards, each one
-rebuilding its terms; nothing but the inputs is saved between the passes.
+Under autograd the forward also keeps every chunk's starting state and pseudo values, and the
+backward walks the chunks backwards from them, each chunk rebuilding its terms. Those states are
+K * V floats per head and chunk, twice the size of q, k, v and g together at K3's shapes; with
+``keep_states=False`` only the inputs are saved and the backward recomputes the states first (it then
+takes about 1.4x as long; benchmarks/kda.py). The states are kept transposed, [V, K], as the
+backward's products read them.
 """
 
 from __future__ import annotations
@@ -23,28 +27,28 @@ class FusedChunkKDA(torch.autograd.Function):
 
     q, k, g [rows, H, K]; v [rows, H, V]; beta [rows, H]; state [N, H, K, V]; all fp32, contiguous.
     Sequence n is rows [starts[n], starts[n] + lengths[n]). ``options``: (native module, chunk size,
-    scale, L2-normalise q and k). Returns o [rows, H, V] and the final states [N, H, K, V].
+    scale, L2-normalise q and k, keep the chunk-start states for a backward). Returns o [rows, H, V]
+    and the final states [N, H, K, V].
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, starts, lengths, options):
-        native, chunk_size, scale, l2norm = options
-        o, final = native.forward(
-            q, k, v, g, beta, starts, lengths, state, chunk_size, scale, l2norm, L2NORM_EPS
+        native, chunk_size, scale, l2norm, keep = options
+        o, final, states, pseudo_values = native.forward(
+            q, k, v, g, beta, starts, lengths, state, chunk_size, scale, l2norm, L2NORM_EPS, keep
         )
-        ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths)
+        ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths, states, pseudo_values)
         ctx.options = options
         return o, final
 
     @staticmethod
     def backward(ctx, d_o, d_final):
-        q, k, v, g, beta, state, starts, lengths = ctx.saved_tensors
-        native, chunk_size, scale, l2norm = ctx.options
+        q, k, v, g, beta, state, starts, lengths, states, pseudo_values = ctx.saved_tensors
+        native, chunk_size, scale, l2norm, _ = ctx.options
         d_o = torch.zeros_like(v) if d_o is None else d_o.contiguous()
         d_final = torch.zeros_like(state) if d_final is None else d_final.contiguous()
-        grads = native.backward(
-            q, k, v, g, beta, starts, lengths, state, d_o, d_final, chunk_size, scale, l2norm, L2NORM_EPS
-        )
+        inputs = (q, k, v, g, beta, starts, lengths, state, states, pseudo_values)
+        grads = native.backward(*inputs, d_o, d_final, chunk_size, scale, l2norm, L2NORM_EPS)
         return *grads, None, None, None
 
 
@@ -60,6 +64,7 @@ def fused_chunk_kda(
     chunk_size: int,
     scale: float | None,
     use_qk_l2norm: bool,
+    keep_states: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_kda's result ``(o [B, T, H, V] fp32, final state [N, H, K, V] fp32)``, differentiable.
 
@@ -77,6 +82,8 @@ def fused_chunk_kda(
     else:
         state = initial_state.to(torch.float32).contiguous()
     rows = (x.reshape(B * T, *x.shape[2:]).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
-    options = (native, chunk_size, default_scale(scale, K), use_qk_l2norm)
+    inputs = (q, k, v, g, beta, initial_state)
+    keep = keep_states and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
+    options = (native, chunk_size, default_scale(scale, K), use_qk_l2norm, keep)
     o, final = FusedChunkKDA.apply(*rows, state, starts, lengths, options)
     return o.view(B, T, H, V), final

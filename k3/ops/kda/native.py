@@ -1,5 +1,6 @@
-"""The optional native KDA kernels (``_native.cpp`` + ``_native_products.h``: the fused chunked forward
-and backward, and the inter-chunk state recurrence with its adjoint; built by ``python -m k3.ops.build``).
+"""The optional native KDA kernels (``_native.cpp`` with ``_native_chunk.h`` and ``_native_products.h``:
+the fused chunked forward and backward, and the inter-chunk state recurrence with its adjoint; built
+by ``python -m k3.ops.build``).
 
 :func:`load_native` returns the compiled module, or None when it is not built, is stale or the CPU
 lacks AVX2/FMA (see :mod:`k3.ops.extension`); ``chunk_kda`` then runs the same loops in torch.
@@ -14,7 +15,9 @@ from types import ModuleType
 from k3.ops.extension import NativeExtension
 
 HERE = Path(__file__).resolve().parent
-KDA_EXTENSION = NativeExtension("k3.ops.kda._native", HERE / "_native.cpp", (HERE / "_native_products.h",))
+KDA_EXTENSION = NativeExtension(
+    "k3.ops.kda._native", HERE / "_native.cpp", (HERE / "_native_chunk.h", HERE / "_native_products.h")
+)
 
 
 @functools.cache

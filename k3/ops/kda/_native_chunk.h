@@ -1,0 +1,275 @@
+// One chunk of the fused chunked KDA (_native.cpp's `forward` and `backward`): its terms, its step of
+// the recurrence and the adjoint of both, on one thread's scratch memory. chunk.py's `base_terms` and
+// state_passing.py hold the same arithmetic in torch. Included by _native.cpp only.
+
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "_native_products.h"
+
+namespace {
+
+struct ChunkOptions {
+  int64_t C;    // chunk size: one base chunk, (C - 1) |min g| <= 80 (checked by the caller)
+  float scale;  // q's scale
+  bool l2norm;  // L2-normalise q and k first
+  float eps;    // inside the L2 norm's square root
+};
+
+// Asks for the cache lines of x[0, n) ahead of use.
+inline void prefetch(const float* x, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(x + j);
+}
+
+// One chunk's inputs and terms (chunk.py's base_terms for s = C), in one thread's scratch memory,
+// reused from chunk to chunk. [C, K] unless noted.
+struct ChunkTerms {
+  int64_t C, K, V;
+  std::vector<float> q, k, v, beta;   // inputs; q and k normalised and scaled in place; v [C, V], beta [C]
+  std::vector<float> q_factor, k_factor;  // [C]: what the rows of q and k were multiplied by
+  std::vector<float> G, local, down;  // in-chunk cumulative log-decay, G - G_0, exp(G - G_0)
+  std::vector<float> left, k_over, k_over_t;  // [2C, K]: q, then k, times down; k / down; its [K, C] transpose
+  std::vector<float> scores;          // [2C, C]: P (lower triangle with the diagonal), then left_k k_over^T
+  std::vector<float> t_inv, t_beta;   // [C, C]: T = (I + A)^-1 with A = diag(beta) strict_lower(...); T diag(beta)
+  std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
+  std::vector<float> reading;          // [2C, K]: q Gamma, then W (what reads the state, in one product)
+  std::vector<float> k_gamma, k_hat, u_in;  // u_in = U [C, V]
+  float* q_gamma() { return reading.data(); }
+  float* w() { return reading.data() + C * K; }
+  ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
+      : C(C_), K(K_), V(V_), q(C * K), k(C * K), v(C * V), beta(C), q_factor(C), k_factor(C), G(C * K),
+        local(C * K), down(C * K), left(2 * C * K), k_over(C * K), k_over_t(K * C),
+        scores(2 * C * C), t_inv(C * C), t_beta(C * C), first(K), last(K), decay(K), reading(2 * C * K),
+        k_gamma(C * K), k_hat(C * K), u_in(C * V) {}
+
+  float* left_q() { return left.data(); }
+  float* left_k() { return left.data() + C * K; }
+  float* P() { return scores.data(); }
+  float* Sk() { return scores.data() + C * C; }
+
+  // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
+  // writes) and builds the terms. The `next_valid` rows from `next_first_row` on (the chunk to be loaded
+  // next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each in K3's shapes,
+  // which the hardware prefetchers do not follow.
+  void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
+            int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
+            int64_t next_first_row, int64_t next_valid) {
+    for (int64_t c = 0; c < next_valid; ++c) {
+      const int64_t row = (next_first_row + c) * H + h;
+      for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
+      prefetch(v_in + row * V, V);
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      if (c < valid) {
+        const int64_t row = (first_row + c) * H + h;
+        std::copy_n(q_in + row * K, K, q.data() + c * K);
+        std::copy_n(k_in + row * K, K, k.data() + c * K);
+        std::copy_n(g_in + row * K, K, G.data() + c * K);
+        std::copy_n(v_in + row * V, V, v.data() + c * V);
+        beta[c] = beta_in[row];
+      } else {
+        std::fill_n(q.data() + c * K, K, 0.0f);
+        std::fill_n(k.data() + c * K, K, 0.0f);
+        std::fill_n(G.data() + c * K, K, 0.0f);
+        std::fill_n(v.data() + c * V, V, 0.0f);
+        beta[c] = 0.0f;
+      }
+    }
+    build(opt);
+  }
+
+  __attribute__((target("avx2,fma"))) void build(const ChunkOptions& opt) {
+    for (int64_t c = 0; c < C; ++c) {  // L2 norm (fla's x / sqrt(sum x^2 + eps)) and q's scale
+      float* qc = q.data() + c * K;
+      float* kc = k.data() + c * K;
+      q_factor[c] = opt.scale, k_factor[c] = 1.0f;
+      if (opt.l2norm) {
+        float sq[1], sk[1];
+        row_dots(qc, qc, 1, K, sq);
+        row_dots(kc, kc, 1, K, sk);
+        q_factor[c] = opt.scale / std::sqrt(sq[0] + opt.eps);
+        k_factor[c] = 1.0f / std::sqrt(sk[0] + opt.eps);
+      }
+      for (int64_t j = 0; j < K; ++j) qc[j] *= q_factor[c], kc[j] *= k_factor[c];
+    }
+    for (int64_t c = 1; c < C; ++c) {  // G: in-chunk cumulative sum (G holds g on entry)
+      for (int64_t j = 0; j < K; ++j) G[c * K + j] += G[(c - 1) * K + j];
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) local[c * K + j] = G[c * K + j] - G[j];
+    }
+    exp_into(local.data(), down.data(), C * K);  // in [e^-80, 1]
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = c * K + j;
+        left_q()[at] = q[at] * down[at];
+        left_k()[at] = k[at] * down[at];
+        k_over[at] = k[at] / down[at];
+        k_over_t[j * C + c] = k_over[at];
+      }
+    }
+    run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});  // [P; Sk]
+    // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
+    // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
+    std::fill(t_inv.begin(), t_inv.end(), 0.0f);
+    for (int64_t i = 0; i < C; ++i) {
+      for (int64_t j = i + 1; j < C; ++j) P()[i * C + j] = 0.0f;
+      float* Ti = t_inv.data() + i * C;
+      Ti[i] = 1.0f;
+      for (int64_t m = 0; m < i; ++m) {  // T[i, :] -= A[i, m] T[m, :] (T[m, :] ends at m)
+        const float a = beta[i] * Sk()[i * C + m];
+        const float* Tm = t_inv.data() + m * C;
+        for (int64_t j = 0; j <= m; ++j) Ti[j] -= a * Tm[j];
+      }
+    }
+    for (int64_t i = 0; i < C * C; ++i) t_beta[i] = t_inv[i] * beta[i % C];
+    exp_into(G.data(), first.data(), K);
+    exp_into(local.data() + (C - 1) * K, last.data(), K);
+    exp_into(G.data() + (C - 1) * K, decay.data(), K);
+    for (int64_t c = 0; c < C; ++c) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = c * K + j;
+        q_gamma()[at] = left_q()[at] * first[j];  // q Gamma = q exp(G)
+        k_gamma[at] = left_k()[at] * first[j];
+        k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
+      }
+    }
+    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()});
+    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()});
+  }
+};
+
+// One chunk of the recurrence from state S: u = U - W S, S_next = Gamma_C S + K_hat^T u (S_next may be
+// S itself), and, if `o` is given ([2C, V] of room: o is its first C rows), o = (q Gamma) S + P u, with
+// [q Gamma; W] S as one product.
+__attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, float* S, float* S_next, float* u, float* o) {
+  const int64_t C = t.C, K = t.K, V = t.V;
+  if (o) {
+    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o});
+    for (int64_t i = 0; i < C * V; ++i) u[i] = t.u_in[i] - o[C * V + i];
+  } else {
+    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u});
+  }
+  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next});
+  if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o});
+}
+
+// One thread's gradient scratch for one chunk. [C, K] unless noted.
+struct ChunkGrads {
+  std::vector<float> outer;           // [2C, V]: d_o, then -du (what multiplies [q Gamma; W])
+  std::vector<float> dq_gamma_w;      // [2C, K]: d(q Gamma), then dW
+  std::vector<float> dscores;         // [2C, C]: dP, then dSk
+  std::vector<float> dleft;           // [2C, K]: d left_q, then d left_k (later d of the normalised q, k)
+  std::vector<float> dT_beta, dT, tmp, dA;  // [C, C]
+  std::vector<float> dk_hat, dk_gamma, dv, dk_over, dG;  // dv [C, V]
+  std::vector<float> d_decay, d_first, d_last;  // [K]
+  std::vector<float> dbeta, dots;     // [C]
+  std::vector<float> dS_t;            // [V, K]
+  ChunkGrads(int64_t C, int64_t K, int64_t V)
+      : outer(2 * C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
+        dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
+        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), dS_t(V * K) {}
+
+  float* d_o() { return outer.data(); }
+  float* minus_du() { return outer.data() + outer.size() / 2; }
+  float* dq_gamma() { return dq_gamma_w.data(); }
+  float* dw() { return dq_gamma_w.data() + dq_gamma_w.size() / 2; }
+  float* dP() { return dscores.data(); }
+  float* dSk() { return dscores.data() + dscores.size() / 2; }
+  float* dleft_q() { return dleft.data(); }
+  float* dleft_k() { return dleft.data() + dleft.size() / 2; }
+};
+
+// Gradients of one chunk, from the state at its start (transposed: S_t [V, K]), its pseudo values u
+// [C, V], dS = dL/d(state after it) (updated in place to dL/dS) and d_o (in d): the recurrence's
+// products as in state_backward plus o's P u, then the terms backwards to dq, dk, dv, dG (w.r.t. the
+// cumulative log-decay) and dbeta, in d.
+__attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S_t,
+                                                       const float* u, float* dS, const ChunkOptions& opt) {
+  const int64_t C = t.C, K = t.K, V = t.V;
+  // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
+  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
+  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
+  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
+  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP());
+  run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
+  transpose_into(dS, K, V, d.dS_t.data());  // the product with dS^T as a plain one
+  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
+  column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
+  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS});
+  // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
+  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
+  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true);
+  run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()});
+  run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()});
+  // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
+  std::fill(d.dbeta.begin(), d.dbeta.end(), 0.0f);
+  for (int64_t i = 0; i < C; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
+      d.dT[i * C + j] = d.dT_beta[i * C + j] * t.beta[j];
+      d.dbeta[j] += d.dT_beta[i * C + j] * t.t_inv[i * C + j];
+    }
+  }
+  run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()});
+  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data());
+  for (int64_t i = 0; i < C; ++i) {
+    for (int64_t j = 0; j < C; ++j) {
+      const bool strict = j < i;
+      d.dbeta[i] += strict ? d.dA[i * C + j] * t.Sk()[i * C + j] : 0.0f;
+      d.dSk()[i * C + j] = strict ? t.beta[i] * d.dA[i * C + j] : 0.0f;
+      if (j > i) d.dP()[i * C + j] = 0.0f;  // P is its lower triangle
+    }
+  }
+  // [P; Sk] = [left_q; left_k] k_over^T: d left = [dP; dSk] k_over, dk_over = [dP; dSk]^T [left_q; left_k]
+  run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()});
+  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
+  // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
+  // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
+  std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
+  std::fill(d.d_last.begin(), d.d_last.end(), 0.0f);
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t at = c * K + j;
+      d.d_last[j] += d.dk_hat[at] * t.k_over[at];
+      d.d_first[j] += d.dq_gamma()[at] * t.left_q()[at] + d.dk_gamma[at] * t.left_k()[at];
+      const float dk_over = d.dk_over[at] + d.dk_hat[at] * t.last[j];
+      const float dleft_q = d.dleft_q()[at] + d.dq_gamma()[at] * t.first[j];
+      const float dleft_k = d.dleft_k()[at] + d.dk_gamma[at] * t.first[j];
+      const float down = t.down[at];
+      const float d_down = dleft_q * t.q[at] + dleft_k * t.k[at];
+      const float d_up = dk_over * t.k[at];
+      d.dleft_q()[at] = dleft_q * down;                 // now d(normalised q)
+      d.dleft_k()[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
+      d.dG[at] = d_down * down - d_up / down;           // d local, for now
+    }
+  }
+  for (int64_t j = 0; j < K; ++j) d.dG[(C - 1) * K + j] += d.d_last[j] * t.last[j];
+  for (int64_t j = 0; j < K; ++j) d.dG[j] = 0.0f;  // local = G - G_0 (so local_0 = 0 whatever G_0)
+  for (int64_t c = 1; c < C; ++c) {
+    for (int64_t j = 0; j < K; ++j) d.dG[j] -= d.dG[c * K + j];
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    d.dG[j] += d.d_first[j] * t.first[j];
+    d.dG[(C - 1) * K + j] += d.d_decay[j] * t.decay[j];
+  }
+  // the L2 norm (and scale): x_n = f x with f = s / sqrt(|x|^2 + eps): dx = f (dx_n - x_n (x_n . dx_n) / s^2)
+  for (int pass = 0; pass < 2; ++pass) {
+    float* dx = pass == 0 ? d.dleft_q() : d.dleft_k();
+    const float* xn = pass == 0 ? t.q.data() : t.k.data();
+    const float* f = pass == 0 ? t.q_factor.data() : t.k_factor.data();
+    const float inv_s2 = pass == 0 ? 1.0f / (opt.scale * opt.scale) : 1.0f;
+    if (opt.l2norm) row_dots(xn, dx, C, K, d.dots.data());
+    for (int64_t c = 0; c < C; ++c) {
+      const float along = opt.l2norm ? d.dots[c] * inv_s2 : 0.0f;
+      for (int64_t j = 0; j < K; ++j) dx[c * K + j] = f[c] * (dx[c * K + j] - xn[c * K + j] * along);
+    }
+  }
+}
+
+}  // namespace
