@@ -45,7 +45,7 @@ fewest flops. On the 2-core dev box (B=1, H=8, K=V=128, T=4096, fp32, torch path
 autograd through the parallel parts and the hand-written adjoint of ``StatePassing`` for the loop
 (its two loops in C++ where built). And, for fp32 on CPU when one base chunk is the whole chunk
 (K3's gate at C = 16), ``fused.py``: the same arithmetic per chunk in two native calls, forward and
-backward, from the token layout to the token layout (~2x faster forward, ~1.5x forward+backward;
+backward, from the token layout to the token layout (~2x faster forward, ~2.2x forward+backward;
 benchmarks/kda.py). The tests hold each against this one and this one against ``naive.py``.
 """
 
