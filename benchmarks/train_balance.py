@@ -2,10 +2,12 @@
 
 Same seed, same data (Python standard-library source text, tokenised with the built-in k3 BPE of the
 model's vocabulary), same schedule; only the balance method differs (QB with the latest batch's bias,
-QB with an EMA of it, DeepSeek's sign update, none). Each run is a `k3.train` run in its own process
-(one torch thread each). Then each final model (router weights and bias as trained) routes a held-out batch of
-`--eval-batches` x batch tokens, large enough that sampling noise stays small: that measures how well
-the learned bias balances the *expected* loads. Writes to benchmarks/results/:
+QB with an EMA of it, DeepSeek's sign update, none; on request `qb_exact_ema`: QB run to its fixed point
+on each batch, up to 64 rounds, instead of one round warm-started from the last bias, with an EMA of 0.5).
+Each run is a `k3.train` run in its own process (one torch thread each by default). Then each final model
+(router weights and bias as trained) routes a held-out batch of `--eval-batches` x batch tokens, large
+enough that sampling noise stays small: that measures how well the learned bias balances the *expected*
+loads. Writes to benchmarks/results/:
 
     train_balance.csv       per method: max/mean load after warm-up (worst layer and layer mean, per step),
                             the same on loads pooled over windows of steps, the sampling-noise floor of
@@ -20,7 +22,7 @@ can at best reach on a new batch of the same size.
     .venv/bin/python benchmarks/train_balance.py [--steps 80] [--batch-size 16] [--seq-len 128] [--jobs 2]
         [--preset mini]    (another preset writes train_balance_<preset>.* and train_balance_<preset>_runs/)
         [--accum N]        (N micro-batches per step, balanced as one batch: writes ..._accum<N>.*)
-        [--methods qb none ...]
+        [--methods qb none ...] [--threads 1 (per run)] [--name TAG (appended to the result files)]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 METHODS = {  # name -> k3 train options
     "qb": ["--balance", "qb"],
     "qb_ema": ["--balance", "qb", "--balance-ema", "0.9"],
+    "qb_exact_ema": ["--balance", "qb", "--qb-iters", "64", "--balance-ema", "0.5"],
     "deepseek": ["--balance", "deepseek"],
     "none": ["--balance", "none"],
 }
@@ -163,7 +166,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (one balance batch)")
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS))
+    default_methods = ["qb", "qb_ema", "deepseek", "none"]
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=default_methods)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
+    parser.add_argument("--name", default="", help="appended to the result files' names")
     args = parser.parse_args()
     methods = {name: METHODS[name] for name in args.methods}
 
@@ -173,6 +179,8 @@ def main() -> None:
     stem = "train_balance" if args.preset == "mini" else f"train_balance_{args.preset}"
     if args.accum > 1:
         stem += f"_accum{args.accum}"
+    if args.name:
+        stem += f"_{args.name}"
     RESULTS.mkdir(parents=True, exist_ok=True)
     keep = RESULTS / f"{stem}_runs"
     with tempfile.TemporaryDirectory() as tmp:
@@ -185,7 +193,7 @@ def main() -> None:
                 "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
                 "--accum", str(args.accum),
                 *options, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
-                "--no-export", "--quiet", "--threads", "1",
+                "--no-export", "--quiet", "--threads", str(args.threads),
             ]  # fmt: skip
             jobs.append((method, command))
         running: list[tuple[str, subprocess.Popen]] = []

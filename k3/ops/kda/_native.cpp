@@ -243,7 +243,9 @@ torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::TensorO
   constexpr uintptr_t kHuge = uintptr_t{1} << 21;
   const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
   const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
+#ifdef MADV_HUGEPAGE
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
   return t;
 }
 
