@@ -163,7 +163,7 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches routed at the end")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--window", type=int, default=10, help="steps pooled for the pooled imbalance")
-    parser.add_argument("--jobs", type=int, default=2, help="runs at once (one torch thread each)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at once (--threads each)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per step (one balance batch)")
     default_methods = ["qb", "qb_ema", "deepseek", "none"]

@@ -27,8 +27,9 @@
 // Layouts (contiguous fp32): q_gamma, w, k_hat [steps, Z, C, K]; u_in, reads, u, d_* [steps, Z, C, V];
 // decay [steps, Z, K]; states [Z, K, V]; `forward` takes fla's token layout q, k, g [rows, H, K],
 // v [rows, H, V], beta [rows, H], and keeps chunk-start states transposed [chunks, V, K] and pseudo
-// values [chunks, C, V], chunks ordered by (sequence, head, chunk). AVX2 + FMA per function (__attribute__((target))), so the module
-// loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called.
+// values [chunks, C, V], chunks ordered by (sequence, head, chunk). AVX2 + FMA per function
+// (__attribute__((target))), so the module loads on any x86-64 CPU; `cpu_supported()` tells Python
+// whether the kernels may be called.
 
 #include <torch/extension.h>
 
@@ -388,7 +389,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         }
       }
     }
-    _mm_sfence();
+    _mm_sfence();  // the streamed gradient rows are visible before Python reads them
   });
   return {dq, dk, dv, dg, dbeta, d_state};
 }
