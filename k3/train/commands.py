@@ -48,6 +48,9 @@ def train(
     balance: str = typer.Option("qb", help="Routing balance: qb (quantile balancing), deepseek or none."),
     qb_iters: int = typer.Option(1, help="Quantile-balancing rounds per batch (warm-started)."),
     balance_ema: float = typer.Option(0.0, help="EMA of the QB bias across batches (0: the latest only)."),
+    balance_refresh: bool = typer.Option(
+        False, help="QB: refit on the step's batch routed again by the updated model (one more forward)."
+    ),
     gamma: float = typer.Option(1e-3, help="Step of the DeepSeek sign update."),
     num_kv_pairs: int = typer.Option(8, help="MQAR: key-value pairs per sequence."),
     tokenizer: Path | None = typer.Option(
@@ -94,6 +97,7 @@ def train(
         optimizer=optimizer,
         qb_iters=qb_iters,
         balance_ema=balance_ema,
+        balance_refresh=balance_refresh,
         gamma=gamma,
         checkpoint_every=checkpoint_every,
         num_kv_pairs=num_kv_pairs,

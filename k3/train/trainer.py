@@ -76,6 +76,7 @@ class TrainConfig:
     balance: str = "qb"  # qb | deepseek | none
     qb_iters: int = 1
     balance_ema: float = 0.0
+    balance_refresh: bool = False  # QB: refit on the step's batch routed by the updated model
     gamma: float = 1e-3  # DeepSeek step
     checkpoint_every: int = 50
     keep_checkpoints: int = 2
@@ -107,6 +108,8 @@ class TrainConfig:
             bad("schedule", f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
         if self.balance not in BALANCE_METHODS:
             bad("balance", f"unknown method {self.balance!r} (known: {', '.join(BALANCE_METHODS)})")
+        if self.balance_refresh and self.balance != "qb":
+            bad("balance-refresh", f"applies to --balance qb only, not {self.balance}")
         if self.optimizer not in OPTIMIZERS:
             bad("optimizer", f"unknown optimizer {self.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
         if self.dtype not in ("fp32", "bf16"):
@@ -238,6 +241,19 @@ def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = Fal
     return sum(losses) / len(losses), correct / counted
 
 
+def refreshed_scores(
+    model: nn.Module, tap: RouterTap, data: Dataset, step: int, accum: int, autocast: bool
+) -> dict[int, torch.Tensor]:
+    """Router scores [N, E] per MoE layer of step `step`'s micro-batches, routed again by the model as it
+    is now (after the optimizer step). Each layer is routed with its current, not yet refitted, bias."""
+    tap.active = True
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        for micro in range(accum):
+            model(data.batch(step * accum + micro)[0])
+    tap.active = False
+    return tap.take()[0]
+
+
 def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Path:
     """Run (or resume) the training described by `tc`; returns the run folder.
 
@@ -309,6 +325,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scores, chosen = tap.take()
+            if tc.balance_refresh:
+                scores = refreshed_scores(model, tap, data, step, tc.accum, autocast)
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),
