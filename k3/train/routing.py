@@ -185,14 +185,22 @@ class RoutingBalancer:
         Returns the expert loads [E] this batch had under the bias it was routed with: counted from
         `chosen` [T, k], the experts the router picked, when given; else re-derived from the scores."""
         scores = scores.detach().float()
-        bias = self.biases[layer]
         if chosen is None:
-            loads = expert_loads(scores, self.k, bias)
+            loads = expert_loads(scores, self.k, self.biases[layer])
         else:
             loads = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1]).to(scores.dtype)
+        self.fit(layer, scores, loads)
+        return loads
+
+    def fit(self, layer: int, scores: torch.Tensor, loads: torch.Tensor | None = None) -> None:
+        """Set the layer's bias from a batch's scores [T, E] (QB) or its loads [E] (DeepSeek)."""
+        bias = self.biases[layer]
         if self.method == "qb":
-            fresh = quantile_balance_bias(scores, self.k, iters=self.qb_iters, init_bias=bias)
+            fresh = quantile_balance_bias(
+                scores.detach().float(), self.k, iters=self.qb_iters, init_bias=bias
+            )
             self.biases[layer] = self.ema * bias + (1.0 - self.ema) * fresh
         elif self.method == "deepseek":
+            if loads is None:
+                raise ValueError("the DeepSeek update needs the batch's expert loads")
             self.biases[layer] = deepseek_bias_update(bias, loads, self.gamma)
-        return loads

@@ -18,6 +18,12 @@ hook on every `Router` (k3.model.moe) that recomputes `sigmoid(x @ gate.weight^T
 (the model exposes no scores of its own) and records the chosen experts. After the optimizer step the
 balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
 bias a batch is routed with comes from earlier batches only.
+
+With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
+batch without gradients, and every router fits QB to it just before routing it: the bias then fits the
+step's batch as the *updated* model routes it, each layer's input already routed by the refitted biases
+below it. That removes the router's and the lower layers' drift from what the next batch sees, for one
+extra forward pass per step.
 """
 
 from __future__ import annotations
@@ -148,6 +154,12 @@ def make_dataset(tc: TrainConfig, cfg: K3Config, stream: int = 0) -> Dataset:
     return TextFile(path, tokenizer, tc.seq_len, tc.batch_size, V, seed=tc.seed + 7919 * stream)
 
 
+def router_scores(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The unbiased scores [N, E] a `Router` computes from its input x [N, hidden]."""
+    with torch.no_grad():
+        return torch.sigmoid(x.float() @ router.weight.float().t())
+
+
 class RouterTap:
     """Forward hooks on every router: per MoE layer, the batch's scores [N, E] and chosen experts [N, k]."""
 
@@ -168,9 +180,7 @@ class RouterTap:
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             if not self.active:
                 return
-            with torch.no_grad():
-                x = args[0]
-                scores = torch.sigmoid(x.float() @ module.weight.float().t())  # [N, E], as the router does
+            scores = router_scores(module, args[0])
             self.scores.setdefault(layer, []).append(scores)
             self.chosen.setdefault(layer, []).append(output[1].detach())
 
@@ -241,17 +251,28 @@ def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = Fal
     return sum(losses) / len(losses), correct / counted
 
 
-def refreshed_scores(
-    model: nn.Module, tap: RouterTap, data: Dataset, step: int, accum: int, autocast: bool
-) -> dict[int, torch.Tensor]:
-    """Router scores [N, E] per MoE layer of step `step`'s micro-batches, routed again by the model as it
-    is now (after the optimizer step). Each layer is routed with its current, not yet refitted, bias."""
-    tap.active = True
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        for micro in range(accum):
-            model(data.batch(step * accum + micro)[0])
-    tap.active = False
-    return tap.take()[0]
+def refit_on_updated_model(
+    model: nn.Module, tap: RouterTap, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig
+) -> None:
+    """Route step `step`'s micro-batches again, as one batch, with the model as it is now (after the
+    optimizer step); each router fits its bias to the batch just before routing it, so layer l sees its
+    input as routed by the refitted biases of the layers below."""
+
+    def fit_then_route(layer: int) -> Callable:
+        def pre_hook(router: nn.Module, args: tuple) -> None:
+            balancer.fit(layer, router_scores(router, args[0]))
+            router.e_score_correction_bias.copy_(balancer.biases[layer])
+
+        return pre_hook
+
+    inputs = torch.cat([data.batch(step * tc.accum + micro)[0] for micro in range(tc.accum)])  # [accum B, L]
+    hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in tap.routers.items()]
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
+            model(inputs, logits_to_keep=1)  # the routing is what counts; skip most of the head
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Path:
@@ -326,7 +347,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             optimizer.zero_grad(set_to_none=True)
             scores, chosen = tap.take()
             if tc.balance_refresh:
-                scores = refreshed_scores(model, tap, data, step, tc.accum, autocast)
+                refit_on_updated_model(model, tap, balancer, data, step, tc)
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),
@@ -334,7 +355,10 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             }
             worst = 0.0
             for layer in moe_layers:
-                loads = balancer.update(layer, scores[layer], chosen[layer])
+                if tc.balance_refresh:  # already refitted: only count what this step's routing did
+                    loads = torch.bincount(chosen[layer].reshape(-1), minlength=cfg.num_experts).float()
+                else:
+                    loads = balancer.update(layer, scores[layer], chosen[layer])
                 tap.routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
                 loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
                 ratio = max_over_mean(loads)

@@ -167,8 +167,9 @@ def test_balance_methods_leave_their_mark_on_the_biases(tmp_path: Path) -> None:
 
 
 def test_balance_refresh_fits_the_batch_as_the_updated_model_routes_it(tmp_path: Path) -> None:
-    """After step 1 with --balance-refresh, each bias is QB's exact fit of batch 0 routed by the model
-    after step 1; without refresh it is the fit under the model before the step, which differs."""
+    """After step 1 with --balance-refresh, each layer's bias is QB's exact fit of step 1's batch routed by
+    the model after step 1, with the layers below already routed by their refitted biases. Reproduced here
+    one layer at a time, one forward per layer; without refresh the biases differ."""
     from k3.model import K3ForCausalLM
     from k3.model.moe import Router
     from k3.train.routing import quantile_balance_bias
@@ -176,11 +177,10 @@ def test_balance_refresh_fits_the_batch_as_the_updated_model_routes_it(tmp_path:
     from k3.train.trainer import load_model_config, make_dataset
 
     def step_one(refresh: bool) -> tuple[TrainConfig, dict[int, torch.Tensor]]:
-        tc = tiny(tmp_path / str(refresh), steps=2, checkpoint_every=1, qb_iters=200, balance_refresh=refresh)
+        run = tmp_path / f"refresh-{refresh}"
+        tc = tiny(run, steps=2, accum=2, checkpoint_every=1, qb_iters=200, balance_refresh=refresh)
         train(tc)
-        state = load_file(
-            str(tmp_path / str(refresh) / "checkpoints" / "step-00000001" / "model.safetensors")
-        )
+        state = load_file(str(run / "checkpoints" / "step-00000001" / "model.safetensors"))
         return tc, {
             int(k.split(".")[2]): v for k, v in state.items() if k.endswith("e_score_correction_bias")
         }
@@ -189,24 +189,24 @@ def test_balance_refresh_fits_the_batch_as_the_updated_model_routes_it(tmp_path:
     _, stale = step_one(False)
     cfg = load_model_config(tc.preset)
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
-    load_model_state(tmp_path / "True" / "checkpoints" / "step-00000001", model)
-    scores: dict[int, torch.Tensor] = {}
-    for name, module in model.named_modules():
-        if isinstance(module, Router):
-            module.e_score_correction_bias.zero_()  # batch 0 is routed again with the bias it had
-            layer = int(name.split(".")[2])
-            module.register_forward_hook(
-                lambda m, args, out, layer=layer: scores.__setitem__(
-                    layer, torch.sigmoid(args[0] @ m.weight.t())
-                )
-            )
-    with torch.no_grad():
-        model(make_dataset(tc, cfg).batch(0)[0])
-    assert sorted(scores) == sorted(refreshed) == [1, 2, 3, 4]
-    for layer, s in scores.items():
-        expected = quantile_balance_bias(s.reshape(-1, s.shape[-1]), cfg.num_experts_per_token, iters=200)
+    load_model_state(tmp_path / "refresh-True" / "checkpoints" / "step-00000001", model)
+    data = make_dataset(tc, cfg)
+    batch = torch.cat([data.batch(0)[0], data.batch(1)[0]])  # step 1's two micro-batches
+    routers = {int(name.split(".")[2]): m for name, m in model.named_modules() if isinstance(m, Router)}
+    assert sorted(routers) == sorted(refreshed) == [1, 2, 3, 4]
+    for router in routers.values():
+        router.e_score_correction_bias.zero_()  # the bias every layer had during step 1
+    for layer in sorted(routers):
+        seen = []
+        hook = routers[layer].register_forward_hook(lambda m, args, out, seen=seen: seen.append(args[0]))
+        with torch.no_grad():
+            model(batch)
+        hook.remove()
+        scores = torch.sigmoid(seen[0] @ routers[layer].weight.t())
+        expected = quantile_balance_bias(scores, cfg.num_experts_per_token, iters=200)
         torch.testing.assert_close(refreshed[layer], expected, rtol=0, atol=1e-5)
         assert (stale[layer] - expected).abs().max() > 1e-3
+        routers[layer].e_score_correction_bias.copy_(expected)
     with pytest.raises(TrainError, match="balance-refresh"):
         train(tiny(tmp_path / "ds", balance="deepseek", balance_refresh=True))
 
