@@ -4,7 +4,8 @@ Same seed, same data (Python standard-library source text, tokenised with the bu
 model's vocabulary), same schedule; only the balance method differs (QB with the latest batch's bias,
 QB with an EMA of it, DeepSeek's sign update, none; on request `qb_exact_ema`: QB run to its fixed point
 on each batch, up to 64 rounds, instead of one round warm-started from the last bias, with an EMA of 0.5;
-`qb_refresh`: the same fit, no EMA, on the step's batch routed again by the model after the optimizer step).
+`qb_refresh`: the same fit, no EMA, on the step's batch routed again by the model after the optimizer
+step, each router fitted just before it routes: `k3 train --balance-refresh`).
 Each run is a `k3.train` run in its own process (one torch thread each by default). Then each final model
 (router weights and bias as trained) routes a held-out batch of `--eval-batches` x batch tokens, large
 enough that sampling noise stays small: that measures how well the learned bias balances the *expected*

@@ -185,6 +185,8 @@ def test_balancer_methods() -> None:
     ds = RoutingBalancer([0], 8, 2, method="deepseek", gamma=1e-3)
     loads = ds.update(0, scores)
     torch.testing.assert_close(ds.biases[0], deepseek_bias_update(torch.zeros(8), loads, 1e-3))
+    with pytest.raises(ValueError, match="needs the batch's expert loads"):
+        ds.fit(0, scores)  # the sign update counts loads; scores alone do not say which bias routed them
     with pytest.raises(ValueError, match="unknown balance method"):
         RoutingBalancer([0], 8, 2, method="aux-loss")
 
