@@ -207,6 +207,14 @@ def test_balance_refresh_fits_the_batch_as_the_updated_model_routes_it(tmp_path:
         torch.testing.assert_close(refreshed[layer], expected, rtol=0, atol=1e-5)
         assert (stale[layer] - expected).abs().max() > 1e-3
         routers[layer].e_score_correction_bias.copy_(expected)
+    # stopped after step 1 and resumed: the refitted biases come back from the checkpoint, bit for bit
+    resumed = tmp_path / "resumed"
+    train(
+        tiny(resumed, steps=2, accum=2, checkpoint_every=1, qb_iters=200, balance_refresh=True, stop_after=1)
+    )
+    train(tiny(resumed, steps=2, accum=2, checkpoint_every=1, qb_iters=200, balance_refresh=True))
+    assert column(resumed, "loss") == column(tmp_path / "refresh-True", "loss")
+    assert rows(resumed, "loads.csv") == rows(tmp_path / "refresh-True", "loads.csv")
     with pytest.raises(TrainError, match="balance-refresh"):
         train(tiny(tmp_path / "ds", balance="deepseek", balance_refresh=True))
 
