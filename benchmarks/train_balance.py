@@ -146,12 +146,13 @@ def route(model, tap, data, first_batch: int, batches: int) -> tuple[dict, dict]
 
 def held_out_balance(run: Path, eval_batches: int) -> dict[str, float]:
     """Route `eval_batches` held-out batches through the run's final model; max/mean of the summed loads."""
+    from k3.train.routing import chosen_loads
     from k3.train.trainer import make_dataset
 
     model, cfg, tc, tap = final_model(run)
     # the trainer's held-out stream: windows the run did not train on
     _, chosen = route(model, tap, make_dataset(tc, cfg, stream=1), 0, eval_batches)
-    loads = [torch.bincount(c.flatten(), minlength=cfg.num_experts).float() for c in chosen.values()]
+    loads = [chosen_loads(c, cfg.num_experts) for c in chosen.values()]
     ratios = [float(v.max() / v.mean()) for v in loads]
     return {"held_out_worst_layer": max(ratios), "held_out_layer_mean": sum(ratios) / len(ratios)}
 

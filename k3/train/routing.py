@@ -99,6 +99,11 @@ def expert_loads(scores: torch.Tensor, k: int, bias: torch.Tensor | None = None)
     return topk_assignment(scores, k, bias).sum(0)
 
 
+def chosen_loads(chosen: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Tokens per expert [E] (float) from the experts each token was routed to, `chosen` [T, k]."""
+    return torch.bincount(chosen.reshape(-1), minlength=num_experts).float()
+
+
 def max_over_mean(loads: torch.Tensor) -> float:
     """The imbalance measure: the busiest expert's load over the mean load (1.0 = perfectly balanced)."""
     mean = loads.float().mean()
@@ -188,7 +193,7 @@ class RoutingBalancer:
         if chosen is None:
             loads = expert_loads(scores, self.k, self.biases[layer])
         else:
-            loads = torch.bincount(chosen.reshape(-1), minlength=scores.shape[1]).to(scores.dtype)
+            loads = chosen_loads(chosen, scores.shape[1])
         self.fit(layer, scores, loads)
         return loads
 

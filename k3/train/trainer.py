@@ -43,7 +43,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
 from k3.train.optim import OPTIMIZERS, build_optimizer
-from k3.train.routing import BALANCE_METHODS, RoutingBalancer, max_over_mean
+from k3.train.routing import BALANCE_METHODS, RoutingBalancer, chosen_loads, max_over_mean
 from k3.train.schedule import SCHEDULES, learning_rate
 from k3.train.state import list_checkpoints, load_training_state, save_training_state
 
@@ -161,9 +161,10 @@ def router_scores(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 class RouterTap:
-    """Forward hooks on every router: per MoE layer, the batch's scores [N, E] and chosen experts [N, k]."""
+    """Forward hooks on every router: per MoE layer, the batch's scores [N, E] (unless `keep_scores` is
+    False) and chosen experts [N, k]."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, keep_scores: bool = True) -> None:
         from k3.model.moe import Router
 
         self.routers: dict[int, nn.Module] = {}
@@ -172,7 +173,7 @@ class RouterTap:
                 layer = int(name.split("layers.")[1].split(".")[0])
                 self.routers[layer] = module
                 module.register_forward_hook(self._hook(layer))
-        self.active = False
+        self.active, self.keep_scores = False, keep_scores
         self.scores: dict[int, list[torch.Tensor]] = {}
         self.chosen: dict[int, list[torch.Tensor]] = {}
 
@@ -180,8 +181,8 @@ class RouterTap:
         def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
             if not self.active:
                 return
-            scores = router_scores(module, args[0])
-            self.scores.setdefault(layer, []).append(scores)
+            if self.keep_scores:
+                self.scores.setdefault(layer, []).append(router_scores(module, args[0]))
             self.chosen.setdefault(layer, []).append(output[1].detach())
 
         return hook
@@ -293,7 +294,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
     model.train()
     optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2))
-    tap = RouterTap(model)
+    tap = RouterTap(model, keep_scores=not tc.balance_refresh)  # the refresh computes its own
     moe_layers = sorted(tap.routers)
     balancer = RoutingBalancer(
         moe_layers,
@@ -355,10 +356,9 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             }
             worst = 0.0
             for layer in moe_layers:
-                if tc.balance_refresh:  # already refitted: only count what this step's routing did
-                    loads = torch.bincount(chosen[layer].reshape(-1), minlength=cfg.num_experts).float()
-                else:
-                    loads = balancer.update(layer, scores[layer], chosen[layer])
+                loads = chosen_loads(chosen[layer], cfg.num_experts)
+                if not tc.balance_refresh:  # else the refresh above has fitted the biases already
+                    balancer.fit(layer, scores[layer], loads)
                 tap.routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
                 loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
                 ratio = max_over_mean(loads)
