@@ -25,6 +25,8 @@ can at best reach on a new batch of the same size.
         [--preset mini]    (another preset writes train_balance_<preset>.* and train_balance_<preset>_runs/)
         [--accum N]        (N micro-batches per step, balanced as one batch: writes ..._accum<N>.*)
         [--methods qb none ...] [--threads 1 (per run)] [--name TAG (appended to the result files)]
+        [--merge STEM ...] (no training: earlier results of these same options, e.g.
+                            train_balance_accum32_x, side by side in one CSV and plot named by --name)
 """
 
 from __future__ import annotations
@@ -157,6 +159,91 @@ def held_out_balance(run: Path, eval_batches: int) -> dict[str, float]:
     return {"held_out_worst_layer": max(ratios), "held_out_layer_mean": sum(ratios) / len(ratios)}
 
 
+def read_results(stem: str) -> tuple[list[dict], dict[str, dict[str, list[float]]]]:
+    """An earlier run of this script: its CSV rows (values as floats) and its kept runs' logs."""
+    from k3.train.plot import read_log
+
+    path = RESULTS / f"{stem}.csv"
+    if not path.is_file():
+        raise SystemExit(f"--merge {stem}: no {path}")
+    with path.open(newline="") as f:
+        rows = [{k: v if k == "method" else float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    return rows, {row["method"]: read_log(RESULTS / f"{stem}_runs" / row["method"]) for row in rows}
+
+
+def merge_results(stems: list[str], floor: float) -> tuple[list[dict], dict]:
+    """Earlier results side by side; refused unless they share tokens per step (noise floor) and schedule."""
+    rows, logs = [], {}
+    for stem in stems:
+        stem_rows, stem_logs = read_results(stem)
+        for row in stem_rows:
+            if abs(row["noise_floor"] - floor) > 1e-4:
+                raise SystemExit(f"--merge {stem}: noise floor {row['noise_floor']:.4f}, here {floor:.4f}")
+        for method, log in stem_logs.items():
+            if method in logs:
+                raise SystemExit(f"--merge {stem}: {method} is already in an earlier stem")
+            if logs and log["lr"] != next(iter(logs.values()))["lr"]:
+                raise SystemExit(f"--merge {stem}: {method} ran another learning-rate schedule")
+            logs[method] = log
+        rows += stem_rows
+    return rows, logs
+
+
+def train_and_measure(args, cfg, floor: float, keep: Path) -> tuple[list[dict], dict]:
+    """Run every method (`--jobs` at once), keep the logs, summarise them and route the held-out batch."""
+    from k3.train.plot import read_log
+
+    held_out_floor = noise_floor(  # the held-out set is eval_batches micro-batches
+        args.batch_size * args.seq_len * args.eval_batches,
+        cfg.num_experts,
+        cfg.num_experts_per_token,
+        trials=50,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
+        running: list[tuple[str, subprocess.Popen]] = []
+        for method in args.methods:
+            command = [
+                sys.executable, "-m", "k3.train.commands", "--preset", args.preset, "--data", str(text),
+                "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
+                "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
+                "--accum", str(args.accum),
+                *METHODS[method], "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
+                "--no-export", "--quiet", "--threads", str(args.threads),
+            ]  # fmt: skip
+            while len(running) >= args.jobs:
+                running.pop(0)[1].wait()
+            print(f"start {method}", flush=True)
+            running.append((method, subprocess.Popen(command, cwd=ROOT)))
+        for method, process in running:
+            if process.wait() != 0:
+                raise SystemExit(f"the {method} run failed")
+        logs = {}
+        rows = []
+        for method in args.methods:
+            run = Path(tmp) / method
+            target = keep / method
+            target.mkdir(parents=True, exist_ok=True)
+            for name in ("log.csv", "loads.csv"):
+                shutil.copyfile(run / name, target / name)
+            logs[method] = read_log(run)
+            summary = summarise(run, args.warmup, args.window)
+            final_loss = sum(logs[method]["loss"][-10:]) / len(logs[method]["loss"][-10:])
+            held_out = held_out_balance(run, args.eval_batches)
+            rows.append(
+                {
+                    "method": method,
+                    **summary,
+                    "loss_last_10": final_loss,
+                    "noise_floor": floor,
+                    **held_out,
+                    "held_out_noise_floor": held_out_floor,
+                }
+            )
+            print(f"{method}: held-out {held_out}", flush=True)
+    return rows, logs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="mini", help="the model trained (a preset name)")
@@ -174,10 +261,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=default_methods)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per run")
     parser.add_argument("--name", default="", help="appended to the result files' names")
+    parser.add_argument(
+        "--merge", nargs="+", default=[], metavar="STEM", help="combine earlier results, no training"
+    )
     args = parser.parse_args()
-    methods = {name: METHODS[name] for name in args.methods}
 
     from k3.config import K3Config
+    from k3.train.plot import plot_comparison
 
     cfg = K3Config.preset(args.preset)
     stem = "train_balance" if args.preset == "mini" else f"train_balance_{args.preset}"
@@ -186,64 +276,12 @@ def main() -> None:
     if args.name:
         stem += f"_{args.name}"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    keep = RESULTS / f"{stem}_runs"
-    with tempfile.TemporaryDirectory() as tmp:
-        text = corpus(Path(tmp) / "stdlib.txt", max_bytes=2_000_000)
-        jobs = []
-        for method, options in methods.items():
-            command = [
-                sys.executable, "-m", "k3.train.commands", "--preset", args.preset, "--data", str(text),
-                "--out", str(Path(tmp) / method), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--batch-size", str(args.batch_size), "--seq-len", str(args.seq_len), "--lr", str(args.lr),
-                "--accum", str(args.accum),
-                *options, "--seed", str(args.seed), "--checkpoint-every", str(args.steps),
-                "--no-export", "--quiet", "--threads", str(args.threads),
-            ]  # fmt: skip
-            jobs.append((method, command))
-        running: list[tuple[str, subprocess.Popen]] = []
-        for method, command in jobs:
-            while len(running) >= args.jobs:
-                running.pop(0)[1].wait()
-            print(f"start {method}", flush=True)
-            running.append((method, subprocess.Popen(command, cwd=ROOT)))
-        for method, process in running:
-            if process.wait() != 0:
-                raise SystemExit(f"the {method} run failed")
-        logs = {}
-        rows = []
-        batch_tokens = args.batch_size * args.seq_len * args.accum
-        floor = noise_floor(batch_tokens, cfg.num_experts, cfg.num_experts_per_token)
-        held_out_floor = noise_floor(  # the held-out set is eval_batches micro-batches
-            args.batch_size * args.seq_len * args.eval_batches,
-            cfg.num_experts,
-            cfg.num_experts_per_token,
-            trials=50,
-        )
-        for method in methods:
-            run = Path(tmp) / method
-            target = keep / method
-            target.mkdir(parents=True, exist_ok=True)
-            for name in ("log.csv", "loads.csv"):
-                shutil.copyfile(run / name, target / name)
-            from k3.train.plot import read_log
-
-            logs[method] = read_log(run)
-            summary = summarise(run, args.warmup, args.window)
-            final_loss = sum(logs[method]["loss"][-10:]) / len(logs[method]["loss"][-10:])
-            held_out = held_out_balance(run, args.eval_batches)
-            rows.append(
-                {
-                    "method": method,
-                    **summary,
-                    "loss_last_10": final_loss,
-                    "noise_floor": floor,
-                    **held_out,
-                    "held_out_noise_floor": held_out_floor,
-                }
-            )
-            print(f"{method}: held-out {held_out}", flush=True)
-
-    from k3.train.plot import plot_comparison
+    batch_tokens = args.batch_size * args.seq_len * args.accum
+    floor = noise_floor(batch_tokens, cfg.num_experts, cfg.num_experts_per_token)
+    if args.merge:
+        rows, logs = merge_results(args.merge, floor)
+    else:
+        rows, logs = train_and_measure(args, cfg, floor, keep=RESULTS / f"{stem}_runs")
 
     plot_comparison(
         logs,
