@@ -184,16 +184,14 @@ class RoutingBalancer:
         self.method, self.k, self.gamma, self.ema, self.qb_iters = method, k, gamma, ema, qb_iters
         self.biases = {layer: torch.zeros(num_experts, dtype=torch.float32) for layer in layers}
 
-    def update(self, layer: int, scores: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
+    def update(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
         """Fold one batch's router scores [T, E] (unbiased, after the sigmoid) into the layer's bias.
 
-        Returns the expert loads [E] this batch had under the bias it was routed with: counted from
-        `chosen` [T, k], the experts the router picked, when given; else re-derived from the scores."""
+        Returns the expert loads [E] this batch had under the bias it was routed with, re-derived from the
+        scores (the trainer, which has the router's own choices, counts them with `chosen_loads` and calls
+        `fit`)."""
         scores = scores.detach().float()
-        if chosen is None:
-            loads = expert_loads(scores, self.k, self.biases[layer])
-        else:
-            loads = chosen_loads(chosen, scores.shape[1])
+        loads = expert_loads(scores, self.k, self.biases[layer])
         self.fit(layer, scores, loads)
         return loads
 
