@@ -278,6 +278,8 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     batch_tokens = args.batch_size * args.seq_len * args.accum
     floor = noise_floor(batch_tokens, cfg.num_experts, cfg.num_experts_per_token)
+    if stem in args.merge:  # the merged CSV would replace that stem's own, whose runs it no longer matches
+        raise SystemExit(f"--merge {stem}: pick a --name that does not write over an input")
     if args.merge:
         rows, logs = merge_results(args.merge, floor)
     else:
