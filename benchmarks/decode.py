@@ -123,7 +123,7 @@ def server_throughput(cfg: K3Config, streams: list[int], tokens: int) -> list[di
     import httpx
     import uvicorn
 
-    from k3.engine.build_tokenizer import builtin_tokenizer
+    from k3.tokenizer.build import builtin_tokenizer
     from k3.engine.server import create_app
 
     model = K3ForCausalLM.from_config(cfg, seed=0)

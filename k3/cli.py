@@ -125,7 +125,7 @@ def _register_rooms() -> None:
         """Write a random checkpoint in the published layout (shards, index, config.json, MXFP4 experts)
         and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary."""
         from k3.config import K3Config
-        from k3.engine.build_tokenizer import write_tokenizer
+        from k3.tokenizer.build import write_tokenizer
 
         write_random_weights(out, preset, seed, overwrite)
         write_tokenizer(out, K3Config.preset(preset).vocab_size)

@@ -227,7 +227,7 @@ def demo_command(
         print(f"creating the mini checkpoint in {directory} ...", flush=True)
         init_checkpoint(cfg, directory, seed=0)
     if not (directory / "tiktoken.model").exists():  # the routing panel needs a tokenizer
-        from k3.engine.build_tokenizer import write_tokenizer
+        from k3.tokenizer.build import write_tokenizer
 
         write_tokenizer(directory, cfg.vocab_size)
     app = _make_app(str(directory), None, scan_first=True)

@@ -48,7 +48,7 @@ class RoutingProbe:
 
     def tokenizer(self):
         if self._tokenizer is None:
-            from k3.engine.tokenizer import Tokenizer
+            from k3.tokenizer.kimi import Tokenizer
 
             self._tokenizer = Tokenizer.from_dir(self.source)
         return self._tokenizer

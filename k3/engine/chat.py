@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from k3.engine.tokenizer import StreamDecoder, Tokenizer, TokenizerError
+from k3.tokenizer.kimi import StreamDecoder, Tokenizer, TokenizerError
 
 ROLES = ("system", "user", "assistant", "tool")
 

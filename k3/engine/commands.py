@@ -42,8 +42,8 @@ def tokenize(
     from rich.table import Table
     from rich.text import Text
 
-    from k3.engine.build_tokenizer import builtin_tokenizer
-    from k3.engine.tokenizer import Tokenizer
+    from k3.tokenizer.build import builtin_tokenizer
+    from k3.tokenizer.kimi import Tokenizer
     from k3.errors import K3Error
 
     try:
@@ -68,7 +68,7 @@ def tokenize(
 
 def _load(checkpoint: str, layers: int | None):
     """Model + tokenizer of a checkpoint directory, or a one-line error."""
-    from k3.engine.tokenizer import Tokenizer
+    from k3.tokenizer.kimi import Tokenizer
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM
 
@@ -129,7 +129,7 @@ def generate(
     import time
 
     from k3.engine.generate import Engine
-    from k3.engine.tokenizer import StreamDecoder
+    from k3.tokenizer.kimi import StreamDecoder
 
     model, tok = _load(checkpoint, layers)
     params = _params(max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos})

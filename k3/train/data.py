@@ -126,7 +126,7 @@ class TextFile:
     """Windows of `seq_len + 1` tokens from a plain text file, tokenised once with the k3 tokenizer.
 
     Batch `index` takes `batch_size` windows at start offsets drawn from (seed, index). The tokenizer is
-    any object with `encode(text) -> list[int]` (`k3.engine.tokenizer.Tokenizer`)."""
+    any object with `encode(text) -> list[int]` (`k3.tokenizer.kimi.Tokenizer`)."""
 
     def __init__(
         self, path: str | Path, tokenizer, seq_len: int, batch_size: int, vocab_size: int, seed: int = 0

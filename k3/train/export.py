@@ -73,7 +73,7 @@ def export_checkpoint(
         for name in ("tiktoken.model", "tokenizer_config.json"):
             shutil.copyfile(Path(tokenizer_dir) / name, out / name)
     else:
-        from k3.engine.build_tokenizer import write_tokenizer
+        from k3.tokenizer.build import write_tokenizer
 
         write_tokenizer(out, cfg.vocab_size)
     return out

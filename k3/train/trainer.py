@@ -144,11 +144,11 @@ def make_dataset(tc: TrainConfig, cfg: K3Config, stream: int = 0) -> Dataset:
     if not path.is_file():
         raise TrainError(f"--data: expected mqar, copy or a text file; {tc.data!r} is none of these")
     if tc.tokenizer is not None:
-        from k3.engine.tokenizer import Tokenizer
+        from k3.tokenizer.kimi import Tokenizer
 
         tokenizer = Tokenizer.from_dir(tc.tokenizer)
     else:
-        from k3.engine.build_tokenizer import builtin_tokenizer
+        from k3.tokenizer.build import builtin_tokenizer
 
         tokenizer = builtin_tokenizer(V)
     return TextFile(path, tokenizer, tc.seq_len, tc.batch_size, V, seed=tc.seed + 7919 * stream)

@@ -10,11 +10,11 @@ from typer.testing import CliRunner
 
 from k3.config import K3Config
 from k3.engine import commands
-from k3.engine.build_tokenizer import write_tokenizer
+from k3.tokenizer.build import write_tokenizer
 from k3.engine.chat import Message, encode_chat, parse_reply
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
-from k3.engine.tokenizer import Tokenizer
+from k3.tokenizer.kimi import Tokenizer
 from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
 

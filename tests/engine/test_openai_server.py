@@ -15,12 +15,12 @@ import pytest
 import uvicorn
 
 from k3.config import K3Config
-from k3.engine.build_tokenizer import write_tokenizer
+from k3.tokenizer.build import write_tokenizer
 from k3.engine.chat import encode_chat, parse_reply
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
 from k3.engine.server import create_app
-from k3.engine.tokenizer import Tokenizer
+from k3.tokenizer.kimi import Tokenizer
 from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
 

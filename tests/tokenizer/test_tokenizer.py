@@ -10,8 +10,8 @@ import pytest
 import regex
 import tiktoken
 
-from k3.engine.build_tokenizer import builtin_tokenizer, learn_bpe, write_tokenizer
-from k3.engine.tokenizer import (
+from k3.tokenizer.build import builtin_tokenizer, learn_bpe, write_tokenizer
+from k3.tokenizer.kimi import (
     KIMI_PAT_STR,
     StreamDecoder,
     Tokenizer,

@@ -3,7 +3,7 @@
 How it is built (same bytes on every machine, no randomness, no downloads):
 
 1. Ranks 0..255 are the single bytes, rank = byte value.
-2. The built-in corpus `k3/engine/data/corpus.txt` (a few KB of Spanish, English and Chinese prose about
+2. The built-in corpus `k3/tokenizer/data/corpus.txt` (a few KB of Spanish, English and Chinese prose about
    the model, plus some Python/Rust/JSON; written for this project) is split with the Kimi pattern
    (`KIMI_PAT_STR`) and counted per piece.
 3. Merges are learned greedily: repeatedly merge the most frequent adjacent pair (ties: the smallest
@@ -12,7 +12,7 @@ How it is built (same bytes on every machine, no randomness, no downloads):
 4. If the corpus runs out of pairs before `vocab_size - 256` ranks (it does for `mini`, 32,512 ranks),
    the remaining ranks are *filler*: `b"\\xff" + str(rank)`. 0xFF never occurs in UTF-8, so BPE on text
    can never produce a filler token; they only keep the vocabulary the size the config declares.
-5. The 256 special ids follow (see `k3.engine.tokenizer`).
+5. The 256 special ids follow (see `k3.tokenizer.kimi`).
 
 `write_tokenizer(out_dir, vocab_size)` writes `tiktoken.model` + `tokenizer_config.json` into a checkpoint.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import regex
 
-from k3.engine.tokenizer import (
+from k3.tokenizer.kimi import (
     CONFIG_FILE,
     KIMI_PAT_STR,
     NUM_SPECIAL_IDS,
@@ -44,7 +44,7 @@ Pair = tuple[bytes, bytes]
 
 
 def builtin_corpus() -> str:
-    return resources.files("k3.engine").joinpath("data/corpus.txt").read_text(encoding="utf-8")
+    return resources.files("k3.tokenizer").joinpath("data/corpus.txt").read_text(encoding="utf-8")
 
 
 def learn_bpe(text: str, max_merges: int) -> dict[bytes, int]:

@@ -12,7 +12,7 @@ The special ids sit right after the BPE ranks, at fixed offsets (K3: n_ranks = 1
     n_ranks + 254 [UNK] + 255 [PAD]; every other id up to n_ranks + 255 is `<|reserved_token_{id}|>`
 
 so a vocabulary of `vocab_size` ids always has `vocab_size - 256` BPE ranks. Small synthetic checkpoints
-(`k3.engine.build_tokenizer`) use the same offsets, e.g. `tiny` (vocab 1024): [BOS] = 768.
+(`k3.tokenizer.build`) use the same offsets, e.g. `tiny` (vocab 1024): [BOS] = 768.
 
 Text is split by the Kimi K2 pattern before BPE; tiktoken's regex engine (fancy-regex over Rust `regex`)
 understands the character-class intersection `&&` it uses, so the pattern is passed through unchanged.
