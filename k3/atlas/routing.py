@@ -2,7 +2,8 @@
 
 The model runs once per text (`K3ForCausalLM.from_pretrained`, loaded on first use) inside
 `k3.model.routing.record_routing`, which reports every MoE layer's (weights, expert indices) per token.
-When the checkpoint cannot be run here (no K3 config, no tokenizer, too large, a load error), `status()` says why and the page shows it.
+When the checkpoint cannot be run here (no K3 config, no tokenizer, too large, a load error), `status()`
+says why and the page shows it.
 """
 
 from __future__ import annotations

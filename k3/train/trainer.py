@@ -229,7 +229,8 @@ def refit_on_updated_model(
         return pre_hook
 
     inputs = torch.cat([data.batch(step * tc.accum + micro)[0] for micro in range(tc.accum)])  # [accum B, L]
-    hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in model.routers().items()]
+    routers = model.routers().items()
+    hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in routers]
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
             model(inputs, logits_to_keep=1)  # the routing is what counts; skip most of the head

@@ -64,9 +64,11 @@ def test_record_routing_equals_routing_recomputed_from_the_moe_inputs(preset):
     with torch.no_grad(), record_routing(model) as trace:
         model(first)
         model(second)
-    assert trace.layers == sorted(model.routers()) == [
-        i for i, plan in enumerate(model.config.layer_plan) if plan.ffn.name != "DENSE"
-    ]
+    assert (
+        trace.layers
+        == sorted(model.routers())
+        == [i for i, plan in enumerate(model.config.layer_plan) if plan.ffn.name != "DENSE"]
+    )
     for layer in trace.layers:
         assert trace.calls(layer) == 2
         scores, indices, weights = reference_routing(model, layer, torch.cat(inputs[layer]))
@@ -129,8 +131,10 @@ def test_route_with_other_choices_changes_only_the_moe_output():
     p = scores.gather(1, other)
     p = (p / p.sum(-1, keepdim=True) * cfg.routed_scaling_factor).float()
     z = moe.routed_expert_down_proj(x)
-    mixed = sum(p[:, j : j + 1] * torch.stack([moe.experts[e](z[n]) for n, e in enumerate(other[:, j])])
-                for j in range(other.shape[1]))
+    mixed = sum(
+        p[:, j : j + 1] * torch.stack([moe.experts[e](z[n]) for n, e in enumerate(other[:, j])])
+        for j in range(other.shape[1])
+    )
     expected = moe.routed_expert_up_proj(moe.routed_expert_norm(mixed)) + moe.shared_experts(x)
     with torch.no_grad():
         torch.testing.assert_close(seen["y"].reshape(-1, cfg.hidden_size), expected, rtol=0, atol=1e-5)
