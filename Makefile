@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions);
-# k3 falls back to pure torch without them.
+# The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions).
+# k3 compiles them on first use into ~/.cache/k3/native (pure torch without a compiler); this warms it.
 native: $(STAMP)
 	$(PY) -m k3.ops.build
 

@@ -7,6 +7,7 @@ and a slow per-element implementation of the OCP MX v1.0 rule written here with 
 from __future__ import annotations
 
 import math
+import types
 from fractions import Fraction
 
 import pytest
@@ -17,7 +18,7 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from k3.ops.extension import NativeExtension
+from k3.ops.extension import NativeExtension, native_status
 from k3.ops.mxfp4 import (
     MXFP4Linear,
     dequantize_mxfp4,
@@ -252,10 +253,18 @@ def test_native_paths_with_small_tiles(m):
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_stale_native_build_is_ignored_and_torch_path_is_used(monkeypatch):
+    """A module whose compiled-in digest is not its sources' is not used (the torch path is)."""
     packed, scale = random_pairs(16, 64, seed=6, scale_low=120, scale_high=130)
     x = torch.randn(2, 64, generator=torch.Generator().manual_seed(6))
-    monkeypatch.setattr(NativeExtension, "source_hash", lambda self: "0" * 16)
+    real_import = NativeExtension.import_module
+
+    def stale_import(self, path):
+        module = real_import(self, path)
+        return types.SimpleNamespace(source_hash="0" * 16, cpu_supported=module.cpu_supported)
+
+    monkeypatch.setattr(NativeExtension, "import_module", stale_import)
     load_native.cache_clear()
+    native_status.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="older _native.cpp"):
             assert not native_available()
@@ -265,6 +274,7 @@ def test_stale_native_build_is_ignored_and_torch_path_is_used(monkeypatch):
     finally:
         monkeypatch.undo()
         load_native.cache_clear()
+        native_status.cache_clear()
     assert native_available()
 
 

@@ -33,6 +33,8 @@
 
 #include <torch/extension.h>
 
+#include "_native_common.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <sys/mman.h>
@@ -46,12 +48,6 @@
 #include "_native_chunk.h"
 #include "_native_products.h"
 
-// The build passes -DK3_NATIVE_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
-#ifndef K3_NATIVE_SOURCE_HASH
-#define K3_NATIVE_SOURCE_HASH unknown
-#endif
-#define K3_STRINGIFY_VALUE(x) K3_STRINGIFY(x)
-#define K3_STRINGIFY(x) #x
 
 namespace {
 
@@ -394,11 +390,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   return {dq, dk, dv, dg, dbeta, d_state};
 }
 
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -422,6 +413,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
         py::arg("initial_state"), py::arg("states"), py::arg("pseudo_values"), py::arg("d_o"), py::arg("d_final"),
         py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"));
-  m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
-  m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);
+  K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

@@ -1,8 +1,8 @@
 """The optional native KDA kernels (``_native.cpp`` with ``_native_chunk.h`` and ``_native_products.h``:
-the fused chunked forward and backward, and the inter-chunk state recurrence with its adjoint; built
-by ``python -m k3.ops.build``).
+the fused chunked forward and backward, and the inter-chunk state recurrence with its adjoint; compiled on
+first use into the user cache, see :mod:`k3.ops.extension`).
 
-:func:`load_native` returns the compiled module, or None when it is not built, is stale or the CPU
+:func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
 lacks AVX2/FMA (see :mod:`k3.ops.extension`); ``chunk_kda`` then runs the same loops in torch.
 """
 
@@ -12,7 +12,7 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-from k3.ops.extension import NativeExtension
+from k3.ops.extension import NativeExtension, native_status
 
 HERE = Path(__file__).resolve().parent
 KDA_EXTENSION = NativeExtension(
@@ -23,4 +23,4 @@ KDA_EXTENSION = NativeExtension(
 @functools.cache
 def load_native() -> ModuleType | None:
     """The native kernel module if it is built, current and usable on this CPU, else None."""
-    return KDA_EXTENSION.load()
+    return native_status(KDA_EXTENSION).module

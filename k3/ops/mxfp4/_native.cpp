@@ -18,6 +18,8 @@
 
 #include <torch/extension.h>
 
+#include "_native_common.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -27,12 +29,6 @@
 #include <limits>
 #include <vector>
 
-// The build passes -DK3_NATIVE_SOURCE_HASH=<hex digest of this file>, so Python can detect a stale build.
-#ifndef K3_NATIVE_SOURCE_HASH
-#define K3_NATIVE_SOURCE_HASH unknown
-#endif
-#define K3_STRINGIFY_VALUE(x) K3_STRINGIFY(x)
-#define K3_STRINGIFY(x) #x
 
 namespace {
 
@@ -287,11 +283,6 @@ void histogram_scaled_bytes(const torch::Tensor& packed, const torch::Tensor& sc
   }
 }
 
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
-
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -304,6 +295,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,
         "out[65536] int64 += counts of (block scale byte * 256 + packed byte)", py::arg("packed"),
         py::arg("scale"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
-  m.def("cpu_supported", &cpu_supported, "whether this CPU has AVX2 and FMA");
-  m.attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);
+  K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

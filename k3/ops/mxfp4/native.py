@@ -1,6 +1,6 @@
-"""The optional native MXFP4 kernels (``_native.cpp``; built by ``python -m k3.ops.build``).
+"""The optional native MXFP4 kernels (``_native.cpp``; compiled on first use into the user cache).
 
-:func:`load_native` returns the compiled module, or None when it is not built, is stale or the CPU
+:func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
 lacks AVX2/FMA (see :mod:`k3.ops.extension`); callers then use the pure-torch path.
 """
 
@@ -10,7 +10,7 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-from k3.ops.extension import NativeExtension
+from k3.ops.extension import NativeExtension, native_status
 
 MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", Path(__file__).resolve().parent / "_native.cpp")
 
@@ -18,7 +18,7 @@ MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", Path(__file__).resolve
 @functools.cache
 def load_native() -> ModuleType | None:
     """The native kernel module if it is built, current and usable on this CPU, else None."""
-    return MXFP4_EXTENSION.load()
+    return native_status(MXFP4_EXTENSION).module
 
 
 def native_available() -> bool:

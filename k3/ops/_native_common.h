@@ -1,0 +1,52 @@
+// The boilerplate every k3 native extension shares: the source digest compiled into the module, the CPU
+// check the kernels need, and the run-time CPU features `k3 doctor` reports.
+//
+// Each extension's PYBIND11_MODULE calls K3_NATIVE_COMMON(m), which defines
+//   source_hash            the digest k3/ops/extension.py passed as -DK3_NATIVE_SOURCE_HASH (a build from
+//                          another source is detected and ignored by Python)
+//   cpu_supported()        whether this CPU has AVX2 and FMA (the kernels are compiled with
+//                          __attribute__((target)) per function, so the module loads on any x86-64 CPU)
+//   cpu_features()         {feature: detected at run time} for avx2, fma, avx512f, avx512bw, avx512vl,
+//                          avx512bf16, amx-tile, amx-bf16 (as the compiler's __builtin_cpu_supports sees them)
+#pragma once
+
+#include <torch/extension.h>
+
+#include <map>
+#include <string>
+
+#ifndef K3_NATIVE_SOURCE_HASH
+#define K3_NATIVE_SOURCE_HASH unknown
+#endif
+#define K3_STRINGIFY_VALUE(x) K3_STRINGIFY(x)
+#define K3_STRINGIFY(x) #x
+
+namespace k3_native {
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+
+inline std::map<std::string, bool> cpu_features() {
+  __builtin_cpu_init();
+  return {
+      {"avx2", static_cast<bool>(__builtin_cpu_supports("avx2"))},
+      {"fma", static_cast<bool>(__builtin_cpu_supports("fma"))},
+      {"avx512f", static_cast<bool>(__builtin_cpu_supports("avx512f"))},
+      {"avx512bw", static_cast<bool>(__builtin_cpu_supports("avx512bw"))},
+      {"avx512vl", static_cast<bool>(__builtin_cpu_supports("avx512vl"))},
+      {"avx512bf16", static_cast<bool>(__builtin_cpu_supports("avx512bf16"))},
+      {"amx-tile", static_cast<bool>(__builtin_cpu_supports("amx-tile"))},
+      {"amx-bf16", static_cast<bool>(__builtin_cpu_supports("amx-bf16"))},
+  };
+}
+
+}  // namespace k3_native
+
+#define K3_NATIVE_COMMON(m)                                                                          \
+  do {                                                                                               \
+    (m).def("cpu_supported", &k3_native::cpu_supported, "whether this CPU has AVX2 and FMA");        \
+    (m).def("cpu_features", &k3_native::cpu_features, "{feature: bool} detected at run time");      \
+    (m).attr("source_hash") = K3_STRINGIFY_VALUE(K3_NATIVE_SOURCE_HASH);                            \
+  } while (0)
