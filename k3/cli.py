@@ -111,9 +111,11 @@ def _register_rooms() -> None:
     from k3.checkpoint.commands import inspect
     from k3.engine.commands import chat, generate, serve, tokenize
     from k3.model.commands import init as write_random_weights
+    from k3.ops.commands import doctor
     from k3.train.commands import train_app
 
     app.command("inspect")(inspect)
+    app.command("doctor")(doctor)
 
     @app.command("init")
     def init(

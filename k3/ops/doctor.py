@@ -1,0 +1,119 @@
+"""What k3 runs on here: the kernels in use (native or the torch fallback, and why), torch, the CPU.
+
+:func:`diagnose` returns it as a dict (``k3 doctor --json`` prints it); ``k3 doctor`` prints it as text.
+CPU features are detected at run time: from /proc/cpuinfo's flags and, where a native module loaded, from
+the compiler's ``__builtin_cpu_supports`` inside it (the check the kernels themselves rely on).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from k3.ops.extension import NativeExtension, cache_root, native_status
+from k3.ops.kda.native import KDA_EXTENSION
+from k3.ops.mxfp4.native import MXFP4_EXTENSION
+
+# what each extension serves, and what runs instead without it
+KERNELS: tuple[tuple[NativeExtension, str, str], ...] = (
+    (MXFP4_EXTENSION, "MXFP4 matmul (routed experts) and the atlas byte histograms", "dequantize + torch mm"),
+    (KDA_EXTENSION, "chunked KDA forward/backward (prefill, training)", "the same chunked loops in torch"),
+)
+# /proc/cpuinfo flag -> the name __builtin_cpu_supports uses
+CPU_FLAGS = {
+    "avx2": "avx2",
+    "fma": "fma",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl",
+    "avx512_bf16": "avx512bf16",
+    "amx_tile": "amx-tile",
+    "amx_bf16": "amx-bf16",
+}
+
+
+def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU's model name and {feature: present} from /proc/cpuinfo (empty features off Linux)."""
+    model, flags = None, None  # the first CPU's
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and model is None:
+                model = value.strip()
+            elif key.strip() == "flags" and flags is None:
+                flags = set(value.split())
+    features = {name: flag in (flags or ()) for flag, name in CPU_FLAGS.items()}
+    return {"model": model or platform.processor() or platform.machine(), "features": features}
+
+
+def diagnose() -> dict:
+    """Everything `k3 doctor` reports, as plain data."""
+    import k3
+
+    kernels = []
+    for extension, serves, fallback in KERNELS:
+        with warnings.catch_warnings():  # the reason is reported below, not warned about
+            warnings.simplefilter("ignore", RuntimeWarning)
+            status = native_status(extension)
+        kernels.append(
+            {
+                "name": extension.name,
+                "serves": serves,
+                "in_use": "native" if status.in_use else "torch fallback",
+                "reason": status.reason if not status.in_use else "",
+                "fallback": fallback,
+                "path": str(status.path) if status.path else None,
+            }
+        )
+    cpu = cpu_info()
+    loaded = [native_status(ext).module for ext, _, _ in KERNELS if native_status(ext).in_use]
+    native_view = dict(loaded[0].cpu_features()) if loaded else None
+    return {
+        "k3": {"version": k3.__version__, "path": str(Path(k3.__file__).parent)},
+        "python": sys.version.split()[0],
+        "torch": {
+            "version": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "interop_threads": torch.get_num_interop_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "mkl": torch.backends.mkl.is_available(),
+            "openmp": torch.backends.openmp.is_available(),
+        },
+        "cpu": {
+            "model": cpu["model"],
+            "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "features": cpu["features"],
+            "features_native": native_view,
+        },
+        "native_cache": str(cache_root()),
+        "kernels": kernels,
+    }
+
+
+def render(report: dict) -> str:
+    """The report as a few lines of text."""
+    t, cpu = report["torch"], report["cpu"]
+    lines = [
+        f"k3 {report['k3']['version']} ({report['k3']['path']}), Python {report['python']}",
+        f"torch {t['version']}: {t['threads']} threads ({t['interop_threads']} inter-op), "
+        f"CPU capability {t['cpu_capability']}, MKL {'yes' if t['mkl'] else 'no'}, "
+        f"OpenMP {'yes' if t['openmp'] else 'no'}",
+        f"CPU: {cpu['model']}, {cpu['usable_cpus'] or '?'} of {cpu['logical_cpus']} logical CPUs usable",
+    ]
+    features = cpu["features_native"] or cpu["features"]
+    source = "native module" if cpu["features_native"] else "/proc/cpuinfo"
+    lines.append(
+        f"CPU features ({source}): "
+        + ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in features.items())
+    )
+    lines.append(f"native kernels (cache {report['native_cache']}):")
+    for k in report["kernels"]:
+        why = f"; {k['reason']}; instead: {k['fallback']}" if k["reason"] else f" ({k['path']})"
+        lines.append(f"  {k['name']}: {k['in_use']}{why}\n    serves {k['serves']}")
+    return "\n".join(lines)

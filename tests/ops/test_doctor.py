@@ -1,0 +1,56 @@
+"""`k3 doctor`: the kernels it reports are those in use, the fallback's reason, CPU features parsed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from k3.cli import app
+from k3.ops.doctor import cpu_info
+from k3.ops.extension import native_status
+from k3.ops.kda.native import KDA_EXTENSION
+from k3.ops.mxfp4.native import MXFP4_EXTENSION
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_doctor_reports_the_kernels_in_use():
+    result = CliRunner().invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    for kernel, ext in zip(report["kernels"], (MXFP4_EXTENSION, KDA_EXTENSION), strict=True):
+        status = native_status(ext)
+        assert kernel["name"] == ext.name
+        assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
+    assert report["torch"]["threads"] >= 1 and report["cpu"]["logical_cpus"] >= 1
+    if report["cpu"]["features_native"] is not None:  # two run-time detections of the same CPU agree
+        assert report["cpu"]["features_native"] == report["cpu"]["features"]
+    text = CliRunner().invoke(app, ["doctor"]).output
+    assert "k3.ops.kda._native:" in text and "torch 2." in text and "CPU features" in text
+
+
+def test_doctor_says_why_a_kernel_is_not_in_use():
+    env = {**os.environ, "K3_NATIVE": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "k3", "doctor"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("torch fallback; turned off by K3_NATIVE=0") == 2
+    assert "CPU features (/proc/cpuinfo)" in done.stdout  # no native module to ask
+
+
+def test_cpu_features_from_a_planted_cpuinfo(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Planted CPU 9000\nflags\t\t: fpu sse2 avx2 fma avx512f amx_tile\n\n"
+        "processor\t: 1\nmodel name\t: Planted CPU 9000\nflags\t\t: fpu sse2 avx2 fma avx512f amx_tile\n"
+    )
+    info = cpu_info(cpuinfo)
+    assert info["model"] == "Planted CPU 9000"
+    present = {name for name, yes in info["features"].items() if yes}
+    assert present == {"avx2", "fma", "avx512f", "amx-tile"}
