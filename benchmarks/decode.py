@@ -11,6 +11,13 @@ spent inside KDA and MLA mixers is measured with forward hooks. The decode steps
 the context before the next prefill (negligible). Targets (issue 7): the KDA part of decode flat (<= 5 %
 growth 1k -> 64k) and the hybrid cache <= 30 % of the all-MLA cache at 64k. Timings on a shared machine
 are noisy; `--threads 1` (default) avoids torch's thread spinning when other processes hold the cores.
+
+    .venv/bin/python benchmarks/decode.py --step-profile --threads 2   # the decode step, fused vs general
+
+`--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
+profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for
+the fused decode path and the general one (`K3ForCausalLM.set_fast_decode(False)`), steps of the two
+interleaved in one process so that both see the same machine load; experts MXFP4 and F32.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import os
 import socket
 import statistics
 import threading
@@ -112,6 +120,132 @@ def decode_curve(cfg: K3Config, contexts: list[int], steps: int, label: str) -> 
     return rows
 
 
+# ---- one decode step, fused vs general -----------------------------------------------------------------
+COMPONENTS = (("moe", "MoE"), ("kda", "KDAttention"), ("mla", "MLAttention"), ("mlp", "MLP"))
+
+
+def label_components(model: K3ForCausalLM) -> None:
+    """Wrap each component's forward in a profiler range named after it (shared experts count as MoE)."""
+    from torch.profiler import record_function
+
+    inside_moe = {id(m) for moe in model.modules() if type(moe).__name__ == "MoE" for m in moe.modules()}
+    for module in model.modules():
+        kind = next((k for k, name in COMPONENTS if type(module).__name__ == name), None)
+        if kind is None or (kind == "mlp" and id(module) in inside_moe):
+            continue
+        forward = module.forward
+
+        def labelled(*args, _forward=forward, _kind=kind, **kwargs):
+            with record_function(f"component:{_kind}"):
+                return _forward(*args, **kwargs)
+
+        module.forward = labelled
+
+
+def count_ops(events) -> dict[str, int]:
+    """Top-level aten ops (not called from another aten op) per component range."""
+    counts = dict.fromkeys([k for k, _ in COMPONENTS] + ["rest"], 0)
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parent, kind = e.cpu_parent, "rest"
+        while parent is not None and not parent.name.startswith("aten::"):
+            if parent.name.startswith("component:") and kind == "rest":
+                kind = parent.name.split(":", 1)[1]
+            parent = parent.cpu_parent
+        if parent is None:
+            counts[kind] += 1
+    return counts
+
+
+@torch.no_grad()
+def step_profile(cfg: K3Config, quantized: bool, context: int, steps: int) -> list[dict]:
+    from torch.profiler import profile
+
+    model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=None if quantized else False)
+    label_components(model)
+    clock = ComponentClock(model)
+    paths = {"fused": True, "general": False}
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
+    caches, tokens = {}, {}
+    for path, fused in paths.items():
+        caches[path] = model.new_cache(1)
+        model.set_fast_decode(fused)(prompt, caches[path], logits_to_keep=1)
+        tokens[path] = torch.tensor([[1]])
+    times = {p: [] for p in paths}
+    parts = {p: dict.fromkeys(clock.seconds, 0.0) for p in paths}
+    for step in range(steps + 2):  # two warm-up steps
+        for path, fused in paths.items():
+            model.set_fast_decode(fused)
+            clock.reset()
+            t = time.perf_counter()
+            logits = model(tokens[path], caches[path])
+            if step >= 2:
+                times[path].append(time.perf_counter() - t)
+                for k, v in clock.seconds.items():
+                    parts[path][k] += v
+            tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
+    rows = []
+    for path, fused in paths.items():
+        model.set_fast_decode(fused)
+        with profile() as prof:
+            model(tokens[path], caches[path])
+        ops = count_ops(prof.events())
+        ms = 1e3 * statistics.median(times[path])
+        rows.append(
+            {
+                "path": path,
+                "experts": "mxfp4" if quantized else "f32",
+                "ms_per_token": ms,
+                "component_ms": {k: 1e3 * v / steps for k, v in parts[path].items()},
+                "aten_ops": sum(ops.values()),
+                "aten_ops_by_component": ops,
+            }
+        )
+    return rows
+
+
+class ComponentClock:
+    """Wall time per component (forward pre/post hooks), as MixerClock, for MoE, KDA, MLA, dense MLP."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.seconds = dict.fromkeys([k for k, _ in COMPONENTS], 0.0)
+        self._start: dict[int, float] = {}
+        inside_moe = {id(m) for moe in model.modules() if type(moe).__name__ == "MoE" for m in moe.modules()}
+        for module in model.modules():
+            kind = next((k for k, name in COMPONENTS if type(module).__name__ == name), None)
+            if kind is None or (kind == "mlp" and id(module) in inside_moe):
+                continue
+            module.register_forward_pre_hook(lambda m, i: self._start.__setitem__(id(m), time.perf_counter()))
+            module.register_forward_hook(lambda m, i, o, kind=kind: self._stop(m, kind))
+
+    def _stop(self, module: torch.nn.Module, kind: str) -> None:
+        self.seconds[kind] += time.perf_counter() - self._start.pop(id(module))
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+
+
+def print_step_profile(rows: list[dict]) -> None:
+    kinds = [k for k, _ in COMPONENTS]
+    print(
+        f"{'experts':>7} {'path':>8} {'ms/token':>9} "
+        + " ".join(f"{k + ' ms':>8}" for k in kinds)
+        + f" {'rest ms':>8} | {'aten ops':>8} "
+        + " ".join(f"{k:>5}" for k in [*kinds, "rest"])
+    )
+    for r in rows:
+        rest = r["ms_per_token"] - sum(r["component_ms"].values())
+        print(
+            f"{r['experts']:>7} {r['path']:>8} {r['ms_per_token']:9.2f} "
+            + " ".join(f"{r['component_ms'][k]:8.2f}" for k in kinds)
+            + f" {rest:8.2f} | "
+            + f"{r['aten_ops']:8d} "
+            + " ".join(f"{r['aten_ops_by_component'][k]:5d}" for k in [*kinds, "rest"])
+        )
+
+
 # ---- server throughput -------------------------------------------------------------------------------
 def _free_port() -> int:
     with socket.socket() as s:
@@ -194,9 +328,27 @@ def main() -> None:
     ap.add_argument("--streams", default="1,16", help="concurrent streams for --server")
     ap.add_argument("--server-tokens", type=int, default=32, help="tokens per stream for --server")
     ap.add_argument("--json", help="write all results to this file")
+    ap.add_argument("--step-profile", action="store_true", help="only the decode step, fused vs general")
+    ap.add_argument("--profile-context", type=int, default=256, help="prompt length before --step-profile")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = K3Config.preset(args.preset)
+    if args.step_profile:
+        load = os.getloadavg()
+        print(
+            f"{args.preset}, {args.threads} threads, context {args.profile_context}, {args.steps} steps "
+            "each; "
+            f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs"
+        )
+        rows = [r for q in (True, False) for r in step_profile(cfg, q, args.profile_context, args.steps)]
+        print_step_profile(rows)
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(
+                    {"preset": args.preset, "threads": args.threads, "load": load, "rows": rows}, f, indent=2
+                )
+        return
     contexts = sorted(int(c) for c in args.contexts.split(","))
     results: dict = {"preset": args.preset, "threads": args.threads}
     if not args.skip_decode:

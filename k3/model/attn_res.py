@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.model.norm import Linear, RMSNorm
+from k3.model.norm import Linear, RMSNorm, as_dtype
 
 
 def attn_res_read(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor:
@@ -26,22 +26,35 @@ def attn_res_read(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> to
 
     `<rms(v, 1), w>` is computed as `<v, w> / sqrt(mean(v^2) + eps)`: no normalised copy of v, no stack.
     """
-    w = norm.weight.float() * proj.weight[0].float()  # [H]
-    logits = torch.stack(
-        [(v.float() @ w) * torch.rsqrt(v.float().pow(2).mean(-1) + norm.eps) for v in values]
-    )  # [N, B, T]
-    p = logits.softmax(dim=0).to(values[0].dtype)
+    w = as_dtype(norm.weight, torch.float32) * as_dtype(proj.weight[0], torch.float32)  # [H]
+    floats = [as_dtype(v, torch.float32) for v in values]
+    logits = torch.stack([(v @ w) * torch.rsqrt(v.pow(2).mean(-1) + norm.eps) for v in floats])  # [N, B, T]
+    p = as_dtype(logits.softmax(dim=0), values[0].dtype)
     out = p[0, ..., None] * values[0]
     for p_i, v in zip(p[1:], values[1:], strict=True):
         out = out + p_i[..., None] * v
     return out
 
 
-class ResidualStream:
-    """The residual state of one forward pass: `blocks` (finished) and `partial` (the open block)."""
+def attn_res_read_stacked(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor:
+    """`attn_res_read` on the values stacked into one tensor: a dozen ops whatever their number (the same
+    arithmetic but for the order of the final sum; used for decode steps, where ops cost more than math)."""
+    w = as_dtype(norm.weight, torch.float32) * as_dtype(proj.weight[0], torch.float32)  # [H]
+    stacked = torch.stack(values)  # [N, B, T, H]
+    floats = as_dtype(stacked, torch.float32)
+    logits = (floats @ w) * torch.rsqrt(floats.pow(2).mean(-1) + norm.eps)  # [N, B, T]
+    p = as_dtype(logits.softmax(dim=0), values[0].dtype)
+    return (p[..., None] * stacked).sum(0)
 
-    def __init__(self, embeddings: torch.Tensor, block_size: int | None) -> None:
+
+class ResidualStream:
+    """The residual state of one forward pass: `blocks` (finished) and `partial` (the open block).
+
+    `stacked`: reads through `attn_res_read_stacked` (fewer ops; decode steps)."""
+
+    def __init__(self, embeddings: torch.Tensor, block_size: int | None, stacked: bool = False) -> None:
         self.block_size = block_size
+        self.stacked = stacked
         self.blocks: list[torch.Tensor] = []
         self.partial: torch.Tensor | None = embeddings
 
@@ -53,7 +66,7 @@ class ResidualStream:
             assert self.partial is not None
             return self.partial
         assert norm is not None and proj is not None
-        return attn_res_read(self._values(), norm, proj)
+        return (attn_res_read_stacked if self.stacked else attn_res_read)(self._values(), norm, proj)
 
     def mixer_input(self, layer: int, norm: RMSNorm | None, proj: Linear | None) -> torch.Tensor:
         """The mixer's input at layer `layer`; closes the open block when a new one starts there."""

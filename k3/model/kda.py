@@ -20,8 +20,9 @@ from torch import nn
 from k3.config import K3Config
 from k3.layout import kda_a_log_shape
 from k3.model.cache import KDAState
-from k3.model.norm import Linear, RMSNorm
+from k3.model.norm import Linear, RMSNorm, as_dtype
 from k3.ops.kda import chunk_kda, kda_gate, kda_softplus_gate, recurrent_kda_step
+from k3.ops.kda.decode import kda_decode_step
 
 
 class ShortConv(nn.Module):
@@ -47,8 +48,8 @@ class ShortConv(nn.Module):
         width = self.kernel_size - 1
         if tail is None:
             tail = x.new_zeros(B, width, P)
-        full = torch.cat([tail.to(x.dtype), x], dim=1)  # [B, ks-1+T, P]
-        w = self.weight[:, 0, :].to(x.dtype)  # [P, ks]
+        full = torch.cat([as_dtype(tail, x.dtype), x], dim=1)  # [B, ks-1+T, P]
+        w = as_dtype(self.weight[:, 0, :], x.dtype)  # [P, ks]
         y = full[:, 0:T] * w[:, 0]
         for j in range(1, self.kernel_size):
             y = y + full[:, j : j + T] * w[:, j]
@@ -83,6 +84,7 @@ class KDAttention(nn.Module):
             self.g_b_proj = Linear(d, P)
         self.o_norm = RMSNorm(d, cfg.rms_norm_eps)  # per head, F32
         self.o_proj = Linear(P, H)
+        self.fast_decode = True  # one token after a prefill: `decode` (one native call); False: `forward`'s
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """g [B, T, H, d] fp32, the per-channel log-decay."""
@@ -100,13 +102,21 @@ class KDAttention(nn.Module):
         `counts` [B]: real tokens per row (right padding); padded positions leave the state untouched.
         """
         B, T, _ = x.shape
+        if (
+            self.fast_decode
+            and T == 1
+            and counts is None
+            and state is not None
+            and state.recurrent is not None
+        ):
+            return self.decode(x, state)
         heads = (B, T, self.num_heads, self.head_dim)
         tails = (None, None, None) if state is None else (state.conv_q, state.conv_k, state.conv_v)
         q, tail_q = self.q_conv1d(self.q_proj(x), tails[0], counts)
         k, tail_k = self.k_conv1d(self.k_proj(x), tails[1], counts)
         v, tail_v = self.v_conv1d(self.v_proj(x), tails[2], counts)
         g = self.log_decay(x)  # [B, T, H, d] fp32
-        beta = torch.sigmoid(self.b_proj(x).float())  # [B, T, H]
+        beta = torch.sigmoid(as_dtype(self.b_proj(x), torch.float32))  # [B, T, H]
         if counts is not None:  # padded positions: g = 0, beta = 0, so S is left as it was
             real = torch.arange(T, device=x.device)[None, :] < counts[:, None]  # [B, T]
             g = g * real[:, :, None, None]
@@ -126,7 +136,34 @@ class KDAttention(nn.Module):
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = tail_q, tail_k, tail_v, final
         gate = self.g_proj(x) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x))  # [B, T, P]
-        o = self.o_norm(o.float()) * torch.sigmoid(
-            gate.float().view(heads)
+        o = self.o_norm(as_dtype(o, torch.float32)) * torch.sigmoid(
+            as_dtype(gate, torch.float32).view(heads)
         )  # fp32, as transformers' RMSNormGated
-        return self.o_proj(o.reshape(B, T, -1).to(x.dtype))
+        return self.o_proj(as_dtype(o.reshape(B, T, -1), x.dtype))
+
+    def decode(self, x: torch.Tensor, state: KDAState) -> torch.Tensor:
+        """`forward` for one token per sequence with a state: x [B, 1, hidden] -> [B, 1, hidden].
+
+        The convs, L2 norms and recurrence run in one call (k3.ops.kda.decode); the state gets new tensors.
+        """
+        B = x.shape[0]
+        heads = (B, self.num_heads, self.head_dim)
+        x2 = x.view(B, -1)  # [B, hidden]
+        projections = (self.q_proj(x2), self.k_proj(x2), self.v_proj(x2))  # [B, P] each
+        tails = (state.conv_q, state.conv_k, state.conv_v)
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        weights = tuple(as_dtype(c.weight.view(c.weight.shape[0], -1), x.dtype) for c in convs)  # [P, ks]
+        g = self.log_decay(x).view(heads)  # [B, H, d] fp32
+        beta = torch.sigmoid(as_dtype(self.b_proj(x2), torch.float32))  # [B, H]
+        o, new_tails, state.recurrent = kda_decode_step(
+            projections,
+            tails,
+            weights,
+            g,
+            beta,
+            state.recurrent,  # type: ignore[arg-type]
+        )  # o [B, H, d]
+        state.conv_q, state.conv_k, state.conv_v = new_tails
+        gate = self.g_proj(x2) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(x2))  # [B, P]
+        o = self.o_norm(o) * torch.sigmoid(as_dtype(gate, torch.float32).view(heads))
+        return self.o_proj(as_dtype(o.reshape(B, 1, -1), x.dtype))

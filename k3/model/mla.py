@@ -21,7 +21,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.cache import MLAState
-from k3.model.norm import Linear, RMSNorm
+from k3.model.norm import Linear, RMSNorm, as_dtype
 
 # The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6, not rms_norm_eps: as DeepSeek-V3 and
 # transformers' KimiLinearAttention (RMSNorm's default) do.
@@ -105,12 +105,12 @@ class MLAttention(nn.Module):
         S = c.shape[1]
         if visible is None:
             visible = torch.ones(T, S, dtype=torch.bool, device=c.device).tril(S - T)[None].expand(B, T, S)
-        w = self.kv_b_proj.weight.to(c.dtype).view(n, self.nope + self.v_dim, self.kv_lora)
+        w = as_dtype(self.kv_b_proj.weight, c.dtype).view(n, self.nope + self.v_dim, self.kv_lora)
         w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [n, dn, L], [n, dv, L]
         q_latent = torch.einsum("bthd,hdl->bthl", q_nope, w_k)  # [B, T, n, L]
         scores = torch.einsum("bthl,bsl->bhts", q_latent, c) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
-        scores = (scores.float() * self.scale).masked_fill(~visible[:, None], float("-inf"))
-        p = scores.softmax(dim=-1).to(c.dtype)  # [B, n, T, S]
+        scores = (as_dtype(scores, torch.float32) * self.scale).masked_fill(~visible[:, None], float("-inf"))
+        p = as_dtype(scores.softmax(dim=-1), c.dtype)  # [B, n, T, S]
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
 

@@ -25,7 +25,7 @@ from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
 from k3.model.moe import MoE, RoutedExpert, Router
-from k3.model.norm import Linear, RMSNorm
+from k3.model.norm import Linear, RMSNorm, as_dtype
 
 
 class K3DecoderLayer(nn.Module):
@@ -84,6 +84,7 @@ class K3Model(nn.Module):
         if cfg.uses_attn_res:
             self.output_attn_res_norm, self.output_attn_res_proj = RMSNorm(H, cfg.rms_norm_eps), Linear(H, 1)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
+        self.fast_decode = True  # one-token forwards read the residual stream stacked (attn_res)
 
     def forward(
         self,
@@ -97,7 +98,9 @@ class K3Model(nn.Module):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
         counts = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
         stream = ResidualStream(
-            self.embed_tokens(input_ids).to(compute_dtype), self.config.attn_res_block_size
+            as_dtype(self.embed_tokens(input_ids), compute_dtype),
+            self.config.attn_res_block_size,
+            stacked=self.fast_decode and input_ids.shape[1] == 1,
         )
         for i, layer in enumerate(self.layers):
             layer(stream, None if cache is None else cache.layers[i], counts)
@@ -162,6 +165,13 @@ class K3ForCausalLM(nn.Module):
     def routers(self) -> dict[int, Router]:
         """{layer index: its router}, for every MoE layer kept (see k3.model.routing to record or replay)."""
         return {layer.index: layer.block_sparse_moe.gate for layer in self.model.layers if layer.is_moe}
+
+    def set_fast_decode(self, enabled: bool) -> K3ForCausalLM:
+        """One-token steps through the fused decode paths (default) or the general ones (to compare)."""
+        for module in self.modules():
+            if isinstance(module, KDAttention | MoE | K3Model):
+                module.fast_decode = enabled
+        return self
 
     def new_cache(self, batch_size: int = 1) -> ModelCache:
         """An empty cache for `batch_size` sequences."""

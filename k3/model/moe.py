@@ -20,8 +20,8 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.activations import GatedActivation, gated_activation
 from k3.model.mlp import MLP
-from k3.model.norm import Linear, RMSNorm
-from k3.ops.mxfp4 import MXFP4Linear
+from k3.model.norm import Linear, RMSNorm, as_dtype
+from k3.ops.mxfp4 import MXFP4Linear, experts_one_token
 
 
 class Routing(NamedTuple):
@@ -54,11 +54,11 @@ class Router(nn.Module):
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, hidden] -> the unbiased scores [N, E], fp32."""
-        return torch.sigmoid(x.float() @ self.weight.float().t())
+        return torch.sigmoid(as_dtype(x, torch.float32) @ as_dtype(self.weight, torch.float32).t())
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [N, E] -> the top-k experts [N, k] of the biased scores (within the best groups)."""
-        choice = scores + self.e_score_correction_bias.float()
+        choice = scores + as_dtype(self.e_score_correction_bias, torch.float32)
         if self.num_groups > 1:  # keep the best `topk_group` groups, ranked by the sum of their top-2 scores
             N, E = choice.shape
             grouped = choice.view(N, self.num_groups, E // self.num_groups)
@@ -118,6 +118,12 @@ class MoE(nn.Module):
             self.routed_expert_up_proj = Linear(L, H)
         self.experts = nn.ModuleList(RoutedExpert(L, m, act, quantized) for _ in range(cfg.num_experts))
         self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m) if cfg.num_shared_experts else None
+        self.situ = (
+            (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else None
+        )
+        self.fast_decode = (
+            True  # one token: its k experts directly (see dispatch_one); False: the general path
+        )
 
     def dispatch(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L].
@@ -127,6 +133,8 @@ class MoE(nn.Module):
         CPU and not deterministic).
         """
         N, k = indices.shape
+        if N == 1 and self.fast_decode:
+            return self.dispatch_one(z, weights[0], indices[0])
         flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
         order = flat.argsort(stable=True)  # pairs grouped by expert
         counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
@@ -140,6 +148,20 @@ class MoE(nn.Module):
         pair_out = torch.empty_like(sorted_out)
         pair_out[order] = sorted_out  # back to pair order [N*k, L]
         return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
+
+    def dispatch_one(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`dispatch` for one token (a decode step): z [1, L], weights/indices [k] -> [1, L].
+
+        No sort, count or scatter: the k chosen experts run directly; MXFP4 experts in one native call
+        (k3.ops.mxfp4.experts), plain ones one after the other, summed in the order of `indices`.
+        """
+        experts = [self.experts[e] for e in indices.tolist()]
+        if all(isinstance(e.w1, MXFP4Linear) and isinstance(e.w2, MXFP4Linear) for e in experts):
+            return experts_one_token(z, [(e.w1, e.w3, e.w2) for e in experts], weights, self.situ)
+        out = torch.zeros_like(z)
+        for expert, p in zip(experts, as_dtype(weights, z.dtype), strict=True):
+            out += p * expert(z)
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -11,13 +11,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x.to(dtype)` without the op when x already has it (the same tensor either way; saves a dispatch)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """`x / sqrt(mean(x^2) + eps) * weight` over the last dim, computed in fp32, returned in x's dtype."""
-    x32 = x.float()
+    x32 = as_dtype(x, torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
-        y = y * weight.float()
-    return y.to(x.dtype)
+        y = y * as_dtype(weight, torch.float32)
+    return as_dtype(y, x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -48,7 +53,9 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype == x.dtype or w.numel() <= CONVERT_ROWS_ELEMENTS:
+        if w.dtype == x.dtype:
+            return F.linear(x, w)
+        if w.numel() <= CONVERT_ROWS_ELEMENTS:
             return F.linear(x, w.to(x.dtype))
         # a big weight in another dtype (a BF16 lm_head with fp32 compute, say): convert it a slice of
         # output rows at a time, so the converted copy never exists whole

@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "_native_chunk.h"
+#include "_native_decode.h"
 #include "_native_products.h"
 
 
@@ -413,5 +414,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
         py::arg("initial_state"), py::arg("states"), py::arg("pseudo_values"), py::arg("d_o"), py::arg("d_final"),
         py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"));
+  m.def("decode_step", &kda_decode::decode_step,
+        "(o, new conv tails q/k/v, new state): one token's short convs, L2 norms and delta-rule step",
+        py::arg("x_q"), py::arg("x_k"), py::arg("x_v"), py::arg("tail_q"), py::arg("tail_k"), py::arg("tail_v"),
+        py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("g"), py::arg("beta"), py::arg("state"),
+        py::arg("scale"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

@@ -1,5 +1,6 @@
-"""The optional native KDA kernels (``_native.cpp`` with ``_native_chunk.h`` and ``_native_products.h``:
-the fused chunked forward and backward, and the inter-chunk state recurrence with its adjoint; compiled on
+"""The optional native KDA kernels (``_native.cpp`` with ``_native_chunk.h``, ``_native_products.h``,
+``_native_decode.h``: the fused chunked forward and backward, the inter-chunk state recurrence with its
+adjoint, the one-token decode step; compiled on
 first use into the user cache, see :mod:`k3.ops.extension`).
 
 :func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
@@ -16,7 +17,9 @@ from k3.ops.extension import NativeExtension, native_status
 
 HERE = Path(__file__).resolve().parent
 KDA_EXTENSION = NativeExtension(
-    "k3.ops.kda._native", HERE / "_native.cpp", (HERE / "_native_chunk.h", HERE / "_native_products.h")
+    "k3.ops.kda._native",
+    HERE / "_native.cpp",
+    (HERE / "_native_chunk.h", HERE / "_native_products.h", HERE / "_native_decode.h"),
 )
 
 

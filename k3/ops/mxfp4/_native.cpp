@@ -283,6 +283,66 @@ void histogram_scaled_bytes(const torch::Tensor& packed, const torch::Tensor& sc
   }
 }
 
+
+// The MoE of one token in one call (k3/ops/mxfp4/experts.py holds the same steps in torch):
+//     out[L] = sum_j weight_j * W2_j act(W1_j z, W3_j z)
+// over the token's chosen experts j (w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32]).
+// act 0: SiLU-GLU silu(g) u; act 1: SiTU b tanh(g/b) sigmoid(g) c tanh(u/c), b = beta, c = linear_beta.
+// Each expert is the M = 1 path of `matmul` three times; the experts are split across threads.
+torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& w1_packed,
+                                const std::vector<torch::Tensor>& w1_scale,
+                                const std::vector<torch::Tensor>& w3_packed,
+                                const std::vector<torch::Tensor>& w3_scale,
+                                const std::vector<torch::Tensor>& w2_packed,
+                                const std::vector<torch::Tensor>& w2_scale, const torch::Tensor& weights,
+                                int64_t act, double beta, double linear_beta) {
+  const int64_t k = static_cast<int64_t>(w1_packed.size());
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == 1, "z must be [1, L]");
+  TORCH_CHECK(k > 0 && w1_scale.size() == w1_packed.size() && w3_packed.size() == w1_packed.size() &&
+                  w3_scale.size() == w1_packed.size() && w2_packed.size() == w1_packed.size() &&
+                  w2_scale.size() == w1_packed.size(),
+              "one (packed, scale) pair of w1, w3 and w2 per expert");
+  TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() && weights.numel() == k,
+              "weights must be k contiguous float32 values");
+  TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU-GLU) or 1 (SiTU)");
+  const int64_t L = z.size(1), m = w1_packed[0].size(0);
+  TORCH_CHECK(m % kBlock == 0, "the experts' hidden size must be a multiple of 32");
+  for (int64_t j = 0; j < k; ++j) {
+    check_inputs(z, w1_packed[j], w1_scale[j]);
+    check_inputs(z, w3_packed[j], w3_scale[j]);
+    TORCH_CHECK(w2_packed[j].scalar_type() == torch::kUInt8 && w2_packed[j].dim() == 2 &&
+                    w2_packed[j].is_contiguous() && w2_scale[j].scalar_type() == torch::kUInt8 &&
+                    w2_scale[j].dim() == 2 && w2_scale[j].is_contiguous(),
+                "expert ", j, ": w2 must be contiguous uint8 matrices");
+    TORCH_CHECK(w1_packed[j].size(0) == m && w3_packed[j].size(0) == m && w2_packed[j].size(0) == L &&
+                    w2_packed[j].size(1) * 2 == m && w2_scale[j].size(0) == L && w2_scale[j].size(1) * kBlock == m,
+                "expert ", j, ": w1/w3 must be [m, L/2], w2 [L, m/2]");
+  }
+  std::vector<float> per_expert(k * L);
+  const float b = static_cast<float>(beta), c = static_cast<float>(linear_beta);
+  at::parallel_for(0, k, 1, [&](int64_t j0, int64_t j1) {
+    std::vector<float> gate(m), up(m);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* x = z.data_ptr<float>();
+      gemv_one_row(x, w1_packed[j].data_ptr<uint8_t>(), w1_scale[j].data_ptr<uint8_t>(), L, gate.data(), 0, m);
+      gemv_one_row(x, w3_packed[j].data_ptr<uint8_t>(), w3_scale[j].data_ptr<uint8_t>(), L, up.data(), 0, m);
+      for (int64_t i = 0; i < m; ++i) {
+        const float g = gate[i], sig = 1.0f / (1.0f + std::exp(-g));
+        gate[i] = act == 0 ? g * sig * up[i] : b * std::tanh(g / b) * sig * (c * std::tanh(up[i] / c));
+      }
+      gemv_one_row(gate.data(), w2_packed[j].data_ptr<uint8_t>(), w2_scale[j].data_ptr<uint8_t>(), m,
+                   per_expert.data() + j * L, 0, L);
+    }
+  });
+  torch::Tensor out = torch::zeros({1, L}, z.options());
+  float* op = out.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  for (int64_t j = 0; j < k; ++j) {
+    for (int64_t l = 0; l < L; ++l) op[l] += w[j] * per_expert[j * L + l];
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -295,5 +355,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,
         "out[65536] int64 += counts of (block scale byte * 256 + packed byte)", py::arg("packed"),
         py::arg("scale"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+  m.def("experts_one_token", &experts_one_token,
+        "sum_j weight_j W2_j act(W1_j z, W3_j z) over one token's experts (MXFP4 weights)", py::arg("z"),
+        py::arg("w1_packed"), py::arg("w1_scale"), py::arg("w3_packed"), py::arg("w3_scale"),
+        py::arg("w2_packed"), py::arg("w2_scale"), py::arg("weights"), py::arg("act"), py::arg("beta"),
+        py::arg("linear_beta"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

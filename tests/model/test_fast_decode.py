@@ -1,0 +1,117 @@
+"""The fused decode path (one native call for a KDA step, one for the MoE of a token) equals the general one.
+
+References: the torch forms of the same ops (k3.ops.kda.decode / k3.ops.mxfp4.experts, built from the
+model's own modules and `recurrent_kda_step`), the model's general path (`set_fast_decode(False)`), and
+one full forward over the same ids. Bitwise where the arithmetic is the same (the torch fallbacks),
+else 1e-5 relative to the largest logit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.model import K3Model
+from k3.model.moe import MoE
+from k3.ops.kda.decode import kda_decode_step, kda_decode_step_torch
+from k3.ops.kda.native import load_native as load_kda
+from k3.ops.mxfp4 import MXFP4Linear
+from k3.ops.mxfp4.experts import experts_one_token, experts_one_token_torch
+from k3.ops.mxfp4.native import load_native as load_mxfp4
+
+needs_native = pytest.mark.skipif(
+    load_kda() is None or load_mxfp4() is None, reason="native kernels unavailable (see `k3 doctor`)"
+)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@needs_native
+@pytest.mark.parametrize("situ", [None, (4.0, 25.0)])
+def test_native_experts_of_one_token_equal_torch(situ):
+    L, m, k = 256, 128, 4
+    experts = [
+        tuple(
+            MXFP4Linear.from_float(torch.randn(o, i, generator=gen(10 * j + n)) * 0.2)
+            for n, (o, i) in enumerate([(m, L), (m, L), (L, m)])
+        )
+        for j in range(k)
+    ]
+    z = torch.randn(1, L, generator=gen(99))
+    weights = torch.rand(k, generator=gen(98))
+    expected = experts_one_token_torch(z, experts, weights, situ)
+    assert rel(experts_one_token(z, experts, weights, situ), expected) <= 1e-5
+    assert rel(expected, torch.zeros_like(expected)) > 0  # not trivially zero
+
+
+@needs_native
+@pytest.mark.parametrize("B", [1, 3])
+def test_native_kda_decode_step_equals_torch(B):
+    H, K, ks = 4, 64, 4
+    P = H * K
+    x = tuple(torch.randn(B, P, generator=gen(i)) for i in range(3))
+    tails = tuple(torch.randn(B, ks - 1, P, generator=gen(10 + i)) for i in range(3))
+    weights = tuple(torch.randn(P, ks, generator=gen(20 + i)) for i in range(3))
+    g = -torch.rand(B, H, K, generator=gen(30)) * 2
+    beta = torch.rand(B, H, generator=gen(31))
+    state = torch.randn(B, H, K, K, generator=gen(32))
+    before = state.clone()
+    o, new_tails, new_state = kda_decode_step(x, tails, weights, g, beta, state)
+    o_ref, tails_ref, state_ref = kda_decode_step_torch(x, tails, weights, g, beta, state)
+    assert rel(o, o_ref) <= 1e-5 and rel(new_state, state_ref) <= 1e-5
+    assert all(torch.equal(a, b) for a, b in zip(new_tails, tails_ref, strict=True))  # copies of inputs
+    assert torch.equal(state, before)  # the input state is not modified
+
+
+@torch.no_grad()
+def decode_logits(model: K3ForCausalLM, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of `prefill` tokens, then one decode step per remaining token."""
+    cache = model.new_cache(ids.shape[0])
+    steps = [model(ids[:, :prefill], cache)]
+    steps += [model(ids[:, t : t + 1], cache) for t in range(prefill, ids.shape[1])]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mini"])
+@pytest.mark.parametrize("quantized", [None, False])
+def test_fast_decode_equals_general_path_and_full_forward(preset, quantized):
+    cfg = K3Config.preset(preset)
+    model = K3ForCausalLM.from_config(
+        cfg, seed=3, quantized_experts=quantized, num_layers=min(cfg.num_hidden_layers, 9)
+    )
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=gen(5))
+    fast = decode_logits(model.set_fast_decode(True), ids, 16)
+    general = decode_logits(model.set_fast_decode(False), ids, 16)
+    model.set_fast_decode(True)
+    with torch.no_grad():
+        full = model(ids)
+    assert torch.equal(fast[:, :16], general[:, :16])  # the prefill takes the same path
+    assert rel(fast, general) <= 1e-5
+    assert rel(fast, full) <= 1e-4  # chunked vs recurrent KDA, as tests/model/test_cache.py allows
+    assert rel(general, full) <= 1e-4
+
+
+def test_fast_decode_of_a_batch_and_without_native_kernels(monkeypatch):
+    """B = 2 (KDA fused per row, MoE through the general dispatch); the KDA torch fallback is bitwise."""
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM.from_config(cfg, seed=4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=gen(6))
+    general = decode_logits(model.set_fast_decode(False), ids, 8)
+    fast = decode_logits(model.set_fast_decode(True), ids, 8)
+    assert rel(fast, general) <= 1e-5
+    monkeypatch.setattr("k3.ops.kda.decode.load_native", lambda: None)
+    for module in model.modules():  # the fused KDA step in torch; MoE and AttnRes reads: general
+        if isinstance(module, MoE | K3Model):
+            module.fast_decode = False
+    assert torch.equal(decode_logits(model, ids, 8), general)  # same arithmetic, op for op
+    monkeypatch.setattr("k3.ops.mxfp4.experts.load_native", lambda: None)
+    model.set_fast_decode(True)
+    assert rel(decode_logits(model, ids[:1], 8), general[:1]) <= 1e-5
