@@ -103,13 +103,15 @@ class MLAttention(nn.Module):
         """Same result as `attend_plain`, with kv_b folded into the query and the output."""
         B, T, n, _ = q_nope.shape
         S = c.shape[1]
-        if visible is None:
+        if visible is None and T > 1:  # causal; a single query (T = 1) sees all S keys: no mask
             visible = torch.ones(T, S, dtype=torch.bool, device=c.device).tril(S - T)[None].expand(B, T, S)
         w = as_dtype(self.kv_b_proj.weight, c.dtype).view(n, self.nope + self.v_dim, self.kv_lora)
         w_k, w_v = w[:, : self.nope], w[:, self.nope :]  # [n, dn, L], [n, dv, L]
         q_latent = torch.einsum("bthd,hdl->bthl", q_nope, w_k)  # [B, T, n, L]
         scores = torch.einsum("bthl,bsl->bhts", q_latent, c) + torch.einsum("bthr,bsr->bhts", q_rope, k_rope)
-        scores = (as_dtype(scores, torch.float32) * self.scale).masked_fill(~visible[:, None], float("-inf"))
+        scores = as_dtype(scores, torch.float32) * self.scale
+        if visible is not None:
+            scores = scores.masked_fill(~visible[:, None], float("-inf"))
         p = as_dtype(scores.softmax(dim=-1), c.dtype)  # [B, n, T, S]
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
@@ -131,16 +133,17 @@ class MLAttention(nn.Module):
         q_nope, q_rope = self.queries(x)
         c, k_rope = self.latents(x)
         visible = None
+        if absorb is None:
+            absorb = state is not None and T == 1
         if state is not None:
             if counts is None:
                 counts = torch.full((B,), T, dtype=torch.long, device=x.device)
             offsets = state.append(c, k_rope, counts)  # [B]
             S = int(offsets.max()) + T
             c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
-            last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
-            visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]
-        if absorb is None:
-            absorb = state is not None and T == 1
+            if not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key
+                last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
+                visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]
         attend = self.attend_absorbed if absorb else self.attend_plain
         o = attend(q_nope, q_rope, c, k_rope, visible).reshape(B, T, -1)  # [B, T, n * dv]
         if self.output_gate:

@@ -152,16 +152,11 @@ class MoE(nn.Module):
     def dispatch_one(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """`dispatch` for one token (a decode step): z [1, L], weights/indices [k] -> [1, L].
 
-        No sort, count or scatter: the k chosen experts run directly; MXFP4 experts in one native call
-        (k3.ops.mxfp4.experts), plain ones one after the other, summed in the order of `indices`.
+        No sort, count or scatter: the k chosen experts run in one native call (k3.ops.mxfp4.experts;
+        MXFP4 or fp32 weights, else one torch op at a time), summed in the order of `indices`.
         """
         experts = [self.experts[e] for e in indices.tolist()]
-        if all(isinstance(e.w1, MXFP4Linear) and isinstance(e.w2, MXFP4Linear) for e in experts):
-            return experts_one_token(z, [(e.w1, e.w3, e.w2) for e in experts], weights, self.situ)
-        out = torch.zeros_like(z)
-        for expert, p in zip(experts, as_dtype(weights, z.dtype), strict=True):
-            out += p * expert(z)
-        return out
+        return experts_one_token(z, [(e.w1, e.w3, e.w2) for e in experts], weights, self.situ)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -21,8 +21,16 @@ from k3.ops.mxfp4.native import MXFP4_EXTENSION
 
 # what each extension serves, and what runs instead without it
 KERNELS: tuple[tuple[NativeExtension, str, str], ...] = (
-    (MXFP4_EXTENSION, "MXFP4 matmul (routed experts) and the atlas byte histograms", "dequantize + torch mm"),
-    (KDA_EXTENSION, "chunked KDA forward/backward (prefill, training)", "the same chunked loops in torch"),
+    (
+        MXFP4_EXTENSION,
+        "MXFP4 matmul (routed experts), one decode token's experts in one call, the atlas histograms",
+        "dequantize + torch mm; one torch op at a time",
+    ),
+    (
+        KDA_EXTENSION,
+        "chunked KDA forward/backward (prefill, training), the one-token KDA decode step",
+        "the same loops in torch",
+    ),
 )
 # /proc/cpuinfo flag -> the name __builtin_cpu_supports uses
 CPU_FLAGS = {

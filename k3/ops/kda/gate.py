@@ -17,6 +17,10 @@ import torch
 import torch.nn.functional as F
 
 
+def _f32(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float32 else x.float()  # no op (and no dispatch) when already fp32
+
+
 def _gate_inputs(
     f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, num_heads: int | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,19 +32,19 @@ def _gate_inputs(
         H = num_heads if num_heads is not None else A_log.numel()
         if H < 1 or width % H:
             raise ValueError(f"cannot split f's last dim {width} into {H} heads; pass num_heads")
-        x = (f.float() + dt_bias.float()).view(*f.shape[:-1], H, width // H)
+        x = (_f32(f) + _f32(dt_bias)).view(*f.shape[:-1], H, width // H)
     elif f.dim() >= 2 and f.shape[-2] * f.shape[-1] == width:  # [..., H, K]
         H = f.shape[-2]
         if num_heads is not None and num_heads != H:
             raise ValueError(f"f has {H} heads but num_heads={num_heads}")
-        x = f.float() + dt_bias.float().view(H, -1)
+        x = _f32(f) + _f32(dt_bias).view(H, -1)
     else:
         raise ValueError(
             f"f must be [..., H, K] or [..., H*K] with H*K = dt_bias.numel() = {width}, got {tuple(f.shape)}"
         )
     if A_log.numel() < H:
         raise ValueError(f"A_log has {A_log.numel()} entries, fewer than the {H} heads")
-    rate = A_log.float().reshape(-1)[:H].exp().view(H, 1)
+    rate = _f32(A_log).reshape(-1)[:H].exp().view(H, 1)
     return x, rate
 
 

@@ -1,5 +1,6 @@
-// Native CPU kernels for MXFP4 matmul: out[M, N] = x[M, K] @ W[N, K]^T with W kept packed; and, at the
-// end, the two byte histograms the atlas scan counts MXFP4 and 16-bit tensors with.
+// Native CPU kernels for MXFP4 matmul: out[M, N] = x[M, K] @ W[N, K]^T with W kept packed; one decode
+// token's routed experts in one call (MXFP4 or plain fp32 weights); and, at the end, the two byte
+// histograms the atlas scan counts MXFP4 and 16-bit tensors with.
 //
 // Layout (compressed-tensors `mxfp4-pack-quantized`):
 //   packed [N, K/2] uint8: element 2j in the low nibble of byte j, element 2j+1 in the high nibble
@@ -284,54 +285,49 @@ void histogram_scaled_bytes(const torch::Tensor& packed, const torch::Tensor& sc
 }
 
 
-// The MoE of one token in one call (k3/ops/mxfp4/experts.py holds the same steps in torch):
+// Dense fp32 rows: out[n] = W[n, :] . x for n in [0, N) (experts kept as plain fp32 weights).
+__attribute__((target("avx2,fma"))) void gemv_dense(const float* x, const float* W, int64_t K, int64_t N,
+                                                    float* out) {
+  const int64_t body = K - K % 16;
+  for (int64_t n = 0; n < N; ++n) {
+    const float* row = W + n * K;
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int64_t i = 0; i < body; i += 16) {
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(row + i), _mm256_loadu_ps(x + i), a);
+      b = _mm256_fmadd_ps(_mm256_loadu_ps(row + i + 8), _mm256_loadu_ps(x + i + 8), b);
+    }
+    float tail = 0.0f;
+    for (int64_t i = body; i < K; ++i) tail += row[i] * x[i];
+    out[n] = horizontal_sum(_mm256_add_ps(a, b)) + tail;
+  }
+}
+
+// The routed experts of one token in one call (k3/ops/mxfp4/experts.py holds the same steps in torch):
 //     out[L] = sum_j weight_j * W2_j act(W1_j z, W3_j z)
-// over the token's chosen experts j (w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32]).
 // act 0: SiLU-GLU silu(g) u; act 1: SiTU b tanh(g/b) sigmoid(g) c tanh(u/c), b = beta, c = linear_beta.
-// Each expert is the M = 1 path of `matmul` three times; the experts are split across threads.
-torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& w1_packed,
-                                const std::vector<torch::Tensor>& w1_scale,
-                                const std::vector<torch::Tensor>& w3_packed,
-                                const std::vector<torch::Tensor>& w3_scale,
-                                const std::vector<torch::Tensor>& w2_packed,
-                                const std::vector<torch::Tensor>& w2_scale, const torch::Tensor& weights,
-                                int64_t act, double beta, double linear_beta) {
-  const int64_t k = static_cast<int64_t>(w1_packed.size());
-  TORCH_CHECK(z.dim() == 2 && z.size(0) == 1, "z must be [1, L]");
-  TORCH_CHECK(k > 0 && w1_scale.size() == w1_packed.size() && w3_packed.size() == w1_packed.size() &&
-                  w3_scale.size() == w1_packed.size() && w2_packed.size() == w1_packed.size() &&
-                  w2_scale.size() == w1_packed.size(),
-              "one (packed, scale) pair of w1, w3 and w2 per expert");
+// `gemv(j, matrix, x, out)` applies matrix 0 (W1, [m, L]), 1 (W3) or 2 (W2, [L, m]) of expert j; the
+// experts are split across threads, the weighted sum runs in expert order.
+template <typename Gemv>
+torch::Tensor run_experts(const torch::Tensor& z, int64_t k, int64_t m, const Gemv& gemv,
+                          const torch::Tensor& weights, int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(z.dim() == 2 && z.size(0) == 1 && z.scalar_type() == torch::kFloat32 && z.is_contiguous(),
+              "z must be a contiguous float32 [1, L] tensor");
   TORCH_CHECK(weights.scalar_type() == torch::kFloat32 && weights.is_contiguous() && weights.numel() == k,
               "weights must be k contiguous float32 values");
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU-GLU) or 1 (SiTU)");
-  const int64_t L = z.size(1), m = w1_packed[0].size(0);
-  TORCH_CHECK(m % kBlock == 0, "the experts' hidden size must be a multiple of 32");
-  for (int64_t j = 0; j < k; ++j) {
-    check_inputs(z, w1_packed[j], w1_scale[j]);
-    check_inputs(z, w3_packed[j], w3_scale[j]);
-    TORCH_CHECK(w2_packed[j].scalar_type() == torch::kUInt8 && w2_packed[j].dim() == 2 &&
-                    w2_packed[j].is_contiguous() && w2_scale[j].scalar_type() == torch::kUInt8 &&
-                    w2_scale[j].dim() == 2 && w2_scale[j].is_contiguous(),
-                "expert ", j, ": w2 must be contiguous uint8 matrices");
-    TORCH_CHECK(w1_packed[j].size(0) == m && w3_packed[j].size(0) == m && w2_packed[j].size(0) == L &&
-                    w2_packed[j].size(1) * 2 == m && w2_scale[j].size(0) == L && w2_scale[j].size(1) * kBlock == m,
-                "expert ", j, ": w1/w3 must be [m, L/2], w2 [L, m/2]");
-  }
+  const int64_t L = z.size(1);
   std::vector<float> per_expert(k * L);
   const float b = static_cast<float>(beta), c = static_cast<float>(linear_beta);
   at::parallel_for(0, k, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> gate(m), up(m);
     for (int64_t j = j0; j < j1; ++j) {
-      const float* x = z.data_ptr<float>();
-      gemv_one_row(x, w1_packed[j].data_ptr<uint8_t>(), w1_scale[j].data_ptr<uint8_t>(), L, gate.data(), 0, m);
-      gemv_one_row(x, w3_packed[j].data_ptr<uint8_t>(), w3_scale[j].data_ptr<uint8_t>(), L, up.data(), 0, m);
+      gemv(j, 0, z.data_ptr<float>(), gate.data());
+      gemv(j, 1, z.data_ptr<float>(), up.data());
       for (int64_t i = 0; i < m; ++i) {
         const float g = gate[i], sig = 1.0f / (1.0f + std::exp(-g));
         gate[i] = act == 0 ? g * sig * up[i] : b * std::tanh(g / b) * sig * (c * std::tanh(up[i] / c));
       }
-      gemv_one_row(gate.data(), w2_packed[j].data_ptr<uint8_t>(), w2_scale[j].data_ptr<uint8_t>(), m,
-                   per_expert.data() + j * L, 0, L);
+      gemv(j, 2, gate.data(), per_expert.data() + j * L);
     }
   });
   torch::Tensor out = torch::zeros({1, L}, z.options());
@@ -341,6 +337,53 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     for (int64_t l = 0; l < L; ++l) op[l] += w[j] * per_expert[j * L + l];
   }
   return out;
+}
+
+// MXFP4 experts: w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32].
+torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& packed,
+                                const std::vector<torch::Tensor>& scale, const torch::Tensor& weights,
+                                int64_t act, double beta, double linear_beta) {
+  const int64_t k = static_cast<int64_t>(packed.size()) / 3;
+  TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
+              "packed and scale: (w1, w3, w2) of each expert, in expert order");
+  const int64_t L = z.size(1), m = packed[0].size(0);
+  TORCH_CHECK(m % kBlock == 0 && L % kBlock == 0, "the experts' sizes must be multiples of 32");
+  for (int64_t i = 0; i < 3 * k; ++i) {
+    const bool down = i % 3 == 2;
+    TORCH_CHECK(packed[i].scalar_type() == torch::kUInt8 && scale[i].scalar_type() == torch::kUInt8 &&
+                    packed[i].is_contiguous() && scale[i].is_contiguous() && packed[i].dim() == 2 &&
+                    scale[i].dim() == 2,
+                "packed weights and scales must be contiguous uint8 matrices");
+    const int64_t rows = down ? L : m, cols = down ? m : L;
+    TORCH_CHECK(packed[i].size(0) == rows && packed[i].size(1) * 2 == cols && scale[i].size(0) == rows &&
+                    scale[i].size(1) * kBlock == cols,
+                "expert ", i / 3, ": w1/w3 must be [m, L/2] (+ [m, L/32]), w2 [L, m/2] (+ [L, m/32])");
+  }
+  auto gemv = [&](int64_t j, int matrix, const float* x, float* out) {
+    const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
+    gemv_one_row(x, packed[i].data_ptr<uint8_t>(), scale[i].data_ptr<uint8_t>(), cols, out, 0, rows);
+  };
+  return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);
+}
+
+// Plain fp32 experts: w1, w3 [m, L]; w2 [L, m].
+torch::Tensor experts_one_token_dense(const torch::Tensor& z, const std::vector<torch::Tensor>& dense,
+                                      const torch::Tensor& weights, int64_t act, double beta,
+                                      double linear_beta) {
+  const int64_t k = static_cast<int64_t>(dense.size()) / 3;
+  TORCH_CHECK(k > 0 && dense.size() == 3 * k, "dense: (w1, w3, w2) of each expert, in expert order");
+  const int64_t L = z.size(1), m = dense[0].size(0);
+  for (int64_t i = 0; i < 3 * k; ++i) {
+    const bool down = i % 3 == 2;
+    TORCH_CHECK(dense[i].scalar_type() == torch::kFloat32 && dense[i].is_contiguous() && dense[i].dim() == 2 &&
+                    dense[i].size(0) == (down ? L : m) && dense[i].size(1) == (down ? m : L),
+                "expert ", i / 3, ": w1/w3 must be contiguous float32 [m, L], w2 [L, m]");
+  }
+  auto gemv = [&](int64_t j, int matrix, const float* x, float* out) {
+    const int64_t rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
+    gemv_dense(x, dense[3 * j + matrix].data_ptr<float>(), cols, rows, out);
+  };
+  return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);
 }
 
 }  // namespace
@@ -356,9 +399,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "out[65536] int64 += counts of (block scale byte * 256 + packed byte)", py::arg("packed"),
         py::arg("scale"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("experts_one_token", &experts_one_token,
-        "sum_j weight_j W2_j act(W1_j z, W3_j z) over one token's experts (MXFP4 weights)", py::arg("z"),
-        py::arg("w1_packed"), py::arg("w1_scale"), py::arg("w3_packed"), py::arg("w3_scale"),
-        py::arg("w2_packed"), py::arg("w2_scale"), py::arg("weights"), py::arg("act"), py::arg("beta"),
+        "sum_j weight_j W2_j act(W1_j z, W3_j z) over one token's MXFP4 experts ((w1, w3, w2) per expert)",
+        py::arg("z"), py::arg("packed"), py::arg("scale"), py::arg("weights"), py::arg("act"), py::arg("beta"),
         py::arg("linear_beta"));
+  m.def("experts_one_token_dense", &experts_one_token_dense,
+        "the same for plain float32 experts", py::arg("z"), py::arg("dense"), py::arg("weights"),
+        py::arg("act"), py::arg("beta"), py::arg("linear_beta"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }
