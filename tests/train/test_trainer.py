@@ -16,8 +16,6 @@ from safetensors.torch import load_file
 from k3.train.optim import build_optimizer
 from k3.train.trainer import TrainConfig, TrainError, train
 
-pytest.importorskip("k3.model")
-
 
 def tiny(out: Path, **overrides) -> TrainConfig:
     settings = dict(
@@ -263,4 +261,7 @@ def test_cli_trains_and_plots(tmp_path: Path) -> None:
     for name in ("loss.png", "load_balance.png"):
         assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     result = CliRunner().invoke(train_app, ["--balance", "aux", "--out", str(tmp_path / "bad"), "--quiet"])
-    assert result.exit_code == 1 and "unknown method 'aux'" in result.output
+    assert result.exit_code == 2  # typer refuses it (tests/train/test_commands.py)
+    bad = ["--balance", "deepseek", "--balance-refresh", "--out", str(tmp_path / "bad"), "--quiet"]
+    result = CliRunner().invoke(train_app, bad)
+    assert result.exit_code == 1 and "--balance-refresh: applies to --balance qb only" in result.output
