@@ -4,6 +4,7 @@ export, the CLI and the plots. Runs are a few steps of 2 x 32 tokens."""
 from __future__ import annotations
 
 import csv
+import json
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,7 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(uninterrupted: Path, tmp
     run = tmp_path / "run"
     script = textwrap.dedent(
         f"""
-        import os, signal
+        import json, os, signal
         import k3.train.state as state
         from k3.train.trainer import TrainConfig, train
         real, calls = state.save_file, []
@@ -80,7 +81,7 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(uninterrupted: Path, tmp
                 os.kill(os.getpid(), signal.SIGKILL)
             real(tensors, path)
         state.save_file = dying_save_file
-        train(TrainConfig(**{tiny(run).__dict__!r}))
+        train(TrainConfig(**json.loads({json.dumps(tiny(run).__dict__)!r})))
         """
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=300)
