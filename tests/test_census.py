@@ -18,7 +18,7 @@ def k3():
 
 
 def test_k3_headline_figures(k3):
-    # The published figures (../shared/spec/K3.md section 1 and the seeds).
+    # The published figures (docs/spec/K3.md section 1 and the seeds).
     assert round(k3["total_params"] / 1e9, 2) == 2779.48
     assert round(k3["active_params"] / 1e9, 1) == 104.2
     assert round(k3["active_fraction"] * 100, 1) == 3.7
