@@ -13,10 +13,9 @@ Rerunning a killed run continues from its newest checkpoint: the CSV is cut back
 remaining steps see the same batches, RNG and optimizer state, so on CPU the losses equal an
 uninterrupted run's bit for bit.
 
-Routing balance needs each MoE layer's router scores for the batch: the trainer registers a forward
-hook on every `Router` (k3.model.moe) that recomputes `sigmoid(x @ gate.weight^T)` from the router's input
-(the model exposes no scores of its own) and records the chosen experts. After the optimizer step the
-balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
+Routing balance needs each MoE layer's router scores for the batch: the trainer records them, with the
+chosen experts, through `record_routing` (k3.model.routing), as the routers computed them. After the
+optimizer step the balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
 bias a batch is routed with comes from earlier batches only.
 
 With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
