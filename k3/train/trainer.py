@@ -15,8 +15,8 @@ uninterrupted run's bit for bit.
 
 Routing balance needs each MoE layer's router scores for the batch: the trainer records them, with the
 chosen experts, through `record_routing` (k3.model.routing), as the routers computed them. After the
-optimizer step the balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
-bias a batch is routed with comes from earlier batches only.
+optimizer step the balancer turns them into new biases, written to the routers' `e_score_correction_bias`
+buffers; so the bias a batch is routed with comes from earlier batches only.
 
 With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
 batch without gradients, and every router fits QB to it just before routing it: the bias then fits the
