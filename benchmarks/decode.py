@@ -165,19 +165,21 @@ def step_profile(cfg: K3Config, quantized: bool, context: int, steps: int) -> li
     model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=None if quantized else False)
     label_components(model)
     clock = ComponentClock(model)
-    paths = {"fused": True, "general": False}
+    # a tree without set_fast_decode (k3 before the fused paths; PYTHONPATH=that tree) has one path
+    paths = {"fused": True, "general": False} if hasattr(model, "set_fast_decode") else {"original": None}
+    select = getattr(model, "set_fast_decode", lambda fused: model)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
     caches, tokens = {}, {}
     for path, fused in paths.items():
         caches[path] = model.new_cache(1)
-        model.set_fast_decode(fused)(prompt, caches[path], logits_to_keep=1)
+        select(fused)(prompt, caches[path], logits_to_keep=1)
         tokens[path] = torch.tensor([[1]])
     times = {p: [] for p in paths}
     parts = {p: dict.fromkeys(clock.seconds, 0.0) for p in paths}
     for step in range(steps + 2):  # two warm-up steps
         for path, fused in paths.items():
-            model.set_fast_decode(fused)
+            select(fused)
             clock.reset()
             t = time.perf_counter()
             logits = model(tokens[path], caches[path])
@@ -188,7 +190,7 @@ def step_profile(cfg: K3Config, quantized: bool, context: int, steps: int) -> li
             tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
     rows = []
     for path, fused in paths.items():
-        model.set_fast_decode(fused)
+        select(fused)
         with profile() as prof:
             model(tokens[path], caches[path])
         ops = count_ops(prof.events())
