@@ -237,6 +237,11 @@ class HttpSource:
                 list(pool.map(fill, blocks))  # list() re-raises the first failure
         return out
 
+    def read_owned(self, offset: int, length: int) -> bytearray:
+        """The bytes in one ranged request (retried as usual), whatever their length; no block cache."""
+        check_range(self, offset, length)
+        return bytearray(self._fetch(offset, length)) if length else bytearray()
+
     def _fetch(self, offset: int, length: int) -> bytes:
         body, size = self._http.get_range(self.url, offset, length)
         if size != self.size:

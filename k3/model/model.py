@@ -183,6 +183,7 @@ class K3ForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         layers: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
     ) -> K3ForCausalLM:
         """Load a checkpoint directory or URL (K3 or Kimi Linear layout, or transformers' save_pretrained).
 
@@ -190,11 +191,14 @@ class K3ForCausalLM(nn.Module):
         F32); the computation runs in `compute_dtype`, by default `dtype` or fp32. `layers=N`: the first N
         layers, then the output read, the final norm and lm_head. Names and shapes are checked strictly
         (`k3.model.loading.ModelLoadError` lists what is missing, unexpected or mis-shaped). Weights are
-        read in place from the memory-mapped shards: nothing is copied unless converted.
+        read in place from the memory-mapped shards: nothing is copied unless converted. Weights need no
+        gradient (`model(ids)` keeps no copies of them for autograd) unless `requires_grad=True` (training).
         """
         from k3.model.loading import load_model
 
-        return load_model(cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype)
+        return load_model(
+            cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype, requires_grad=requires_grad
+        )
 
     @classmethod
     def from_config(
