@@ -77,7 +77,7 @@ def _sorted(items: list[tuple[str, TensorInfo]]) -> tuple[tuple[str, TensorInfo]
 
 
 class StreamPlan:
-    """The stages of a checkpoint for its config's layers (names and shapes checked like `from_pretrained`)."""
+    """The stages of a checkpoint for all its layers (names and shapes checked as `from_pretrained` does)."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         cfg = ckpt.config

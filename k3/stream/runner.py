@@ -31,7 +31,7 @@ import torch
 
 from k3.errors import K3Error
 from k3.model.attn_res import ResidualStream
-from k3.stream.fetch import CheckpointWeights, ReadStats, Reads, ResidentWeights, Tensors
+from k3.stream.fetch import CheckpointWeights, Reads, ReadStats, ResidentWeights, Tensors
 from k3.stream.layer import (
     LayerState,
     empty_ends,
