@@ -121,7 +121,11 @@ def expert_dispatch(
         expert = moe.experts[e]
         fill(expert, tensors)
         rows = order[starts[e] : starts[e + 1]]
-        sorted_out[starts[e] : starts[e + 1]] = expert(z[rows // k])
+        # the native MXFP4 kernel writes its output from intra-op worker threads, which do not inherit
+        # inference mode: an output made in inference mode cannot be written there. Run it outside.
+        with torch.inference_mode(False), torch.no_grad():
+            y = expert(z[rows // k])
+        sorted_out[starts[e] : starts[e + 1]] = y
         release(expert, tensors)
     pair_out = torch.empty_like(sorted_out)
     pair_out[order] = sorted_out  # back to pair order [N*k, L]
