@@ -66,3 +66,12 @@ def checkpoints(tmp_path_factory):
 def prompts_for(vocab: int, lengths=(7, 3, 40, 1), seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls on a shared 2-core machine: one torch thread is several times faster than two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
