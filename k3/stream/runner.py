@@ -140,6 +140,7 @@ class StreamRun:
         self.outputs: dict[str, torch.Tensor] = {}
         self.experts_touched: list[dict[int, list[int]]] = []  # per pass: layer -> experts read
         self.generated: list[list[int]] = [[] for _ in prompts]  # greedy tokens so far, per prompt
+        self.spills = 0  # times state left RAM for its scratch file (a layer's caches, or the streams)
 
     # ---- the schedule -------------------------------------------------------------------------------
     def run(self) -> StreamResult:
@@ -313,7 +314,9 @@ class StreamRun:
         cache_bytes = sum(_nbytes(state_tensors(c)) for c in self.caches if c is not None)
         if generating and stream_bytes + cache_bytes > self.options.memory_budget:
             self.caches[i] = None  # read back from its file at the next pass
+            self.spills += 1
         if stream_bytes > self.options.memory_budget:  # the streams as views of the file just written
+            self.spills += 1
             return streams_from(self.scratch.read(STATE), len(self.prompts), self.cfg.attn_res_block_size)
         return streams
 
@@ -367,4 +370,5 @@ class StreamRun:
             "seconds_compute": seconds - s.seconds_waiting,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "scratch_bytes_written": self.scratch.bytes_written if self.scratch is not None else 0,
+            "state_spills": self.spills,
         }
