@@ -15,7 +15,6 @@ from k3.config import K3Config
 from k3.model.init import init_checkpoint
 
 
-
 def k3ish_config() -> K3Config:
     raw = json.loads(json.dumps(K3Config.preset("tiny").to_dict()))
     text = raw["text_config"]

@@ -23,7 +23,11 @@ MODEL_BOUND = 2e-5
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
+    )
 
 
 def greedy(model: K3ForCausalLM, ids: list[int], n: int) -> list[int]:
@@ -112,6 +116,9 @@ def test_over_http_each_byte_is_read_once(checkpoints, name):
     assert remote.summary["experts_touched_ids"][0] == {str(k): v for k, v in used.items()}
     expert_bytes = sum(plan.expert_bytes(layer, e) for layer, es in used.items() for e in es)
     assert sum(b - a for _, a, b in data) == plan.dense_bytes + expert_bytes
-    assert remote.summary["bytes_experts"] == expert_bytes < sum(
-        plan.expert_bytes(layer, e) for layer in used for e in plan.experts[layer]
-    ) or name == "tiny"  # tiny's 8 experts are all chosen by 51 tokens
+    assert (
+        remote.summary["bytes_experts"]
+        == expert_bytes
+        < sum(plan.expert_bytes(layer, e) for layer in used for e in plan.experts[layer])
+        or name == "tiny"
+    )  # tiny's 8 experts are all chosen by 51 tokens

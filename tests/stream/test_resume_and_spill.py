@@ -40,7 +40,17 @@ def run_child(ckpt: Path, out: Path, stage: str, pass_index: int, prompts: list[
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     options = json.dumps({**OPTIONS, "dump_hidden": list(OPTIONS["dump_hidden"])})
-    args = [sys.executable, "-c", CHILD, str(ckpt), str(out), stage, str(pass_index), json.dumps(prompts), options]
+    args = [
+        sys.executable,
+        "-c",
+        CHILD,
+        str(ckpt),
+        str(out),
+        stage,
+        str(pass_index),
+        json.dumps(prompts),
+        options,
+    ]
     return subprocess.run(args, env=env, cwd=ROOT, timeout=300).returncode
 
 
@@ -52,11 +62,16 @@ def test_killed_run_resumes_to_the_same_bytes(checkpoints, tmp_path, stage, pass
     whole = stream_to_dir(ckpt, prompts, tmp_path / "whole", options)
     assert run_child(ckpt, tmp_path / "killed", stage, pass_index, prompts) == -signal.SIGKILL
     scratch = tmp_path / "killed" / "scratch"
-    assert (scratch / "state.safetensors").is_file() and not (tmp_path / "killed" / "logits.safetensors").exists()
+    assert (scratch / "state.safetensors").is_file() and not (
+        tmp_path / "killed" / "logits.safetensors"
+    ).exists()
     resumed = stream_to_dir(ckpt, prompts, tmp_path / "killed", options)
     assert resumed.summary["bytes_dense"] < whole.summary["bytes_dense"]  # it did not start again
     assert not scratch.exists()  # deleted at the end
-    a, b = load_file(tmp_path / "whole" / "logits.safetensors"), load_file(tmp_path / "killed" / "logits.safetensors")
+    a, b = (
+        load_file(tmp_path / "whole" / "logits.safetensors"),
+        load_file(tmp_path / "killed" / "logits.safetensors"),
+    )
     assert sorted(a) == sorted(b) and {"generated", "hidden.1", "hidden.6", "logits"} <= set(a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -77,7 +92,9 @@ def test_state_beyond_the_budget_lives_in_scratch_files(checkpoints, tmp_path):
     ckpt = checkpoints("k3ish")
     prompts = prompts_for(1024, lengths=(30, 12, 5))
     in_ram = stream_logits(ckpt, prompts, StreamOptions(**OPTIONS), scratch_dir=tmp_path / "a")
-    spilled = stream_logits(ckpt, prompts, StreamOptions(**OPTIONS, memory_budget=0), scratch_dir=tmp_path / "b")
+    spilled = stream_logits(
+        ckpt, prompts, StreamOptions(**OPTIONS, memory_budget=0), scratch_dir=tmp_path / "b"
+    )
     for key, value in in_ram.outputs.items():
         assert torch.equal(value, spilled.outputs[key]), key
     # every layer of every pass wrote its state once: streams and (generating) the layer's caches
