@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -78,11 +77,6 @@ def read_prompts(path: Path, tokenizer_dir: Path | None) -> list[list[int]]:
     return prompts
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 @stream_app.command("run")
 def run(
     source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
@@ -106,6 +100,7 @@ def run(
 
     from k3.checkpoint.reader import is_url
     from k3.stream.api import stream_to_dir
+    from k3.stream.memory import return_freed_memory, rss_bytes
     from k3.stream.runner import StreamOptions, StreamStatus
 
     try:
@@ -116,6 +111,7 @@ def run(
         fail(str(e) if isinstance(e, K3Error) else f"--dump-hidden: {e}")
     if max_new_tokens < 0 or top_k < 1 or chunk_tokens < 1 or (threads is not None and threads < 1):
         fail("--max-new-tokens must be >= 0; --top-k, --chunk-tokens and --threads >= 1")
+    return_freed_memory()
     if threads:
         import torch
 
@@ -137,7 +133,7 @@ def run(
                 where += " (each generated token is one more pass over all weights)"
             seconds = max(time.perf_counter() - started, 1e-9)
             io = f"{s.stats.bytes_read / 1e9:.2f} GB read, {s.stats.bytes_read / seconds / 1e9:.2f} GB/s, "
-            io += f"RSS {_rss() / 1e9:.2f} GB"
+            io += f"RSS {rss_bytes() / 1e9:.2f} GB"
             bar.update(task, completed=s.fraction, description=f"{where} {s.stage}", io=io)
 
         try:
