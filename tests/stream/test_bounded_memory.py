@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from memcg import MemoryCgroup, drop_page_cache, swap_is_off
 
 from k3.checkpoint import open_checkpoint, save_checkpoint
 from k3.checkpoint.serve import RangeServer
@@ -21,6 +20,7 @@ from k3.config import K3Config
 from k3.layout import published_tensors
 from k3.model.init import _generator, draw
 from k3.stream.bound import memory_bound
+from k3.stream.cgroup import MemoryCgroup, drop_page_cache, swap_is_off
 from k3.stream.plan import StreamPlan
 from k3.stream.runner import StreamOptions
 

@@ -1,4 +1,6 @@
-"""A memory cgroup for one child process, cgroup v1 (`memory.limit_in_bytes`) or v2 (`memory.max`).
+"""A memory cgroup for one child process, cgroup v1 (`memory.limit_in_bytes`) or v2 (`memory.max`): how the
+tests and benchmarks/stream.py measure a run's memory by the kernel, with the checkpoint's page cache
+dropped first (`drop_page_cache`) so that pages charged elsewhere do not hide the cost.
 
 The child joins the group first thing (so everything it maps is charged there), warms up, then sets its
 own limit to what it uses plus an allowance: the limit measures the work, not the Python runtime.
