@@ -1,12 +1,13 @@
 """The whole model on a small machine: a layer-major streaming runner (`k3 stream`, docs/stream.md).
 
     from k3.stream import stream_logits
-    result = stream_logits("ckpt/" or "http://host/ckpt", prompts=[[1, 2, 3], [4, 5]])
+    result = stream_logits("ckpt/", [[1, 2, 3], [4, 5]])     # or an http(s) URL of a checkpoint
     result.outputs["logits"]                       # [P, V] float32, the last position of each prompt
 
 Modules: `plan` (stages and their byte spans), `fetch` (reads into owned buffers, a thread ahead), `layer`
 (one layer's modules at a time), `scratch` (state on disk: resume, spill), `runner` (the schedule),
-`api` (open a source and run), `compare` (against another engine's logits), `commands` (`k3 stream`).
+`api` (open a source and run), `compare` (against another engine's logits), `bound` (the memory formula),
+`memory` (RSS, allocator), `cgroup` (memory cgroups for tests and benchmarks), `commands` (`k3 stream`).
 """
 
 from k3.lazy import lazy_exports

@@ -95,7 +95,10 @@ class StreamResult:
 
 
 def fingerprint(location: str, total_bytes: int, prompts: list[list[int]], options: StreamOptions) -> str:
-    job = {"source": location, "bytes": total_bytes, "prompts": prompts, "options": options.__dict__}
+    """What a scratch folder must match to be resumed: the source, the prompts and every option that changes
+    the results (the memory budget and the prefetch depth do not: a resumed run may change them)."""
+    kept = {k: v for k, v in options.__dict__.items() if k not in ("memory_budget", "prefetch_bytes")}
+    job = {"source": location, "bytes": total_bytes, "prompts": prompts, "options": kept}
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=list).encode()).hexdigest()
 
 
