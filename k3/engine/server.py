@@ -25,12 +25,13 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k3.engine.chat import Message, ReplyStream, encode_chat
 from k3.engine.generate import Engine, Event
@@ -73,6 +74,29 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     finish_reason: str | None = None
     count: int = 0
+
+
+class BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <key>` (else 401). Plain ASGI, so
+    streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "a valid API key is needed: Authorization: Bearer <key>",
+                    "authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def sse(payload: dict | str) -> str:
@@ -134,22 +158,8 @@ def create_app(
     app = FastAPI(title="k3", version="0.1.0", lifespan=lifespan)
     app.state.worker = worker
 
-    @app.middleware("http")
-    async def _authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if api_key is not None:
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                error = APIError(
-                    401,
-                    "a valid API key is needed: Authorization: Bearer <key>",
-                    "authentication_error",
-                    code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                return error.response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
