@@ -205,6 +205,24 @@ def test_n_with_seed_is_reproducible(served, client) -> None:
     ]
 
 
+def test_streamed_choices_equal_plain_ones(served, client) -> None:
+    """Two prompts x n=2, seeded: the streamed chunks, gathered by index, equal the plain response."""
+    _, tok, _ = served
+    kw = {"model": NAME, "prompt": [TEXT, "Otra"], "max_tokens": 6, "n": 2, "seed": 11, "logprobs": 0}
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, logprobs = [""] * 4, [[] for _ in range(4)]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        logprobs[choice.index] += choice.logprobs.token_logprobs
+    assert texts == [c.text for c in plain.choices]
+    for got, want in zip(logprobs, [c.logprobs.token_logprobs for c in plain.choices], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)  # other batch compositions: rounding only
+    assert chunks[-1].usage == plain.usage
+    assert plain.usage.prompt_tokens == len(tok.encode(TEXT)) + len(tok.encode("Otra"))
+
+
 def test_stop_string_across_token_boundaries(served, client) -> None:
     """A stop string made of the end of one generated token and the start of the next."""
     _, tok, model = served
