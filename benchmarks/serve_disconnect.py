@@ -6,8 +6,8 @@ Serves a random model of the preset (built-in tokenizer) on 127.0.0.1 with `k3.e
 keeps `--streams - 1` other streams decoding beside it, then `--trials` times: opens one more streaming
 completion, reads 3 tokens, closes the connection and polls (every 0.2 ms) until the engine reports its
 sequence finished ("cancelled"). Prints the decode step time while the batch runs, the close-to-cancel
-latency (median, max) and the most engine steps that started after the close (`Engine.steps`). Timings
-are noisy when other jobs share the CPUs: `uptime` is printed beside them.
+latency (median, max) and the most engine steps that finished after the close (`Engine.steps`; the step in
+progress at the close is one). Timings are noisy when other jobs share the CPUs: the load is printed.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ def main() -> None:
     print(f"decode step: {step_ms:.1f} ms")
     print(
         f"close -> cancelled: median {statistics.median(latencies):.1f} ms, max {max(latencies):.1f} ms; "
-        f"engine steps started after the close: max {max(steps_after)} (of {args.trials} trials)"
+        f"engine steps finished after the close: max {max(steps_after)} "
+        f"(of {args.trials} trials; 1 = the step in progress)"
     )
     print(f"load: {os.getloadavg()[0]:.2f} (1 min) on {os.cpu_count()} cores")
 
