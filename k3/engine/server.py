@@ -156,7 +156,7 @@ def create_app(
         worker.stop()
 
     app = FastAPI(title="k3", version="0.1.0", lifespan=lifespan)
-    app.state.worker = worker
+    app.state.worker, app.state.request_timeout = worker, request_timeout
 
     if api_key is not None:
         app.add_middleware(BearerAuth, key=api_key)
