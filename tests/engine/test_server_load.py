@@ -6,6 +6,7 @@ counters (`Engine.steps`, running/waiting sequences, the worker's in-flight coun
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Iterator
 
@@ -182,6 +183,13 @@ BAD = [  # path, body (dict, or raw bytes), status, the param named, a word the 
     ("/v1/completions", b"[1, 2]", 422, "body", "dictionary"),
     ("/v1/completions", {**COMPLETION, "prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {**COMPLETION, "prompt": [99999]}, 400, "prompt", "99999"),
+    (
+        "/v1/completions",
+        b'{"model": "k3-tiny", "prompt": "x", "temperature": 1e999}',
+        422,
+        "temperature",
+        "2",
+    ),
     ("/v1/completions", {**COMPLETION, "prompt": ["ok", ""]}, 400, "prompt[1]", "empty"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 0}, 400, "max_tokens", "echo"),
     ("/v1/completions", {**COMPLETION, "max_tokens": 10**7}, 400, "max_tokens", "8192"),
@@ -217,10 +225,8 @@ def test_bad_inputs_get_4xx_naming_the_problem(served) -> None:
     assert len(BAD) >= 15
     with httpx.Client(base_url=base, timeout=30) as c:
         for path, body, status, param, word in BAD:
-            if isinstance(body, bytes):
-                r = c.post(path, content=body, headers={"content-type": "application/json"})
-            else:
-                r = c.post(path, json=body)
+            r = c.post(path, content=raw(body), headers={"content-type": "application/json"})
+            assert "error" in r.json(), (path, body, r.status_code, r.text[:300])
             error = r.json()["error"]
             assert (r.status_code, error["param"]) == (status, param), (path, body, r.text)
             assert set(error) == {"message", "type", "param", "code"}
@@ -228,4 +234,18 @@ def test_bad_inputs_get_4xx_naming_the_problem(served) -> None:
                 body,
                 error["message"],
             )
+        # odd but valid: lone surrogates (JSON can escape them; the tokenizer replaces them) are no error
+        for path, body in (
+            ("/v1/completions", {**COMPLETION, "prompt": "a \ud800 b"}),
+            ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}),
+        ):
+            assert (
+                c.post(path, content=raw(body), headers={"content-type": "application/json"}).status_code
+                == 200
+            )
     assert idle_within(engine, worker, 2.0) is not None
+
+
+def raw(body: dict | bytes) -> bytes:
+    """The request body as sent: bytes as they are, dicts as ASCII JSON (lone surrogates escaped)."""
+    return body if isinstance(body, bytes) else json.dumps(body).encode()
