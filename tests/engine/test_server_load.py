@@ -72,6 +72,7 @@ def test_64_streaming_clients_get_200_or_429(served) -> None:
         else:
             assert text.rstrip().endswith("data: [DONE]") and '"finish_reason": "length"' in text
     assert idle_within(engine, worker, 2.0) is not None
+    print(f"64 streams: {statuses.count(200)} x 200, {statuses.count(429)} x 429")
 
 
 def test_disconnected_stream_stops_within_a_step(served) -> None:
