@@ -242,6 +242,8 @@ def serve(
     name = model_name or Path(checkpoint).resolve().name
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    if max_batch < 1 or max_queue < 0:
+        fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     app = create_app(
         Engine(model, max_batch=max_batch),
         tok,

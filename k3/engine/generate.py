@@ -106,6 +106,7 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled"
     experts: torch.Tensor | None  # [len(prompt) + len(tokens) - 1, n_moe_layers, k] int64, positions fed
     # in order (prompt, then tokens but the last), layers in sorted(model.routers()); record_experts only
+    # ("cancelled": only the positions that were fed before the cancel)
     top_logprobs: list[TopLogprobs] | None = None  # per token (params.logprobs > 0)
     prompt_logprobs: list[float | None] | None = None  # per prompt token, first None (params.prompt_logprobs)
 

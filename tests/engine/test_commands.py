@@ -87,3 +87,5 @@ def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPat
         assert r.status_code == 200 and r.json()["data"][0]["id"] == checkpoint.name
     result = runner.invoke(app, ["serve", str(checkpoint), "--request-timeout", "0"])
     assert result.exit_code != 0 and "--request-timeout" in result.output
+    result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "-1"])
+    assert result.exit_code != 0 and "--max-queue" in result.output
