@@ -48,6 +48,11 @@ class Cgroup:
         """Every directory this group occupies (one per v1 controller, one for v2)."""
         raise NotImplementedError
 
+    def every_dir(self) -> list[Path]:
+        """Every directory of this name in every hierarchy: runsc creates its container's group in all of
+        them (v1: cpuset, devices, freezer, ... too), and all of them must go."""
+        return self.dirs()
+
     def procs_files(self) -> list[Path]:
         """The cgroup.procs files a process writes its pid into to join the group."""
         return [d / "cgroup.procs" for d in self.dirs()]
@@ -85,7 +90,7 @@ class Cgroup:
     def remove(self) -> None:
         """Kill what is left, then remove the group's directories (deepest first)."""
         self.kill_all()
-        for d in self.dirs():
+        for d in self.every_dir():
             for _ in range(100):
                 try:
                     d.rmdir()
@@ -110,6 +115,10 @@ class CgroupV1(Cgroup):
 
     def dirs(self) -> list[Path]:
         return [self.root / c / self.name for c in V1_CONTROLLERS]
+
+    def every_dir(self) -> list[Path]:
+        hierarchies = sorted(p for p in self.root.iterdir() if (p / "cgroup.procs").exists())
+        return [h / self.name for h in hierarchies]
 
     def create(self, limits: Limits) -> None:
         for d in self.dirs():

@@ -44,12 +44,11 @@ def _kill_cgroup(path):
 
 
 def clean(plan):
-    for state, cid in plan.get("containers", []):
-        for args in (["kill", cid, "KILL"], ["delete", "-force", cid]):
-            try:
-                subprocess.run(["runsc", f"--root={state}", *args], capture_output=True, timeout=20)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
+    for state, cid in plan.get("containers", []):  # its processes also die with its cgroup, below
+        try:
+            subprocess.run(["runsc", f"--root={state}", "kill", cid, "KILL"], capture_output=True, timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            pass
     for path in sorted(plan.get("cgroups", []), key=len, reverse=True):
         _kill_cgroup(path)
     for path in plan.get("mounts", []):

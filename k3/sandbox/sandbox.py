@@ -31,6 +31,8 @@ BACKENDS = {"gvisor": GvisorBackend, "bwrap": BwrapBackend}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 REAPER = Path(__file__).with_name("reaper.py")
 KILL_TIMEOUT_S = 30.0
+REAPER_GRACE_S = 1.0  # the reaper ends a sandbox this long after its lifetime, so that a command the
+# lifetime cuts short is stopped (and reported as a timeout) by its own deadline first
 
 
 def default_root() -> Path:
@@ -189,7 +191,7 @@ class Sandbox:
     # -- state -----------------------------------------------------------------------------------------
     def _plan(self) -> dict:
         return {
-            "deadline": self._deadline,
+            "deadline": self._deadline + REAPER_GRACE_S,
             "containers": self._backend.containers(),
             "cgroups": self._backend.cgroups(),
             "mounts": [str(self._home / "workspace")],

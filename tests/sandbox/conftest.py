@@ -56,10 +56,11 @@ def leftovers(root: Path, sid: str) -> list[str]:
                 cmdline = (
                     Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 )
+                cgroups = Path(f"/proc/{pid}/cgroup").read_text()
             except OSError:
                 continue
-            if sid in cmdline:
-                found.append(f"process {pid}: {cmdline[:120]}")
+            if sid in cmdline or sid in cgroups:  # its own arguments, or a process inside its cgroup
+                found.append(f"process {pid}: {cmdline}")
     for dirpath, dirnames, _ in os.walk("/sys/fs/cgroup"):
         if os.path.basename(dirpath) == "k3-sandbox":
             found += [f"cgroup {dirpath}/{d}" for d in dirnames if sid in d]
