@@ -123,8 +123,8 @@ def server_throughput(cfg: K3Config, streams: list[int], tokens: int) -> list[di
     import httpx
     import uvicorn
 
-    from k3.tokenizer.build import builtin_tokenizer
     from k3.engine.server import create_app
+    from k3.tokenizer.build import builtin_tokenizer
 
     model = K3ForCausalLM.from_config(cfg, seed=0)
     tok = builtin_tokenizer(cfg.vocab_size)

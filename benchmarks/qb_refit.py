@@ -55,27 +55,28 @@ def main() -> None:
     from k3.train.routing import quantile_balance_bias
     from k3.train.trainer import make_dataset
 
-    model, cfg, tc, tap = final_model(args.run)
+    model, cfg, tc = final_model(args.run)
+    routers = model.routers()
     tc = dataclasses.replace(tc, data=str(args.text))  # the run's own copy may be gone
     k, batch_tokens = cfg.num_experts_per_token, tc.batch_size * tc.seq_len
     held_out_data, training_data = make_dataset(tc, cfg, stream=1), make_dataset(tc, cfg, stream=0)
 
-    trained = {layer: r.e_score_correction_bias.detach().clone() for layer, r in tap.routers.items()}
-    held_out, _ = route(model, tap, held_out_data, 0, args.held_out_batches)
+    trained = {layer: r.e_score_correction_bias.detach().clone() for layer, r in routers.items()}
+    held_out, _ = route(model, held_out_data, 0, args.held_out_batches)
     floor = noise_floor(batch_tokens * args.held_out_batches, cfg.num_experts, k, trials=50)
     print(f"run {args.run}, last checkpoint: {batch_tokens} tokens per training batch")
     print(f"held-out: {batch_tokens * args.held_out_batches} tokens, noise floor (one layer) {floor:.3f}")
     show("bias as trained", balance(held_out, trained, k))
     first_unused = tc.steps * tc.accum + 1000
-    fit, _ = route(model, tap, training_data, first_unused, -(-max(args.fit_tokens) // batch_tokens))
+    fit, _ = route(model, training_data, first_unused, -(-max(args.fit_tokens) // batch_tokens))
     for n in sorted(args.fit_tokens):
         biases = {
             layer: quantile_balance_bias(s[:n], k, iters=100, init_bias=trained[layer])
             for layer, s in fit.items()
         }
-        for layer, router in tap.routers.items():
+        for layer, router in routers.items():
             router.e_score_correction_bias.copy_(biases[layer])
-        rerouted, _ = route(model, tap, held_out_data, 0, args.held_out_batches)
+        rerouted, _ = route(model, held_out_data, 0, args.held_out_batches)
         show(f"QB refit on {n} tokens", balance(rerouted, biases, k))
 
 

@@ -117,33 +117,30 @@ def summarise(run: Path, warmup: int, window: int) -> dict[str, float]:
 
 
 def final_model(run: Path):
-    """(model, config, TrainConfig, RouterTap) of a `k3 train` run at its last checkpoint, in eval mode."""
+    """(model, config, TrainConfig) of a `k3 train` run at its last checkpoint, in eval mode."""
     from k3.model import K3ForCausalLM
     from k3.train.state import list_checkpoints, load_model_state
-    from k3.train.trainer import RouterTap, TrainConfig, load_model_config
+    from k3.train.trainer import TrainConfig, load_model_config
 
     tc = TrainConfig(**json.loads((run / "train.json").read_text()))
     cfg = load_model_config(tc.preset)
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
     load_model_state(list_checkpoints(run)[-1][1], model)
     model.eval()
-    tap = RouterTap(model)
-    tap.active = True
-    return model, cfg, tc, tap
+    return model, cfg, tc
 
 
-def route(model, tap, data, first_batch: int, batches: int) -> tuple[dict, dict]:
+def route(model, data, first_batch: int, batches: int) -> tuple[dict, dict]:
     """Router scores [N, E] and chosen experts [N, k] per MoE layer over `batches` batches of `data`."""
-    scores: dict[int, list[torch.Tensor]] = {}
-    chosen: dict[int, list[torch.Tensor]] = {}
-    with torch.no_grad():
+    from k3.model.routing import record_routing
+
+    with torch.no_grad(), record_routing(model, weights=False) as trace:
         for index in range(first_batch, first_batch + batches):
             model(data.batch(index)[0])
-            batch_scores, batch_chosen = tap.take()
-            for layer in batch_scores:
-                scores.setdefault(layer, []).append(batch_scores[layer])
-                chosen.setdefault(layer, []).append(batch_chosen[layer])
-    return {k: torch.cat(v) for k, v in scores.items()}, {k: torch.cat(v) for k, v in chosen.items()}
+    return (
+        {layer: trace.scores(layer) for layer in trace.layers},
+        {layer: trace.indices(layer) for layer in trace.layers},
+    )
 
 
 def held_out_balance(run: Path, eval_batches: int) -> dict[str, float]:
@@ -151,9 +148,9 @@ def held_out_balance(run: Path, eval_batches: int) -> dict[str, float]:
     from k3.train.routing import chosen_loads
     from k3.train.trainer import make_dataset
 
-    model, cfg, tc, tap = final_model(run)
+    model, cfg, tc = final_model(run)
     # the trainer's held-out stream: windows the run did not train on
-    _, chosen = route(model, tap, make_dataset(tc, cfg, stream=1), 0, eval_batches)
+    _, chosen = route(model, make_dataset(tc, cfg, stream=1), 0, eval_batches)
     loads = [chosen_loads(c, cfg.num_experts) for c in chosen.values()]
     ratios = [float(v.max() / v.mean()) for v in loads]
     return {"held_out_worst_layer": max(ratios), "held_out_layer_mean": sum(ratios) / len(ratios)}

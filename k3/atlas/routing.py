@@ -1,8 +1,9 @@
 """Tokens and routing: which experts the router picks for each token of a text, layer by layer.
 
-The model runs once per text (`K3ForCausalLM.from_pretrained`, loaded on first use) with a forward hook on
-every MoE layer's router, which returns (weights, expert indices) per token. When the checkpoint cannot be
-run here (no K3 config, no tokenizer, too large, a load error), `status()` says why and the page shows it.
+The model runs once per text (`K3ForCausalLM.from_pretrained`, loaded on first use) inside
+`k3.model.routing.record_routing`, which reports every MoE layer's (weights, expert indices) per token.
+When the checkpoint cannot be run here (no K3 config, no tokenizer, too large, a load error), `status()`
+says why and the page shows it.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ class RoutingProbe:
         """Tokens of `text` and, per MoE layer, the experts chosen for each token with their weights."""
         import torch
 
+        from k3.model.routing import record_routing
+
         if self._error is not None:
             raise RoutingUnavailable(self._error[1])
         if not text or len(text) > MAX_TEXT_CHARS:
@@ -80,26 +83,11 @@ class RoutingProbe:
             tok = self.tokenizer()
             pieces = tok.pieces(text)
             model = self._load()
-            chosen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-            hooks = []
-            for i, layer in enumerate(model.model.layers):
-                moe = getattr(layer, "block_sparse_moe", None)
-                if moe is not None:
-                    hooks.append(
-                        moe.gate.register_forward_hook(
-                            lambda _m, _inp, out, i=i: chosen.__setitem__(
-                                i, (out[0].detach(), out[1].detach())
-                            )
-                        )
-                    )
-            try:
-                with torch.no_grad():
-                    model(torch.tensor([[i for i, _ in pieces]]))
-            finally:
-                for h in hooks:
-                    h.remove()
+            with torch.no_grad(), record_routing(model, scores=False) as trace:
+                model(torch.tensor([[i for i, _ in pieces]]))
         layers = {}
-        for i, (weights, indices) in sorted(chosen.items()):
+        for i in trace.layers:
+            weights, indices = trace.weights(i), trace.indices(i)  # [T, k] each
             order = weights.argsort(dim=-1, descending=True)
             layers[i] = {
                 "experts": indices.gather(-1, order).tolist(),  # [T, k], heaviest first

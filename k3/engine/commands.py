@@ -42,9 +42,9 @@ def tokenize(
     from rich.table import Table
     from rich.text import Text
 
+    from k3.errors import K3Error
     from k3.tokenizer.build import builtin_tokenizer
     from k3.tokenizer.kimi import Tokenizer
-    from k3.errors import K3Error
 
     try:
         tok = Tokenizer.from_dir(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
@@ -68,9 +68,9 @@ def tokenize(
 
 def _load(checkpoint: str, layers: int | None):
     """Model + tokenizer of a checkpoint directory, or a one-line error."""
-    from k3.tokenizer.kimi import Tokenizer
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM
+    from k3.tokenizer.kimi import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_dir(checkpoint)

@@ -27,9 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from k3.engine.chat import Message, ReplyStream, encode_chat
 from k3.engine.generate import Engine, Event
 from k3.engine.sampling import SamplingError, SamplingParams
-from k3.tokenizer.kimi import StreamDecoder, Tokenizer
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
+from k3.tokenizer.kimi import StreamDecoder, Tokenizer
 
 
 class APIError(Exception):

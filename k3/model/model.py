@@ -24,7 +24,7 @@ from k3.model.cache import ModelCache
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
-from k3.model.moe import MoE, RoutedExpert
+from k3.model.moe import MoE, RoutedExpert, Router
 from k3.model.norm import Linear, RMSNorm
 
 
@@ -45,14 +45,15 @@ class K3DecoderLayer(nn.Module):
             KDAttention(cfg) if plan.mixer is Mixer.KDA else MLAttention(cfg)
         )
         # published names: `mlp.` for the dense layer, `block_sparse_moe.` for MoE layers
-        if plan.ffn is FFN.DENSE:
+        self.is_moe = plan.ffn is not FFN.DENSE
+        if not self.is_moe:
             self.mlp = MLP(cfg, H, cfg.intermediate_size)
         else:
             self.block_sparse_moe = MoE(cfg, quantized_experts)
 
     @property
     def ffn(self) -> nn.Module:
-        return self.mlp if hasattr(self, "mlp") else self.block_sparse_moe
+        return self.block_sparse_moe if self.is_moe else self.mlp
 
     def forward(
         self,
@@ -157,6 +158,10 @@ class K3ForCausalLM(nn.Module):
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         return self.lm_head(h)
+
+    def routers(self) -> dict[int, Router]:
+        """{layer index: its router}, for every MoE layer kept (see k3.model.routing to record or replay)."""
+        return {layer.index: layer.block_sparse_moe.gate for layer in self.model.layers if layer.is_moe}
 
     def new_cache(self, batch_size: int = 1) -> ModelCache:
         """An empty cache for `batch_size` sequences."""

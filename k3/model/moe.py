@@ -12,6 +12,8 @@ Dispatch groups the (token, expert) pairs by expert: one matmul per active exper
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -20,6 +22,14 @@ from k3.model.activations import GatedActivation, gated_activation
 from k3.model.mlp import MLP
 from k3.model.norm import Linear, RMSNorm
 from k3.ops.mxfp4 import MXFP4Linear
+
+
+class Routing(NamedTuple):
+    """What a router decided for N tokens (fp32 but the ids)."""
+
+    weights: torch.Tensor  # [N, k] mixing weights of the chosen experts
+    indices: torch.Tensor  # [N, k] chosen expert ids
+    scores: torch.Tensor  # [N, E] unbiased sigmoid scores
 
 
 class Router(nn.Module):
@@ -37,9 +47,17 @@ class Router(nn.Module):
         )
         self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [N, hidden] -> (weights [N, k] fp32, expert indices [N, k])."""
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [N, E]
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x [N, hidden] -> the routing of its N tokens."""
+        scores = self.scores(x)
+        return self.routing(scores, self.choose(scores))
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden] -> the unbiased scores [N, E], fp32."""
+        return torch.sigmoid(x.float() @ self.weight.float().t())
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [N, E] -> the top-k experts [N, k] of the biased scores (within the best groups)."""
         choice = scores + self.e_score_correction_bias.float()
         if self.num_groups > 1:  # keep the best `topk_group` groups, ranked by the sum of their top-2 scores
             N, E = choice.shape
@@ -48,11 +66,14 @@ class Router(nn.Module):
             keep = torch.zeros_like(group_scores, dtype=torch.bool)
             keep.scatter_(1, group_scores.topk(self.topk_groups, dim=-1).indices, True)
             choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(N, E)
-        indices = choice.topk(self.top_k, dim=-1).indices  # [N, k]
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def routing(self, scores: torch.Tensor, indices: torch.Tensor) -> Routing:
+        """The mixing weights of the experts `indices` [N, k]: their unbiased scores, renormalised, scaled."""
         weights = scores.gather(1, indices)
         if self.renormalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return weights * self.scaling, indices
+        return Routing(weights * self.scaling, indices, scores)
 
 
 class RoutedExpert(nn.Module):
@@ -123,7 +144,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, hidden]
-        weights, indices = self.gate(flat)
+        weights, indices, _ = self.gate(flat)
         z = self.routed_expert_down_proj(flat) if self.latent else flat  # [N, L]
         r = self.dispatch(z, weights, indices)
         if self.latent:

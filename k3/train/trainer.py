@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.model.routing import record_routing
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
 from k3.train.optim import OPTIMIZERS, build_optimizer
 from k3.train.routing import BALANCE_METHODS, RoutingBalancer, chosen_loads, max_over_mean
@@ -154,46 +155,6 @@ def make_dataset(tc: TrainConfig, cfg: K3Config, stream: int = 0) -> Dataset:
     return TextFile(path, tokenizer, tc.seq_len, tc.batch_size, V, seed=tc.seed + 7919 * stream)
 
 
-def router_scores(router: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The unbiased scores [N, E] a `Router` computes from its input x [N, hidden]."""
-    with torch.no_grad():
-        return torch.sigmoid(x.float() @ router.weight.float().t())
-
-
-class RouterTap:
-    """Forward hooks on every router: per MoE layer, the batch's scores [N, E] (unless `keep_scores` is
-    False) and chosen experts [N, k]."""
-
-    def __init__(self, model: nn.Module, keep_scores: bool = True) -> None:
-        from k3.model.moe import Router
-
-        self.routers: dict[int, nn.Module] = {}
-        for name, module in model.named_modules():
-            if isinstance(module, Router):
-                layer = int(name.split("layers.")[1].split(".")[0])
-                self.routers[layer] = module
-                module.register_forward_hook(self._hook(layer))
-        self.active, self.keep_scores = False, keep_scores
-        self.scores: dict[int, list[torch.Tensor]] = {}
-        self.chosen: dict[int, list[torch.Tensor]] = {}
-
-    def _hook(self, layer: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
-            if not self.active:
-                return
-            if self.keep_scores:
-                self.scores.setdefault(layer, []).append(router_scores(module, args[0]))
-            self.chosen.setdefault(layer, []).append(output[1].detach())
-
-        return hook
-
-    def take(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        scores = {layer: torch.cat(s) for layer, s in self.scores.items()}
-        chosen = {layer: torch.cat(c) for layer, c in self.chosen.items()}
-        self.scores, self.chosen = {}, {}
-        return scores, chosen
-
-
 def log_columns(moe_layers: list[int], extra: list[str]) -> list[str]:
     per_layer = [f"load_max_over_mean_L{i}" for i in moe_layers]
     return ["step", "loss", "lr", "grad_norm", "tokens_per_s", "max_over_mean_load", *per_layer, *extra]
@@ -253,7 +214,7 @@ def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = Fal
 
 
 def refit_on_updated_model(
-    model: nn.Module, tap: RouterTap, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig
+    model: nn.Module, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig
 ) -> None:
     """Route step `step`'s micro-batches again, as one batch, with the model as it is now (after the
     optimizer step); each router fits its bias to the batch just before routing it, so layer l sees its
@@ -261,13 +222,15 @@ def refit_on_updated_model(
 
     def fit_then_route(layer: int) -> Callable:
         def pre_hook(router: nn.Module, args: tuple) -> None:
-            balancer.fit(layer, router_scores(router, args[0]))
+            with torch.no_grad():
+                balancer.fit(layer, router.scores(args[0]))
             router.e_score_correction_bias.copy_(balancer.biases[layer])
 
         return pre_hook
 
     inputs = torch.cat([data.batch(step * tc.accum + micro)[0] for micro in range(tc.accum)])  # [accum B, L]
-    hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in tap.routers.items()]
+    routers = model.routers().items()
+    hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in routers]
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=tc.dtype == "bf16"):
             model(inputs, logits_to_keep=1)  # the routing is what counts; skip most of the head
@@ -294,8 +257,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
     model.train()
     optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2))
-    tap = RouterTap(model, keep_scores=not tc.balance_refresh)  # the refresh computes its own
-    moe_layers = sorted(tap.routers)
+    routers = model.routers()
+    moe_layers = sorted(routers)
     balancer = RoutingBalancer(
         moe_layers,
         cfg.num_experts,
@@ -314,7 +277,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if checkpoints:
         meta = load_training_state(checkpoints[-1][1], model, optimizer)
         start = meta["step"]
-    for layer, router in tap.routers.items():  # the bias lives in the router buffer; the balancer reads it
+    for layer, router in routers.items():  # the bias lives in the router buffer; the balancer reads it
         balancer.biases[layer] = router.e_score_correction_bias.detach().clone()
     log_path, loads_path = run / LOG_FILE, run / LOADS_FILE
     _cut_log(log_path, columns, start)
@@ -330,25 +293,26 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             lr = learning_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            tap.active = True
             loss_sum = 0.0
-            for micro in range(tc.accum):
-                inputs, labels = data.batch(step * tc.accum + micro)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                    logits = model(inputs)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
-                (loss / tc.accum).backward()
-                loss_sum += float(loss.detach())
-            tap.active = False
+            # the refresh below computes its own scores
+            with record_routing(model, scores=not tc.balance_refresh, weights=False) as routing:
+                for micro in range(tc.accum):
+                    inputs, labels = data.batch(step * tc.accum + micro)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                        logits = model(inputs)
+                    loss = F.cross_entropy(
+                        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE
+                    )
+                    (loss / tc.accum).backward()
+                    loss_sum += float(loss.detach())
             if not math.isfinite(loss_sum):
                 raise TrainError(f"step {step + 1}: the loss is {loss_sum}; lower --lr or use --clip")
             # with no clipping the norm is still measured (a max norm of inf scales every gradient by 1)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip or math.inf))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            scores, chosen = tap.take()
             if tc.balance_refresh:
-                refit_on_updated_model(model, tap, balancer, data, step, tc)
+                refit_on_updated_model(model, balancer, data, step, tc)
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),
@@ -356,10 +320,10 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             }
             worst = 0.0
             for layer in moe_layers:
-                loads = chosen_loads(chosen[layer], cfg.num_experts)
+                loads = chosen_loads(routing.indices(layer), cfg.num_experts)
                 if not tc.balance_refresh:  # else the refresh above has fitted the biases already
-                    balancer.fit(layer, scores[layer], loads)
-                tap.routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
+                    balancer.fit(layer, routing.scores(layer), loads)
+                routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
                 loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
                 ratio = max_over_mean(loads)
                 row[f"load_max_over_mean_L{layer}"] = f"{ratio:.6f}"

@@ -226,9 +226,9 @@ def test_static_export_mirrors_the_api(atlas: Atlas, client: TestClient, tmp_pat
 def test_routing_runs_the_model(tmp_path_factory: pytest.TempPathFactory) -> None:
     """A tiny K3 checkpoint with a tokenizer: tokens, and per MoE layer top-k distinct experts per token."""
     from k3.config import K3Config
+    from k3.model.init import init_checkpoint
     from k3.tokenizer.build import write_tokenizer
     from k3.tokenizer.kimi import Tokenizer
-    from k3.model.init import init_checkpoint
 
     cfg = K3Config.preset("tiny")
     ckpt = tmp_path_factory.mktemp("tiny-routing")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from k3.tokenizer.build import builtin_tokenizer
 from k3.engine.chat import Message, ReplyStream, encode_chat, parse_reply, render_chat
+from k3.tokenizer.build import builtin_tokenizer
 from k3.tokenizer.kimi import TokenizerError
 
 

@@ -10,13 +10,13 @@ from typer.testing import CliRunner
 
 from k3.config import K3Config
 from k3.engine import commands
-from k3.tokenizer.build import write_tokenizer
 from k3.engine.chat import Message, encode_chat, parse_reply
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
-from k3.tokenizer.kimi import Tokenizer
 from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
+from k3.tokenizer.build import write_tokenizer
+from k3.tokenizer.kimi import Tokenizer
 
 app = typer.Typer()
 for fn in (commands.tokenize, commands.generate, commands.chat, commands.serve):

@@ -15,14 +15,14 @@ import pytest
 import uvicorn
 
 from k3.config import K3Config
-from k3.tokenizer.build import write_tokenizer
 from k3.engine.chat import encode_chat, parse_reply
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
 from k3.engine.server import create_app
-from k3.tokenizer.kimi import Tokenizer
 from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
+from k3.tokenizer.build import write_tokenizer
+from k3.tokenizer.kimi import Tokenizer
 
 openai = pytest.importorskip("openai")
 NAME = "k3-tiny"
