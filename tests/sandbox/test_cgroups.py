@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import require
+from sandbox_testing import require
 
 from k3.sandbox.cgroups import Cgroup, CgroupV1, CgroupV2
 from k3.sandbox.types import Limits, SandboxError

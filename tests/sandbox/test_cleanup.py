@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import leftovers
+from sandbox_testing import leftovers
 
 from k3.sandbox import Sandbox, SandboxError
 

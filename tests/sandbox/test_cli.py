@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import require
+from sandbox_testing import require
 
 from k3.sandbox.templates import build_template, resolve_template
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import leftovers, require
+from sandbox_testing import leftovers, require
 
 from k3.sandbox import Sandbox
 from k3.sandbox.pool import SandboxPool

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import uvicorn
-from conftest import leftovers, require
+from sandbox_testing import leftovers, require
 
 from k3.sandbox.client import RemoteSandbox
 from k3.sandbox.server import create_app

@@ -10,7 +10,7 @@ import json
 import time
 
 import pytest
-from conftest import require
+from sandbox_testing import require
 
 from k3.sandbox import Sandbox, SandboxError
 
