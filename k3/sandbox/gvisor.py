@@ -178,8 +178,6 @@ class GvisorBackend:
 
     # -- commands --------------------------------------------------------------------------------------
     def run(self, cmd: str, timeout: float, cwd: str, envs: dict[str, str], stdin: bytes) -> Outcome:
-        if not self.alive():
-            raise SandboxError(f"sandbox {self.sid} is not running (killed by its limits or from outside)")
         oom0 = self.cgroup.oom_kills()
         argv = self._cmd("exec", f"--user={GUEST_UID}:{GUEST_UID}", f"--cwd={cwd}")
         for k, v in {**BASE_ENV, **envs}.items():
@@ -202,6 +200,8 @@ class GvisorBackend:
         )
         if self.cgroup.oom_kills() > oom0:
             outcome.stopped_by = "oom"  # the host OOM killer ended the sandbox kernel: the sandbox is gone
+        elif outcome.exit_code != 0 and outcome.stopped_by is None and not self.alive():
+            raise SandboxError(f"sandbox {self.sid} is not running (killed by its limits or from outside)")
         return outcome
 
     def stop(self) -> None:

@@ -1,7 +1,8 @@
 """The writable part of a sandbox: a tmpfs of `disk_mb` mounted on the host and bound at /home/user in
 the sandbox, so a full workspace gives ENOSPC and its files outlive no one. The files API works on it from
 the host side, resolving every path component with O_NOFOLLOW inside the workspace, so a symlink the
-sandbox plants cannot lead the host anywhere else."""
+sandbox plants cannot lead the host anywhere else, and touching only regular files, so a FIFO it plants
+cannot make the host wait."""
 
 from __future__ import annotations
 
@@ -95,9 +96,11 @@ class Workspace:
                 raise SandboxError(f"{path}: is the workspace itself")
             d = self._open_dir(rel.parts[:-1], create=True)
             try:
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
                 fd = os.open(rel.name, flags, 0o644, dir_fd=d)
                 try:
+                    _require_regular(fd, path)
+                    os.ftruncate(fd, 0)
                     os.fchown(fd, self.uid, self.uid)
                     view = memoryview(raw)
                     while view:
@@ -113,10 +116,11 @@ class Workspace:
         def go(rel: PurePosixPath) -> bytes:
             d = self._open_dir(rel.parts[:-1], create=False)
             try:
-                fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=d)
+                fd = os.open(rel.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=d)
             finally:
                 os.close(d)
             with os.fdopen(fd, "rb") as f:
+                _require_regular(fd, path)
                 return f.read()
 
         data = self._call(path, "cannot read", go)
@@ -161,6 +165,13 @@ class Workspace:
         if done.returncode != 0:
             raise SandboxError(f"copying the workspace failed: {done.stderr.decode().strip()}")
         return tree_bytes(dest)
+
+
+def _require_regular(fd: int, path: str) -> None:
+    """Refuse FIFOs, sockets and devices the sandbox may plant: reading or writing one could block the
+    host (files are opened O_NONBLOCK, so the open itself never waits)."""
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        raise SandboxError(f"{path}: not a regular file")
 
 
 def tree_bytes(path: Path) -> int:

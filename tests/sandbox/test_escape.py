@@ -8,6 +8,7 @@ import os
 import secrets
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -69,10 +70,12 @@ def test_writes_outside_the_workspace_change_nothing_on_the_host(sbx, tmp_path):
     assert not Path("/tmp/k3-pwned").exists() and not Path("/k3-pwned").exists()
 
 
-def test_files_api_does_not_follow_planted_symlinks(sbx):
+def test_files_api_does_not_follow_planted_symlinks_or_block_on_fifos(sbx, backend):
     before = _checksums([Path("/etc/passwd")])
-    sbx.commands.run("ln -s /etc/passwd link; ln -s /etc dirlink", timeout=20)
+    sbx.commands.run("ln -s /etc/passwd link; ln -s /etc dirlink; mkfifo fifo", timeout=20)
+    started = time.monotonic()
     for attempt in (
+        lambda: sbx.files.read("fifo"),  # would block the host if opened plainly (gVisor keeps it inside)
         lambda: sbx.files.read("link"),
         lambda: sbx.files.write("link", "pwned"),
         lambda: sbx.files.write("dirlink/k3-pwned", "pwned"),
@@ -81,6 +84,10 @@ def test_files_api_does_not_follow_planted_symlinks(sbx):
     ):
         with pytest.raises(SandboxError):
             attempt()
+    if backend == "bwrap":  # a real FIFO on the host's side of the workspace
+        with pytest.raises(SandboxError):  # ENXIO (no reader) or "not a regular file"
+            sbx.files.write("fifo", "x")
+    assert time.monotonic() - started < 5
     assert _checksums([Path("/etc/passwd")]) == before and not Path("/etc/k3-pwned").exists()
 
 
@@ -219,3 +226,24 @@ def test_output_beyond_the_cap_is_cut_and_flagged(sbx):
     assert r.killed_by == "output"
     assert len(r.stdout) + len(r.stderr) == 1 << 20 and set(r.stdout) == {"a"}
     assert r.duration_s < 10  # stopped at the cap, not at the timeout
+
+
+def test_a_command_returns_when_its_sandbox_dies_under_it(backend, root):
+    sbx = Sandbox.create(backend=backend, root=root)
+    try:
+        killer = threading.Timer(1.0, lambda: sbx._backend.cgroup.kill_all())  # the sandbox dies outside us
+        killer.start()
+        started = time.monotonic()
+        if backend == "gvisor":  # its kernel is gone: the command and every later one say so
+            with pytest.raises(SandboxError, match="not running"):
+                sbx.commands.run("sleep 30", timeout=25)
+            with pytest.raises(SandboxError, match="not running"):
+                sbx.commands.run("true", timeout=10)
+        else:  # bubblewrap keeps no process between commands: the next one starts afresh
+            r = sbx.commands.run("sleep 30", timeout=25)
+            assert r.exit_code != 0 and r.killed_by is None, r
+            assert sbx.commands.run("echo again", timeout=20).stdout == "again\n"
+        assert time.monotonic() - started < 8  # not the command's 25 s timeout
+        killer.join()
+    finally:
+        sbx.kill()
