@@ -155,3 +155,30 @@ def test_fork_shares_the_seed_unless_reseeded(root):
         finally:
             for c in same + fresh:
                 c.kill()
+
+
+def test_fork_reports_a_failed_child_as_its_exception(root, monkeypatch):
+    require("bwrap")
+    real = Sandbox.create.__func__
+    calls = []
+
+    def flaky(cls, *args, **kwargs):
+        calls.append(kwargs.get("snapshot"))
+        if len(calls) == 2:
+            raise SandboxError("planted failure of the second child")
+        return real(cls, *args, **kwargs)
+
+    with Sandbox.create(backend="bwrap", root=root) as sbx:
+        monkeypatch.setattr(Sandbox, "create", classmethod(flaky))
+        children = sbx.fork(3)
+        monkeypatch.undo()
+        try:
+            assert [type(c).__name__ for c in children] == ["Sandbox", "SandboxError", "Sandbox"]
+            assert "planted failure" in str(children[1])
+            assert all(
+                c.commands.run("true", timeout=20).exit_code == 0 for c in children if isinstance(c, Sandbox)
+            )
+        finally:
+            for c in children:
+                if isinstance(c, Sandbox):
+                    c.kill()
