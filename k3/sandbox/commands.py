@@ -41,7 +41,7 @@ def run(
     sys.stderr.write(r.stderr)
     if r.killed_by:
         sys.stderr.write(f"k3 sandbox: killed by {r.killed_by} after {r.duration_s:.2f} s\n")
-    raise typer.Exit(r.exit_code if 0 <= r.exit_code < 256 else 128 + (-r.exit_code % 128))
+    raise typer.Exit(r.exit_code)
 
 
 @template_app.command("build")

@@ -98,4 +98,5 @@ def run_process(
         if not f.closed:
             f.close()
     stdout, stderr = (bytes(b) for b in out.values())
+    code = 128 - code if code < 0 else code  # killed by signal N: 128 + N, as a shell and `runsc exec` say
     return Outcome(stdout, stderr, code, time.monotonic() - start, stopped_by)
