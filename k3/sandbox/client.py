@@ -97,6 +97,11 @@ class RemoteSandbox:
         conn = Connection(base_url, token)
         return cls(conn, conn.call("POST", f"/paused/{sandbox_id}/connect").json())
 
+    @classmethod
+    def delete_snapshot(cls, snapshot: Snapshot | str, base_url: str, token: str) -> None:
+        snap_id = snapshot.id if isinstance(snapshot, Snapshot) else snapshot
+        Connection(base_url, token).call("DELETE", f"/snapshots/{snap_id}")
+
     def create_snapshot(self) -> Snapshot:
         return Snapshot.from_json(self._conn.call("POST", f"{self._url}/snapshots").json())
 

@@ -188,6 +188,12 @@ class Sandbox:
         snapshots.delete(snap)
         return sbx
 
+    @classmethod
+    def delete_snapshot(cls, snapshot: Snapshot | str, root: str | Path | None = None) -> None:
+        """Remove a snapshot (or a paused sandbox's saved state) from disk."""
+        root = Path(root) if root is not None else default_root()
+        snapshots.delete(snapshots.load(root, snapshot))
+
     # -- state -----------------------------------------------------------------------------------------
     def _plan(self) -> dict:
         return {

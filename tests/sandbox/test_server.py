@@ -7,6 +7,7 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -116,3 +117,33 @@ def test_ttl_reaps_and_shutdown_removes_everything(root):
     srv.should_exit = True
     thread.join(timeout=30)
     assert [leftovers(root, k.sandbox_id) for k in kept] == [[], []]
+
+
+def test_snapshot_fork_pause_connect_over_http(server):
+    url, _ = server
+    with make(url, 7) as sbx:
+        sbx.files.write("state.txt", "parent")
+        snap = sbx.create_snapshot()
+        assert snap.kind == "fs"
+        with pytest.raises(SandboxError, match="404"):  # a snapshot id is private to its client too
+            make(url, 8, snapshot=snap.id)
+        kids = sbx.fork(1)
+        assert [k.files.read("state.txt") for k in kids] == ["parent"]
+        kids[0].files.write("state.txt", "child")
+        assert sbx.files.read("state.txt") == "parent"
+        kids[0].kill()
+        with make(url, 7, snapshot=snap.id) as restored:
+            assert restored.files.read("state.txt") == "parent"
+        with pytest.raises(SandboxError, match="404"):
+            RemoteSandbox.delete_snapshot(snap, url, TOKEN[8])
+        RemoteSandbox.delete_snapshot(snap, url, TOKEN[7])
+        with pytest.raises(SandboxError, match="404"):
+            make(url, 7, snapshot=snap.id)
+        assert not Path(snap.path).exists()
+    paused = make(url, 9)
+    paused.files.write("kept.txt", "across pause")
+    sid = paused.pause()
+    with pytest.raises(SandboxError, match="404"):
+        RemoteSandbox.connect(sid, url, TOKEN[10])  # not that client's
+    with RemoteSandbox.connect(sid, url, TOKEN[9]) as again:
+        assert again.sandbox_id == sid and again.files.read("kept.txt") == "across pause"

@@ -133,6 +133,9 @@ def test_fs_snapshot_on_bwrap_restores_files_only(root):
         with Sandbox.create(snapshot=snap, root=root) as restored:
             assert restored.files.read("data/x.txt") == "kept"
             assert restored.commands.run("cat inside.txt", timeout=20).stdout == "made-inside\n"
+        Sandbox.delete_snapshot(snap, root=root)
+        with pytest.raises(SandboxError, match="no snapshot"):
+            Sandbox.create(snapshot=snap.id, root=root)
         try:
             children[0].files.write("only-0", "0")
             assert [e.name for e in children[1].files.list()] == ["data", "inside.txt"]
