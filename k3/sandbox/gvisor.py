@@ -21,13 +21,7 @@ from k3.sandbox.types import Limits, SandboxError
 
 CONTROL_TIMEOUT_S = 30.0  # runsc run / checkpoint / restore / kill / ps never wait longer than this
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "USER": "user", "LANG": "C.UTF-8"}
-# PID 1 of every container: reaps orphans so that exited processes do not pile up as zombies
-INIT = [
-    "/usr/bin/python3",
-    "-S",
-    "-c",
-    "import os, time\nwhile True:\n try: os.wait()\n except OSError: time.sleep(1)",
-]
+INIT = [f"{GUEST_TOOLS}/k3-init"]  # PID 1 of every container: reaps orphans (guest/k3_init.c)
 
 
 def runsc_path() -> str:

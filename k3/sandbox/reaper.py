@@ -5,7 +5,7 @@ It is the only cleanup path, so all three cases leave the same nothing behind.
 
 Run as `python -S -I reaper.py` (it imports nothing of k3, so it starts in milliseconds). Protocol on
 stdin: JSON lines, each the whole current plan {"deadline": unix time, "containers": [[runsc_root, id]],
-"cgroups": [dirs], "mounts": [dirs], "dirs": [dirs]}; end of input means clean up now. It prints "done".
+"cgroups": [dirs], "mounts": [dirs], "dirs": [dirs]}; end of input means clean up now, then exit.
 """
 
 import json
@@ -14,7 +14,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 
@@ -75,8 +74,6 @@ def main():
             if line.strip():
                 plan = json.loads(line)
     clean(plan)
-    sys.stdout.write("done\n")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -121,7 +121,7 @@ class Sandbox:
         self._reaper = subprocess.Popen(
             [sys.executable, "-S", "-I", str(REAPER)],
             stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
             start_new_session=True,  # a signal to our process group must not stop the cleanup
         )
         self._send_plan()
@@ -307,8 +307,6 @@ class Sandbox:
                 self._reaper.wait(timeout=KILL_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 self._reaper.kill()
-            if self._reaper.stdout:
-                self._reaper.stdout.close()
 
     def __enter__(self) -> Sandbox:
         return self

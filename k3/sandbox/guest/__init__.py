@@ -1,5 +1,6 @@
 """The helpers mounted read-only at /k3 in every sandbox: the seccomp filter (seccomp.bpf), `k3-exec`
-(loads that filter, then execs the command: gVisor's way in) and `statx_compat.so` (gVisor 20221219's statx
+(loads that filter, then execs the command: gVisor's way in), `k3-init` (gVisor's PID 1) and
+`statx_compat.so` (gVisor 20221219's statx
 shim for coreutils). They are compiled once with the host's C compiler into a directory named by the
 hash of their sources, so a changed source is rebuilt and a half-written build is never used."""
 
@@ -16,7 +17,7 @@ from k3.sandbox.seccomp import deny_filter
 from k3.sandbox.types import SandboxError
 
 HERE = Path(__file__).parent
-SOURCES = ("k3_exec.c", "statx_compat.c")
+SOURCES = ("k3_exec.c", "k3_init.c", "statx_compat.c")
 
 
 def guest_tools(root: Path) -> Path:
@@ -36,6 +37,7 @@ def guest_tools(root: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=dest.parent))
     commands = (
         [cc, "-O2", "-static", "-o", str(tmp / "k3-exec"), str(HERE / "k3_exec.c")],
+        [cc, "-O2", "-static", "-o", str(tmp / "k3-init"), str(HERE / "k3_init.c")],
         [cc, "-O2", "-shared", "-fPIC", "-o", str(tmp / "statx_compat.so"), str(HERE / "statx_compat.c")],
     )
     for cmd in commands:
