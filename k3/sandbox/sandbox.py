@@ -116,7 +116,8 @@ class Sandbox:
         self._home = root / "sandboxes" / sid
         self._workspace = Workspace(self._home / "workspace", backend.host_uid)
         self._deadline = time.time() + lifetime
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # one command, snapshot or file operation at a time
+        self._kill_lock = threading.Lock()
         self._killed = False
         self._reaper = subprocess.Popen(
             [sys.executable, "-S", "-I", str(REAPER)],
@@ -205,11 +206,14 @@ class Sandbox:
         }
 
     def _send_plan(self) -> None:
-        try:
-            self._reaper.stdin.write(json.dumps(self._plan()).encode() + b"\n")
-            self._reaper.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            pass
+        with self._kill_lock:
+            if self._reaper.stdin.closed:
+                return
+            try:
+                self._reaper.stdin.write(json.dumps(self._plan()).encode() + b"\n")
+                self._reaper.stdin.flush()
+            except BrokenPipeError:
+                pass
 
     def _remaining(self) -> float:
         return self._deadline - time.time()
@@ -255,6 +259,9 @@ class Sandbox:
                 if kind == "memory+fs":
                     self._backend.restore(path / "image")
                     self._send_plan()
+                    if self._killed:  # killed from another thread meanwhile: the reaper has gone
+                        self._backend.stop()
+                        raise SandboxError(f"sandbox {self.sandbox_id} was killed during its snapshot")
             except BaseException:
                 snapshots.remove_directory(path)
                 raise
@@ -293,8 +300,9 @@ class Sandbox:
 
     # -- the end ---------------------------------------------------------------------------------------
     def kill(self) -> None:
-        """Stop every process and remove the sandbox's cgroup, mount and directory (idempotent)."""
-        with self._lock:
+        """Stop every process and remove the sandbox's cgroup, mount and directory (idempotent). It does
+        not wait for a running command: that command's processes die and it returns."""
+        with self._kill_lock:
             self._killed = True
             try:
                 self._backend.stop()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,3 +71,18 @@ def test_the_end_of_the_lifetime_removes_the_sandbox(backend, root):
     assert wait_clean(root, sbx.sandbox_id) == []
     with pytest.raises(SandboxError, match="lifetime"):
         sbx.commands.run("true")
+
+
+def test_kill_from_another_thread_ends_a_running_command(backend, root):
+    sbx = Sandbox.create(backend=backend, root=root)
+    killer = threading.Timer(1.0, sbx.kill)
+    killer.start()
+    started = time.monotonic()
+    try:
+        r = sbx.commands.run("sleep 30", timeout=25)
+        assert r.exit_code != 0
+    except SandboxError:
+        pass  # gVisor: the container vanished under `runsc exec`
+    assert time.monotonic() - started < 8  # kill did not wait for the command's timeout
+    killer.join()
+    assert leftovers(root, sbx.sandbox_id) == []
