@@ -25,10 +25,19 @@ def sbx(backend, root):
         yield s
 
 
-def test_runs_as_unprivileged_user_on_the_template(sbx):
-    r = sbx.commands.run("id -u; cat /etc/hostname; python3 -c 'print(6 * 7)'; ls /home/user", timeout=20)
+def test_runs_as_unprivileged_user_on_the_template(sbx, monkeypatch):
+    secret = secrets.token_hex(8)
+    monkeypatch.setenv("K3_HOST_SECRET", secret)  # the host's environment must not reach the sandbox
+    r = sbx.commands.run(
+        "id -u; cat /etc/hostname; python3 -c 'print(6 * 7)'; ls /home/user; env",
+        timeout=20,
+        envs={"MINE": "yes"},
+    )
     assert r.exit_code == 0, r
-    assert r.stdout.split() == ["1000", "sandbox", "42"]
+    assert r.stdout.split()[:3] == ["1000", "sandbox", "42"]
+    env = dict(line.split("=", 1) for line in r.stdout.splitlines()[3:])
+    assert env["MINE"] == "yes" and env["HOME"] == "/home/user" and secret not in r.stdout
+    assert set(env) == {"MINE", "HOME", "PATH", "USER", "LANG", "PWD", "K3_SEED"}
 
 
 def test_host_secret_is_unreadable(sbx, tmp_path):
