@@ -43,6 +43,15 @@ def default_root() -> Path:
     return Path("/var/lib/k3-sandbox") if os.geteuid() == 0 else Path.home() / ".cache/k3/sandbox"
 
 
+def _check_root(root: Path, backend: str) -> None:
+    """Create the state root; bubblewrap runs as an unprivileged user, who must be able to reach it."""
+    root.mkdir(parents=True, exist_ok=True)
+    if backend == "bwrap":
+        for d in (root.resolve(), *root.resolve().parents):
+            if not os.stat(d).st_mode & 0o001:
+                raise SandboxError(f"the sandbox root {root} is unreachable for other users ({d} lacks o+x)")
+
+
 class Commands:
     """`sbx.commands`: run shell commands in the sandbox, one at a time."""
 
@@ -155,6 +164,7 @@ class Sandbox:
             raise SandboxError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
         if timeout <= 0:
             raise SandboxError(f"timeout (the sandbox lifetime) must be > 0 seconds, got {timeout}")
+        _check_root(root, backend)
         sid = sandbox_id or f"sbx-{secrets.token_hex(6)}"
         home = root / "sandboxes" / sid
         if home.exists():

@@ -256,3 +256,10 @@ def test_a_command_returns_when_its_sandbox_dies_under_it(backend, root):
         killer.join()
     finally:
         sbx.kill()
+
+
+def test_a_root_the_sandbox_user_cannot_reach_is_a_clear_error(tmp_path):
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    with pytest.raises(SandboxError, match="o\\+x"):
+        Sandbox.create(backend="bwrap", root=closed / "root")
