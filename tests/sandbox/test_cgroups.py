@@ -53,7 +53,7 @@ def test_limits_on_this_machines_cgroups():
             assert (d / "pids.max").read_text().strip() == "9"
             assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
         # a real process in the group hits the real pids limit: the counter moves
-        script = 'for f in "$@"; do echo $$ > "$f"; done; for i in $(seq 20); do sleep 2 & done; wait'
+        script = 'for f in "$@"; do echo $$ > "$f"; done; for i in $(seq 20); do sleep 1 & done; wait'
         proc = subprocess.Popen(
             ["/bin/sh", "-c", script, "sh", *map(str, g.procs_files())], stderr=subprocess.PIPE
         )

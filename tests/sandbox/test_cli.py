@@ -1,5 +1,5 @@
-"""`k3 sandbox run` and `k3 sandbox template build`, as a user runs them (a subprocess of `python -m
-k3.cli`), and the template builder itself."""
+"""`k3 sandbox run` as a user runs it (a subprocess of `python -m k3.cli`: real exit codes and streams),
+`k3 sandbox template build` and a bad argument in-process, and the template builder itself."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 from sandbox_testing import require
+from typer.testing import CliRunner
 
+from k3.cli import app
 from k3.sandbox.templates import build_template, resolve_template
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,17 +40,19 @@ def test_run_reports_a_timeout(root):
     assert r.returncode == 137 and "killed by timeout" in r.stderr
 
 
-def test_bad_backend_is_one_line_error(root):
-    r = k3("sandbox", "run", "--backend", "firecracker", "--", "true", root=root)
-    assert r.returncode == 1 and r.stderr.startswith("error: unknown backend 'firecracker'")
+def test_bad_backend_is_one_line_error(root, monkeypatch):
+    monkeypatch.setenv("K3_SANDBOX_ROOT", str(root))
+    r = CliRunner().invoke(app, ["sandbox", "run", "--backend", "firecracker", "--", "true"])
+    assert r.exit_code == 1 and "error: unknown backend 'firecracker'" in r.output
 
 
-def test_template_build_from_a_directory(tmp_path, root):
+def test_template_build_from_a_directory(tmp_path, root, monkeypatch):
+    monkeypatch.setenv("K3_SANDBOX_ROOT", str(root))
     src = tmp_path / "src"
     (src / "data").mkdir(parents=True)
     (src / "data/hello.txt").write_text("hi")
-    r = k3("sandbox", "template", "build", "mine", "--from", str(src), root=root)
-    assert r.returncode == 0, r.stderr
+    r = CliRunner().invoke(app, ["sandbox", "template", "build", "mine", "--from", str(src)])
+    assert r.exit_code == 0 and "template mine" in r.output, r.output
     t = resolve_template(root, "mine")
     assert (t.rootfs / "data/hello.txt").read_text() == "hi" and t.binds == () and not t.host
     assert all((t.rootfs / d).is_dir() for d in ("proc", "dev", "tmp", "home/user", "k3"))  # mount points
