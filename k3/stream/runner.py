@@ -149,13 +149,11 @@ class StreamRun:
     def run(self) -> StreamResult:
         started = time.perf_counter()
         progress = self.scratch.progress() if self.scratch is not None else None
-        generated = self.generated
         streams: list[ResidualStream] | None = None
         start_layer = 0
         if progress is not None:
             assert self.scratch is not None
-            self.pass_index, generated = progress.pass_index, progress.generated
-            self.generated = generated
+            self.pass_index, self.generated = progress.pass_index, progress.generated
             start_layer = progress.layer + 1
             if progress.layer >= 0:
                 streams = streams_from(
@@ -166,17 +164,17 @@ class StreamRun:
         try:
             with torch.inference_mode():
                 while self.pass_index < self.options.passes:
-                    tokens = self.prompts if self.pass_index == 0 else [[g[-1]] for g in generated]
+                    tokens = self.prompts if self.pass_index == 0 else [[g[-1]] for g in self.generated]
                     last = self._pass(tokens, start_layer, streams)  # [P, V] last-position logits
                     for p, row in enumerate(last):
-                        generated[p].append(int(row.argmax()))
+                        self.generated[p].append(int(row.argmax()))
                     self.pass_index += 1
                     start_layer, streams = 0, None
                     if self.scratch is not None and self.pass_index < self.options.passes:
-                        self.scratch.commit(Progress(self.pass_index, -1, generated), [])
+                        self.scratch.commit(Progress(self.pass_index, -1, self.generated), [])
         finally:
             self.reads.close()
-        self._finish_outputs(generated)
+        self._finish_outputs(self.generated)
         return StreamResult(self.outputs, self._summary(time.perf_counter() - started))
 
     def _pass(
