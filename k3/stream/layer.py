@@ -74,11 +74,11 @@ def run_mixer(
 ) -> torch.Tensor:
     """Advance one prompt's stream [1, T, H] through the mixer; returns the FFN's input [1, T, H].
 
-    Without a state and within one chunk this is exactly the first half of `K3DecoderLayer.forward`;
+    Without a state and within one chunk this is exactly the first half of `K3DecoderLayer.forward`
+    (`mixer_input`, `self_attn`, `ffn_input`);
     longer prompts go through the mixer `chunk_tokens` at a time, carrying a state from chunk to chunk.
     """
-    x = stream.mixer_input(layer.index, layer.self_attention_res_norm, layer.self_attention_res_proj)
-    h = layer.input_layernorm(x)  # [1, T, H]
+    h = layer.mixer_input(stream)  # [1, T, H]
     T = h.shape[1]
     if state is None and T > chunk_tokens:
         state = new_state(cfg, layer.index)
@@ -89,8 +89,7 @@ def run_mixer(
             [layer.self_attn(h[:, a : a + chunk_tokens], state) for a in range(0, T, chunk_tokens)], dim=1
         )  # type: ignore[arg-type]
     stream.add(mixed)
-    y = stream.read(layer.mlp_res_norm, layer.mlp_res_proj)
-    return layer.post_attention_layernorm(y)
+    return layer.ffn_input(stream)
 
 
 def route(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

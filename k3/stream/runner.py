@@ -294,7 +294,7 @@ class StreamRun:
         keep_all = self.pass_index == 0 and self.options.all_positions
         logits = []
         for s in streams:
-            h = ends.model.norm(s.read(ends.model.output_attn_res_norm, ends.model.output_attn_res_proj))
+            h = ends.model.output(s)  # [1, T, H]
             logits.append(ends.lm_head(h[0] if keep_all else h[0, -1:]).float())  # [T or 1, V]
         release(ends, tensors)
         if self.pass_index == 0:

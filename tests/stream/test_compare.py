@@ -68,14 +68,22 @@ def docs_snippet() -> str:
 
 
 def test_against_transformers_dumped_with_the_documented_snippet(tmp_path, monkeypatch):
-    tiny_kimi_linear().save_pretrained(tmp_path / "ckpt")
+    oracle = tiny_kimi_linear()
+    oracle.save_pretrained(tmp_path / "ckpt")
     prompts = [[3, 14, 15, 92, 65, 35], list(range(40, 80)), [7]]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     monkeypatch.chdir(tmp_path)
     snippet = docs_snippet()
     assert len(snippet.strip().splitlines()) <= 10
     exec(compile(snippet, str(DOCS), "exec"), {})
-    ours = stream_to_dir(tmp_path / "ckpt", prompts, tmp_path / "out", StreamOptions(all_positions=True))
+    options = StreamOptions(all_positions=True, dump_hidden=(0, 2))
+    ours = stream_to_dir(tmp_path / "ckpt", prompts, tmp_path / "out", options)
+    with torch.no_grad():  # --dump-hidden i is transformers' hidden_states[i + 1] (the residual stream)
+        for p, ids in enumerate(prompts):
+            hidden = oracle(torch.tensor([ids]), output_hidden_states=True).hidden_states
+            for i in (0, 2):
+                got, want = ours.outputs[f"hidden.{i}"][p, : len(ids)], hidden[i + 1][0]
+                assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     rows = compare_logits(read_logits(tmp_path / "out"), read_logits(tmp_path / "hf.safetensors"))
     scale = float(ours.outputs["logits"].abs().max())
     assert scale > 1.0

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import torch
-from conftest import prompts_for
+from stream_testing import prompts_for
 
 from k3.checkpoint import RemoteOptions, open_checkpoint
 from k3.checkpoint.serve import RangeServer

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import prompts_for
 from safetensors.torch import load_file
+from stream_testing import prompts_for
 
 from k3.stream.api import stream_logits, stream_to_dir
 from k3.stream.runner import StreamOptions
