@@ -83,9 +83,10 @@ def child(mode: str, ckpt: Path, tokens: int, limit: int) -> dict:
             cgroup.remove()
 
 
-def extrapolate(stream_runs: dict[int, dict], slice_layers: int) -> dict:
+def extrapolate(stream_runs: dict[int, dict], slice_layers: int, published_dims: bool) -> dict:
     """Full K3 per batch: bytes from the published layout (uniform routing for the experts touched),
-    time = bytes / bandwidth and, separately, the compute measured per layer on the slice times 93."""
+    time = bytes / bandwidth and, separately, the compute measured per layer times 93: only when the
+    checkpoint has the published dimensions (`k3-slice`), else None."""
     k3 = census_of("k3").to_json()
     E, k, moe_layers = k3["experts_per_layer"], k3["experts_per_token"], k3["moe_layers"]
     expert_bytes = k3["disk_bytes_by_format"]["MXFP4"] / k3["routed_experts"]  # every routed expert is MXFP4
@@ -95,7 +96,9 @@ def extrapolate(stream_runs: dict[int, dict], slice_layers: int) -> dict:
         touched = E * (1 - (1 - k / E) ** tokens)
         total = dense + moe_layers * touched * expert_bytes
         compute = (
-            run["summary"]["seconds_compute"] * k3["layers"] / slice_layers if "summary" in run else None
+            run["summary"]["seconds_compute"] * k3["layers"] / slice_layers
+            if "summary" in run and published_dims
+            else None
         )
         out[tokens] = {
             "bytes": total,
@@ -117,7 +120,8 @@ def main() -> None:
     limit, tokens = parse_size(args.limit), [int(t) for t in args.tokens.split(",")]
     from k3.config import K3Config
 
-    layers = K3Config.from_pretrained(args.ckpt).num_hidden_layers
+    cfg = K3Config.from_pretrained(args.ckpt)
+    published_dims = cfg.hidden_size == K3Config.preset("k3").hidden_size
     report: dict = {"uptime": os.popen("uptime").read().strip(), "limit": limit, "ckpt": str(args.ckpt)}
     report["sequential_read"] = sequential_read(args.ckpt)
     print("sequential read", report["sequential_read"], flush=True)
@@ -132,7 +136,7 @@ def main() -> None:
         print(f"stream {n} tokens", {k: v for k, v in run.items() if k != "summary"}, flush=True)
         report["ordinary"][n] = child("ordinary", args.ckpt, n, limit)
         print(f"ordinary {n} tokens", report["ordinary"][n], flush=True)
-    report["k3_extrapolated"] = extrapolate(report["stream"], layers)
+    report["k3_extrapolated"] = extrapolate(report["stream"], cfg.num_hidden_layers, published_dims)
     report["uptime_after"] = os.popen("uptime").read().strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")
