@@ -116,6 +116,7 @@ def _register_rooms() -> None:
     from k3.checkpoint.commands import inspect_command
     from k3.engine.commands import chat, generate, serve, tokenize
     from k3.model.commands import init as write_random_weights
+    from k3.sandbox.commands import sandbox_app
     from k3.train.commands import train_app
 
     app.command("inspect")(inspect_command(cross_check=_census_findings))
@@ -139,6 +140,7 @@ def _register_rooms() -> None:
         app.command()(command)
     app.add_typer(atlas_app, name="atlas")
     app.add_typer(train_app, name="train")
+    app.add_typer(sandbox_app, name="sandbox")
 
 
 _register_rooms()
