@@ -102,6 +102,11 @@ class K3Config:
     activation_situ_linear_beta: float = 25.0
     attn_res_block_size: int | None = None  # None = a plain pre-norm residual stream
     rms_norm_eps: float = 1e-5
+    # eps of the MLA latent norms (q_a_layernorm, kv_a_layernorm) and of KDA's q/k L2 norm. Not published
+    # keys: Moonshot's reference code for both Kimi Linear and K3 hard-codes 1e-6 for both (its RMSNorm's
+    # default, fla's l2norm default), not rms_norm_eps; sources in docs/epsilons.md.
+    mla_latent_norm_eps: float = 1e-6
+    kda_l2norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 1048576
     mla_use_nope: bool = True
@@ -235,6 +240,9 @@ class K3Config:
             )
         if self.kda_gate_lower_bound is not None and self.kda_gate_lower_bound >= 0:
             fail("linear_attn_config.gate_lower_bound", f"must be negative, got {self.kda_gate_lower_bound}")
+        for key in ("rms_norm_eps", "mla_latent_norm_eps", "kda_l2norm_eps"):
+            if not isinstance(getattr(self, key), int | float) or not getattr(self, key) > 0:
+                fail(key, f"must be a positive number, got {getattr(self, key)!r}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
         if self.experts_mxfp4 and self.num_experts:
