@@ -119,26 +119,13 @@ def mxfp4_blocks(packed: torch.Tensor, scale: torch.Tensor) -> np.ndarray:
     return blocks.reshape(p.shape[0], -1).astype(np.uint8)
 
 
-class _Source:
-    """The model's tensors by k3 module name, memory-mapped (nothing is copied until it is written)."""
-
-    def __init__(self, model: K3ForCausalLM) -> None:
-        self.tensors = dict(model.state_dict(keep_vars=False))
-
-    def __call__(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-    def has(self, name: str) -> bool:
-        return name in self.tensors
-
-
 def plan_tensors(model: K3ForCausalLM, outtype: gguf.GGMLQuantizationType, experts: str) -> Iterator[Planned]:
     """Every GGUF tensor of `model`, in the order the file lists them."""
     cfg = model.config
-    src = _Source(model)
+    src = model.state_dict()  # memory-mapped checkpoint tensors: nothing is read until written
 
     def plain(gguf_name: str, k3_name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None):
-        t = src(k3_name)
+        t = src[k3_name]
         if transform is None:
             shape, values = tuple(t.shape), lambda: _f32(t)
         else:  # only small tensors are transformed: their shape comes from transforming zeros
@@ -146,7 +133,7 @@ def plan_tensors(model: K3ForCausalLM, outtype: gguf.GGMLQuantizationType, exper
         return Planned(gguf_name, shape, tensor_type(gguf_name, shape, outtype), values)
 
     def product(gguf_name: str, a: str, b: str) -> Planned:
-        ta, tb = src(a), src(b)
+        ta, tb = src[a], src[b]
         return Planned(gguf_name, (ta.shape[0],), Q.F32, lambda: _f32(ta).ravel() * _f32(tb).ravel())
 
     yield plain("token_embd.weight", "model.embed_tokens.weight")
@@ -207,7 +194,7 @@ def _mla_tensors(cfg: K3Config, src, plain, a: str, blk: str, outtype) -> Iterat
         yield plain(blk + "attn_q_b.weight", a + "q_b_proj.weight")
     yield plain(blk + "attn_kv_a_mqa.weight", a + "kv_a_proj_with_mqa.weight")
     yield plain(blk + "attn_kv_a_norm.weight", a + "kv_a_layernorm.weight")
-    kv_b = src(a + "kv_b_proj.weight")  # [n (dn + dv), L]
+    kv_b = src[a + "kv_b_proj.weight"]  # [n (dn + dv), L]
 
     def k_b() -> np.ndarray:  # [n, L, dn]
         return np.ascontiguousarray(_f32(kv_b).reshape(n, dn + dv, L)[:, :dn].transpose(0, 2, 1))
@@ -230,12 +217,12 @@ def _stacked_experts(src, prefixes: list[str], packed: bool, as_mxfp4: bool) -> 
 
     def one(prefix: str) -> np.ndarray:
         if packed and as_mxfp4:  # the stored bytes, repacked
-            return mxfp4_blocks(src(prefix + "weight_packed"), src(prefix + "weight_scale"))
+            return mxfp4_blocks(src[prefix + "weight_packed"], src[prefix + "weight_scale"])
         if packed:  # exactly decoded
-            return dequantize_mxfp4(src(prefix + "weight_packed"), src(prefix + "weight_scale")).numpy()
+            return dequantize_mxfp4(src[prefix + "weight_packed"], src[prefix + "weight_scale"]).numpy()
         if as_mxfp4:  # plain experts quantized by k3's OCP quantizer
-            return mxfp4_blocks(*quantize_mxfp4(src(prefix + "weight").float()))
-        return _f32(src(prefix + "weight"))
+            return mxfp4_blocks(*quantize_mxfp4(src[prefix + "weight"].float()))
+        return _f32(src[prefix + "weight"])
 
     return lambda: np.stack([one(p) for p in prefixes])
 
@@ -243,7 +230,7 @@ def _stacked_experts(src, prefixes: list[str], packed: bool, as_mxfp4: bool) -> 
 def _moe_tensors(cfg: K3Config, src, plain, m: str, blk: str, i: int, outtype, experts) -> Iterator[Planned]:
     yield plain(blk + "ffn_gate_inp.weight", m + "gate.weight")
     yield plain(blk + "exp_probs_b.bias", m + "gate.e_score_correction_bias")
-    E, packed = cfg.num_experts, src.has(f"{m}experts.0.w1.weight_packed")
+    E, packed = cfg.num_experts, f"{m}experts.0.w1.weight_packed" in src
     fmt = experts or ("mxfp4" if packed else None)
     for w, theirs in (("w1", "ffn_gate_exps"), ("w2", "ffn_down_exps"), ("w3", "ffn_up_exps")):
         prefixes = [f"{m}experts.{e}.{w}." for e in range(E)]
