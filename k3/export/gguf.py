@@ -33,7 +33,7 @@ import torch
 
 from k3.config import FFN, K3Config, Mixer
 from k3.errors import K3Error
-from k3.export.vocab import PRE_TOKENIZER, gguf_vocab
+from k3.export.vocab import CHAT_TEMPLATE, PRE_TOKENIZER, gguf_vocab
 from k3.model import K3ForCausalLM
 from k3.ops.mxfp4.codec import dequantize_mxfp4, quantize_mxfp4
 
@@ -298,16 +298,20 @@ def write_metadata(w: gguf.GGUFWriter, cfg: K3Config, name: str, file_type: int)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
 
-def write_vocab(w: gguf.GGUFWriter, directory: Path, vocab_size: int) -> None:
-    v = gguf_vocab(directory, vocab_size)
+def write_vocab(w: gguf.GGUFWriter, directory: Path, cfg: K3Config) -> None:
+    """The tokenizer, its special ids and the chat template. The end-of-sequence id is the config's
+    `eos_token_id` when it has one (K3 ends turns with <|end_of_msg|>), else the tokenizer's [EOS]."""
+    v = gguf_vocab(directory, cfg.vocab_size)
+    eos = cfg.extra.get("eos_token_id", cfg.outer_extra.get("eos_token_id"))
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(PRE_TOKENIZER)
     w.add_token_list(v.tokens)
     w.add_token_types(v.types)
     w.add_token_merges(v.merges)
     w.add_bos_token_id(v.bos_id)
-    w.add_eos_token_id(v.eos_id)
+    w.add_eos_token_id(eos if isinstance(eos, int) else v.eos_id)
     w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
 
 
 # ---- the file ----------------------------------------------------------------------------------------------
@@ -353,7 +357,7 @@ def export_gguf(
     w = gguf.GGUFWriter(tmp, arch_name(cfg))
     try:
         write_metadata(w, cfg, checkpoint.name, file_type)
-        write_vocab(w, checkpoint, cfg.vocab_size)
+        write_vocab(w, checkpoint, cfg)
         for p in plan:
             dtype = np.dtype({Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8))
             shape = p.byte_shape if dtype == np.uint8 else p.shape

@@ -15,6 +15,16 @@ from pathlib import Path
 
 from k3.tokenizer.kimi import TIKTOKEN_FILE, Tokenizer, read_tiktoken_ranks
 
+# The K3 chat format (k3.engine.chat.render_chat) as the Jinja template llama.cpp's chat front ends render.
+CHAT_TEMPLATE = (
+    "{%- for m in messages -%}"
+    '<|open|>message role="{{ m["role"] }}"<|sep|>{{ m["content"] }}<|close|>message<|sep|><|end_of_msg|>'
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}"
+    '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+    "{%- endif -%}"
+)
+
 # gguf.TokenType values
 NORMAL, CONTROL, UNUSED = 1, 3, 5
 PRE_TOKENIZER = "kimi-k2"

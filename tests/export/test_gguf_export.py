@@ -210,6 +210,7 @@ def test_metadata(k3_tiny, kimi_linear_tiny_ckpt, tmp_path):
     eos = next(int(i) for i, s in specials.items() if s["content"] == "[EOS]")
     assert f["tokenizer.ggml.eos_token_id"] == eos and tokens[eos] == "[EOS]"
     assert f["tokenizer.ggml.pre"] == "kimi-k2" and f["tokenizer.ggml.model"] == "gpt2"
+    assert "<|end_of_msg|>" in f["tokenizer.chat_template"]
     export_gguf(kimi_linear_tiny_ckpt, tmp_path / "kl.gguf")
     f, _ = read_back(tmp_path / "kl.gguf")
     assert f["general.architecture"] == "kimi-linear" and f["general.file_type"] == 0
@@ -232,3 +233,19 @@ def test_cli_and_errors(k3_tiny, tmp_path):
         export_gguf(k3_tiny, tmp_path / "y.gguf", experts="q4")
     with pytest.raises(ExportError, match="not a checkpoint directory"):
         export_gguf(tmp_path / "missing", tmp_path / "y.gguf")
+
+
+def test_chat_template_renders_the_k3_chat_format():
+    jinja2 = pytest.importorskip("jinja2")
+    from k3.engine.chat import render_chat
+    from k3.export.vocab import CHAT_TEMPLATE
+
+    template = jinja2.Environment().from_string(CHAT_TEMPLATE)
+    chats = [
+        [{"role": "user", "content": "Hola"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'a "quote" <|close|>'},
+         {"role": "assistant", "content": "Sí."}, {"role": "user", "content": "¿Y?"}],
+    ]  # fmt: skip
+    for chat in chats:
+        for prompt in (True, False):
+            assert template.render(messages=chat, add_generation_prompt=prompt) == render_chat(chat, prompt)
