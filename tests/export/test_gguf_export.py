@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 
+import jinja2
 import numpy as np
 import pytest
 import torch
@@ -236,7 +237,6 @@ def test_cli_and_errors(k3_tiny, tmp_path):
 
 
 def test_chat_template_renders_the_k3_chat_format():
-    jinja2 = pytest.importorskip("jinja2")
     from k3.engine.chat import render_chat
     from k3.export.vocab import CHAT_TEMPLATE
 
