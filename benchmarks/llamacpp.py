@@ -4,7 +4,7 @@ continuations, and speed, the engines alternated in one run.
     .venv/bin/python benchmarks/llamacpp.py [--checkpoint DIR | --preset mini] [--tokens 512]
         [--threshold 1e-3] [--greedy 32] [--speed] [--threads 1,2] [--skip-agreement]
 
-Needs `llama-cpp-python` (not a k3 dependency, never in CI): `pip install llama-cpp-python==0.3.36`
+Needs `llama-cpp-python` (the `llamacpp` extra, never in CI): `pip install llama-cpp-python==0.3.36`
 (it compiles llama.cpp: ~15 minutes on 2 cores; that version's llama.cpp has kimi-linear and kimi-k3).
 The checkpoint is exported with `k3 export gguf` twice, experts MXFP4 and experts exactly decoded (F32);
 weights F32 in both.
