@@ -51,23 +51,43 @@ class ExportError(K3Error):
 
 @dataclass(frozen=True)
 class Planned:
-    """One GGUF tensor: its name, numpy shape (ggml's order reversed), type, and how to compute it."""
+    """One GGUF tensor: its name, numpy shape (ggml's order reversed), type, and how to compute it: as
+    slices along the first axis (the experts of a stacked tensor, or the whole tensor as one slice)."""
 
     name: str
     shape: tuple[int, ...]
     qtype: gguf.GGMLQuantizationType
-    values: Callable[[], np.ndarray]  # float32 values of `shape` (or, for MXFP4, the ggml blocks)
+    slices: Callable[[], Iterator[np.ndarray]]  # float32 values (for MXFP4: the ggml blocks), in order
 
     @property
     def byte_shape(self) -> tuple[int, ...]:
         return tuple(gguf.quant_shape_to_byte_shape(self.shape, self.qtype))
 
-    def data(self) -> np.ndarray:
-        """The bytes to write, [*byte_shape] uint8 (float32 / float16 arrays for F32 / F16)."""
-        values = self.values()
-        if self.qtype == Q.MXFP4:
-            return values
-        return gguf.quants.quantize(values, self.qtype)
+    @property
+    def nbytes(self) -> int:
+        itemsize = {Q.F32: 4, Q.F16: 2}.get(self.qtype)
+        return int(np.prod(self.shape)) * itemsize if itemsize else int(np.prod(self.byte_shape))
+
+    def encoded(self) -> Iterator[np.ndarray]:
+        """The slices as written: float32 / float16 arrays for F32 / F16, ggml's bytes (uint8) otherwise."""
+        for values in self.slices():
+            yield values if self.qtype == Q.MXFP4 else gguf.quants.quantize(values, self.qtype)
+
+
+class _Streamed:
+    """What `GGUFWriter.write_tensor_data` needs of an array (`nbytes`, `tofile`), written slice by slice,
+    so that a stacked expert tensor (896 experts in K3) is never whole in memory."""
+
+    def __init__(self, planned: Planned) -> None:
+        self.planned, self.nbytes = planned, planned.nbytes
+
+    def tofile(self, f) -> None:
+        written = 0
+        for part in self.planned.encoded():
+            part.tofile(f)
+            written += part.nbytes
+        if written != self.nbytes:
+            raise ExportError(f"{self.planned.name}: wrote {written} bytes, planned {self.nbytes}")
 
 
 # ---- tensor plan -------------------------------------------------------------------------------------------
@@ -127,14 +147,14 @@ def plan_tensors(model: K3ForCausalLM, outtype: gguf.GGMLQuantizationType, exper
     def plain(gguf_name: str, k3_name: str, transform: Callable[[np.ndarray], np.ndarray] | None = None):
         t = src[k3_name]
         if transform is None:
-            shape, values = tuple(t.shape), lambda: _f32(t)
+            shape, values = tuple(t.shape), lambda: iter([_f32(t)])
         else:  # only small tensors are transformed: their shape comes from transforming zeros
-            shape, values = transform(np.zeros(t.shape, np.float32)).shape, lambda: transform(_f32(t))
+            shape, values = transform(np.zeros(t.shape, np.float32)).shape, lambda: iter([transform(_f32(t))])
         return Planned(gguf_name, shape, tensor_type(gguf_name, shape, outtype), values)
 
     def product(gguf_name: str, a: str, b: str) -> Planned:
         ta, tb = src[a], src[b]
-        return Planned(gguf_name, (ta.shape[0],), Q.F32, lambda: _f32(ta).ravel() * _f32(tb).ravel())
+        return Planned(gguf_name, (ta.shape[0],), Q.F32, lambda: iter([_f32(ta).ravel() * _f32(tb).ravel()]))
 
     yield plain("token_embd.weight", "model.embed_tokens.weight")
     for plan in cfg.layer_plan:
@@ -206,14 +226,16 @@ def _mla_tensors(cfg: K3Config, src, plain, a: str, blk: str, outtype) -> Iterat
         (f"{blk}attn_k_b.weight", (n, L, dn), k_b),
         (f"{blk}attn_v_b.weight", (n, dv, L), v_b),
     ):
-        yield Planned(name, shape, tensor_type(name, shape, outtype), fn)
+        yield Planned(name, shape, tensor_type(name, shape, outtype), lambda fn=fn: iter([fn()]))
     if cfg.mla_use_output_gate:
         yield plain(blk + "attn_gate.weight", a + "g_proj.weight")
     yield plain(blk + "attn_output.weight", a + "o_proj.weight")
 
 
-def _stacked_experts(src, prefixes: list[str], packed: bool, as_mxfp4: bool) -> Callable[[], np.ndarray]:
-    """The experts of one matrix stacked [E, out, in]: ggml MXFP4 blocks, or float32 values."""
+def _stacked_experts(
+    src, prefixes: list[str], packed: bool, as_mxfp4: bool
+) -> Callable[[], Iterator[np.ndarray]]:
+    """The experts of one matrix, [out, in] each, in order: ggml MXFP4 blocks, or float32 values."""
 
     def one(prefix: str) -> np.ndarray:
         if packed and as_mxfp4:  # the stored bytes, repacked
@@ -224,7 +246,7 @@ def _stacked_experts(src, prefixes: list[str], packed: bool, as_mxfp4: bool) -> 
             return mxfp4_blocks(*quantize_mxfp4(src[prefix + "weight"].float()))
         return _f32(src[prefix + "weight"])
 
-    return lambda: np.stack([one(p) for p in prefixes])
+    return lambda: (one(p) for p in prefixes)
 
 
 def _moe_tensors(cfg: K3Config, src, plain, m: str, blk: str, i: int, outtype, experts) -> Iterator[Planned]:
@@ -361,15 +383,12 @@ def export_gguf(
         for p in plan:
             dtype = np.dtype({Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8))
             shape = p.byte_shape if dtype == np.uint8 else p.shape
-            w.add_tensor_info(p.name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=p.qtype)
+            w.add_tensor_info(p.name, shape, dtype, p.nbytes, raw_dtype=p.qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         for p in plan:
-            data = p.data()
-            if data.shape != (p.byte_shape if data.dtype == np.uint8 else p.shape):
-                raise ExportError(f"{p.name}: computed shape {data.shape}, planned {p.shape}")
-            w.write_tensor_data(data)
+            w.write_tensor_data(_Streamed(p))  # type: ignore[arg-type]
         w.close()
         os.replace(tmp, out)
     finally:
