@@ -20,7 +20,7 @@ from model_reference import ReferenceK3
 from safetensors import safe_open
 
 from k3.checkpoint import save_checkpoint
-from k3.config import K3Config
+from k3.config import ConfigError, K3Config
 from k3.model import K3ForCausalLM
 
 OTHER_EPS = 1e-5  # rms_norm_eps of every K3 / Kimi Linear config, llama.cpp's value for both norms
@@ -95,3 +95,14 @@ def test_kimi_linear_epsilons_follow_transformers(tmp_path, which):
     tol = 1e-4 * expected.abs().max()
     assert (ours - expected).abs().max() <= tol
     assert (ours_other - expected).abs().max() > 100 * tol
+
+
+def test_the_epsilons_travel_in_config_json_only_when_set():
+    raw = K3Config.preset("tiny").to_dict()
+    assert "mla_latent_norm_eps" not in raw["text_config"] and "kda_l2norm_eps" not in raw["text_config"]
+    raw["text_config"].update(mla_latent_norm_eps=1e-5, kda_l2norm_eps=2e-5)
+    cfg = K3Config.from_dict(raw)
+    assert (cfg.mla_latent_norm_eps, cfg.kda_l2norm_eps) == (1e-5, 2e-5)
+    assert K3Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ConfigError, match="kda_l2norm_eps"):
+        dataclasses.replace(cfg, kda_l2norm_eps=0.0)
