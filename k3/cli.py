@@ -115,6 +115,7 @@ def _register_rooms() -> None:
     from k3.atlas.commands import atlas_app
     from k3.checkpoint.commands import inspect_command
     from k3.engine.commands import chat, generate, serve, tokenize
+    from k3.export.commands import export_app
     from k3.model.commands import init as write_random_weights
     from k3.sandbox.commands import sandbox_app
     from k3.stream.commands import stream_app
@@ -143,6 +144,7 @@ def _register_rooms() -> None:
     app.add_typer(train_app, name="train")
     app.add_typer(sandbox_app, name="sandbox")
     app.add_typer(stream_app, name="stream")
+    app.add_typer(export_app, name="export")
 
 
 _register_rooms()

@@ -87,6 +87,9 @@ SPELLINGS = {
     "kda_gate_lower_bound": Spelling(LINEAR_ATTN + "gate_lower_bound", optional=True),
     "kda_use_full_rank_gate": Spelling(LINEAR_ATTN + "use_full_rank_gate", optional=True),
     "quantization_config": Spelling("quantization_config", optional=True),
+    # not published keys (docs/epsilons.md): written only when set to something else than the default
+    "mla_latent_norm_eps": Spelling("mla_latent_norm_eps", optional=True),
+    "kda_l2norm_eps": Spelling("kda_l2norm_eps", optional=True),
 }
 _NOT_PUBLISHED = {"published": False}  # field metadata of the bookkeeping fields below the published ones
 
@@ -121,6 +124,11 @@ class K3Config:
     activation_situ_linear_beta: float = 25.0
     attn_res_block_size: int | None = None  # None = a plain pre-norm residual stream
     rms_norm_eps: float = 1e-5
+    # eps of the MLA latent norms (q_a_layernorm, kv_a_layernorm) and of KDA's q/k L2 norm. Not published
+    # keys: Moonshot's reference code for both Kimi Linear and K3 hard-codes 1e-6 for both (its RMSNorm's
+    # default, fla's l2norm default), not rms_norm_eps; sources in docs/epsilons.md.
+    mla_latent_norm_eps: float = 1e-6
+    kda_l2norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     # attention: MLA
     num_attention_heads: int
@@ -270,6 +278,9 @@ class K3Config:
             )
         if self.kda_gate_lower_bound is not None and self.kda_gate_lower_bound >= 0:
             fail("linear_attn_config.gate_lower_bound", f"must be negative, got {self.kda_gate_lower_bound}")
+        for key in ("rms_norm_eps", "mla_latent_norm_eps", "kda_l2norm_eps"):
+            if not isinstance(getattr(self, key), int | float) or not getattr(self, key) > 0:
+                fail(key, f"must be a positive number, got {getattr(self, key)!r}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
         if self.experts_mxfp4 and self.num_experts:
