@@ -7,7 +7,6 @@ import re
 import time
 from pathlib import Path
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -22,7 +21,7 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
 class _RunByDefault(TyperGroup):
     """`k3 stream SOURCE ...` is `k3 stream run SOURCE ...`; `k3 stream compare ...` stays itself."""
 
-    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
             args = ["run", *args]
         return super().parse_args(ctx, args)
