@@ -252,6 +252,19 @@ def test_native_paths_with_small_tiles(m):
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_tiled_path_runs_under_inference_mode():
+    """The tiled path's worker threads update an inference tensor: they must run in inference mode too."""
+    n, k, m = 300, 4192, 257  # m above the GEMV limit: the tiled path, split across threads
+    packed, scale = random_pairs(n, k, seed=5, scale_low=118, scale_high=130)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = mxfp4_matmul(x, packed, scale, backend="native")
+    with torch.inference_mode():
+        out = mxfp4_matmul(x, packed, scale, backend="native")
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_stale_native_build_is_ignored_and_torch_path_is_used(monkeypatch):
     """A module whose compiled-in digest is not its sources' is not used (the torch path is)."""
     packed, scale = random_pairs(16, 64, seed=6, scale_low=120, scale_high=130)

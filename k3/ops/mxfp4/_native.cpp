@@ -204,7 +204,11 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   const int64_t n_tiles = (N + tile_n - 1) / tile_n;
+  // The worker threads do not inherit inference mode: without it, addmm_ into `out` (an inference tensor
+  // when the caller runs under torch.inference_mode) is refused there.
+  const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, n_tiles, 1, [&](int64_t t_begin, int64_t t_end) {
+    c10::InferenceMode guard(inference);
     torch::Tensor scratch = torch::empty({tile_n * tile_k}, x.options());  // per-thread tile buffer
     for (int64_t t = t_begin; t < t_end; ++t) {
       const int64_t n0 = t * tile_n, rows = std::min(tile_n, N - n0);
