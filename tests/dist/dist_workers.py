@@ -119,9 +119,9 @@ def dispatch_matches_one_process(
     out, z_grad, w_grad, grads, stats = runs[0]
     if policy == "moonep" and max(stats.received) - min(stats.received) > 1:
         raise AssertionError(f"moonep: received pairs {stats.received} are not equal to within one")
-    # every expert has two copies; the second computes pairs when the expert has at least two
+    # every expert has two copies, and both compute pairs when it has at least two
     duplicated = int((torch.bincount(idx_all.view(-1), minlength=E) >= 2).sum())
-    if history and stats.replicas != duplicated:
+    if history and not duplicated <= stats.replicas <= E:
         raise AssertionError(f"forced duplication: {stats.replicas} replicas, expected {duplicated}")
     check_close("output", out, out_ref[lo:hi].detach(), bitwise)
     check_close("grad z", z_grad, z_ref.grad[lo:hi], bitwise)
