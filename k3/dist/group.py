@@ -58,7 +58,10 @@ class Comm:
         delta = datetime.timedelta(seconds=timeout)
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         base = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=delta)
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "k3") + f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        run_id = (
+            os.environ.get("TORCHELASTIC_RUN_ID", "k3")
+            + f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        )
         cuda = torch.cuda.is_available()
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         if cuda:
@@ -129,9 +132,7 @@ class Comm:
     ) -> torch.Tensor:
         """Variable-split all-to-all along dim 0: `in_splits[r]` rows go to rank r, `out_splits[r]` come
         from it (in rank order). Returns `out`."""
-        self._call(
-            "all_to_all", lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits)
-        )
+        self._call("all_to_all", lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits))
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,9 @@ class _LayerDispatch:
         self.homes = home_of(E, R)
         expert = moe.experts[0]
         latent = expert.w1.in_features
-        self.weight_numel = sum(getattr(expert, n).in_features * getattr(expert, n).out_features for n in _WEIGHTS)
+        self.weight_numel = sum(
+            getattr(expert, n).in_features * getattr(expert, n).out_features for n in _WEIGHTS
+        )
         self.weight_dtype = expert.w1.weight.dtype if isinstance(expert.w1, nn.Linear) else torch.float32
         self.latent = latent
 

@@ -118,7 +118,7 @@ def eplb_placement(
     rank_load = np.bincount(homes, weights=per_copy, minlength=ranks)
     free = np.full(ranks, slots_per_rank)
     hosted = {(int(e), int(homes[e])) for e in range(len(load))}
-    items = sorted(((-per_copy[e], e) for e in range(len(load)) for _ in range(copies[e] - 1)))
+    items = sorted((-per_copy[e], e) for e in range(len(load)) for _ in range(copies[e] - 1))
     placed = []
     for _, e in items:  # packing: heaviest replica first, onto the least loaded rank that can take it
         options = [r for r in range(ranks) if free[r] > 0 and (e, r) not in hosted]

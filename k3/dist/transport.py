@@ -39,14 +39,13 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
         back = tuple(
-            _send(ctx.comm, g.contiguous(), recv, send) for g, (send, recv) in zip(grads, ctx.splits, strict=True)
+            _send(ctx.comm, g.contiguous(), recv, send)
+            for g, (send, recv) in zip(grads, ctx.splits, strict=True)
         )
         return (None, None, *back)
 
 
-def exchange(
-    comm: Comm, items: Sequence[tuple[torch.Tensor, Splits, Splits]]
-) -> tuple[torch.Tensor, ...]:
+def exchange(comm: Comm, items: Sequence[tuple[torch.Tensor, Splits, Splits]]) -> tuple[torch.Tensor, ...]:
     """All-to-all every (tensor, send_splits, recv_splits), differentiably; returns the received tensors."""
     splits = tuple((list(map(int, send)), list(map(int, recv))) for _, send, recv in items)
     return _Exchange.apply(comm, splits, *(t for t, _, _ in items))

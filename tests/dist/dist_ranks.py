@@ -61,7 +61,12 @@ class Ranks:
         ctx = mp.get_context("spawn")
         port = free_port()
         self.store = dist.TCPStore(
-            "127.0.0.1", port, None, is_master=True, timeout=datetime.timedelta(seconds=60), wait_for_workers=False
+            "127.0.0.1",
+            port,
+            None,
+            is_master=True,
+            timeout=datetime.timedelta(seconds=60),
+            wait_for_workers=False,
         )
         self.out = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(self.world)]

@@ -32,8 +32,10 @@ def exchange_is_a_permutation(comm: Comm, splits: list[list[int]]) -> None:
     """splits[s][h] rows go from s to h. Every row is tagged (source, row); forward and backward against
     the permutation computed locally."""
     R, s = comm.world, comm.rank
-    tagged = [torch.tensor([[src * 1000.0 + i, float(src)] for i in range(sum(splits[src]))]).view(-1, 2)
-              for src in range(R)]
+    tagged = [
+        torch.tensor([[src * 1000.0 + i, float(src)] for i in range(sum(splits[src]))]).view(-1, 2)
+        for src in range(R)
+    ]
     rows = tagged[s].clone().requires_grad_(True)
     (got,) = exchange(comm, [(rows, splits[s], [splits[src][s] for src in range(R)])])
 
@@ -66,7 +68,9 @@ def _pairs(scenario: str, n: int, E: int, k: int, gen: torch.Generator) -> torch
     if scenario == "one_expert":  # top-1, every pair to expert E - 1
         return torch.full((n, 1), E - 1, dtype=torch.long)
     if scenario == "hot":  # expert 0 in every token, the rest random
-        rest = torch.stack([torch.randperm(E - 1, generator=gen)[: k - 1] + 1 for _ in range(n)]).view(n, k - 1)
+        rest = torch.stack([torch.randperm(E - 1, generator=gen)[: k - 1] + 1 for _ in range(n)]).view(
+            n, k - 1
+        )
         return torch.cat([torch.zeros(n, 1, dtype=torch.long), rest], 1)
     raise ValueError(scenario)
 
@@ -84,7 +88,7 @@ def dispatch_matches_one_process(
     """EP dispatch on each rank's slice of a global batch == MoE.dispatch on the whole batch: outputs, the
     gradients of z and of the routing weights (this rank's rows) and every expert's weight gradient (summed
     over ranks); twice, bitwise equal run to run."""
-    R, s = comm.world, comm.rank
+    s = comm.rank
     reference = _tiny_moe()
     E, L = len(reference.experts), reference.experts[0].w1.in_features
     gen = torch.Generator().manual_seed(1234)
@@ -142,6 +146,7 @@ def raises_inside_moe(comm: Comm, bad_rank: int) -> None:
     moe = _tiny_moe()
     ExpertParallel(comm).attach(moe, 0)
     if comm.rank == bad_rank:
+
         def explode(module, args):
             raise RuntimeError("expert 0 exploded on purpose")
 

@@ -18,7 +18,7 @@ def reference_route(counts, hosts_shares):
         line = [s for s in range(R) for _ in range(counts[s, e])]  # the source of each pair, in order
         cuts = [h for h in sorted(hosts_shares[e]) for _ in range(hosts_shares[e][h])]
         assert len(line) == len(cuts)
-        for s, h in zip(line, cuts):
+        for s, h in zip(line, cuts, strict=True):
             route[s, e, h] += 1
     return route
 
@@ -107,7 +107,7 @@ def check_invariants(p, counts, slots):
     assert (p.route >= 0).all()
     assert np.array_equal(p.route.sum(axis=2), counts), "a (source, expert) lost or gained pairs"
     hosting = p.route.sum(axis=0) > 0  # [E, R]
-    for e, h in zip(*np.nonzero(hosting)):
+    for e, h in zip(*np.nonzero(hosting), strict=True):
         assert h == e // per or (int(e), int(h)) in p.replicas, "pairs sent to a rank that does not host"
     per_rank = np.bincount([h for _, h in p.replicas], minlength=R)
     assert (per_rank <= slots).all(), f"more replicas than slots: {per_rank}"

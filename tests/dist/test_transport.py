@@ -6,7 +6,12 @@ import time
 
 import pytest
 from dist_ranks import Ranks, assert_ok
-from dist_workers import dispatch_matches_one_process, exchange_is_a_permutation, raises_inside_moe, silent_rank
+from dist_workers import (
+    dispatch_matches_one_process,
+    exchange_is_a_permutation,
+    raises_inside_moe,
+    silent_rank,
+)
 
 
 def test_exchange_moves_tagged_rows_and_their_gradients_2_ranks(ranks2):
@@ -40,7 +45,9 @@ def test_dispatch_with_replicas_equals_one_process_2_ranks(ranks2, policy, slots
 def test_dispatch_4_ranks_each_policy_with_an_empty_rank(ranks4):
     for policy, slots, history in (("none", 0, False), ("moonep", 2, False), ("eplb", 2, True)):
         bitwise = policy == "none"
-        assert_ok(ranks4.run(dispatch_matches_one_process, [5, 0, 8, 3], "hot", policy, slots, history, bitwise))
+        assert_ok(
+            ranks4.run(dispatch_matches_one_process, [5, 0, 8, 3], "hot", policy, slots, history, bitwise)
+        )
 
 
 def test_a_rank_that_raises_inside_the_moe_stops_every_rank_with_its_error():
@@ -55,4 +62,6 @@ def test_a_rank_that_raises_inside_the_moe_stops_every_rank_with_its_error():
 def test_a_rank_that_never_arrives_is_named_after_the_timeout():
     results = Ranks(2, collective_timeout=3.0).run(silent_rank, 1, timeout=60.0)
     assert results[1] is None
-    assert results[0] is not None and results[0].startswith("DistError: all_reduce: rank 1 did not arrive within 3 s")
+    assert results[0] is not None and results[0].startswith(
+        "DistError: all_reduce: rank 1 did not arrive within 3 s"
+    )
