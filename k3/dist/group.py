@@ -47,6 +47,7 @@ class Comm:
     store: dist.Store
     timeout: float
     device: torch.device
+    owns_group: bool = True  # False when the default group was already there (then `close` leaves it)
 
     @classmethod
     def from_env(cls, timeout: float = 60.0) -> Comm:
@@ -66,7 +67,8 @@ class Comm:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)
-        if not dist.is_initialized():
+        owns_group = not dist.is_initialized()
+        if owns_group:
             dist.init_process_group(
                 "nccl" if cuda else "gloo",
                 store=dist.PrefixStore(f"{run_id}/pg", base),
@@ -74,10 +76,10 @@ class Comm:
                 world_size=world,
                 timeout=delta,
             )
-        return cls(rank, world, dist.PrefixStore(f"{run_id}/k3", base), timeout, device)
+        return cls(rank, world, dist.PrefixStore(f"{run_id}/k3", base), timeout, device, owns_group)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
 
     # ---- failure reporting --------------------------------------------------------------------------------

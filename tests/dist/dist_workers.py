@@ -168,3 +168,11 @@ def silent_rank(comm: Comm, missing: int) -> None:
         time.sleep(comm.timeout + 4)
         return
     comm.all_reduce_(torch.ones(1))
+
+
+# ---- training -------------------------------------------------------------------------------------------
+def train_on_ranks(comm: Comm, config: dict) -> None:
+    """`k3 train` as torchrun would run it on this rank (the environment is torchrun's)."""
+    from k3.train.trainer import TrainConfig, train
+
+    train(TrainConfig(**config))
