@@ -176,3 +176,24 @@ def train_on_ranks(comm: Comm, config: dict) -> None:
     from k3.train.trainer import TrainConfig, train
 
     train(TrainConfig(**config))
+
+
+# ---- the whole model ------------------------------------------------------------------------------------
+def model_logits_match(comm: Comm, preset: str, policy: str, quantized: bool, rows: list[int]) -> None:
+    """Logits of K3ForCausalLM with expert-parallel MoE layers, each rank on its `rows[rank]` sequences
+    of a global batch, against the one-process model on the same sequences (1e-6 relative) and on the
+    whole batch (1e-5: one process alone differs by ~1.5e-6 on mini between a batch and its halves, the
+    dense kernels' sums depend on the batch shape)."""
+    from k3.model import K3ForCausalLM
+
+    cfg = K3Config.preset(preset)
+    model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=quantized).eval()
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, cfg.vocab_size, (sum(rows), 12), generator=gen)
+    lo, hi = sum(rows[: comm.rank]), sum(rows[: comm.rank + 1])
+    with torch.no_grad():
+        whole, mine = model(ids)[lo:hi], model(ids[lo:hi])
+        ExpertParallel(comm, policy=policy, slots_per_rank=2, threshold=False).install(model)
+        got = model(ids[lo:hi])
+    check_close(f"{preset} logits ({policy}) vs one process, same rows", got, mine, bitwise=False)
+    check_close(f"{preset} logits ({policy}) vs one process, whole batch", got, whole, bitwise=False, rel=1e-5)

@@ -1,0 +1,16 @@
+"""K3ForCausalLM with expert-parallel MoE layers: logits equal the one-process model's (1e-6)."""
+
+from __future__ import annotations
+
+import pytest
+from dist_ranks import assert_ok
+from dist_workers import model_logits_match
+
+
+@pytest.mark.parametrize(
+    "preset, policy, quantized, rows",
+    [("tiny", "none", True, [2, 1]), ("tiny", "moonep", False, [3, 1]), ("mini", "moonep", False, [1, 1])],
+    ids=["tiny-mxfp4-none", "tiny-moonep-uneven", "mini-moonep"],
+)
+def test_logits_under_expert_parallelism_equal_one_process(ranks2, preset, policy, quantized, rows):
+    assert_ok(ranks2.run(model_logits_match, preset, policy, quantized, rows))
