@@ -22,7 +22,14 @@ from k3.train.state import list_checkpoints
 from k3.train.trainer import TrainConfig, train
 
 TINY = dict(
-    preset="tiny", batch_size=4, seq_len=32, warmup=1, export=False, threads=1, progress=False, ep_timeout=30.0
+    preset="tiny",
+    batch_size=4,
+    seq_len=32,
+    warmup=1,
+    export=False,
+    threads=1,
+    progress=False,
+    ep_timeout=30.0,
 )
 REPO = Path(__file__).resolve().parents[2]
 
