@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from dist_ranks import assert_ok
-from dist_workers import model_logits_match
+from dist_workers import generation_matches_one_process, model_logits_match
 
 
 @pytest.mark.parametrize(
@@ -18,3 +18,14 @@ from dist_workers import model_logits_match
 )
 def test_logits_under_expert_parallelism_equal_one_process(ranks2, preset, policy, quantized, rows):
     assert_ok(ranks2.run(model_logits_match, preset, policy, quantized, rows))
+
+
+@pytest.mark.parametrize("policy", ["none", "moonep"], ids=["mxfp4-none", "moonep"])
+def test_greedy_generation_under_expert_parallelism_equals_one_process(ranks2, policy):
+    assert_ok(ranks2.run(generation_matches_one_process, policy))
+
+
+def test_without_nproc():
+    from k3.dist.generate import _without_nproc
+
+    assert _without_nproc(["ckpt", "--nproc", "2", "-p", "x", "--nproc=3"]) == ["ckpt", "-p", "x"]
