@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -211,11 +212,17 @@ def step_worker(preset: str, batch: int, seq: int, steps: int, policy: str, out:
         if step:
             times.append(time.perf_counter() - began)
             collectives.append(comm_s)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, this rank
+    row = {"step_s": float(np.median(times)), "collective_s": float(np.median(collectives)), "rss_mb": rss_mb}
+    if par is not None:  # every rank's figures: the slowest step, the largest RSS
+        every = par.comm.all_gather(
+            torch.tensor([row["step_s"], row["collective_s"], rss_mb], dtype=torch.float64)
+        )
+        row = {"step_s": float(every[:, 0].max()), "collective_s": float(every[:, 1].max())}
+        row["rss_mb"] = float(every[:, 2].max())
     rank = 0 if par is None else par.rank
     if rank == 0:
-        Path(out).write_text(
-            json.dumps({"step_s": float(np.median(times)), "collective_s": float(np.median(collectives))})
-        )
+        Path(out).write_text(json.dumps(row))
     if par is not None:
         par.close()
 

@@ -271,7 +271,7 @@ def _start_parallel(tc: TrainConfig, cfg: K3Config):
     from k3.dist.data_parallel import DataParallel, cpu_threads
 
     world = int(os.environ["WORLD_SIZE"])
-    if world == 1:
+    if world == 1 and tc.expert_parallel == 1:
         return None
     if tc.expert_parallel != world:
         raise TrainError(
@@ -319,6 +319,10 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
         _prepare_run(tc, run)
         launch(tc.nproc, ["-m", "k3.train.trainer", str(run / TRAIN_JSON)])
         return run
+    if tc.expert_parallel > 1 and not torchrun_env():
+        raise TrainError(
+            f"--expert-parallel {tc.expert_parallel}: needs --nproc {tc.expert_parallel} (or torchrun)"
+        )
     par = _start_parallel(tc, cfg) if torchrun_env() else None
     writes = par is None or par.writes
     if writes:

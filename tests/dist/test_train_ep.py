@@ -96,3 +96,14 @@ def test_a_sigkilled_two_process_moonep_run_resumes_to_the_same_losses(ranks2, t
     assert_same_run(run, tmp_path / "one", steps)
     train(TrainConfig(**dict(config, out=str(one_process), nproc=1, expert_parallel=1)))
     assert_same_run(one_process, tmp_path / "one", steps)
+
+
+def test_settings_that_cannot_run_are_refused_clearly(tmp_path):
+    from k3.train.trainer import TrainError
+
+    with pytest.raises(TrainError, match="--expert-parallel 2: needs --nproc 2"):
+        train(TrainConfig(**dict(TINY, steps=1, out=str(tmp_path / "a"), expert_parallel=2)))
+    with pytest.raises(TrainError, match="--ep-policy: unknown policy 'hot'"):
+        TrainConfig(**dict(TINY, steps=1, ep_policy="hot")).check()
+    with pytest.raises(TrainError, match="--expert-parallel: shards the experts over all 4 processes"):
+        TrainConfig(**dict(TINY, steps=1, nproc=4, expert_parallel=2)).check()
