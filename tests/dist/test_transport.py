@@ -65,3 +65,16 @@ def test_a_rank_that_never_arrives_is_named_after_the_timeout():
     assert results[0] is not None and results[0].startswith(
         "DistError: all_reduce: rank 1 did not arrive within 3 s"
     )
+
+
+@pytest.mark.slow
+def test_dispatch_8_ranks_each_policy():
+    pool = Ranks(8)
+    try:
+        sizes = [3, 0, 5, 2, 7, 1, 0, 4]
+        assert_ok(pool.run(exchange_is_a_permutation, [[(s + h) % 3 for h in range(8)] for s in range(8)]))
+        for policy, slots, history in (("none", 0, False), ("moonep", 1, False), ("eplb", 1, True)):
+            bitwise = policy == "none"
+            assert_ok(pool.run(dispatch_matches_one_process, sizes, "hot", policy, slots, history, bitwise))
+    finally:
+        pool.close()
