@@ -36,7 +36,7 @@ from k3.dist.group import Comm
 from k3.dist.planner import Plan, PlanError, home_of, plan, worthwhile_pairs
 from k3.dist.transport import exchange, segments
 from k3.model.moe import MoE, RoutedExpert
-from k3.ops.mxfp4 import MXFP4Linear
+from k3.ops.mxfp4 import MXFP4Linear, mxfp4_matmul
 
 _WEIGHTS = ("w1", "w3", "w2")
 
@@ -85,18 +85,33 @@ class ExpertParallel:
                 layer.block_sparse_moe.__dict__.pop("dispatch", None)
 
 
-def _expert_weights(expert: RoutedExpert) -> list[torch.Tensor]:
-    weights = [getattr(expert, name) for name in _WEIGHTS]
-    if any(isinstance(w, MXFP4Linear) for w in weights):
-        raise PlanError("replicas of MXFP4-packed experts are not supported yet: use --ep-policy none")
-    return [w.weight for w in weights]
+def _shipped(expert: RoutedExpert) -> list[torch.Tensor]:
+    """What a replica of `expert` needs: the weights of w1, w3, w2, or (MXFP4) their packed codes and
+    scales, which travel as they are (uint8, 4.25 bits per weight)."""
+    tensors = []
+    for name in _WEIGHTS:
+        linear = getattr(expert, name)
+        packed = isinstance(linear, MXFP4Linear)
+        tensors += [linear.weight_packed, linear.weight_scale] if packed else [linear.weight]
+    if len({t.dtype for t in tensors}) != 1:
+        raise PlanError("an expert mixes MXFP4 and plain matrices: its replicas cannot be shipped")
+    return tensors
 
 
 def _run_replica(expert: RoutedExpert, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     """`w2(act(w1 z, w3 z))` with the weights unpacked from `flat` (shipped from the expert's home)."""
-    shapes = [w.shape for w in _expert_weights(expert)]
-    w1, w3, w2 = (t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True))
-    return F.linear(expert.act(F.linear(z, w1.to(z.dtype)), F.linear(z, w3.to(z.dtype))), w2.to(z.dtype))
+    shapes = [t.shape for t in _shipped(expert)]
+    parts = iter(t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True))
+    linears = []
+    for name in _WEIGHTS:
+        if isinstance(getattr(expert, name), MXFP4Linear):
+            packed, scale = next(parts), next(parts)
+            linears.append(lambda x, packed=packed, scale=scale: mxfp4_matmul(x, packed, scale, None))
+        else:
+            weight = next(parts)
+            linears.append(lambda x, weight=weight: F.linear(x, weight.to(x.dtype)))
+    w1, w3, w2 = linears
+    return w2(expert.act(w1(z), w3(z)))
 
 
 class _LayerDispatch:
@@ -106,19 +121,15 @@ class _LayerDispatch:
         self.ep, self.moe, self.layer = ep, moe, layer
         E, R = len(moe.experts), ep.comm.world
         self.homes = home_of(E, R)
-        expert = moe.experts[0]
-        latent = expert.w1.in_features
-        self.weight_numel = sum(
-            getattr(expert, n).in_features * getattr(expert, n).out_features for n in _WEIGHTS
-        )
-        self.weight_dtype = expert.w1.weight.dtype if isinstance(expert.w1, nn.Linear) else torch.float32
-        self.latent = latent
+        shipped = _shipped(moe.experts[0])  # every expert of a layer has the same shapes and format
+        self.weight_numel = sum(t.numel() for t in shipped)
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in shipped)
+        self.weight_dtype = shipped[0].dtype
+        self.latent = moe.experts[0].w1.in_features
 
     def plan(self, counts: np.ndarray, elem_bytes: int) -> Plan:
         min_pairs = (
-            worthwhile_pairs(self.weight_numel * elem_bytes, 2 * self.latent * elem_bytes)
-            if self.ep.threshold
-            else 0
+            worthwhile_pairs(self.weight_bytes, 2 * self.latent * elem_bytes) if self.ep.threshold else 0
         )
         return plan(
             counts,
@@ -157,7 +168,7 @@ class _LayerDispatch:
         n = self.weight_numel
         w_send = [n * sum(1 for _, h in outgoing if h == r) for r in range(R)]
         w_recv = [n * sum(1 for e, _ in incoming if self.homes[e] == r) for r in range(R)]
-        parts = [w.reshape(-1) for e, _ in outgoing for w in _expert_weights(experts[e])]
+        parts = [t.reshape(-1) for e, _ in outgoing for t in _shipped(experts[e])]
         send_w = torch.cat(parts) if parts else torch.zeros(0, dtype=self.weight_dtype, device=z.device)
         sent = time.perf_counter()
         recv_rows, recv_w = exchange(comm, [(send_rows, send_splits, recv_splits), (send_w, w_send, w_recv)])
@@ -200,7 +211,7 @@ class _LayerDispatch:
             replicas=len(p.replicas),
             rehomed=p.rehomed_pairs(E // p.ranks),
             token_bytes=2 * p.remote_pairs() * self.latent * elem,
-            weight_bytes=len(p.replicas) * self.weight_numel * elem,
+            weight_bytes=len(p.replicas) * self.weight_bytes,
             plan_s=plan_s,
             collective_s=collective_s,
         )

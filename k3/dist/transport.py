@@ -34,13 +34,17 @@ class _Exchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm: Comm, splits: tuple[tuple[Splits, Splits], ...], *tensors: torch.Tensor):
         ctx.comm, ctx.splits = comm, splits
-        return tuple(_send(comm, t, send, recv) for t, (send, recv) in zip(tensors, splits, strict=True))
+        out = tuple(_send(comm, t, send, recv) for t, (send, recv) in zip(tensors, splits, strict=True))
+        ctx.integer = [not t.is_floating_point() for t in out]
+        ctx.mark_non_differentiable(*(t for t in out if not t.is_floating_point()))
+        return out
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
+        # integer tensors (MXFP4 codes and scales) have no gradient, on any rank: they skip the way back
         back = tuple(
-            _send(ctx.comm, g.contiguous(), recv, send)
-            for g, (send, recv) in zip(grads, ctx.splits, strict=True)
+            None if integer else _send(ctx.comm, g.contiguous(), recv, send)
+            for g, integer, (send, recv) in zip(grads, ctx.integer, ctx.splits, strict=True)
         )
         return (None, None, *back)
 

@@ -193,8 +193,12 @@ def model_logits_match(comm: Comm, preset: str, policy: str, quantized: bool, ro
     lo, hi = sum(rows[: comm.rank]), sum(rows[: comm.rank + 1])
     with torch.no_grad():
         whole, mine = model(ids)[lo:hi], model(ids[lo:hi])
-        ExpertParallel(comm, policy=policy, slots_per_rank=2, threshold=False).install(model)
+        ep = ExpertParallel(comm, policy=policy, slots_per_rank=2, threshold=False, keep_stats=True)
+        ep.install(model)
         got = model(ids[lo:hi])
+    replicas = sum(s.replicas for layer in ep.stats.values() for s in layer)
+    if policy == "moonep" and replicas == 0:
+        raise AssertionError("moonep planned no replica: the test would not exercise shipping them")
     check_close(f"{preset} logits ({policy}) vs one process, same rows", got, mine, bitwise=False)
     check_close(
         f"{preset} logits ({policy}) vs one process, whole batch", got, whole, bitwise=False, rel=1e-5

@@ -12,9 +12,10 @@ from dist_workers import generation_matches_one_process, model_logits_match
     [
         ("tiny", "none", True, [2, 1]),
         ("tiny", "moonep", False, [3, 1]),
+        ("tiny", "moonep", True, [3, 1]),  # replicas ship MXFP4 codes and scales
         pytest.param("mini", "moonep", False, [1, 1], marks=pytest.mark.slow),  # 45 s on 2 busy cores
     ],
-    ids=["tiny-mxfp4-none", "tiny-moonep-uneven", "mini-moonep"],
+    ids=["tiny-mxfp4-none", "tiny-moonep-uneven", "tiny-mxfp4-moonep", "mini-moonep"],
 )
 def test_logits_under_expert_parallelism_equal_one_process(ranks2, preset, policy, quantized, rows):
     assert_ok(ranks2.run(model_logits_match, preset, policy, quantized, rows))
