@@ -105,7 +105,7 @@ class TrainConfig:
     stop_after: int | None = None  # leave after this step as if killed (tests, time slicing)
     progress: bool = True
     nproc: int = 1  # processes on this machine (> 1: launched through torch.distributed.run)
-    expert_parallel: int = 1  # ranks the routed experts are sharded over (all processes, or 1)
+    expert_parallel: int = 0  # ranks the routed experts are sharded over: 0 = all processes (the only layout)
     ep_policy: str = "none"  # none | eplb | moonep: where the (token, expert) pairs are computed
     ep_slots: int = 1  # replicas of other ranks' experts a rank may host, per layer
     ep_replan_every: int = 10  # eplb: steps between placements, from the loads of the steps before
@@ -140,17 +140,20 @@ class TrainConfig:
             bad("warmup", f"must be in 0..{self.steps} (the number of steps), got {self.warmup}")
         if self.lr <= 0:
             bad("lr", f"must be positive, got {self.lr}")
-        for name in ("nproc", "expert_parallel", "ep_replan_every"):
+        for name in ("nproc", "ep_replan_every"):
             if getattr(self, name) < 1:
                 bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.expert_parallel < 0:
+            bad("expert-parallel", f"must be at least 0 (0: all processes), got {self.expert_parallel}")
         if self.ep_policy not in EP_POLICIES:
             bad("ep-policy", f"unknown policy {self.ep_policy!r} (known: {', '.join(EP_POLICIES)})")
         if self.ep_slots < 0:
             bad("ep-slots", f"must be at least 0, got {self.ep_slots}")
-        if self.nproc > 1 and self.expert_parallel not in (1, self.nproc):
+        if self.nproc > 1 and self.expert_parallel not in (0, self.nproc):
             bad(
                 "expert-parallel",
-                f"shards the experts over all {self.nproc} processes, or 1; got {self.expert_parallel}",
+                f"shards the experts over all {self.nproc} processes (0 or {self.nproc}), "
+                f"got {self.expert_parallel}",
             )
 
 
@@ -271,9 +274,9 @@ def _start_parallel(tc: TrainConfig, cfg: K3Config):
     from k3.dist.data_parallel import DataParallel, cpu_threads
 
     world = int(os.environ["WORLD_SIZE"])
-    if world == 1 and tc.expert_parallel == 1:
+    if world == 1 and tc.expert_parallel in (0, 1):
         return None
-    if tc.expert_parallel != world:
+    if tc.expert_parallel not in (0, world):
         raise TrainError(
             f"--expert-parallel: shards the experts over all {world} processes; got {tc.expert_parallel}"
         )
