@@ -35,7 +35,7 @@ class DataParallel:
     @classmethod
     def start(cls, policy: str = "none", slots_per_rank: int = 1, timeout: float = 60.0) -> DataParallel:
         comm = Comm.from_env(timeout=timeout)
-        return cls(comm, ExpertParallel(comm, policy=policy, slots_per_rank=slots_per_rank))
+        return cls(comm, ExpertParallel(comm, policy=policy, slots_per_rank=slots_per_rank, keep_stats=True))
 
     @property
     def rank(self) -> int:

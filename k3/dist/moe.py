@@ -54,6 +54,20 @@ class LayerStats:
     collective_s: float  # counts gathered, pairs dispatched and combined (forward)
 
 
+STATS_COLUMNS = [
+    "step",
+    "micro",
+    "layer",
+    "received_max_over_mean",
+    "replicas",
+    "rehomed_share",
+    "token_bytes",
+    "weight_bytes",
+    "plan_ms",
+    "collective_ms",
+]
+
+
 @dataclass
 class ExpertParallel:
     """The expert-parallel dispatch of every MoE layer of a model, over the ranks of `comm`."""
@@ -77,6 +91,30 @@ class ExpertParallel:
         """Replace one MoE layer's dispatch (the instance attribute shadows the method)."""
         home_of(len(moe.experts), self.comm.world)  # E % R == 0, or a clear error
         object.__setattr__(moe, "dispatch", _LayerDispatch(self, moe, layer))
+
+    def stats_rows(self, step: int) -> list[dict]:
+        """The kept stats as rows (STATS_COLUMNS), one per layer and forward since the last call, which
+        clears them."""
+        rows = []
+        for layer, calls in sorted(self.stats.items()):
+            for micro, s in enumerate(calls):
+                mean = sum(s.received) / len(s.received)
+                rows.append(
+                    {
+                        "step": step,
+                        "micro": micro,
+                        "layer": layer,
+                        "received_max_over_mean": f"{max(s.received) / mean if mean else 1.0:.6f}",
+                        "replicas": s.replicas,
+                        "rehomed_share": f"{s.rehomed / max(1, sum(s.received)):.6f}",
+                        "token_bytes": s.token_bytes,
+                        "weight_bytes": s.weight_bytes,
+                        "plan_ms": f"{1e3 * s.plan_s:.3f}",
+                        "collective_ms": f"{1e3 * s.collective_s:.3f}",
+                    }
+                )
+        self.stats.clear()
+        return rows
 
     @staticmethod
     def uninstall(model: nn.Module) -> None:

@@ -48,6 +48,7 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.dist.group import torchrun_env
+from k3.dist.moe import STATS_COLUMNS
 from k3.dist.planner import POLICIES as EP_POLICIES
 from k3.model.routing import record_routing
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
@@ -59,6 +60,7 @@ from k3.train.state import list_checkpoints, load_training_state, save_training_
 TRAIN_JSON = "train.json"
 LOG_FILE = "log.csv"
 LOADS_FILE = "loads.csv"
+EP_FILE = "expert_parallel.csv"  # with several processes: per step, micro-batch and layer (k3.dist.moe)
 EXPORT_DIR = "export"
 # Fields that may change between a run and its resumption without changing what is computed.
 _RESUMABLE_CHANGES = {"stop_after", "progress", "export", "nproc", "expert_parallel", "ep_policy", "ep_slots"}
@@ -372,6 +374,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if writes:
         _cut_log(log_path, columns, start)
         _cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
+        if par is not None:
+            _cut_log(run / EP_FILE, STATS_COLUMNS, start)
     else:  # rank 0 writes the run's files; the others write nowhere
         log_path = loads_path = Path(os.devnull)
     if par is not None:
@@ -389,6 +393,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
                 group["lr"] = lr
             if eplb and step % tc.ep_replan_every == 0 and step:
                 par.ep.history, recent = {layer: v.numpy() for layer, v in recent.items()}, {}
+            if par is not None:
+                par.ep.stats.clear()  # the evaluation's forwards of the step before
             loss_sum = 0.0
             # the refresh below computes its own scores
             with record_routing(model, scores=not tc.balance_refresh, weights=False) as routing:
@@ -410,6 +416,9 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             if par is not None:
                 par.reduce_gradients(model)
                 loss_sum = par.sum(loss_sum)
+                if writes:
+                    with (run / EP_FILE).open("a", newline="") as f:
+                        csv.DictWriter(f, fieldnames=STATS_COLUMNS).writerows(par.ep.stats_rows(step + 1))
             if not math.isfinite(loss_sum):
                 raise TrainError(f"step {step + 1}: the loss is {loss_sum}; lower --lr or use --clip")
             # with no clipping the norm is still measured (a max norm of inf scales every gradient by 1)

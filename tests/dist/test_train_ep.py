@@ -94,6 +94,10 @@ def test_a_sigkilled_two_process_moonep_run_resumes_to_the_same_losses(ranks2, t
     (one_process / "train.json").write_text(json.dumps(dict(moved, out=str(one_process))))
     assert_ok(ranks2.run(train_on_ranks, dict(config, nproc=1)))  # the same folder, 2 ranks
     assert_same_run(run, tmp_path / "one", steps)
+    with (run / "expert_parallel.csv").open(newline="") as f:  # per step and layer, each exactly once
+        seen = sorted((int(row["step"]), int(row["layer"])) for row in csv.DictReader(f))
+    layers = sorted({layer for _, layer in seen})
+    assert layers and seen == [(step, layer) for step in range(1, steps + 1) for layer in layers]
     train(TrainConfig(**dict(config, out=str(one_process), nproc=1, expert_parallel=1)))
     assert_same_run(one_process, tmp_path / "one", steps)
 
