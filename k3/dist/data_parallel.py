@@ -34,7 +34,7 @@ class DataParallel:
 
     @classmethod
     def start(cls, policy: str = "none", slots_per_rank: int = 1, timeout: float = 60.0) -> DataParallel:
-        comm = Comm.from_env(timeout=timeout)
+        comm = Comm.from_env(timeout=timeout, backend="gloo")  # k3 trains on the CPU
         return cls(comm, ExpertParallel(comm, policy=policy, slots_per_rank=slots_per_rank, keep_stats=True))
 
     @property

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     tok = Tokenizer.from_dir(args.checkpoint)
     prompts = [tok.encode(p) for p in args.prompt]
     if torchrun_env():
-        comm = Comm.from_env(timeout=args.timeout)
+        comm = Comm.from_env(timeout=args.timeout, backend="gloo")  # the model runs on the CPU
         ExpertParallel(comm).install(model)
         with comm.guard():
             outputs = generate(comm, model, prompts, args.max_tokens)

@@ -4,8 +4,9 @@
     with comm.guard():                       # an exception here is posted for every other rank to report
         comm.all_reduce_(grads)
 
-Backend: NCCL when CUDA is present, gloo otherwise. Every collective goes through `Comm`, which counts it
-in the rendezvous store (`arrived/<rank>` += 1) before entering. When a collective fails (gloo's timeout,
+Backend: NCCL when CUDA is present, gloo otherwise (or as asked: k3 trains on the CPU, with gloo).
+Every collective goes through `Comm`, which counts it in the rendezvous store (`arrived/<rank>` += 1)
+before entering. When a collective fails (gloo's timeout,
 a peer that closed its connection), the store says why: a rank that raised posted its error there (see
 `guard`), or the counters show which ranks never reached this collective. Either way the error names the
 rank. Under torchrun the store is the agent's, so it outlives a worker that died.
@@ -50,8 +51,11 @@ class Comm:
     owns_group: bool = True  # False when the default group was already there (then `close` leaves it)
 
     @classmethod
-    def from_env(cls, timeout: float = 60.0) -> Comm:
-        """Join the process group that torchrun's environment describes (the default group)."""
+    def from_env(cls, timeout: float = 60.0, backend: str | None = None) -> Comm:
+        """Join the process group that torchrun's environment describes (the default group).
+
+        `backend`: "gloo" (tensors on the CPU) or "nccl" (on this rank's GPU); by default NCCL when CUDA
+        is present. k3's trainer and generator compute on the CPU and ask for gloo."""
         if not torchrun_env():
             raise DistError("not started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are unset")
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -63,7 +67,7 @@ class Comm:
             os.environ.get("TORCHELASTIC_RUN_ID", "k3")
             + f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
         )
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() if backend is None else backend == "nccl"
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
         if cuda:
             torch.cuda.set_device(device)

@@ -38,7 +38,7 @@ def _serve(rank: int, world: int, port: int, collective_timeout: float, tasks, o
     torch.set_num_threads(1)
     from k3.dist.group import Comm
 
-    comm = Comm.from_env(timeout=collective_timeout)
+    comm = Comm.from_env(timeout=collective_timeout, backend="gloo")
     while (task := tasks.get()) is not None:
         fn, args = task
         try:
