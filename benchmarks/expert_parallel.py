@@ -83,7 +83,7 @@ def plan_figures(loads, R: int, policy: str, L: int, m: int, elem: int, slots: i
             if policy == "eplb":
                 placed = (step - 1) - (step - 1) % REPLAN  # steps 1..placed are known at the last placement
                 window = [s for s in range(placed - REPLAN + 1, placed + 1) if s in loads]
-                history = sum(loads[s][layer] for s in window).astype(float) if window else None
+                history = sum(loads[s][layer] for s in window) / len(window) if window else None
             counts = source_counts(loads[step][layer], R)
             began = time.perf_counter()
             p = plan(counts, slots, policy, history=history, min_pairs=min_pairs)

@@ -103,8 +103,8 @@ def _replicas(shares: np.ndarray, homes: np.ndarray) -> list[tuple[int, int]]:
 def eplb_placement(
     load: np.ndarray, ranks: int, slots_per_rank: int, min_pairs: int = 0
 ) -> list[tuple[int, int]]:
-    """Replicas (expert, host) for the load history `load` [E] (pairs per expert, e.g. summed over the
-    last steps), by DeepSeek's EPLB: greedy replication, then heaviest-first packing."""
+    """Replicas (expert, host) for the load history `load` [E] (pairs per expert and micro-batch, e.g. the
+    mean over the last steps), by DeepSeek's EPLB: greedy replication, then heaviest-first packing."""
     load = np.asarray(load, dtype=np.float64)
     homes = home_of(len(load), ranks)
     copies = np.ones(len(load), dtype=np.int64)
@@ -191,7 +191,8 @@ def plan(
 ) -> Plan:
     """The plan for the gathered pair counts `counts` [R, E] (source rank, expert).
 
-    `slots_per_rank`: most replicas a rank may host. `history` [E]: the load EPLB plans from (None: no
+    `slots_per_rank`: most replicas a rank may host. `history` [E]: the load EPLB plans from, in pairs per
+    micro-batch (e.g. the mean over the last steps; the threshold compares it with `min_pairs`; None: no
     replicas yet). `min_pairs`: the replica threshold (see the module docstring)."""
     counts = np.asarray(counts, dtype=np.int64)
     if counts.ndim != 2:

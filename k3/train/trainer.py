@@ -367,8 +367,10 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if eplb:  # EPLB places replicas every ep_replan_every steps, from the loads of the steps before
         every = tc.ep_replan_every
         placed = start - start % every if start % every else start - every  # the last placement's window
+        per_micro = every * tc.accum  # EPLB plans from pairs per micro-batch, averaged over the window
         par.ep.history = {
-            layer: v.numpy() for layer, v in _read_loads(loads_path, placed - every + 1, placed).items()
+            layer: (v / per_micro).numpy()
+            for layer, v in _read_loads(loads_path, placed - every + 1, placed).items()
         }
         recent = _read_loads(loads_path, placed + 1, start)  # the loads the next placement starts from
     if writes:
@@ -392,7 +394,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if eplb and step % tc.ep_replan_every == 0 and step:
-                par.ep.history, recent = {layer: v.numpy() for layer, v in recent.items()}, {}
+                per_micro = tc.ep_replan_every * tc.accum
+                par.ep.history, recent = {layer: (v / per_micro).numpy() for layer, v in recent.items()}, {}
             if par is not None:
                 par.ep.stats.clear()  # the evaluation's forwards of the step before
             loss_sum = 0.0
