@@ -19,10 +19,11 @@ tokens, the [R, E] pair counts are gathered, and every rank derives the same pla
 `min_pairs` is the threshold: a replica must carry at least that many pairs, so that the token traffic it
 takes over outweighs the expert weights it costs (see `worthwhile_pairs`).
 
-A plan is `route[s, e, h]`: how many of source rank s's pairs for expert e go to host h. Within one expert
-the pairs are ordered source by source (each source's in its pair order) and cut into consecutive shares,
-hosts in ascending order; so source s sends its e-pairs to hosts in ascending order, and without replicas
-each expert sees its pairs in exactly the order one process would.
+A plan is `route[s, e, h]`: how many of source rank s's pairs for expert e go to host h. Each host first
+takes its share of an expert from its own pairs (no traffic); the rest of the expert's pairs, ordered
+source by source, are cut into consecutive shares, hosts in ascending order. A source sends its e-pairs
+to hosts in ascending order (k3.dist.moe), and without replicas each expert sees its pairs in exactly the
+order one process would.
 """
 
 from __future__ import annotations
@@ -82,15 +83,23 @@ def worthwhile_pairs(weight_bytes: int, pair_bytes: int) -> int:
 
 
 def _route(counts: np.ndarray, shares: np.ndarray) -> np.ndarray:
-    """counts [R, E] per source, shares [E, R] per host (same totals per expert) -> route [R, E, R]: the
-    overlap of source s's interval and host h's interval on each expert's line of pairs."""
+    """counts [R, E] per source, shares [E, R] per host (same totals per expert) -> route [R, E, R].
+
+    Local first: a host takes its share from its own pairs of the expert as far as they go. What is left
+    is the overlap of source s's interval and host h's interval on each expert's line of remaining pairs.
+    """
+    R = counts.shape[0]
+    local = np.minimum(shares, counts.T)  # [E, R] pairs a host computes of its own
+    counts, shares = counts - local.T, shares - local
     src_hi = np.cumsum(counts, axis=0)  # [R, E]
     src_lo = src_hi - counts
     host_hi = np.cumsum(shares, axis=1)  # [E, R]
     host_lo = host_hi - shares
     hi = np.minimum(src_hi[:, :, None], host_hi[None])
     lo = np.maximum(src_lo[:, :, None], host_lo[None])
-    return np.clip(hi - lo, 0, None).astype(np.int64)
+    route = np.clip(hi - lo, 0, None).astype(np.int64)
+    route[np.arange(R), :, np.arange(R)] += local.T
+    return route
 
 
 def _replicas(shares: np.ndarray, homes: np.ndarray) -> list[tuple[int, int]]:

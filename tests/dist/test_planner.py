@@ -10,13 +10,22 @@ from k3.dist.planner import PlanError, eplb_placement, plan, worthwhile_pairs
 
 # ---- the slow reference -----------------------------------------------------------------------------
 def reference_route(counts, hosts_shares):
-    """Walk every pair: expert e's pairs, source by source, go to its hosts in ascending order, each host
-    taking its share of consecutive pairs. hosts_shares[e] = {host: pairs}."""
+    """Walk every pair: a host first takes its own pairs of expert e, one by one, until its share is full;
+    the rest, source by source, go to the hosts in ascending order, each host taking the pairs its share
+    still lacks. hosts_shares[e] = {host: pairs}."""
     R, E = counts.shape
     route = np.zeros((R, E, R), dtype=np.int64)
     for e in range(E):
-        line = [s for s in range(R) for _ in range(counts[s, e])]  # the source of each pair, in order
-        cuts = [h for h in sorted(hosts_shares[e]) for _ in range(hosts_shares[e][h])]
+        left = dict(hosts_shares[e])
+        line = []  # the sources of the pairs no host took locally, in order
+        for s in range(R):
+            for _ in range(counts[s, e]):
+                if left.get(s, 0) > 0:
+                    route[s, e, s] += 1
+                    left[s] -= 1
+                else:
+                    line.append(s)
+        cuts = [h for h in sorted(left) for _ in range(left[h])]
         assert len(line) == len(cuts)
         for s, h in zip(line, cuts, strict=True):
             route[s, e, h] += 1
