@@ -7,7 +7,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.k3-installed
 
-.PHONY: demo test lint native browser census bench clean
+.PHONY: demo test lint native browser sandbox-tools census bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,23 @@ $(STAMP): pyproject.toml
 native: $(STAMP)
 	$(PY) -m k3.ops.build
 
-# Debian's Chromium for the atlas browser tests (the tests skip, saying why, where it cannot be had).
+# Debian's Chromium for the atlas browser tests. Where it cannot be had the tests skip, saying why; under
+# CI=true (where no test may skip) this target fails instead.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
-	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
-	  echo "note: chromium not installed; browser tests will be skipped"; }
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null); } || \
+	{ if [ "$(CI)" = true ]; then echo "error: CI=true but chromium cannot be installed" >&2; exit 1; \
+	  else echo "note: chromium not installed; browser tests will be skipped"; fi; }
 
-test: $(STAMP) native browser
+# gVisor (runsc) and bubblewrap for the sandbox tests, plus a C compiler for the sandbox's guest helpers.
+# Where they cannot be had the sandbox tests skip, saying why; under CI=true this target fails instead.
+sandbox-tools:
+	@{ command -v runsc && command -v bwrap && command -v cc; } >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  (apt-get update -qq && apt-get install -y -qq runsc bubblewrap gcc libc6-dev >/dev/null); } || \
+	{ if [ "$(CI)" = true ]; then echo "error: CI=true but runsc/bubblewrap cannot be installed" >&2; exit 1; \
+	  else echo "note: runsc/bubblewrap not installed; sandbox tests will be skipped"; fi; }
+
+test: $(STAMP) native browser sandbox-tools
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

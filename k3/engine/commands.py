@@ -216,11 +216,21 @@ def serve(
     ),
     max_batch: int = typer.Option(16, "--max-batch", help="Most sequences decoded together."),
     max_queue: int = typer.Option(
-        64, "--max-queue", help="Requests that may wait beyond the batch (then 429)."
+        64, "--max-queue", help="Requests that may wait beyond the batch (then 429 with Retry-After)."
+    ),
+    request_timeout: float = typer.Option(
+        None, "--request-timeout", help="Seconds a request may take before it is cancelled (then 504)."
+    ),
+    api_key: str = typer.Option(
+        None,
+        "--api-key",
+        envvar="K3_API_KEY",
+        help="Require `Authorization: Bearer KEY` on every request (or set K3_API_KEY).",
     ),
     layers: int = LAYERS,
 ) -> None:
-    """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."""
+    """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
+    /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise."""
     from pathlib import Path
 
     import uvicorn
@@ -230,5 +240,16 @@ def serve(
 
     model, tok = _load(checkpoint, layers)
     name = model_name or Path(checkpoint).resolve().name
-    app = create_app(Engine(model, max_batch=max_batch), tok, name, max_queue=max_queue)
+    if request_timeout is not None and not request_timeout > 0:
+        fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    if max_batch < 1 or max_queue < 0:
+        fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
+    app = create_app(
+        Engine(model, max_batch=max_batch),
+        tok,
+        name,
+        max_queue=max_queue,
+        request_timeout=request_timeout,
+        api_key=api_key,
+    )
     uvicorn.run(app, host=host, port=port, log_level="info")

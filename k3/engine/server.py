@@ -1,10 +1,18 @@
-"""An OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`.
+"""An OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`,
+`/detokenize`, `/health`.
 
-All requests share one `Engine` through an `EngineWorker` thread (continuous batching). Responses follow
-OpenAI's schemas, plain or streamed as server-sent events (`data: {...}` lines, then `data: [DONE]`).
-Errors are OpenAI-style JSON, `{"error": {"message", "type", "param", "code"}}`: 400 for invalid requests,
-404 for an unknown model, 429 when the queue is full. A client that disconnects cancels its request,
-which frees its cache. Chat replies put the think channel in `reasoning_content` (as DeepSeek's API).
+All requests share one `Engine` through an `EngineWorker` thread (continuous batching); each choice of a
+request (`n`, a list of prompts) is one sequence. Responses follow OpenAI's schemas, plain or streamed as
+server-sent events (`data: {...}` lines, then `data: [DONE]`), with `logprobs` (chat: `logprobs` +
+`top_logprobs`; completions: `logprobs` int + `echo`, including `max_tokens: 0` to score a prompt). See
+docs/engine.md for which log-probabilities these are.
+
+It sheds load instead of falling over: past `max_batch + max_queue` requests in flight, 429 with
+`Retry-After`; a request past `request_timeout` seconds is cancelled and answered 504; a client that goes
+away cancels its sequences (streams: at once, the worker drops them before its next step; plain
+requests: polled every 0.25 s). Bad input is 4xx naming the problem: 422 for malformed JSON or wrong
+types (the field), 400 for what the model cannot run (empty or too long prompts: both lengths), 404 for an
+unknown model, 401 without the `api_key` bearer token when one is set.
 
 Extensions beyond OpenAI's parameters: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
@@ -13,113 +21,117 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k3.engine.chat import Message, ReplyStream, encode_chat
 from k3.engine.generate import Engine, Event
+from k3.engine.outputs import (
+    LegacyLogprobs,
+    Piece,
+    PlainText,
+    StopStrings,
+    chat_logprobs,
+    choice_pieces,
+    merge_legacy,
+)
+from k3.engine.protocol import (
+    APIError,
+    ChatBody,
+    ChatMessageBody,
+    CompletionBody,
+    DetokenizeBody,
+    SamplingBody,
+    TokenizeBody,
+    invalid,
+    message_text,
+    validation_error,
+)
 from k3.engine.sampling import SamplingError, SamplingParams
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
-from k3.tokenizer.kimi import StreamDecoder, Tokenizer
+from k3.tokenizer.kimi import Tokenizer
+
+DISCONNECT_POLL_S = 0.25  # plain requests: how often a waiting request checks that its client is there
 
 
-class APIError(Exception):
-    def __init__(
-        self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-    ):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+@dataclass
+class Outcome:
+    """One choice, accumulated (plain responses)."""
 
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-def invalid(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, "invalid_request_error", param)
+    content: str = ""
+    reasoning: str = ""
+    logprobs: list[dict] = field(default_factory=list)  # completions: legacy parts; chat: unused
+    events: list[Event] = field(default_factory=list)
+    finish_reason: str | None = None
+    count: int = 0
 
 
-# ---- request bodies (unknown fields are accepted and ignored, as OpenAI clients send many) ---------------
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class BearerAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Bearer <key>` (else 401). Plain ASGI, so
+    streaming and disconnect detection pass through untouched."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(
+                    401,
+                    "a valid API key is needed: Authorization: Bearer <key>",
+                    "authentication_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-class SamplingBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0, le=2)
-    top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=0)
-    repetition_penalty: float = Field(default=1.0, gt=0)
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # keep generating past stop ids (as vLLM), e.g. for benchmarks
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-class CompletionBody(SamplingBody):
-    prompt: str | list[int] | list[str]
+async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index, item) from several async iterators as they come; the first error is raised; closing this
+    generator cancels the rest (and so their requests)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
 
+    async def pump(i: int, source: AsyncIterator) -> None:
+        try:
+            async for item in source:
+                await queue.put((i, item))
+        except Exception as e:  # handed to the consumer
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, done))
 
-class ChatMessageBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
-
-
-class ChatBody(SamplingBody):
-    messages: list[ChatMessageBody] = Field(min_length=1)
-
-
-def _message_text(m: ChatMessageBody) -> str:
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for part in m.content:  # the list form: [{"type": "text", "text": ...}]
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid("only text content parts are supported", "messages")
-        parts.append(part["text"])
-    return "".join(parts)
-
-
-class StopStrings:
-    """Cuts generated text at the first stop string; holds back text that could still begin one."""
-
-    def __init__(self, stop: str | list[str] | None) -> None:
-        self.stops = [stop] if isinstance(stop, str) else list(stop or [])
-        if len(self.stops) > 4 or any(not s for s in self.stops):
-            raise invalid("stop: at most 4 non-empty strings", "stop")
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.text = ""  # everything received
-        self.sent = 0  # characters of `text` already released
-        self.stopped = False
-
-    def push(self, delta: str, final: bool = False) -> str:
-        self.text += delta
-        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            end, self.stopped = min(hits), True
-        else:
-            end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
-        out, self.sent = self.text[self.sent : end], max(self.sent, end)
-        return out
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def create_app(
@@ -129,6 +141,8 @@ def create_app(
     *,
     max_queue: int = 64,
     default_max_tokens: int = 256,
+    request_timeout: float | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
     worker = EngineWorker(engine, max_queue=max_queue)
@@ -142,7 +156,10 @@ def create_app(
         worker.stop()
 
     app = FastAPI(title="k3", version="0.1.0", lifespan=lifespan)
-    app.state.worker = worker
+    app.state.worker, app.state.request_timeout = worker, request_timeout
+
+    if api_key is not None:
+        app.add_middleware(BearerAuth, key=api_key)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
@@ -150,57 +167,95 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
-        return invalid(message, ".".join(loc) or None).response()
+        return validation_error(list(e.errors())).response()
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok" if worker.error is None else "degraded", "in_flight": worker.in_flight}
+        return {
+            "status": "ok" if worker.error is None else "degraded",
+            "in_flight": worker.in_flight,
+            "running": len(engine.running),
+            "waiting": len(engine.waiting),
+        }
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "k3"}],
+        model = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "k3",
+            "max_model_len": engine.max_context,
         }
+        return {"object": "list", "data": [model]}
 
-    def sampling(body: SamplingBody) -> SamplingParams:
-        if body.model != model_name:
+    # ---- shared steps ------------------------------------------------------------------------------------
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
             raise APIError(
-                404,
-                f"The model '{body.model}' does not exist",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
+                404, f"The model '{name}' does not exist", "invalid_request_error", "model", "model_not_found"
             )
-        if body.n != 1:
-            raise invalid("n: only n=1 is supported", "n")
+
+    def check_ids(ids: list[int], param: str) -> None:
+        if not ids:
+            raise invalid(f"{param}: must not be empty", param)
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise invalid(
+                f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{tokenizer.vocab_size - 1})",
+                param,
+            )
+
+    def budget(body: SamplingBody, prompt: list[int], param: str, zero_ok: bool) -> int:
+        """max_tokens for this prompt: as asked (checked against the context), or the default if it fits."""
+        ctx = engine.max_context
+        if len(prompt) >= ctx:
+            raise invalid(
+                f"{param}: the prompt has {len(prompt)} tokens; this model's maximum context length is {ctx} "
+                "tokens (the prompt must be shorter, to leave room for one generated token)",
+                param,
+            )
+        asked = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if asked is None:
+            return min(default_max_tokens, ctx - len(prompt))
+        if asked == 0 and not zero_ok:
+            raise invalid(
+                "max_tokens: must be at least 1 (0 only with echo, to score the prompt)", "max_tokens"
+            )
+        if len(prompt) + asked > ctx:
+            raise invalid(
+                f"max_tokens: the prompt has {len(prompt)} tokens and max_tokens is {asked}, "
+                f"together more than this model's maximum context length of {ctx} tokens",
+                "max_tokens",
+            )
+        return asked
+
+    def sampling(body: SamplingBody, max_tokens: int, choice: int, **logprobs: int | None) -> SamplingParams:
         try:
             return SamplingParams(
                 temperature=body.temperature,
                 top_k=body.top_k,
                 top_p=body.top_p,
                 repetition_penalty=body.repetition_penalty,
-                max_tokens=body.max_completion_tokens or body.max_tokens or default_max_tokens,
+                max_tokens=max_tokens,
                 stop_ids=frozenset() if body.ignore_eos else stop_ids,
-                seed=body.seed,
+                seed=None if body.seed is None else body.seed + choice,  # the n choices differ, reproducibly
+                **logprobs,  # type: ignore[arg-type]
             )
         except SamplingError as e:
             raise invalid(str(e)) from e
 
-    def submit(prompt: list[int], params: SamplingParams) -> Handle:
-        if len(prompt) + params.max_tokens > engine.max_context:
-            raise invalid(
-                f"This model's maximum context length is {engine.max_context} tokens; the prompt has "
-                f"{len(prompt)} and max_tokens is {params.max_tokens}",
-                "max_tokens",
-            )
+    def submit_all(requests: list[tuple[list[int], SamplingParams]]) -> list[Handle]:
+        """Admit every choice or none (429 with Retry-After when the queue is full)."""
+        handles: list[Handle] = []
         try:
-            return worker.submit(prompt, params)
+            for prompt, params in requests:
+                handles.append(worker.submit(prompt, params))
         except QueueFull as e:
-            raise APIError(429, str(e), "rate_limit_error", None, "queue_full") from e
+            for handle in handles:
+                worker.cancel(handle)
+            raise APIError(429, str(e), "rate_limit_error", None, "queue_full", {"Retry-After": "1"}) from e
+        return handles
 
     def unpack(item: Event | BaseException | None) -> Event | None:
         """An item of a handle's queue: the event, None at the end, or the error raised as an APIError."""
@@ -210,170 +265,300 @@ def create_app(
             raise APIError(500, f"generation failed: {item}", "server_error")
         return item
 
-    async def events(handle: Handle) -> AsyncIterator[Event]:
-        """The request's events (streaming: a client that goes away closes this generator, which cancels)."""
-        try:
-            while (event := unpack(await handle.events.get())) is not None:
-                yield event
-        finally:
-            worker.cancel(handle)
-
-    async def collect(request: Request, handle: Handle) -> AsyncIterator[Event]:
-        """`events` for plain requests, where nothing is written until the end: checks for a disconnected
-        client every half second (between events, or while waiting for one)."""
+    async def events(handle: Handle, deadline: float | None) -> AsyncIterator[Event]:
+        """A request's events until its end; past the deadline, 504. Closing it (a client gone, a stop
+        string found) cancels the sequence."""
         loop = asyncio.get_running_loop()
-        checked = loop.time()
         try:
             while True:
-                if loop.time() - checked >= 0.5:
-                    if await request.is_disconnected():
-                        return
-                    checked = loop.time()
                 try:
-                    item = await asyncio.wait_for(handle.events.get(), timeout=0.5)
+                    wait = None if deadline is None else max(0.0, deadline - loop.time())
+                    item = await asyncio.wait_for(handle.events.get(), timeout=wait)
                 except TimeoutError:
-                    continue
+                    raise APIError(
+                        504,
+                        f"the request took longer than the request timeout ({request_timeout} s)",
+                        "timeout_error",
+                        None,
+                        "request_timeout",
+                    ) from None
                 if (event := unpack(item)) is None:
                     return
                 yield event
         finally:
             worker.cancel(handle)
 
-    def usage(prompt: list[int], completion: int) -> dict:
-        return {
-            "prompt_tokens": len(prompt),
-            "completion_tokens": completion,
-            "total_tokens": len(prompt) + completion,
-        }
+    def deadline() -> float | None:
+        return None if request_timeout is None else asyncio.get_running_loop().time() + request_timeout
 
-    def sse(payload: dict | str) -> str:
-        return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+    async def gather_plain(request: Request, sources: list[AsyncIterator], add: Callable) -> None:
+        """Run every choice to its end, feeding items to `add(index, item)`; if the client disconnects
+        (polled), cancel them all."""
+
+        async def consume() -> None:
+            async for index, item in merged(sources):
+                add(index, item)
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    return
+        finally:
+            task.cancel()  # a no-op once done
+        task.result()  # raises the choices' first error
+
+    def usage(prompts: list[list[int]], completion: int) -> dict:
+        prompt = sum(len(p) for p in prompts)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def streamed(chunks: AsyncIterator[str]) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in chunks:
+                    yield chunk
+            except APIError as e:  # after the 200 went out: an error event (the openai client raises it)
+                yield sse(e.body())
+            yield sse("[DONE]")
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     # ---- /v1/completions ---------------------------------------------------------------------------------
+    def completion_prompts(body: CompletionBody) -> list[tuple[list[int], str]]:
+        """(ids, text) of each prompt: a string, strings, token ids or lists of token ids."""
+        p = body.prompt
+        if isinstance(p, str):
+            texts: list = [p]
+        elif all(isinstance(x, str) for x in p):
+            texts = list(p)
+        elif all(isinstance(x, int) for x in p):
+            texts = [p]
+        else:
+            texts = list(p)
+        out = []
+        for i, item in enumerate(texts):
+            param = "prompt" if len(texts) == 1 else f"prompt[{i}]"
+            ids = tokenizer.encode(item) if isinstance(item, str) else list(item)
+            check_ids(ids, param)
+            out.append((ids, item if isinstance(item, str) else tokenizer.decode(ids)))
+        return out
+
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
-        params = sampling(body)
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            if len(body.prompt) != 1:
-                raise invalid("prompt: only one prompt per request is supported", "prompt")
-            body.prompt = body.prompt[0]
-        prompt = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        if not prompt:
-            raise invalid("prompt: must not be empty", "prompt")
-        if any(not 0 <= t < tokenizer.vocab_size for t in prompt):
-            raise invalid("prompt: token ids outside the vocabulary", "prompt")
-        stops = StopStrings(body.stop)
-        handle = submit(prompt, params)
-        rid, now = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        check_model(body.model)
+        prompts = completion_prompts(body)
+        want = body.logprobs is not None
+        choices: list[tuple[list[int], str]] = []
+        requests = []
+        for i, (ids, text) in enumerate(prompts):
+            max_tokens = budget(
+                body, ids, "prompt" if len(prompts) == 1 else f"prompt[{i}]", zero_ok=body.echo
+            )
+            for j in range(body.n):
+                logprobs = {
+                    "logprobs": body.logprobs or 0,
+                    "prompt_logprobs": body.logprobs if body.echo and want else None,
+                }
+                requests.append((ids, sampling(body, max_tokens, j, **logprobs)))
+                choices.append((ids, text))
+        StopStrings(body.stop)  # checked before anything runs
+        handles = submit_all(requests)
+        rid, now, end = f"cmpl-{uuid.uuid4().hex}", int(time.time()), deadline()
 
-        def chunk(text: str, finish: str | None) -> dict:
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish}
+        async def choice(
+            handle: Handle, ids: list[int], text: str
+        ) -> AsyncIterator[tuple[str, dict | None, Piece]]:
+            legacy, first = LegacyLogprobs(tokenizer), True
+            async for piece in choice_pieces(
+                events(handle, end), PlainText(tokenizer), StopStrings(body.stop)
+            ):
+                out, parts = piece.content, []
+                if first and body.echo:
+                    out = text + out
+                    if want and handle.seq is not None:
+                        parts.append(legacy.entries(ids, handle.seq.prompt_logprobs, handle.seq.prompt_top))
+                first = False
+                if want:
+                    parts.append(legacy.of_events(piece.tokens))
+                yield out, merge_legacy(parts) if want else None, piece
+
+        sources = [choice(h, ids, text) for h, (ids, text) in zip(handles, choices, strict=True)]
+
+        def chunk(choices_: list[dict]) -> dict:
             return {
                 "id": rid,
                 "object": "text_completion",
                 "created": now,
                 "model": model_name,
-                "choices": [choice],
+                "choices": choices_,
             }
 
-        async def run(source: AsyncIterator[Event]) -> AsyncIterator[tuple[str, str | None, int]]:
-            decoder, count = StreamDecoder(tokenizer), 0
-            async for event in source:
-                text = decoder.push(event.token) if event.token is not None else ""
-                count += event.token is not None
-                if event.finish_reason is not None:
-                    out = stops.push(text + decoder.flush(), final=True)
-                    yield out, "stop" if stops.stopped else event.finish_reason, count
-                    return
-                out = stops.push(text)
-                if stops.stopped:
-                    yield out, "stop", count
-                    return
-                yield out, None, count
+        def one(index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
+            return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
 
         if body.stream:
 
             async def stream() -> AsyncIterator[str]:
-                count = 0
-                async for text, finish, n in run(events(handle)):
-                    count = n
-                    if text or finish:
-                        yield sse(chunk(text, finish))
+                counts = [0] * len(sources)
+                async for index, (text, logprobs, piece) in merged(sources):
+                    counts[index] = piece.count
+                    if text or piece.finish_reason or (logprobs and logprobs["tokens"]):
+                        yield sse(chunk([one(index, text, logprobs, piece.finish_reason)]))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**chunk("", None), "choices": [], "usage": usage(prompt, count)})
-                yield sse("[DONE]")
+                    yield sse({**chunk([]), "usage": usage([ids for ids, _ in prompts], sum(counts))})
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return streamed(stream())
 
-        text, finish, count = "", None, 0
-        async for delta, end, n in run(collect(request, handle)):
-            text, finish, count = text + delta, end, n
-        return {**chunk(text, finish), "usage": usage(prompt, count)}
+        outcomes = [Outcome() for _ in sources]
+
+        def add(index: int, item: tuple[str, dict | None, Piece]) -> None:
+            text, logprobs, piece = item
+            o = outcomes[index]
+            o.content += text
+            o.finish_reason, o.count = piece.finish_reason, piece.count
+            if logprobs is not None:
+                o.logprobs.append(logprobs)
+
+        await gather_plain(request, sources, add)
+        return {
+            **chunk(
+                [
+                    one(i, o.content, merge_legacy(o.logprobs) if want else None, o.finish_reason)
+                    for i, o in enumerate(outcomes)
+                ]
+            ),
+            "usage": usage([ids for ids, _ in prompts], sum(o.count for o in outcomes)),
+        }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
+    def chat_prompt(messages: list[ChatMessageBody]) -> list[int]:
+        try:
+            return encode_chat(
+                tokenizer,
+                [Message("system" if m.role == "developer" else m.role, message_text(m)) for m in messages],
+            )
+        except K3Error as e:
+            raise invalid(f"messages: {e}", "messages") from e
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
-        params = sampling(body)
-        messages = [
-            Message("system" if m.role == "developer" else m.role, _message_text(m)) for m in body.messages
+        check_model(body.model)
+        if body.top_logprobs and not body.logprobs:
+            raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
+        prompt = chat_prompt(body.messages)
+        max_tokens = budget(body, prompt, "messages", zero_ok=False)
+        top = body.top_logprobs or 0
+        StopStrings(body.stop)
+        handles = submit_all([(prompt, sampling(body, max_tokens, j, logprobs=top)) for j in range(body.n)])
+        rid, now, end = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), deadline()
+        sources = [
+            choice_pieces(events(h, end), ReplyStream(tokenizer), StopStrings(body.stop)) for h in handles
         ]
-        prompt = encode_chat(tokenizer, messages)
-        stops = StopStrings(body.stop)
-        handle = submit(prompt, params)
-        rid, now = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
 
-        def chunk(delta: dict, finish: str | None) -> dict:
+        def chunk(choices_: list[dict]) -> dict:
             return {
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": now,
                 "model": model_name,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": choices_,
             }
-
-        async def run(source: AsyncIterator[Event]) -> AsyncIterator[tuple[str, str, str | None, int]]:
-            reply, count = ReplyStream(tokenizer), 0
-            async for event in source:
-                reasoning, content = reply.push(event.token) if event.token is not None else ("", "")
-                count += event.token is not None
-                if event.finish_reason is not None:
-                    r_tail, c_tail = reply.flush()
-                    out = stops.push(content + c_tail, final=True)
-                    yield reasoning + r_tail, out, "stop" if stops.stopped else event.finish_reason, count
-                    return
-                out = stops.push(content)
-                if stops.stopped or reply.channel == "done":
-                    yield reasoning, out, "stop", count
-                    return
-                yield reasoning, out, None, count
 
         if body.stream:
 
             async def stream() -> AsyncIterator[str]:
-                yield sse(chunk({"role": "assistant", "content": ""}, None))
-                count = 0
-                async for reasoning, content, finish, n in run(events(handle)):
-                    count = n
-                    delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-                    if delta or finish:
-                        yield sse(chunk(delta, finish))
+                yield sse(
+                    chunk(
+                        [
+                            {
+                                "index": j,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                            for j in range(body.n)
+                        ]
+                    )
+                )
+                counts = [0] * body.n
+                async for index, piece in merged(sources):
+                    counts[index] = piece.count
+                    delta = {
+                        k: v
+                        for k, v in (("reasoning_content", piece.reasoning), ("content", piece.content))
+                        if v
+                    }
+                    logprobs = (
+                        chat_logprobs(tokenizer, piece.tokens) if body.logprobs and piece.tokens else None
+                    )
+                    if delta or piece.finish_reason or logprobs:
+                        yield sse(
+                            chunk(
+                                [
+                                    {
+                                        "index": index,
+                                        "delta": delta,
+                                        "logprobs": logprobs,
+                                        "finish_reason": piece.finish_reason,
+                                    }
+                                ]
+                            )
+                        )
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**chunk({}, None), "choices": [], "usage": usage(prompt, count)})
-                yield sse("[DONE]")
+                    yield sse({**chunk([]), "usage": usage([prompt], sum(counts))})
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return streamed(stream())
 
-        reasoning, content, finish, count = "", "", None, 0
-        async for r, c, end, n in run(collect(request, handle)):
-            reasoning, content, finish, count = reasoning + r, content + c, end, n
-        message = {"role": "assistant", "content": content.strip(), "reasoning_content": reasoning.strip()}
+        outcomes = [Outcome() for _ in sources]
+
+        def add(index: int, piece: Piece) -> None:
+            o = outcomes[index]
+            o.content, o.reasoning = o.content + piece.content, o.reasoning + piece.reasoning
+            o.events += piece.tokens
+            o.finish_reason, o.count = piece.finish_reason, piece.count
+
+        await gather_plain(request, sources, add)
+        choices = [
+            {
+                "index": i,
+                "message": {
+                    "role": "assistant",
+                    "content": o.content.strip(),
+                    "reasoning_content": o.reasoning.strip(),
+                },
+                "logprobs": chat_logprobs(tokenizer, o.events) if body.logprobs else None,
+                "finish_reason": o.finish_reason,
+            }
+            for i, o in enumerate(outcomes)
+        ]
         return {
             "id": rid,
             "object": "chat.completion",
             "created": now,
             "model": model_name,
-            "choices": [{"index": 0, "message": message, "logprobs": None, "finish_reason": finish}],
-            "usage": usage(prompt, count),
+            "choices": choices,
+            "usage": usage([prompt], sum(o.count for o in outcomes)),
         }
+
+    # ---- /tokenize, /detokenize --------------------------------------------------------------------------
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody) -> dict:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise invalid("tokenize: give exactly one of prompt (text) or messages (a chat)", "prompt")
+        ids = tokenizer.encode(body.prompt) if body.prompt is not None else chat_prompt(body.messages or [])
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody) -> dict:
+        check_model(body.model)
+        bad = [t for t in body.tokens if t >= tokenizer.vocab_size]
+        if bad:
+            raise invalid(
+                f"tokens: ids {bad[:5]} are outside the vocabulary (0..{tokenizer.vocab_size - 1})", "tokens"
+            )
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     return app

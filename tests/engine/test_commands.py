@@ -65,3 +65,27 @@ def test_chat_reads_piped_turns(checkpoint: Path) -> None:
     assert r.output.count("you> ") == 2 and r.output.count("k3> ") == 2
     reply = parse_reply(tok, first)
     assert (reply.reasoning + reply.content).split()[0] in r.output
+
+
+def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`k3 serve` binds 127.0.0.1 by default and hands --max-queue, --request-timeout and the API key
+    (from K3_API_KEY) to the app (uvicorn.run is replaced by a recorder; the app is driven in-process)."""
+    import uvicorn
+    from fastapi.testclient import TestClient
+
+    seen: dict = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setenv("K3_API_KEY", "k")
+    result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "3", "--request-timeout", "9"])
+    assert result.exit_code == 0, result.output
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+    served = seen["app"]
+    assert served.state.worker.capacity == 16 + 3 and served.state.request_timeout == 9
+    with TestClient(served) as client:
+        assert client.get("/v1/models").status_code == 401
+        r = client.get("/v1/models", headers={"Authorization": "Bearer k"})
+        assert r.status_code == 200 and r.json()["data"][0]["id"] == checkpoint.name
+    result = runner.invoke(app, ["serve", str(checkpoint), "--request-timeout", "0"])
+    assert result.exit_code != 0 and "--request-timeout" in result.output
+    result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "-1"])
+    assert result.exit_code != 0 and "--max-queue" in result.output

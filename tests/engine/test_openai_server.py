@@ -1,67 +1,35 @@
 """The OpenAI-compatible server on 127.0.0.1, serving a random `tiny` checkpoint, driven by the official
-`openai` client (plain and streaming), plus raw HTTP for malformed requests, the full queue and
-disconnects. Expected tokens come from the engine run directly (greedy), not from the server."""
+`openai` client. Expected tokens come from the engine run directly (greedy), expected log-probabilities
+from one full forward of a separate copy of the model, never from the server."""
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
+import openai
 import pytest
-import uvicorn
+import torch
 
-from k3.config import K3Config
 from k3.engine.chat import encode_chat, parse_reply
 from k3.engine.generate import Engine
+from k3.engine.outputs import token_text
 from k3.engine.sampling import SamplingParams
 from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
-from k3.model.init import init_checkpoint
-from k3.tokenizer.build import write_tokenizer
 from k3.tokenizer.kimi import Tokenizer
 
-openai = pytest.importorskip("openai")
 NAME = "k3-tiny"
+TEXT = "El modelo lee el texto y cuenta las palabras"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("tiny")
-    init_checkpoint(K3Config.preset("tiny"), out, seed=3)
-    write_tokenizer(out, 1024)
-    return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def served(checkpoint: Path) -> Iterator[tuple[str, Engine, Tokenizer]]:
-    model = K3ForCausalLM.from_pretrained(checkpoint)
-    tok = Tokenizer.from_dir(checkpoint)
-    engine = Engine(model, max_batch=2)
-    app = create_app(engine, tok, NAME, max_queue=1)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{base}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
-    yield base, engine, tok
-    server.should_exit = True
-    thread.join(timeout=10)
+def served(tiny_checkpoint, live_server) -> Iterator[tuple[str, Tokenizer, K3ForCausalLM]]:
+    """The server, its tokenizer, and a separate copy of the model for the expected values."""
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    app = create_app(Engine(K3ForCausalLM.from_pretrained(tiny_checkpoint), max_batch=4), tok, NAME)
+    with live_server(app) as base:
+        yield base, tok, K3ForCausalLM.from_pretrained(tiny_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -69,11 +37,19 @@ def client(served):
     return openai.OpenAI(base_url=f"{served[0]}/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def expected(checkpoint: Path, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
-    """Greedy tokens from a separate engine on the same checkpoint."""
-    model = K3ForCausalLM.from_pretrained(checkpoint)
+def greedy(model: K3ForCausalLM, prompt: list[int], max_tokens: int, stop: set[int]) -> list[int]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, stop_ids=stop)
     return Engine(model).generate([prompt], params)[0]
+
+
+def log_softmax(model: K3ForCausalLM, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] float64 log-softmax of one forward; row i predicts ids[i + 1]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]))[0].double(), -1)
+
+
+def stops(tok: Tokenizer) -> set[int]:
+    return {tok.special.eos, tok.special.end_of_msg}
 
 
 def test_models_and_health(served, client) -> None:
@@ -81,22 +57,20 @@ def test_models_and_health(served, client) -> None:
     assert httpx.get(f"{served[0]}/health").json()["status"] == "ok"
 
 
-def test_completion_plain_and_streamed(served, client, checkpoint) -> None:
-    _, _, tok = served
-    prompt = "El modelo lee el texto"
-    stop = {tok.special.eos, tok.special.end_of_msg}
-    want_ids = expected(checkpoint, tok.encode(prompt), 12, stop)
+def test_completion_plain_and_streamed(served, client) -> None:
+    _, tok, model = served
+    want_ids = greedy(model, tok.encode(TEXT), 12, stops(tok))
     want = tok.decode(want_ids)
-    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model=NAME, prompt=TEXT, max_tokens=12, temperature=0)
     assert r.object == "text_completion" and r.choices[0].text == want
-    assert r.usage.prompt_tokens == len(tok.encode(prompt))
+    assert r.usage.prompt_tokens == len(tok.encode(TEXT))
     assert r.usage.completion_tokens == len(want_ids)
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.choices[0].finish_reason == ("length" if len(want_ids) == 12 else "stop")
     chunks = list(
         client.completions.create(
             model=NAME,
-            prompt=prompt,
+            prompt=TEXT,
             max_tokens=12,
             temperature=0,
             stream=True,
@@ -108,11 +82,10 @@ def test_completion_plain_and_streamed(served, client, checkpoint) -> None:
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) > 1  # really streamed
 
 
-def test_chat_plain_and_streamed(served, client, checkpoint) -> None:
-    _, _, tok = served
+def test_chat_plain_and_streamed(served, client) -> None:
+    _, tok, model = served
     messages = [{"role": "system", "content": "Eres útil."}, {"role": "user", "content": "¿Qué es un token?"}]
-    stop = {tok.special.eos, tok.special.end_of_msg}
-    want_ids = expected(checkpoint, encode_chat(tok, messages), 10, stop)
+    want_ids = greedy(model, encode_chat(tok, messages), 10, stops(tok))
     want = parse_reply(tok, want_ids)
     r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=10, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
@@ -120,10 +93,11 @@ def test_chat_plain_and_streamed(served, client, checkpoint) -> None:
     assert r.choices[0].message.model_extra["reasoning_content"] == want.reasoning
     assert r.usage.prompt_tokens == len(encode_chat(tok, messages))
     assert r.usage.completion_tokens == len(want_ids)
-    stream = client.chat.completions.create(
-        model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+    chunks = list(
+        client.chat.completions.create(
+            model=NAME, messages=messages, max_tokens=10, temperature=0, stream=True
+        )
     )
-    chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content", "") for c in chunks)
     content = "".join(c.choices[0].delta.content or "" for c in chunks)
@@ -131,102 +105,182 @@ def test_chat_plain_and_streamed(served, client, checkpoint) -> None:
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
 
 
-def test_stop_strings(served, client, checkpoint) -> None:
-    _, _, tok = served
-    full = client.completions.create(model=NAME, prompt="Hola", max_tokens=12, temperature=0).choices[0].text
-    if len(full) < 4:
-        pytest.skip("the random model ended too early to plant a stop string")
-    cut = full[2:4]
-    r = client.completions.create(model=NAME, prompt="Hola", max_tokens=12, temperature=0, stop=[cut])
-    assert r.choices[0].text == full[: full.index(cut)] and r.choices[0].finish_reason == "stop"
-
-
-@pytest.mark.parametrize(
-    ("body", "status", "param"),
-    [
-        ({"model": NAME}, 400, "prompt"),
-        ({"model": NAME, "prompt": "x", "temperature": -1}, 400, "temperature"),
-        ({"model": NAME, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-        ({"model": NAME, "prompt": "x", "n": 2}, 400, "n"),
-        ({"model": NAME, "prompt": ""}, 400, "prompt"),
-        ({"model": NAME, "prompt": [99999]}, 400, "prompt"),
-        ({"model": NAME, "prompt": "x", "max_tokens": 10**7}, 400, "max_tokens"),
-        ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
-    ],
-)
-def test_malformed_completions(served, body, status, param) -> None:
-    r = httpx.post(f"{served[0]}/v1/completions", json=body)
-    assert r.status_code == status
-    error = r.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param and error["message"]
-
-
-def test_malformed_chat_and_json(served) -> None:
-    base = served[0]
-    r = httpx.post(f"{base}/v1/chat/completions", json={"model": NAME, "messages": []})
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(
-        f"{base}/v1/chat/completions", json={"model": NAME, "messages": [{"role": "wizard", "content": "x"}]}
+def test_echo_scoring_equals_one_forward(served, client) -> None:
+    """max_tokens 0 + echo + logprobs (log-likelihood scoring): every prompt position's log-prob and its
+    5 most likely alternatives, in order, equal the log-softmax of one full forward."""
+    _, tok, model = served
+    ids = tok.encode(TEXT)
+    r = client.completions.create(model=NAME, prompt=TEXT, max_tokens=0, echo=True, logprobs=5)
+    c = r.choices[0]
+    assert c.text == TEXT and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 0)
+    lp = c.logprobs
+    assert lp.tokens == [token_text(tok, t) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = log_softmax(model, ids)
+    expected = want[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    torch.testing.assert_close(
+        torch.tensor(lp.token_logprobs[1:], dtype=torch.float64), expected, atol=1e-5, rtol=0
     )
-    assert r.status_code == 400
-    r = httpx.post(
-        f"{base}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    for i, top in enumerate(lp.top_logprobs[1:]):
+        values, best = torch.topk(want[i], 5)
+        assert list(top) == [token_text(tok, t) for t in best.tolist()]  # in order
+        torch.testing.assert_close(
+            torch.tensor(list(top.values()), dtype=torch.float64), values, atol=1e-5, rtol=0
+        )
+    assert lp.text_offset == [len(tok.decode(ids[:i])) for i in range(len(ids))]
+
+
+def test_completion_logprobs_with_echo_cover_prompt_and_output(served, client) -> None:
+    _, tok, model = served
+    ids = tok.encode(TEXT)
+    out = greedy(model, ids, 6, stops(tok))
+    r = client.completions.create(model=NAME, prompt=ids, max_tokens=6, echo=True, logprobs=2, temperature=0)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == tok.decode(ids) + tok.decode(out)
+    assert lp.tokens == [token_text(tok, t) for t in ids + out]
+    full = ids + out
+    want = log_softmax(model, full)[:-1].gather(1, torch.tensor(full[1:])[:, None])[:, 0]
+    torch.testing.assert_close(
+        torch.tensor(lp.token_logprobs[1:], dtype=torch.float64), want, atol=1e-5, rtol=0
     )
-    assert r.status_code == 400 and "error" in r.json()
 
 
-def _open_stream(base: str, max_tokens: int = 8000) -> tuple[httpx.Client, httpx.Response, Iterator[str]]:
-    """A streaming completion, read up to its first data line and left open (dropping the line iterator
-    would close the connection)."""
-    c = httpx.Client(timeout=60)
-    body = {
-        "model": NAME,
-        "prompt": "uno dos tres",
-        "max_tokens": max_tokens,
-        "temperature": 0.8,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    r = c.send(c.build_request("POST", f"{base}/v1/completions", json=body), stream=True)
-    assert r.status_code == 200
-    lines = r.iter_lines()
-    assert next(lines).startswith("data: ")
-    return c, r, lines
+def test_chat_logprobs_at_temperature_zero(served, client) -> None:
+    """Chat logprobs of the greedy reply equal the forward's log-softmax; top_logprobs are its 5 largest,
+    in order (the first being the chosen token)."""
+    _, tok, model = served
+    messages = [{"role": "user", "content": "Cuenta hasta tres."}]
+    prompt = encode_chat(tok, messages)
+    out = greedy(model, prompt, 8, stops(tok))
+    r = client.chat.completions.create(
+        model=NAME, messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = r.choices[0].logprobs.content
+    assert [bytes(e.bytes) for e in content] == [tok.token_bytes(t) for t in out]
+    want = log_softmax(model, prompt + out)[len(prompt) - 1 : -1]
+    got = torch.tensor([e.logprob for e in content], dtype=torch.float64)
+    torch.testing.assert_close(got, want.gather(1, torch.tensor(out)[:, None])[:, 0], atol=1e-5, rtol=0)
+    for e, row in zip(content, want, strict=True):
+        values, best = torch.topk(row, 5)
+        assert [t.token for t in e.top_logprobs] == [token_text(tok, t) for t in best.tolist()]
+        torch.testing.assert_close(
+            torch.tensor([t.logprob for t in e.top_logprobs], dtype=torch.float64), values, atol=1e-5, rtol=0
+        )
+        assert e.top_logprobs[0].token == e.token
 
 
-def test_full_queue_429_and_disconnect_frees_cache(served) -> None:
-    base, engine, _ = served
-    open_ = [_open_stream(base) for _ in range(2)]  # max_batch 2: both decoding
-    queued = httpx.Client(timeout=60)
-    body = {"model": NAME, "prompt": "cuatro", "max_tokens": 8000, "stream": True, "ignore_eos": True}
-    q = queued.send(
-        queued.build_request("POST", f"{base}/v1/completions", json=body), stream=True
-    )  # max_queue 1
-    assert httpx.get(f"{base}/health").json()["in_flight"] == 3
-    r = httpx.post(f"{base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
-    assert len(engine.running) == 2
-    for c, resp, *_ in [*open_, (queued, q)]:  # the clients go away
-        resp.close()
-        c.close()
-    for _ in range(300):
-        if not engine.running and not engine.waiting and engine.batch is None:
-            break
-        time.sleep(0.05)
-    assert not engine.running and not engine.waiting and engine.batch is None  # caches freed
-    assert httpx.get(f"{base}/health").json()["in_flight"] == 0
-    # and the server still answers
-    r = httpx.post(f"{base}/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 2})
-    assert r.status_code == 200
+def test_n_with_seed_is_reproducible(served, client) -> None:
+    """n=3 sampled choices at T=1: the same again with the same seed, different from each other, and each
+    token's log-prob is the forward's log-softmax (T=1, top_p=1: the distribution sampled from)."""
+    _, tok, model = served
+    ids_of = {token_text(tok, i): i for i in range(tok.vocab_size)}
+
+    def run():
+        return client.completions.create(
+            model=NAME, prompt=TEXT, max_tokens=10, n=3, seed=7, logprobs=0, temperature=1
+        )
+
+    a, b = run(), run()
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [(c.text, c.logprobs.token_logprobs) for c in a.choices] == [
+        (c.text, c.logprobs.token_logprobs) for c in b.choices
+    ]
+    assert len({c.text for c in a.choices}) > 1
+    assert a.usage.prompt_tokens == len(tok.encode(TEXT))
+    assert a.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in a.choices)
+    prompt = tok.encode(TEXT)
+    for c in a.choices:
+        out = [ids_of[t] for t in c.logprobs.tokens]
+        want = log_softmax(model, prompt + out)[len(prompt) - 1 :].gather(1, torch.tensor(out)[:, None])[:, 0]
+        torch.testing.assert_close(
+            torch.tensor(c.logprobs.token_logprobs, dtype=torch.float64), want, atol=1e-5, rtol=0
+        )
+    chat = [{"role": "user", "content": "Hola"}]
+    x, y = (
+        client.chat.completions.create(model=NAME, messages=chat, max_tokens=6, n=3, seed=3) for _ in range(2)
+    )
+    assert [c.message.model_extra["reasoning_content"] for c in x.choices] == [
+        c.message.model_extra["reasoning_content"] for c in y.choices
+    ]
 
 
-def test_disconnect_during_plain_request_frees_cache(served) -> None:
-    base, engine, _ = served
-    body = {"model": NAME, "prompt": "cinco", "max_tokens": 8000, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base}/v1/completions", json=body, timeout=0.5)
-    for _ in range(100):
-        if not engine.running and not engine.waiting:
-            break
-        time.sleep(0.05)
-    assert not engine.running and not engine.waiting and engine.batch is None
+def test_streamed_choices_equal_plain_ones(served, client) -> None:
+    """Two prompts x n=2, seeded: the streamed chunks, gathered by index, equal the plain response."""
+    _, tok, _ = served
+    kw = {"model": NAME, "prompt": [TEXT, "Otra"], "max_tokens": 6, "n": 2, "seed": 11, "logprobs": 0}
+    plain = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, logprobs = [""] * 4, [[] for _ in range(4)]
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        logprobs[choice.index] += choice.logprobs.token_logprobs
+    assert texts == [c.text for c in plain.choices]
+    for got, want in zip(logprobs, [c.logprobs.token_logprobs for c in plain.choices], strict=True):
+        assert got == pytest.approx(want, abs=1e-5)  # other batch compositions: rounding only
+    assert chunks[-1].usage == plain.usage
+    assert plain.usage.prompt_tokens == len(tok.encode(TEXT)) + len(tok.encode("Otra"))
+
+
+def test_stop_string_across_token_boundaries(served, client) -> None:
+    """A stop string made of the end of one generated token and the start of the next."""
+    _, tok, model = served
+    full = client.completions.create(
+        model=NAME, prompt=TEXT, max_tokens=16, temperature=0, logprobs=0
+    ).choices[0]
+    text, pieces, offsets = full.text, full.logprobs.tokens, full.logprobs.text_offset
+
+    def plain(piece: str) -> bool:
+        return bool(piece) and not piece.startswith("bytes:") and "<|" not in piece
+
+    found = [
+        (i, stop)
+        for i in range(len(pieces) - 1)
+        if plain(pieces[i]) and plain(pieces[i + 1])
+        for stop in [pieces[i][-1] + pieces[i + 1][0]]
+        if text.index(stop) == offsets[i] + len(pieces[i]) - 1  # its first occurrence starts in token i
+    ]
+    assert found, f"no two plain neighbouring tokens in {pieces}"
+    i, stop = found[0]
+    cut = text[: text.index(stop)]
+    r = client.completions.create(model=NAME, prompt=TEXT, max_tokens=16, temperature=0, stop=[stop, "zzzz"])
+    assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens <= i + 2  # generation ended once the stop was seen
+    chunks = list(
+        client.completions.create(
+            model=NAME, prompt=TEXT, max_tokens=16, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_token_id_prompts_equal_string_prompts(served, client) -> None:
+    _, tok, _ = served
+    other = "Una frase distinta"
+    a, b = tok.encode(TEXT), tok.encode(other)
+
+    def run(prompt):
+        r = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0, logprobs=1)
+        return [(c.text, c.logprobs.token_logprobs) for c in r.choices], r.usage.prompt_tokens
+
+    def same(x: list, y: list) -> None:  # texts equal; logprobs too, but for batch-order rounding
+        assert [t for t, _ in x] == [t for t, _ in y]
+        for (_, u), (_, v) in zip(x, y, strict=True):
+            assert u == pytest.approx(v, abs=1e-5)
+
+    same(run(TEXT)[0], run(a)[0])
+    (both, used), (both_ids, used_ids) = run([TEXT, other]), run([a, b])
+    same(both, both_ids)
+    assert used == used_ids == len(a) + len(b)
+    same(both, run(TEXT)[0] + run(other)[0])
+
+
+def test_tokenize_and_detokenize(served) -> None:
+    base, tok, _ = served
+    r = httpx.post(f"{base}/tokenize", json={"model": NAME, "prompt": TEXT}).json()
+    assert r["tokens"] == tok.encode(TEXT) and r["count"] == len(r["tokens"]) and r["max_model_len"] == 8192
+    assert httpx.post(f"{base}/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": TEXT}
+    messages = [{"role": "user", "content": "Hola"}]
+    r = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()
+    assert r["tokens"] == encode_chat(tok, messages)

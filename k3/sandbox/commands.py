@@ -1,0 +1,123 @@
+"""`k3 sandbox run | template build | serve | bench`. Register in k3/cli.py with
+`app.add_typer(sandbox_app, name="sandbox")`; the sandbox package is imported inside the commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+from pathlib import Path
+
+import typer
+
+from k3.terminal import fail
+
+sandbox_app = typer.Typer(help="Sandboxes for agents on gVisor and bubblewrap.", no_args_is_help=True)
+template_app = typer.Typer(help="Sandbox templates (read-only roots).", no_args_is_help=True)
+sandbox_app.add_typer(template_app, name="template")
+
+
+@sandbox_app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def run(
+    cmd: list[str] = typer.Argument(..., help="The command (after --), run with /bin/sh -c."),
+    backend: str = typer.Option("gvisor", help="gvisor or bwrap."),
+    timeout: float = typer.Option(30, help="Seconds before the command's whole process tree is killed."),
+    template: str = typer.Option("python", help="A template name or an absolute directory."),
+    memory_mb: int = typer.Option(512, help="Memory limit (no swap)."),
+    pids: int = typer.Option(64, help="Process limit."),
+    cpus: float = typer.Option(0.5, help="CPU quota in cores."),
+) -> None:
+    """Run one command in a fresh sandbox, print its output and exit with its exit code."""
+    from k3.sandbox import Limits, Sandbox, SandboxError
+
+    try:
+        limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids)
+        with Sandbox.create(template=template, backend=backend, limits=limits, timeout=timeout + 60) as sbx:
+            r = sbx.commands.run(" ".join(cmd), timeout=timeout)
+    except SandboxError as e:
+        fail(str(e))
+    sys.stdout.write(r.stdout)
+    sys.stderr.write(r.stderr)
+    if r.killed_by:
+        sys.stderr.write(f"k3 sandbox: killed by {r.killed_by} after {r.duration_s:.2f} s\n")
+    raise typer.Exit(r.exit_code)
+
+
+@template_app.command("build")
+def template_build(
+    name: str = typer.Argument(..., help="The template's name."),
+    source: Path = typer.Option(
+        None, "--from", help="A directory to copy as the root (default: host files)."
+    ),
+) -> None:
+    """Build (or rebuild) a template under the sandbox state root."""
+    from k3.sandbox import SandboxError, default_root
+    from k3.sandbox.templates import build_template
+
+    try:
+        t = build_template(default_root(), name, source)
+    except SandboxError as e:
+        fail(str(e))
+    binds = ", ".join(t.binds) or "none"
+    print(f"template {t.name}: root {t.rootfs}, host directories bound read-only: {binds}")
+
+
+@sandbox_app.command()
+def serve(
+    host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8100, help="TCP port."),
+    tokens: Path = typer.Option(None, help='JSON file {"<token>": "<client name>"}; default: a new token.'),
+    quota: int = typer.Option(8, help="Live sandboxes per client."),
+    max_ttl: float = typer.Option(3600, help="Longest sandbox lifetime a client may ask for (s)."),
+) -> None:
+    """Serve the sandbox API over HTTP; every request needs `Authorization: Bearer <token>`."""
+    import uvicorn
+
+    from k3.sandbox import SandboxError, default_root
+    from k3.sandbox.server import create_app
+
+    if tokens is not None:
+        try:
+            table = json.loads(tokens.read_text())
+        except (OSError, ValueError) as e:
+            fail(f"cannot read the tokens file {tokens}: {e}")
+    else:
+        token = secrets.token_urlsafe(32)
+        path = default_root() / "server-token"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        table = {token: "default"}
+        print(f"bearer token (also in {path}, mode 600): {token}", flush=True)
+    try:
+        app = create_app(table, quota=quota, max_ttl_s=max_ttl)
+    except SandboxError as e:
+        fail(str(e))
+    uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+@sandbox_app.command()
+def bench(
+    backend: list[str] = typer.Option(["bwrap", "gvisor"], help="Backends to measure."),
+    n: int = typer.Option(5, help="Repetitions per latency."),
+    cycles: int = typer.Option(10, help="Create-run-kill cycles per throughput figure."),
+) -> None:
+    """Time create, run, snapshot, restore, fork and create-run-kill throughput on this machine."""
+    from k3.sandbox import SandboxError, default_root
+    from k3.sandbox.bench import cycles_per_second, latencies
+
+    load = os.getloadavg()[0]
+    try:
+        for b in backend:
+            lat = latencies(b, n, default_root())
+            rates = {w: cycles_per_second(b, w, cycles, default_root()) for w in (1, 2)}
+            print(f"== {b} (load average {load:.1f})")
+            for op, v in lat.items():
+                if isinstance(v, dict):
+                    print(f"  {op:16s} p50 {v['p50'] * 1000:8.1f} ms   p95 {v['p95'] * 1000:8.1f} ms")
+            print(f"  snapshot size    {lat['snapshot_bytes'] / 1e6:.2f} MB ({lat['snapshot_kind']})")
+            print(f"  create-run-kill  {rates[1]:.2f}/s with 1 worker, {rates[2]:.2f}/s with 2")
+    except SandboxError as e:
+        fail(str(e))

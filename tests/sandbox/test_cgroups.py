@@ -1,0 +1,70 @@
+"""The cgroup interface: against this machine's real hierarchy (v1 here), and v2 against a planted
+directory tree (the files a v2 kernel exposes, with counters we write)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from sandbox_testing import require
+
+from k3.sandbox.cgroups import Cgroup, CgroupV1, CgroupV2
+from k3.sandbox.types import Limits, SandboxError
+
+
+def test_v2_writes_limits_and_reads_counters(tmp_path):
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    (tmp_path / "cgroup.subtree_control").write_text("")
+    assert Cgroup.detect(tmp_path) is CgroupV2
+    g = CgroupV2(tmp_path, "k3-sandbox/sbx-1")
+    d = tmp_path / "k3-sandbox/sbx-1"
+    d.mkdir(parents=True)
+    (d / "memory.swap.max").write_text("max\n")
+    g.create(Limits(cpus=0.25, memory_mb=300, pids=17))
+    assert (d / "memory.max").read_text() == str(300 << 20)
+    assert (d / "memory.swap.max").read_text() == "0"
+    assert (d / "pids.max").read_text() == "17"
+    assert (d / "cpu.max").read_text() == "25000 100000"
+    assert (tmp_path / "k3-sandbox/cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 9\noom 2\noom_kill 2\n")
+    (d / "pids.events").write_text("max 5\n")
+    assert (g.oom_kills(), g.pids_limit_hits()) == (2, 5)
+    assert g.procs_files() == [d / "cgroup.procs"]
+
+
+def test_limits_on_this_machines_cgroups():
+    """Whichever version this machine mounts (v1 here), on its real hierarchy."""
+    require("bwrap")  # root and cgroups
+    root = Path("/sys/fs/cgroup")
+    kind = Cgroup.detect(root)
+    g = kind(root, f"k3-sandbox/test-{os.getpid()}")
+    try:
+        g.create(Limits(cpus=0.5, memory_mb=64, pids=9))
+        if kind is CgroupV1:
+            mem, pids, cpu = g.dirs()
+            assert (mem / "memory.limit_in_bytes").read_text().strip() == str(64 << 20)
+            assert (pids / "pids.max").read_text().strip() == "9"
+            assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "50000"
+        else:
+            (d,) = g.dirs()
+            assert (d / "memory.max").read_text().strip() == str(64 << 20)
+            assert (d / "pids.max").read_text().strip() == "9"
+            assert (d / "cpu.max").read_text().split() == ["50000", "100000"]
+        # a real process in the group hits the real pids limit: the counter moves
+        script = 'for f in "$@"; do echo $$ > "$f"; done; for i in $(seq 20); do sleep 1 & done; wait'
+        proc = subprocess.Popen(
+            ["/bin/sh", "-c", script, "sh", *map(str, g.procs_files())], stderr=subprocess.PIPE
+        )
+        proc.communicate(timeout=20)
+        assert g.pids_limit_hits() > 0
+    finally:
+        g.remove()
+    assert not any(d.exists() for d in g.every_dir())
+
+
+def test_limits_reject_bad_values():
+    for bad in ({"cpus": 0}, {"memory_mb": 1}, {"pids": 0}, {"disk_mb": 0.5}, {"output_mb": -1}):
+        with pytest.raises(SandboxError):
+            Limits(**bad)
