@@ -33,9 +33,13 @@ class DataParallel:
     ep: ExpertParallel
 
     @classmethod
-    def start(cls, policy: str = "none", slots_per_rank: int = 1, timeout: float = 60.0) -> DataParallel:
+    def start(
+        cls, policy: str = "none", slots_per_rank: int = 1, timeout: float = 60.0, threshold: bool = True
+    ) -> DataParallel:
         comm = Comm.from_env(timeout=timeout, backend="gloo")  # k3 trains on the CPU
-        return cls(comm, ExpertParallel(comm, policy=policy, slots_per_rank=slots_per_rank, keep_stats=True))
+        ep = ExpertParallel(comm, policy=policy, slots_per_rank=slots_per_rank, threshold=threshold)
+        ep.keep_stats = True
+        return cls(comm, ep)
 
     @property
     def rank(self) -> int:

@@ -118,6 +118,9 @@ def train(
     ep_timeout: Annotated[
         float, typer.Option(help="Seconds a collective waits before naming the rank that did not arrive.")
     ] = D.ep_timeout,
+    ep_threshold: Annotated[
+        bool, typer.Option(help="Skip replicas whose token traffic is below the weight bytes they cost.")
+    ] = D.ep_threshold,
 ) -> None:
     """Train (or resume) a run; writes RUN/log.csv, RUN/checkpoints/ and RUN/export/."""
     if ctx.invoked_subcommand is not None:

@@ -92,6 +92,7 @@ class TrainConfig:
     ep_slots: int = 1  # replicas of other ranks' experts a rank may host, per layer
     ep_replan_every: int = 10  # eplb: steps between placements, from the loads of the steps before
     ep_timeout: float = 60.0  # seconds a collective waits for every rank before naming the missing one
+    ep_threshold: bool = True  # skip replicas whose token traffic is below the weight bytes they cost
 
     def check(self) -> None:
         def bad(option: str, problem: str) -> None:

@@ -63,7 +63,7 @@ EP_FILE = "expert_parallel.csv"  # with several processes: per step, micro-batch
 EXPORT_DIR = "export"
 # Fields that may change between a run and its resumption without changing what is computed.
 _RESUMABLE_CHANGES = {"stop_after", "progress", "export", "nproc", "expert_parallel", "ep_policy", "ep_slots"}
-_RESUMABLE_CHANGES |= {"ep_replan_every", "ep_timeout"}
+_RESUMABLE_CHANGES |= {"ep_replan_every", "ep_timeout", "ep_threshold"}
 
 
 def load_model_config(preset: str) -> K3Config:
@@ -195,7 +195,7 @@ def _start_parallel(tc: TrainConfig, cfg: K3Config):
         raise TrainError("--balance-refresh: not supported with several processes yet")
     if cfg.num_experts % world:
         raise TrainError(f"--expert-parallel: {cfg.num_experts} experts do not divide over {world} processes")
-    par = DataParallel.start(tc.ep_policy, tc.ep_slots, tc.ep_timeout)
+    par = DataParallel.start(tc.ep_policy, tc.ep_slots, tc.ep_timeout, tc.ep_threshold)
     if not tc.threads:
         torch.set_num_threads(cpu_threads(world))
     return par

@@ -58,7 +58,11 @@ def test_three_steps_on_two_ranks_equal_one_process(ranks2, tmp_path, optimizer,
     one = dict(TINY, steps=3, optimizer=optimizer, out=str(tmp_path / "one"))
     train(TrainConfig(**one))
     ep = dict(one, out=str(tmp_path / "ep"), expert_parallel=2, ep_policy=policy, ep_replan_every=1)
+    ep["ep_threshold"] = False  # tiny's experts are too small to be worth a replica otherwise
     assert_ok(ranks2.run(train_on_ranks, ep))
+    if policy != "none":  # replicas were shipped and their gradients came home
+        with (tmp_path / "ep" / "expert_parallel.csv").open(newline="") as f:
+            assert sum(int(row["replicas"]) for row in csv.DictReader(f)) > 0
     # torch.optim.Muon orthogonalises in bf16: a gradient that differs in its last fp32 bits (summed over
     # ranks instead of in one matmul) can round to another bf16 value, so Muon's weights agree to 1e-3
     assert_same_run(tmp_path / "ep", tmp_path / "one", 3, 1e-5 if optimizer == "adamw" else 1e-3)
@@ -71,7 +75,7 @@ def test_a_sigkilled_two_process_moonep_run_resumes_to_the_same_losses(ranks2, t
     one = dict(TINY, steps=steps, checkpoint_every=1, keep_checkpoints=4, out=str(tmp_path / "one"))
     train(TrainConfig(**one))
     run = tmp_path / "killed"
-    config = dict(one, out=str(run), nproc=2, expert_parallel=2, ep_policy="moonep")
+    config = dict(one, out=str(run), nproc=2, expert_parallel=2, ep_policy="moonep", ep_threshold=False)
     launcher = (
         "import json, sys; from k3.train.trainer import TrainConfig, train; "
         "train(TrainConfig(**json.loads(sys.argv[1])))"
@@ -95,7 +99,9 @@ def test_a_sigkilled_two_process_moonep_run_resumes_to_the_same_losses(ranks2, t
     assert_ok(ranks2.run(train_on_ranks, dict(config, nproc=1)))  # the same folder, 2 ranks
     assert_same_run(run, tmp_path / "one", steps)
     with (run / "expert_parallel.csv").open(newline="") as f:  # per step and layer, each exactly once
-        seen = sorted((int(row["step"]), int(row["layer"])) for row in csv.DictReader(f))
+        rows = list(csv.DictReader(f))
+    assert sum(int(row["replicas"]) for row in rows) > 0  # replica weights went out, gradients came home
+    seen = sorted((int(row["step"]), int(row["layer"])) for row in rows)
     layers = sorted({layer for _, layer in seen})
     assert layers and seen == [(step, layer) for step in range(1, steps + 1) for layer in layers]
     train(TrainConfig(**dict(config, out=str(one_process), nproc=1, expert_parallel=1)))
