@@ -28,6 +28,7 @@ from k3.errors import K3Error
 
 _FAILED = "failed"  # the first error a rank posted: "rank R: Type: message"
 _FAILURES = "failures"  # how many ranks posted one (the first to count 1 writes `failed`)
+RENDEZVOUS_S = 300.0  # how long ranks may take to join, whatever the collective timeout
 
 
 class DistError(K3Error):
@@ -48,6 +49,7 @@ class Comm:
     store: dist.Store
     timeout: float
     device: torch.device
+    group: dist.ProcessGroup  # all ranks, with the short collective timeout
     owns_group: bool = True  # False when the default group was already there (then `close` leaves it)
 
     @classmethod
@@ -61,8 +63,10 @@ class Comm:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         delta = datetime.timedelta(seconds=timeout)
+        # joining may take longer than a collective may wait (ranks start seconds apart on a busy machine)
+        joining = datetime.timedelta(seconds=max(timeout, RENDEZVOUS_S))
         agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-        base = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=delta)
+        base = dist.TCPStore(host, port, world, is_master=rank == 0 and not agent_store, timeout=joining)
         run_id = (
             os.environ.get("TORCHELASTIC_RUN_ID", "k3")
             + f"/{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
@@ -72,19 +76,27 @@ class Comm:
         if cuda:
             torch.cuda.set_device(device)
         owns_group = not dist.is_initialized()
+        name = "nccl" if cuda else "gloo"
         if owns_group:
             dist.init_process_group(
-                "nccl" if cuda else "gloo",
+                name,
                 store=dist.PrefixStore(f"{run_id}/pg", base),
                 rank=rank,
                 world_size=world,
-                timeout=delta,
+                timeout=joining,
             )
-        return cls(rank, world, dist.PrefixStore(f"{run_id}/k3", base), timeout, device, owns_group)
+        dist.barrier()  # every rank has joined: from here on a collective waits `timeout` at most
+        group = dist.new_group(backend=name, timeout=delta)
+        store = dist.PrefixStore(f"{run_id}/k3", base)
+        return cls(rank, world, store, timeout, device, group, owns_group)
 
     def close(self) -> None:
-        if self.owns_group and dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        if self.owns_group:
             dist.destroy_process_group()
+        else:
+            dist.destroy_process_group(self.group)
 
     # ---- failure reporting --------------------------------------------------------------------------------
     @contextmanager
@@ -138,22 +150,25 @@ class Comm:
     ) -> torch.Tensor:
         """Variable-split all-to-all along dim 0: `in_splits[r]` rows go to rank r, `out_splits[r]` come
         from it (in rank order). Returns `out`."""
-        self._call("all_to_all", lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits))
+        self._call(
+            "all_to_all",
+            lambda: dist.all_to_all_single(out, inp.contiguous(), out_splits, in_splits, group=self.group),
+        )
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """[world, *t.shape]: every rank's `t` (same shape on every rank), in rank order."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        self._call("all_gather", lambda: dist.all_gather(parts, t.contiguous()))
+        self._call("all_gather", lambda: dist.all_gather(parts, t.contiguous(), group=self.group))
         return torch.stack(parts)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
-        self._call("all_reduce", lambda: dist.all_reduce(t))
+        self._call("all_reduce", lambda: dist.all_reduce(t, group=self.group))
         return t
 
     def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._call("broadcast", lambda: dist.broadcast(t, src))
+        self._call("broadcast", lambda: dist.broadcast(t, src, group=self.group))
         return t
 
     def barrier(self) -> None:
