@@ -115,8 +115,10 @@ def _register_rooms() -> None:
     from k3.atlas.commands import atlas_app
     from k3.checkpoint.commands import inspect_command
     from k3.engine.commands import chat, generate, serve, tokenize
+    from k3.export.commands import export_app
     from k3.model.commands import init as write_random_weights
     from k3.sandbox.commands import sandbox_app
+    from k3.stream.commands import stream_app
     from k3.train.commands import train_app
 
     app.command("inspect")(inspect_command(cross_check=_census_findings))
@@ -141,6 +143,8 @@ def _register_rooms() -> None:
     app.add_typer(atlas_app, name="atlas")
     app.add_typer(train_app, name="train")
     app.add_typer(sandbox_app, name="sandbox")
+    app.add_typer(stream_app, name="stream")
+    app.add_typer(export_app, name="export")
 
 
 _register_rooms()

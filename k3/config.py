@@ -52,11 +52,16 @@ class Spelling:
     """How a field is published, where that is not simply `text_config[field name]`, always written."""
 
     key: str  # a text_config key, or "linear_attn_config.<key>"
-    also: tuple[
-        str, ...
-    ] = ()  # transformers' KimiLinearConfig spellings (text_config keys): read, never written
+    # transformers' KimiLinearConfig spellings (text_config keys): read, never written
+    also: tuple[str, ...] = ()
     optional: bool = False  # left out of the written config while the field holds its default
     one_indexed: bool = False  # a list of layer numbers counted from 1 there (from 0 here)
+
+    def place(self, text: dict[str, Any], lin: dict[str, Any]) -> tuple[dict[str, Any], str]:
+        """Where the key lives, given a text_config and its linear_attn_config: (that dict, the key)."""
+        if self.key.startswith(LINEAR_ATTN):
+            return lin, self.key[len(LINEAR_ATTN) :]
+        return text, self.key
 
 
 LINEAR_ATTN = "linear_attn_config."
@@ -69,10 +74,9 @@ SPELLINGS = {
     "moe_renormalize": Spelling("moe_renormalize", also=("norm_topk_prob",)),
     "num_expert_group": Spelling("num_expert_group", also=("n_group",)),
     "max_position_embeddings": Spelling("max_position_embeddings", also=("model_max_length",)),
-    "routed_expert_hidden_size": Spelling(
-        "routed_expert_hidden_size", optional=True
-    ),  # absent in Kimi Linear
-    "attn_res_block_size": Spelling("attn_res_block_size", optional=True),  # absent in Kimi Linear
+    # absent in Kimi Linear's published form
+    "routed_expert_hidden_size": Spelling("routed_expert_hidden_size", optional=True),
+    "attn_res_block_size": Spelling("attn_res_block_size", optional=True),
     "kda_layers": Spelling(LINEAR_ATTN + "kda_layers", one_indexed=True),
     "mla_layers": Spelling(LINEAR_ATTN + "full_attn_layers", one_indexed=True),
     "kda_num_heads": Spelling(LINEAR_ATTN + "num_heads", also=("linear_num_heads",)),
@@ -83,6 +87,9 @@ SPELLINGS = {
     "kda_gate_lower_bound": Spelling(LINEAR_ATTN + "gate_lower_bound", optional=True),
     "kda_use_full_rank_gate": Spelling(LINEAR_ATTN + "use_full_rank_gate", optional=True),
     "quantization_config": Spelling("quantization_config", optional=True),
+    # not published keys (docs/epsilons.md): written only when set to something else than the default
+    "mla_latent_norm_eps": Spelling("mla_latent_norm_eps", optional=True),
+    "kda_l2norm_eps": Spelling("kda_l2norm_eps", optional=True),
 }
 _NOT_PUBLISHED = {"published": False}  # field metadata of the bookkeeping fields below the published ones
 
@@ -117,6 +124,11 @@ class K3Config:
     activation_situ_linear_beta: float = 25.0
     attn_res_block_size: int | None = None  # None = a plain pre-norm residual stream
     rms_norm_eps: float = 1e-5
+    # eps of the MLA latent norms (q_a_layernorm, kv_a_layernorm) and of KDA's q/k L2 norm. Not published
+    # keys: Moonshot's reference code for both Kimi Linear and K3 hard-codes 1e-6 for both (its RMSNorm's
+    # default, fla's l2norm default), not rms_norm_eps; sources in docs/epsilons.md.
+    mla_latent_norm_eps: float = 1e-6
+    kda_l2norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     # attention: MLA
     num_attention_heads: int
@@ -266,6 +278,9 @@ class K3Config:
             )
         if self.kda_gate_lower_bound is not None and self.kda_gate_lower_bound >= 0:
             fail("linear_attn_config.gate_lower_bound", f"must be negative, got {self.kda_gate_lower_bound}")
+        for key in ("rms_norm_eps", "mla_latent_norm_eps", "kda_l2norm_eps"):
+            if not isinstance(getattr(self, key), int | float) or not getattr(self, key) > 0:
+                fail(key, f"must be a positive number, got {getattr(self, key)!r}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
         if self.experts_mxfp4 and self.num_experts:
@@ -302,14 +317,7 @@ class K3Config:
         values: dict[str, Any] = {}
         for f in published_fields():
             spelling = SPELLINGS.get(f.name, Spelling(f.name))
-            where, key = (
-                (lin, spelling.key[len(LINEAR_ATTN) :])
-                if spelling.key.startswith(LINEAR_ATTN)
-                else (
-                    text,
-                    spelling.key,
-                )
-            )
+            where, key = spelling.place(text, lin)
             if key in where:
                 value = where.pop(key)
             elif present := [other for other in spelling.also if other in text]:
@@ -338,6 +346,7 @@ class K3Config:
         """The published form this config was loaded from (or K3's nested form for new configs)."""
         text: dict[str, Any] = {k: v for k, v in self.extra.items() if k != "linear_attn_config"}
         text.setdefault("model_type", "kimi_linear")
+        lin: dict[str, Any] = {}
         lin_extra = self.extra.get("linear_attn_config", {})
         for f in published_fields():
             spelling = SPELLINGS.get(f.name, Spelling(f.name))
@@ -346,14 +355,13 @@ class K3Config:
                 continue
             if spelling.one_indexed:
                 value = [i + 1 for i in value]
-            if spelling.key.startswith(LINEAR_ATTN):
-                lin = text.setdefault("linear_attn_config", {})
+            where, key = spelling.place(text, lin)
+            if where is lin:
+                text.setdefault("linear_attn_config", lin)  # in text_config where its first key falls
                 if spelling.optional:
                     lin.update(lin_extra)  # keys k3 does not read go before the optional ones
-                lin[spelling.key[len(LINEAR_ATTN) :]] = value
-            else:
-                text[spelling.key] = value
-        text["linear_attn_config"].update(lin_extra)
+            where[key] = value
+        lin.update(lin_extra)
         if self.published_form == "kimi_linear":
             return text
         return {"model_type": "kimi_k3", **self.outer_extra, "text_config": text}

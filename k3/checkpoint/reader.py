@@ -205,6 +205,15 @@ class Checkpoint:
         buf = self._source(t).read(t.start + start * row_bytes, (stop - start) * row_bytes)
         return tensor_from_bytes(buf, t.dtype, (stop - start, *t.shape[1:]))
 
+    def read_span(self, shard: str, start: int, stop: int) -> bytearray:
+        """Bytes [start, stop) of a shard file in a buffer of the caller's: one `preadv` locally (nothing
+        stays mapped), one ranged request remotely. For readers that stream a checkpoint through memory."""
+        if shard not in self._sources:
+            raise CheckpointError(f"{self.location}: no shard {shard!r}")
+        if self._closed:
+            raise CheckpointError(f"{self.location}: checkpoint is closed (reading {shard})")
+        return self._sources[shard].read_owned(start, stop - start)
+
     # ---- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
         self._closed = True

@@ -102,15 +102,28 @@ class HttpClient:
                 time.sleep(self.options.backoff * 2**n)
         raise CheckpointError(f"{url}: giving up after {self.options.retries + 1} attempts ({problem})")
 
-    def _read_body(self, response: httpx.Response, limit: int, url: str) -> bytes:
-        """The body, refusing more than `limit` bytes (a server may send more than it announced)."""
-        body = bytearray()
-        for chunk in response.iter_raw():
-            body += chunk
-            self.stats.count(bytes_fetched=len(chunk))
-            if len(body) > limit:
-                raise CheckpointError(f"{url}: response body exceeds the {limit} bytes expected")
-        return bytes(body)
+    def _read_body(self, response: httpx.Response, limit: int, url: str, exact: bool = False) -> bytearray:
+        """The body, refusing more than `limit` bytes (a server may send more than it announced). `exact`:
+        `limit` bytes are expected, so they are written into one buffer of that size (no regrowth)."""
+        too_long = f"{url}: response body exceeds the {limit} bytes expected"
+        if not exact:
+            body = bytearray()
+            for chunk in response.iter_raw():
+                self.stats.count(bytes_fetched=len(chunk))
+                body += chunk
+                if len(body) > limit:
+                    raise CheckpointError(too_long)
+            return body
+        body, n = bytearray(limit), 0
+        with memoryview(body) as view:
+            for chunk in response.iter_raw():
+                self.stats.count(bytes_fetched=len(chunk))
+                if n + len(chunk) > limit:
+                    raise CheckpointError(too_long)
+                view[n : n + len(chunk)] = chunk
+                n += len(chunk)
+        del body[n:]  # a short body: the caller retries
+        return body
 
     @staticmethod
     def _check_status(response: httpx.Response, url: str, expected: int) -> None:
@@ -125,10 +138,10 @@ class HttpClient:
             raise CheckpointError(f"{url}: the server ignored the Range request (HTTP 200, expected 206)")
         raise CheckpointError(f"{url}: HTTP {status}")
 
-    def get(self, url: str) -> bytes | None:
+    def get(self, url: str) -> bytes | bytearray | None:
         """A whole small file (config.json, an index); None when the server says 404."""
 
-        def attempt() -> bytes:
+        def attempt() -> bytearray:
             self.stats.count(requests=1)
             with self._client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as r:
                 self._check_status(r, url, 200)
@@ -139,11 +152,11 @@ class HttpClient:
         except RemoteNotFound:
             return None
 
-    def get_range(self, url: str, offset: int, length: int) -> tuple[bytes, int]:
+    def get_range(self, url: str, offset: int, length: int) -> tuple[bytes | bytearray, int]:
         """(bytes [offset, offset + length), file size). Fewer bytes only where the file ends first."""
         headers = {"Range": f"bytes={offset}-{offset + length - 1}", "Accept-Encoding": "identity"}
 
-        def attempt() -> tuple[bytes, int]:
+        def attempt() -> tuple[bytes | bytearray, int]:
             self.stats.count(requests=1)
             with self._client.stream("GET", url, headers=headers) as r:
                 empty = _UNSATISFIABLE.fullmatch(r.headers.get("content-range", ""))
@@ -162,7 +175,7 @@ class HttpClient:
                         f"{url}: asked for bytes {offset}-{offset + length - 1}, "
                         f"got Content-Range {r.headers['content-range']!r}"
                     )
-                body = self._read_body(r, last - first + 1, url)
+                body = self._read_body(r, last - first + 1, url, exact=True)
                 if len(body) != last - first + 1:
                     raise _Retryable(f"short body: {len(body)} of {last - first + 1} bytes")
                 return body, size
@@ -237,7 +250,13 @@ class HttpSource:
                 list(pool.map(fill, blocks))  # list() re-raises the first failure
         return out
 
-    def _fetch(self, offset: int, length: int) -> bytes:
+    def read_owned(self, offset: int, length: int) -> bytearray:
+        """The bytes in one ranged request (retried as usual), whatever their length; no block cache."""
+        check_range(self, offset, length)
+        body = self._fetch(offset, length) if length else bytearray()
+        return body if isinstance(body, bytearray) else bytearray(body)
+
+    def _fetch(self, offset: int, length: int) -> bytes | bytearray:
         body, size = self._http.get_range(self.url, offset, length)
         if size != self.size:
             raise CheckpointError(f"{self.url}: file size changed from {self.size} to {size} while reading")

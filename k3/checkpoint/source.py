@@ -9,6 +9,7 @@ past the end is a `CheckpointError` naming the file, never a silent truncation.
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 from typing import Protocol
 
@@ -25,6 +26,10 @@ class ByteSource(Protocol):
 
     def read(self, offset: int, length: int) -> memoryview | bytearray | bytes:
         """Exactly `length` bytes from `offset`. The result may be a view into the source (zero-copy)."""
+        ...
+
+    def read_owned(self, offset: int, length: int) -> bytearray:
+        """Exactly `length` bytes from `offset` in a fresh buffer of the caller's (one read or request)."""
         ...
 
     def close(self) -> None: ...
@@ -60,6 +65,24 @@ class LocalSource:
     def read(self, offset: int, length: int) -> memoryview:
         check_range(self, offset, length)
         return self._view[offset : offset + length]
+
+    def read_owned(self, offset: int, length: int) -> bytearray:
+        """A copy of the bytes by `preadv` into a fresh buffer: no page of the mapping is touched or kept."""
+        check_range(self, offset, length)
+        out = bytearray(length)
+        view, done = memoryview(out), 0
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < length:
+                n = os.preadv(fd, [view[done:]], offset + done)
+                if n == 0:
+                    raise CheckpointError(
+                        f"{self.name}: the file ended at {offset + done} (changed on disk?)"
+                    )
+                done += n
+        finally:
+            os.close(fd)
+        return out
 
     def close(self) -> None:
         """Drop the mapping. Tensors already read keep their pages alive: the mapping is then released

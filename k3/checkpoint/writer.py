@@ -175,6 +175,24 @@ def save_checkpoint(
         raise
 
 
+# What llama.cpp's convert_hf_to_gguf.py picks its converter by (`architectures`) and reads without a default.
+_ARCHITECTURES = {"kimi_k3": "KimiK3ForConditionalGeneration", "kimi_linear": "KimiLinearForCausalLM"}
+
+
+def with_converter_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """A published config dict with the keys llama.cpp's converter needs added where missing:
+    `architectures` (outer and text for K3) and `moe_router_activation_func` (`linear_attn_config`, the
+    third, is always part of `K3Config.to_dict`)."""
+    raw = dict(raw)
+    text = raw.get("text_config", raw)
+    if "text_config" in raw:
+        raw.setdefault("architectures", [_ARCHITECTURES["kimi_k3"]])
+        text = raw["text_config"] = dict(text)
+    text.setdefault("architectures", [_ARCHITECTURES["kimi_linear"]])
+    text.setdefault("moe_router_activation_func", "sigmoid")
+    return raw
+
+
 def _commit(
     shards: list[_Shard],
     config: K3Config | dict[str, Any] | None,
@@ -195,10 +213,8 @@ def _commit(
         shard.path = None
         written.append(out_dir / name)
     if config is not None:
-        if isinstance(config, K3Config):
-            config.save(out_dir / CONFIG_NAME)
-        else:
-            _atomic_write(out_dir / CONFIG_NAME, (json.dumps(config, indent=2) + "\n").encode())
+        raw = with_converter_keys(config.to_dict()) if isinstance(config, K3Config) else config
+        _atomic_write(out_dir / CONFIG_NAME, (json.dumps(raw, indent=2) + "\n").encode())
         written.append(out_dir / CONFIG_NAME)
     if sharded:
         index = {

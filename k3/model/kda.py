@@ -4,7 +4,8 @@ Per head h (head_dim d):
     q, k, v = silu(shortconv(W x))          separate causal depthwise convs of width ks (4)
     g       = gate(f_b(f_a(x)))             log-decay per channel [B, T, H, d], <= 0
     beta    = sigmoid(b_proj x)             [B, T, H]
-    o, S    = kda(l2norm(q), l2norm(k), v, g, beta)   the op (k3.ops.kda), state S [d_k, d_v] fp32
+    o, S    = kda(l2norm(q), l2norm(k), v, g, beta)   the op (k3.ops.kda), state S [d_k, d_v] fp32;
+                                              l2norm(x) = x / sqrt(sum x^2 + kda_l2norm_eps)
     out     = o_proj(rms_per_head(o, o_norm) * sigmoid(g_proj x))
 
 K3 uses the bounded gate `lb * sigmoid(exp(A_log) * (f + dt_bias))` and a full-rank output gate `g_proj`;
@@ -82,6 +83,7 @@ class KDAttention(nn.Module):
             self.g_a_proj = Linear(H, d)
             self.g_b_proj = Linear(d, P)
         self.o_norm = RMSNorm(d, cfg.rms_norm_eps)  # per head, F32
+        self.l2norm_eps = cfg.kda_l2norm_eps  # q and k, inside the op
         self.o_proj = Linear(P, H)
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +124,7 @@ class KDAttention(nn.Module):
             initial_state=initial,
             output_final_state=state is not None,
             use_qk_l2norm=True,
+            l2norm_eps=self.l2norm_eps,
         )  # o [B, T, H, d]
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = tail_q, tail_k, tail_v, final

@@ -112,12 +112,15 @@ def match_layout(
     return by_canonical
 
 
-def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make `tensor` the parameter or buffer `name` of `model` (no copy)."""
+def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, requires_grad: bool = True) -> None:
+    """Make `tensor` the parameter or buffer `name` of `model` (no copy); a floating parameter is trainable
+    only with `requires_grad` (inference: no gradient, so no autograd keeps copies of weights)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
     if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(tensor, requires_grad=tensor.is_floating_point())
+        module._parameters[attr] = nn.Parameter(
+            tensor, requires_grad=requires_grad and tensor.is_floating_point()
+        )
     elif attr in module._buffers:
         module._buffers[attr] = tensor
     else:
@@ -131,6 +134,7 @@ def load_model(
     dtype: torch.dtype | None,
     layers: int | None,
     compute_dtype: torch.dtype | None,
+    requires_grad: bool = False,
 ) -> K3ForCausalLM:
     with open_checkpoint(source) as ckpt:
         cfg = ckpt.config
@@ -148,7 +152,7 @@ def load_model(
             tensor = ckpt.read(name)
             if dtype is not None and tensor.is_floating_point() and specs[published].dtype != "F32":
                 tensor = tensor.to(dtype)
-            assign_tensor(model, model_name(cfg, published), tensor)
+            assign_tensor(model, model_name(cfg, published), tensor, requires_grad=requires_grad)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     left = [k for k, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]

@@ -23,10 +23,6 @@ from k3.config import K3Config
 from k3.model.cache import MLAState
 from k3.model.norm import Linear, RMSNorm
 
-# The latent norms (q_a_layernorm, kv_a_layernorm) use 1e-6, not rms_norm_eps: as DeepSeek-V3 and
-# transformers' KimiLinearAttention (RMSNorm's default) do.
-LATENT_NORM_EPS = 1e-6
-
 
 class MLAttention(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
@@ -35,15 +31,16 @@ class MLAttention(nn.Module):
         self.num_heads, self.kv_lora = n, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
+        eps = cfg.mla_latent_norm_eps  # not rms_norm_eps: see K3Config and docs/epsilons.md
         self.q_lora = cfg.q_lora_rank is not None  # low-rank queries (K3) or one q_proj (Kimi Linear)
         if not self.q_lora:
             self.q_proj = Linear(H, n * cfg.qk_head_dim)
         else:
             self.q_a_proj = Linear(H, cfg.q_lora_rank)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps)
             self.q_b_proj = Linear(cfg.q_lora_rank, n * cfg.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(H, self.kv_lora + self.rope)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora, LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps)
         self.kv_b_proj = Linear(self.kv_lora, n * (self.nope + self.v_dim))
         self.output_gate = cfg.mla_use_output_gate
         if self.output_gate:

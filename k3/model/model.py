@@ -64,13 +64,21 @@ class K3DecoderLayer(nn.Module):
 
         `state`: this layer's KDAState or MLAState (ModelCache.empty builds them from the same layer plan).
         """
+        stream.add(self.self_attn(self.mixer_input(stream), state, counts))  # type: ignore[arg-type]
+        stream.add(self.ffn(self.ffn_input(stream)))
+
+    def mixer_input(self, stream: ResidualStream) -> torch.Tensor:
+        """The mixer's normalised input [B, T, H] (closing an AttnRes block where a new one starts)."""
         if self.uses_attn_res:
             x = stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
         else:
             x = stream.plain()
-        stream.add(self.self_attn(self.input_layernorm(x), state, counts))  # type: ignore[arg-type]
+        return self.input_layernorm(x)
+
+    def ffn_input(self, stream: ResidualStream) -> torch.Tensor:
+        """The FFN's normalised input [B, T, H], read after the mixer's update."""
         y = stream.read(self.mlp_res_norm, self.mlp_res_proj) if self.uses_attn_res else stream.plain()
-        stream.add(self.ffn(self.post_attention_layernorm(y)))
+        return self.post_attention_layernorm(y)
 
 
 class K3Model(nn.Module):
@@ -106,12 +114,16 @@ class K3Model(nn.Module):
         )
         for i, layer in enumerate(self.layers):
             layer(stream, None if cache is None else cache.layers[i], counts)
+        if cache is not None:
+            cache.tokens += input_ids.shape[1] if counts is None else counts
+        return self.output(stream)
+
+    def output(self, stream: ResidualStream) -> torch.Tensor:
+        """The final hidden states [B, T, H] of a stream past the last layer: output read, final norm."""
         if self.uses_attn_res:
             h = stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
         else:
             h = stream.plain()
-        if cache is not None:
-            cache.tokens += input_ids.shape[1] if counts is None else counts
         return self.norm(h)
 
 
@@ -191,6 +203,7 @@ class K3ForCausalLM(nn.Module):
         dtype: torch.dtype | None = None,
         layers: int | None = None,
         compute_dtype: torch.dtype | None = None,
+        requires_grad: bool = False,
     ) -> K3ForCausalLM:
         """Load a checkpoint directory or URL (K3 or Kimi Linear layout, or transformers' save_pretrained).
 
@@ -198,11 +211,14 @@ class K3ForCausalLM(nn.Module):
         F32); the computation runs in `compute_dtype`, by default `dtype` or fp32. `layers=N`: the first N
         layers, then the output read, the final norm and lm_head. Names and shapes are checked strictly
         (`k3.model.loading.ModelLoadError` lists what is missing, unexpected or mis-shaped). Weights are
-        read in place from the memory-mapped shards: nothing is copied unless converted.
+        read in place from the memory-mapped shards: nothing is copied unless converted. Weights need no
+        gradient (`model(ids)` keeps no copies of them for autograd) unless `requires_grad=True` (training).
         """
         from k3.model.loading import load_model
 
-        return load_model(cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype)
+        return load_model(
+            cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype, requires_grad=requires_grad
+        )
 
     @classmethod
     def from_config(

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from k3.checkpoint import CheckpointError, open_checkpoint, save_checkpoint
+from k3.checkpoint.writer import with_converter_keys
 from k3.config import K3Config
 
 K3_DTYPES = ["BF16", "F16", "F32", "U8", "I32", "I64"]
@@ -97,7 +98,7 @@ def test_k3_layout_with_config_sharded(tmp_path):
     tensors = list(tiny_tensors(cfg))
     save_checkpoint(iter(tensors), cfg, tmp_path, max_shard_size=200_000)
     with open_checkpoint(tmp_path) as ckpt:
-        assert ckpt.config is not None and ckpt.config.to_dict() == cfg.to_dict()
+        assert ckpt.config is not None and ckpt.config.to_dict() == with_converter_keys(cfg.to_dict())
         assert ckpt.config_error is None and ckpt.findings == []
         assert len(ckpt.shards) > 1
         for name, t in tensors:
@@ -105,6 +106,10 @@ def test_k3_layout_with_config_sharded(tmp_path):
         # file order: shard order, then offset
         order = [(ckpt.shards.index(t.shard), t.start) for t in ckpt.tensors()]
         assert order == sorted(order)
+    raw = json.loads((tmp_path / "config.json").read_text())  # what llama.cpp's converter needs
+    assert raw["architectures"] == ["KimiK3ForConditionalGeneration"]
+    assert raw["text_config"]["architectures"] == ["KimiLinearForCausalLM"]
+    assert "linear_attn_config" in raw["text_config"] and "moe_router_activation_func" in raw["text_config"]
 
 
 def test_always_index_writes_one_indexed_shard(tmp_path):

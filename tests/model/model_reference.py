@@ -3,8 +3,11 @@
 For tests only. It shares no code with k3.model or k3.ops: it reads config.json with `json` and the shards
 with the official `safetensors` library, decodes MXFP4 itself (E2M1 LUT and 2^(s-127)), runs everything
 in float64 with loops over tokens (KDA recurrence, MLA attention rows, MoE experts) and one sequence at a
-time. Where the spec leaves a detail open it follows transformers' KimiLinear (MLA latent norms eps 1e-6,
-L2 norm `x / sqrt(sum x^2 + 1e-6)`, causal depthwise conv as torch's cross-correlation).
+time. Where the spec leaves a detail open it follows Moonshot's reference code for K3 (modeling_kimi_linear.py
+of moonshotai/Kimi-K3): the MLA latent norms (q_a_layernorm, kv_a_layernorm) use eps 1e-6, not rms_norm_eps,
+and KDA's L2 norm is `x / sqrt(sum x^2 + 1e-6)` (fla's l2norm); the causal depthwise conv is torch's
+cross-correlation. Both epsilons can be overridden (the epsilon tests do, to show that they matter);
+config.json keys `mla_latent_norm_eps` / `kda_l2norm_eps` win over those defaults if present.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+LATENT_NORM_EPS = 1e-6  # KimiRMSNorm's default in Moonshot's KimiMLAAttention (docs/epsilons.md)
+L2NORM_EPS = 1e-6  # fla's l2norm default: chunk_kda / fused_recurrent_kda with use_qk_l2norm_in_kernel
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
@@ -29,10 +35,18 @@ def decode_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class ReferenceK3:
-    def __init__(self, directory: str | Path, layers: int | None = None) -> None:
+    def __init__(
+        self,
+        directory: str | Path,
+        layers: int | None = None,
+        latent_norm_eps: float | None = None,
+        l2norm_eps: float | None = None,
+    ) -> None:
         directory = Path(directory)
         raw = json.loads((directory / "config.json").read_text())
         self.c = raw["text_config"]
+        self.latent_eps = latent_norm_eps or self.c.get("mla_latent_norm_eps", LATENT_NORM_EPS)
+        self.l2_eps = l2norm_eps or self.c.get("kda_l2norm_eps", L2NORM_EPS)
         lin = self.c["linear_attn_config"]
         self.kda_layers = {i - 1 for i in lin["kda_layers"]}
         self.lin = lin
@@ -98,8 +112,8 @@ class ReferenceK3:
         for h in range(H):
             S = torch.zeros(d, d, dtype=torch.float64)
             for t in range(T):
-                qt = q[t, h] / math.sqrt((q[t, h] ** 2).sum() + 1e-6) * d**-0.5
-                kt = k[t, h] / math.sqrt((k[t, h] ** 2).sum() + 1e-6)
+                qt = q[t, h] / math.sqrt((q[t, h] ** 2).sum() + self.l2_eps) * d**-0.5
+                kt = k[t, h] / math.sqrt((k[t, h] ** 2).sum() + self.l2_eps)
                 S = torch.diag(torch.exp(g[t, h])) @ S
                 S = (torch.eye(d, dtype=torch.float64) - beta[t, h] * torch.outer(kt, kt)) @ S
                 S = S + beta[t, h] * torch.outer(kt, v[t, h])
@@ -112,11 +126,12 @@ class ReferenceK3:
         c = self.c
         T, n = x.shape[0], c["num_attention_heads"]
         dn, dr, dv, L = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-        q = self.rms(x @ self.p(a + "q_a_proj.weight").T, self.p(a + "q_a_layernorm.weight"), 1e-6)
+        q = self.rms(x @ self.p(a + "q_a_proj.weight").T, self.p(a + "q_a_layernorm.weight"), self.latent_eps)
         q = (q @ self.p(a + "q_b_proj.weight").T).view(T, n, dn + dr)
         ckr = x @ self.p(a + "kv_a_proj_with_mqa.weight").T
         latent, k_rope = ckr[:, :L], ckr[:, L:]
-        kv = self.rms(latent, self.p(a + "kv_a_layernorm.weight"), 1e-6) @ self.p(a + "kv_b_proj.weight").T
+        kv = self.rms(latent, self.p(a + "kv_a_layernorm.weight"), self.latent_eps)
+        kv = kv @ self.p(a + "kv_b_proj.weight").T
         kv = kv.view(T, n, dn + dv)
         o = torch.zeros(T, n, dv, dtype=torch.float64)
         for h in range(n):

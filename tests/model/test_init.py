@@ -12,6 +12,7 @@ from safetensors import safe_open
 from typer.testing import CliRunner
 
 from k3.checkpoint import open_checkpoint
+from k3.checkpoint.writer import with_converter_keys
 from k3.config import K3Config
 from k3.layout import published_tensors
 from k3.model import K3ForCausalLM
@@ -83,7 +84,8 @@ def test_every_spec_pattern_with_its_dtype(tiny_init):
 def test_passes_validation_with_config_and_index(tiny_init):
     with open_checkpoint(tiny_init) as ckpt:
         assert ckpt.findings == []
-        assert ckpt.config.to_dict() == K3Config.preset("tiny").to_dict()
+        # the preset, plus the keys llama.cpp's converter needs (architectures)
+        assert ckpt.config.to_dict() == with_converter_keys(K3Config.preset("tiny").to_dict())
         total = ckpt.total_bytes
     raw = json.loads((tiny_init / "config.json").read_text())
     assert raw["model_type"] == "kimi_k3"

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.kda.fused import fused_chunk_kda
-from k3.ops.kda.inputs import L2NORM_EPS, check_inputs, compute_dtype, default_scale
+from k3.ops.kda.inputs import DEFAULT_L2NORM_EPS, check_inputs, compute_dtype, default_scale
 from k3.ops.kda.layout import ChunkLayout
 from k3.ops.kda.native import load_native
 from k3.ops.kda.state_passing import StatePassing
@@ -172,6 +172,7 @@ def chunk_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    l2norm_eps: float = DEFAULT_L2NORM_EPS,
     cu_seqlens: torch.Tensor | None = None,
     chunk_size: int = 16,
     keep_states: bool = True,
@@ -181,6 +182,7 @@ def chunk_kda(
     q, k, g: [B, T, H, K] (g <= 0); v: [B, T, H, V]; beta: [B, T, H]. With ``cu_seqlens``
     ([N + 1] boundaries of N packed sequences), B must be 1 and states are per sequence:
     initial_state [N, H, K, V], final state [N, H, K, V]. ``chunk_size`` must be a power of two.
+    ``use_qk_l2norm`` divides q and k by ``sqrt(sum(x^2) + l2norm_eps)`` first.
     ``keep_states=False`` trades backward time for memory on the fused path: its forward then keeps
     no chunk-start states for the backward (see ``fused.py``).
     Returns ``(o [B, T, H, V] in q's dtype, final state fp32 or None)``.
@@ -203,7 +205,7 @@ def chunk_kda(
     # is the whole chunk, else the state loop only
     native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
     if native is not None and s == chunk_size and T > 0:
-        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm, keep_states)
+        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm, l2norm_eps, keep_states)
         o, final = fused_chunk_kda(native, q, k, v, g, beta, *args)
         return o.to(in_dtype), final if output_final_state else None
     # q gets the scale; with the L2 norm it is folded into the normalising factor
@@ -232,7 +234,7 @@ def chunk_kda(
         qk = torch.stack(list(by_base), dim=4).to(dtype).view(-1, 2, s, K)
         if use_qk_l2norm:
             norm = torch.linalg.vector_norm(qk, dim=-1, keepdim=True)
-            qk = qk * (qk_scale / torch.sqrt(norm * norm + L2NORM_EPS))
+            qk = qk * (qk_scale / torch.sqrt(norm * norm + l2norm_eps))
         else:
             qk = qk * qk_scale
         terms = base_terms(

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import torch
 
-L2NORM_EPS = 1e-6
+# fla's default (``fla.modules.l2norm.l2norm_fwd``), which every KDA function takes unless told otherwise;
+# the model passes ``K3Config.kda_l2norm_eps`` (see docs/epsilons.md).
+DEFAULT_L2NORM_EPS = 1e-6
 
 
-def l2norm(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + 1e-6)`` over the last dim (fla's and transformers' form, not F.normalize)."""
-    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+def l2norm(x: torch.Tensor, eps: float = DEFAULT_L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (fla's and transformers' form, not F.normalize)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,13 +72,15 @@ def prepare_inputs(
     beta: torch.Tensor,
     scale: float | None,
     use_qk_l2norm: bool,
+    l2norm_eps: float = DEFAULT_L2NORM_EPS,
 ) -> tuple[torch.Tensor, ...]:
-    """The five inputs in the compute dtype, q and k L2-normalised if asked, q times the scale.
+    """The five inputs in the compute dtype, q and k L2-normalised (with ``l2norm_eps``) if asked, q times
+    the scale.
 
     Used by the per-token forms (the reference and the decode step); the chunked form folds the same
     steps into its per-tile copy."""
     dtype = compute_dtype(q)
     q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+        q, k = l2norm(q, l2norm_eps), l2norm(k, l2norm_eps)
     return q * default_scale(scale, q.shape[-1]), k, v, g, beta

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.inputs import check_inputs, prepare_inputs
+from k3.ops.kda.inputs import DEFAULT_L2NORM_EPS, check_inputs, prepare_inputs
 
 
 def naive_recurrent_kda(
@@ -28,6 +28,7 @@ def naive_recurrent_kda(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
+    l2norm_eps: float = DEFAULT_L2NORM_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference KDA: a Python loop over tokens (slow; differentiable by autograd).
 
@@ -37,7 +38,7 @@ def naive_recurrent_kda(
     """
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state)
     in_dtype = q.dtype
-    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm, l2norm_eps)
 
     if initial_state is None:
         state = q.new_zeros(B, H, K, V)  # [B, H, K, V]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.ops.kda.inputs import check_inputs, prepare_inputs
+from k3.ops.kda.inputs import DEFAULT_L2NORM_EPS, check_inputs, prepare_inputs
 
 
 def recurrent_kda_step(
@@ -28,6 +28,7 @@ def recurrent_kda_step(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = True,
     use_qk_l2norm: bool = False,
+    l2norm_eps: float = DEFAULT_L2NORM_EPS,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run T (few) tokens from ``initial_state`` [B, H, K, V]; returns ``(o [B, T, H, V], new state)``.
 
@@ -35,7 +36,7 @@ def recurrent_kda_step(
     """
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state)
     in_dtype = q.dtype
-    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm)
+    q, k, v, g, beta = prepare_inputs(q, k, v, g, beta, scale, use_qk_l2norm, l2norm_eps)
     if initial_state is None:
         state = q.new_zeros(B * H, K, V)
     else:

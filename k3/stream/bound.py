@@ -1,0 +1,32 @@
+"""The memory a streamed run needs beyond the Python runtime, from the plan and the options (docs/stream.md):
+
+2 x largest dense stage          the stage in use and the next one being read
++ expert ring                    `prefetch_bytes` of experts read ahead (at least one) + the one in use
++ state                          residual streams: 4 bytes x tokens x hidden x (AttnRes blocks + 1),
+                                 capped by the memory budget (beyond it the scratch files hold it)
++ activations                    4 bytes x tokens x (16 hidden + (k + 2) latent), + 8 bytes x V per
+                                 logits row kept
+"""
+
+from __future__ import annotations
+
+import math
+
+from k3.stream.plan import StreamPlan
+from k3.stream.runner import StreamOptions
+
+
+def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[int]]) -> dict[str, int]:
+    cfg = plan.config
+    stages = [plan.embed, plan.head, *plan.mixer, *plan.ffn]
+    largest = max(s.nbytes for s in stages)
+    expert = max((s.nbytes for layer in plan.experts for s in layer.values()), default=0)
+    ring = (max(options.prefetch_bytes // max(expert, 1), 1) + 1) * expert
+    tokens = sum(map(len, prompts))
+    blocks = math.ceil(plan.num_layers / cfg.attn_res_block_size) if cfg.attn_res_block_size else 0
+    state = min(4 * tokens * cfg.hidden_size * (blocks + 1), options.memory_budget)
+    rows = tokens if options.all_positions else len(prompts)
+    L, k = cfg.expert_input_size, cfg.num_experts_per_token
+    activations = 4 * tokens * (16 * cfg.hidden_size + (k + 2) * L) + 8 * rows * cfg.vocab_size
+    parts = {"stages": 2 * largest, "expert_ring": ring, "state": state, "activations": activations}
+    return {**parts, "total": sum(parts.values())}

@@ -1,0 +1,200 @@
+"""`k3 stream SOURCE --prompts FILE.jsonl --out DIR` and `k3 stream compare OUT OTHER.safetensors`."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import typer
+from typer.core import TyperGroup
+
+from k3.errors import K3Error
+from k3.terminal import fail
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
+_UNITS |= {"GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
+
+
+class _RunByDefault(TyperGroup):
+    """`k3 stream SOURCE ...` is `k3 stream run SOURCE ...`; `k3 stream compare ...` stays itself."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+stream_app = typer.Typer(
+    cls=_RunByDefault,
+    help="Exact logits of the whole model on a small machine: stream the weights layer by layer.",
+    no_args_is_help=True,
+)
+
+
+def parse_size(text: str) -> int:
+    """'4GB' -> 4e9, '512MiB' -> 512 * 2^20, '1000' -> 1000."""
+    m = _SIZE.fullmatch(text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise K3Error(f"{text!r} is not a size (say 4GB, 512MB, 2GiB or a number of bytes)")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def read_prompts(path: Path, tokenizer_dir: Path | None) -> list[list[int]]:
+    """One prompt a line: {"input_ids": [...]} or {"text": "..."} (encoded by the checkpoint's tokenizer)."""
+    if not path.is_file():
+        raise K3Error(f"{path}: no such prompts file")
+    prompts: list[list[int]] = []
+    tokenizer = None
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise K3Error(f"{path}:{n}: not JSON ({e.msg})") from None
+        if isinstance(row, dict) and isinstance(row.get("input_ids"), list):
+            ids = row["input_ids"]
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise K3Error(f"{path}:{n}: input_ids must be a list of integers")
+            prompts.append(ids)
+        elif isinstance(row, dict) and isinstance(row.get("text"), str):
+            if tokenizer is None:
+                if tokenizer_dir is None:
+                    raise K3Error(f"{path}:{n}: a text prompt needs a tokenizer: pass --tokenizer DIR")
+                from k3.tokenizer.kimi import Tokenizer
+
+                tokenizer = Tokenizer.from_dir(tokenizer_dir)
+            prompts.append(tokenizer.encode(row["text"]))
+        else:
+            raise K3Error(f'{path}:{n}: expected {{"input_ids": [...]}} or {{"text": "..."}}')
+    if not prompts:
+        raise K3Error(f"{path}: no prompts")
+    return prompts
+
+
+@stream_app.command("run")
+def run(
+    source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
+    prompts: Path = typer.Option(
+        ..., "--prompts", help='JSONL: {"text": ...} or {"input_ids": [...]} a line.'
+    ),
+    out: Path = typer.Option(..., "--out", help="Output folder: logits.safetensors, summary.json."),
+    memory_budget: str = typer.Option("4GB", help="Prompt state kept in RAM; beyond it, in scratch files."),
+    threads: int | None = typer.Option(None, help="torch threads for the computation (default: torch's)."),
+    max_new_tokens: int = typer.Option(0, help="Greedy continuation: one more pass over all weights each."),
+    all_positions: bool = typer.Option(False, "--all-positions", help="Logits of every position."),
+    dump_hidden: str | None = typer.Option(None, help="Layers whose output to keep, e.g. 0,46,92."),
+    top_k: int = typer.Option(5, help="Top-k ids and logprobs kept per position."),
+    chunk_tokens: int = typer.Option(2048, help="Tokens per mixer chunk for long prompts."),
+    prefetch: str = typer.Option("256MB", help="Routed experts read ahead of the one computing."),
+    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder for text prompts (default: SOURCE)."),
+    scratch: Path | None = typer.Option(None, help="Scratch folder (default OUT/scratch; resume from it)."),
+) -> None:
+    """Exact logits of every prompt, reading each weight once per pass (docs/stream.md)."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from k3.checkpoint.reader import is_url
+    from k3.stream.api import stream_to_dir
+    from k3.stream.memory import return_freed_memory, rss_bytes
+    from k3.stream.runner import StreamOptions, StreamStatus
+
+    try:
+        budget, ahead = parse_size(memory_budget), parse_size(prefetch)
+        layers = tuple(int(x) for x in dump_hidden.split(",")) if dump_hidden else ()
+        ids = read_prompts(prompts, tokenizer or (None if is_url(source) else Path(source)))
+    except ValueError as e:
+        fail(str(e) if isinstance(e, K3Error) else f"--dump-hidden: {e}")
+    if max_new_tokens < 0 or top_k < 1 or chunk_tokens < 1 or (threads is not None and threads < 1):
+        fail("--max-new-tokens must be >= 0; --top-k, --chunk-tokens and --threads >= 1")
+    return_freed_memory()
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+    options = StreamOptions(all_positions, max_new_tokens, top_k, chunk_tokens, budget, ahead, layers)
+    started = time.perf_counter()
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.fields[io]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    ) as bar:
+        task = bar.add_task("opening", total=1.0, io="")
+
+        def report(s: StreamStatus) -> None:
+            where = f"pass {s.pass_index + 1}/{s.passes}"
+            if s.passes > 1:
+                where += " (each generated token is one more pass over all weights)"
+            seconds = max(time.perf_counter() - started, 1e-9)
+            io = f"{s.stats.bytes_read / 1e9:.2f} GB read, {s.stats.bytes_read / seconds / 1e9:.2f} GB/s, "
+            io += f"RSS {rss_bytes() / 1e9:.2f} GB"
+            bar.update(task, completed=s.fraction, description=f"{where} {s.stage}", io=io)
+
+        try:
+            result = stream_to_dir(source, ids, out, options, scratch_dir=scratch, report=report)
+        except (K3Error, OSError) as e:
+            fail(str(e))
+        bar.update(task, completed=1.0, description="done")
+    s = result.summary
+    print(
+        f"{len(ids)} prompts, {s['tokens']} tokens, {s['passes']} pass(es): "
+        f"{s['bytes_dense'] / 1e9:.3f} GB dense + {s['bytes_experts'] / 1e9:.3f} GB experts read in "
+        f"{s['seconds']:.1f} s; peak RSS "
+        f"{s['peak_rss_bytes'] / 1e9:.2f} GB -> {out}/logits.safetensors, {out}/summary.json"
+    )
+
+
+@stream_app.command("compare")
+def compare(
+    out: Path = typer.Argument(..., help="A `k3 stream` output folder (or its logits.safetensors)."),
+    other: Path = typer.Argument(..., help="Another engine's logits in the same format (docs/stream.md)."),
+    tolerance: float = typer.Option(1e-3, help="|dlogit| above which two positions are said to part."),
+    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+) -> None:
+    """Per prompt: max/mean |dlogit|, KL(k3 || other), top-1/top-5 agreement, first position they part."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from k3.stream.compare import compare_logits, read_logits
+
+    try:
+        rows = compare_logits(read_logits(out), read_logits(other), tolerance)
+    except K3Error as e:
+        fail(str(e))
+    if as_json:
+        print(json.dumps([r.to_json() for r in rows], indent=2))
+        return
+    table = Table(title=f"{out} vs {other}", title_justify="left")
+    for col in (
+        "prompt",
+        "positions",
+        "max |d|",
+        "mean |d|",
+        "KL mean",
+        "KL max",
+        "top-1",
+        "top-5",
+        "parts at",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        first = r.first_over_tolerance if r.first_over_tolerance is not None else "-"
+        if r.first_top1_mismatch is not None:
+            first = f"{first} (top-1 at {r.first_top1_mismatch})"
+        table.add_row(
+            str(r.prompt),
+            str(r.positions),
+            f"{r.max_abs:.3g}",
+            f"{r.mean_abs:.3g}",
+            f"{r.kl_mean:.3g}",
+            f"{r.kl_max:.3g}",
+            f"{r.top1:.1%}",
+            f"{r.top5:.1%}",
+            str(first),
+        )
+    Console().print(table)

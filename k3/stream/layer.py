@@ -1,0 +1,142 @@
+"""One layer at a time, with the model's own modules: build on the meta device, fill with a stage's
+tensors, run, empty again.
+
+The arithmetic is `K3DecoderLayer.forward` and `MoE.forward` split where the schedule needs a break: the
+mixer runs prompt by prompt (chunk by chunk through the layer's cache state), the FFN once over the tokens
+of every prompt, and the routed experts one at a time as their weights arrive. `expert_dispatch` is
+`MoE.dispatch` with the experts streamed in: the same sort by expert, the same per-expert matmuls on the
+same rows, the same einsum back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from k3.config import K3Config, Mixer
+from k3.model.attn_res import ResidualStream
+from k3.model.cache import KDAState, MLAState
+from k3.model.loading import assign_tensor
+from k3.model.model import K3DecoderLayer, K3Model
+from k3.model.moe import MoE
+from k3.model.norm import Linear
+
+Tensors = dict[str, torch.Tensor]
+LayerState = KDAState | MLAState
+
+
+class Ends(nn.Module):
+    """The parts outside the layers: embedding, output AttnRes read, final norm, lm_head."""
+
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        self.model = K3Model(cfg, num_layers=0)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+
+def empty_layer(cfg: K3Config, index: int) -> K3DecoderLayer:
+    with torch.device("meta"):
+        return K3DecoderLayer(cfg, index)
+
+
+def empty_ends(cfg: K3Config) -> Ends:
+    with torch.device("meta"):
+        return Ends(cfg)
+
+
+def fill(module: nn.Module, tensors: Tensors) -> None:
+    for name, tensor in tensors.items():
+        assign_tensor(module, name, tensor, requires_grad=False)
+
+
+def release(module: nn.Module, names: Iterable[str]) -> None:
+    """Put the tensors `names` back on the meta device: their memory goes with the last reference."""
+    for name in names:
+        path, _, attr = name.rpartition(".")
+        owner = module.get_submodule(path)
+        if attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(owner._parameters[attr].to("meta"), requires_grad=False)
+        else:
+            owner._buffers[attr] = owner._buffers[attr].to("meta")  # type: ignore[union-attr]
+
+
+def new_state(cfg: K3Config, index: int) -> LayerState:
+    """The empty cache state of layer `index` for one sequence."""
+    if cfg.layer_plan[index].mixer is Mixer.KDA:
+        return KDAState()
+    return MLAState(torch.zeros(1, dtype=torch.long))
+
+
+def run_mixer(
+    cfg: K3Config, layer: K3DecoderLayer, stream: ResidualStream, state: LayerState | None, chunk_tokens: int
+) -> torch.Tensor:
+    """Advance one prompt's stream [1, T, H] through the mixer; returns the FFN's input [1, T, H].
+
+    Without a state and within one chunk this is exactly the first half of `K3DecoderLayer.forward`
+    (`mixer_input`, `self_attn`, `ffn_input`);
+    longer prompts go through the mixer `chunk_tokens` at a time, carrying a state from chunk to chunk.
+    """
+    h = layer.mixer_input(stream)  # [1, T, H]
+    T = h.shape[1]
+    if state is None and T > chunk_tokens:
+        state = new_state(cfg, layer.index)
+    if state is None:
+        mixed = layer.self_attn(h)
+    else:
+        mixed = torch.cat(
+            [layer.self_attn(h[:, a : a + chunk_tokens], state) for a in range(0, T, chunk_tokens)], dim=1
+        )  # type: ignore[arg-type]
+    stream.add(mixed)
+    return layer.ffn_input(stream)
+
+
+def route(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H] -> (mixing weights [N, k], chosen experts [N, k], expert input z [N, L]), as `MoE.forward`."""
+    weights, indices, _ = moe.gate(x)
+    z = moe.routed_expert_down_proj(x) if moe.latent else x
+    return weights, indices, z
+
+
+Experts = Callable[[list[int]], Iterable[tuple[int, Tensors]]]
+
+
+def expert_dispatch(
+    moe: MoE, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Experts
+) -> torch.Tensor:
+    """`MoE.dispatch(z, weights, indices)` [N, L], with `experts(chosen)` yielding (expert, its tensors) for
+    every chosen expert (in any order: the reader's file order); each is filled, run and released."""
+    N, k = indices.shape
+    flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
+    order = flat.argsort(stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
+    starts = [0]
+    for count in counts:
+        starts.append(starts[-1] + count)
+    sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
+    chosen = [e for e, count in enumerate(counts) if count]
+    for e, tensors in experts(chosen):
+        expert = moe.experts[e]
+        fill(expert, tensors)
+        rows = order[starts[e] : starts[e + 1]]
+        # the native MXFP4 kernel writes its output from intra-op worker threads, which do not inherit
+        # inference mode: an output made in inference mode cannot be written there. Run it outside.
+        with torch.inference_mode(False), torch.no_grad():
+            y = expert(z[rows // k])
+        sorted_out[starts[e] : starts[e + 1]] = y
+        release(expert, tensors)
+    pair_out = torch.empty_like(sorted_out)
+    pair_out[order] = sorted_out  # back to pair order [N*k, L]
+    return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
+
+
+def finish_moe(moe: MoE, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """The rest of `MoE.forward` after the dispatch: latent norm and up-projection, shared experts."""
+    if moe.latent:
+        if moe.routed_expert_norm is not None:
+            r = moe.routed_expert_norm(r)
+        r = moe.routed_expert_up_proj(r)
+    if moe.shared_experts is not None:
+        r = r + moe.shared_experts(x)
+    return r

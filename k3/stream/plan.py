@@ -1,0 +1,133 @@
+"""What the streaming runner reads, stage by stage: the tensors of each stage and their byte spans.
+
+Per layer i there are three kinds of stage, read in this order:
+
+* `mixer`: the layer's norms, AttnRes projections and attention (KDA or MLA) weights;
+* `ffn`: the dense MLP, or the router, latent projections, latent norm and shared experts of an MoE layer;
+* `expert`: one routed expert (its w1, w3, w2, packed and scales): read only when some token chose it.
+
+Before the layers comes `embed` (the embedding table), after them `head` (the output AttnRes read, the final
+norm, lm_head). A stage's tensors are grouped into spans of contiguous bytes of one shard: a reader fetches
+each span with one read (one HTTP request). Names are module paths relative to what the stage builds
+(`self_attn.q_proj.weight` for a layer, `w1.weight_packed` for an expert, `model.norm.weight` for the head).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3.checkpoint import Checkpoint, TensorInfo
+from k3.config import K3Config
+from k3.model.loading import ModelLoadError, match_layout, model_name
+
+_EXPERTS = "block_sparse_moe.experts."
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes [start, stop) of one shard file."""
+
+    shard: str
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Stage:
+    kind: str  # "embed" | "mixer" | "ffn" | "expert" | "head"
+    layer: int | None
+    expert: int | None
+    tensors: tuple[tuple[str, TensorInfo], ...]  # (module-relative name, where it lives), in file order
+
+    @property
+    def label(self) -> str:
+        if self.kind == "expert":
+            return f"layer {self.layer} expert {self.expert}"
+        return self.kind if self.layer is None else f"layer {self.layer} {self.kind}"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for _, t in self.tensors)
+
+    @property
+    def offset(self) -> tuple[str, int]:
+        """Where the stage starts in the files (shard, byte): experts are read in this order."""
+        first = self.tensors[0][1]
+        return first.shard, first.start
+
+    def spans(self) -> list[Span]:
+        """The stage's bytes as maximal runs of contiguous bytes (tensors of a stage may be interleaved
+        with others in the files: each run is one read)."""
+        spans: list[Span] = []
+        for _, t in sorted(self.tensors, key=lambda item: (item[1].shard, item[1].start)):
+            last = spans[-1] if spans else None
+            if last is not None and last.shard == t.shard and last.stop == t.start:
+                spans[-1] = Span(t.shard, last.start, t.end)
+            else:
+                spans.append(Span(t.shard, t.start, t.end))
+        return spans
+
+
+def _sorted(items: list[tuple[str, TensorInfo]]) -> tuple[tuple[str, TensorInfo], ...]:
+    return tuple(sorted(items, key=lambda item: (item[1].shard, item[1].start)))
+
+
+class StreamPlan:
+    """The stages of a checkpoint for all its layers (names and shapes checked as `from_pretrained` does)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        cfg = ckpt.config
+        if cfg is None:
+            raise ModelLoadError(f"{ckpt.location}: no usable config.json ({ckpt.config_error})")
+        self.config: K3Config = cfg
+        self.num_layers = n = cfg.num_hidden_layers
+        found = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors()}
+        names = match_layout(cfg, found, n, ckpt.location)  # {published: checkpoint name}
+        embed: list[tuple[str, TensorInfo]] = []
+        head: list[tuple[str, TensorInfo]] = []
+        mixer: list[list[tuple[str, TensorInfo]]] = [[] for _ in range(n)]
+        ffn: list[list[tuple[str, TensorInfo]]] = [[] for _ in range(n)]
+        experts: list[dict[int, list[tuple[str, TensorInfo]]]] = [{} for _ in range(n)]
+        for published, name in names.items():
+            info, path = ckpt.info(name), model_name(cfg, published)  # `model.layers.3.self_attn....`
+            if path.startswith("model.layers."):
+                index, rel = path[len("model.layers.") :].split(".", 1)
+                i = int(index)
+                if rel.startswith(_EXPERTS):
+                    e, within = rel[len(_EXPERTS) :].split(".", 1)  # `w1.weight_packed`
+                    experts[i].setdefault(int(e), []).append((within, info))
+                elif rel.startswith(("mlp.", "block_sparse_moe.")):
+                    ffn[i].append((rel, info))
+                else:
+                    mixer[i].append((rel, info))
+            elif path == "model.embed_tokens.weight":
+                embed.append((path, info))
+                if cfg.tie_word_embeddings:  # lm_head is the embedding: read again for the head
+                    head.append(("lm_head.weight", info))
+            else:
+                head.append((path, info))
+        self.embed = Stage("embed", None, None, _sorted(embed))
+        self.head = Stage("head", None, None, _sorted(head))
+        self.mixer = [Stage("mixer", i, None, _sorted(m)) for i, m in enumerate(mixer)]
+        self.ffn = [Stage("ffn", i, None, _sorted(f)) for i, f in enumerate(ffn)]
+        self.experts = [
+            {e: Stage("expert", i, e, _sorted(ts)) for e, ts in sorted(layer.items())}
+            for i, layer in enumerate(experts)
+        ]
+
+    def expert_stages(self, layer: int, chosen: list[int]) -> list[Stage]:
+        """The stages of the experts `chosen` in layer `layer`, in file-offset order."""
+        return sorted((self.experts[layer][e] for e in chosen), key=lambda s: s.offset)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of every stage but the routed experts: what one pass reads whatever the routing."""
+        stages = [self.embed, *self.mixer, *self.ffn, self.head]
+        return sum(s.nbytes for s in stages)
+
+    def expert_bytes(self, layer: int, expert: int) -> int:
+        return self.experts[layer][expert].nbytes

@@ -1,0 +1,166 @@
+"""Bounded memory, measured by the kernel: a checkpoint several times larger than a memory cgroup's limit,
+streamed inside it (swap off, the checkpoint's page cache dropped first), from disk and over HTTP; the same
+prompts through the ordinary path (`from_pretrained(url)`, which reads every tensor into memory) under the
+same limit are OOM-killed. The limit is the child's own usage after warm-up plus ALLOWANCE."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3.checkpoint import open_checkpoint, save_checkpoint
+from k3.checkpoint.serve import RangeServer
+from k3.config import K3Config
+from k3.layout import published_tensors
+from k3.model.init import _generator, draw
+from k3.stream.bound import memory_bound
+from k3.stream.cgroup import MemoryCgroup, drop_page_cache, swap_is_off
+from k3.stream.plan import StreamPlan
+from k3.stream.runner import StreamOptions
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWANCE = 48 * 2**20
+OPTIONS = dict(prefetch_bytes=2**20, memory_budget=2**20)
+
+CHILD = """
+import gc, json, os, sys
+mode, source, cgroup, files, allowance, warm, prompts, options = sys.argv[1:]
+path = lambda name: os.path.join(cgroup, json.loads(files)[name])
+with open(path("procs"), "w") as f:
+    f.write(str(os.getpid()))
+import torch
+torch.set_num_threads(1)
+from k3.stream.memory import return_freed_memory
+assert return_freed_memory()  # as `k3 stream` does
+from k3.model import K3ForCausalLM
+from k3.stream.api import stream_logits
+from k3.stream.runner import StreamOptions
+prompts, options = json.loads(prompts), StreamOptions(**json.loads(options))
+stream_logits(warm, [[1, 2, 3]], options)  # warm both paths up: kernels, allocator, imports
+with torch.no_grad():
+    K3ForCausalLM.from_pretrained(warm)(torch.tensor([[1, 2, 3]]))
+gc.collect()
+baseline = int(open(path("usage")).read())
+with open(path("limit"), "w") as f:
+    f.write(str(baseline + int(allowance)))
+try:
+    with open(path("peak"), "w") as f:
+        f.write("0")  # v1 resets the high-water mark; v2 keeps it (an upper bound then)
+except OSError:
+    pass
+if mode == "stream":
+    logits = stream_logits(source, prompts, options).outputs["logits"]
+else:
+    with torch.no_grad():
+        model = K3ForCausalLM.from_pretrained(source)
+        logits = torch.stack([model(torch.tensor([p]))[0, -1] for p in prompts])
+print(json.dumps({"baseline": baseline, "peak": int(open(path("peak")).read()), "logits": logits.tolist()}))
+"""
+
+
+def big_config() -> K3Config:
+    """6 layers, 32 latent MXFP4 experts of 0.8 MB per MoE layer: ~140 MB, almost all of it experts."""
+    raw = json.loads(json.dumps(K3Config.preset("tiny").to_dict()))
+    text = raw["text_config"]
+    text.update(
+        vocab_size=4096,
+        hidden_size=512,
+        num_hidden_layers=6,
+        intermediate_size=512,
+        num_experts=32,
+        num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=1024,
+        routed_expert_hidden_size=512,
+        attn_res_block_size=3,
+    )
+    text["linear_attn_config"].update(
+        kda_layers=[1, 2, 3, 5, 6], full_attn_layers=[4], num_heads=4, head_dim=64
+    )
+    return K3Config.from_dict(raw)
+
+
+def quick_tensors(cfg: K3Config):
+    """As k3 init, but MXFP4 experts as random codes with scale 2^-5 (no fp32 draw and quantization)."""
+    gen = torch.Generator().manual_seed(0)
+    for spec in published_tensors(cfg):
+        if spec.name.endswith(".weight_packed"):
+            yield spec.name, torch.randint(0, 256, spec.shape, dtype=torch.uint8, generator=gen)
+        elif spec.name.endswith(".weight_scale"):
+            yield spec.name, torch.full(spec.shape, 122, dtype=torch.uint8)
+        else:
+            yield (
+                spec.name,
+                draw(
+                    cfg,
+                    spec.name,
+                    spec.shape,
+                    torch.bfloat16 if spec.dtype == "BF16" else torch.float32,
+                    _generator(0, spec.name),
+                ),
+            )
+
+
+@pytest.fixture(scope="module")
+def big(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("big") / "ckpt"
+    save_checkpoint(
+        quick_tensors(big_config()), big_config(), out, always_index=True, max_shard_size=50 * 10**6
+    )
+    return out
+
+
+def run_in_cgroup(
+    mode: str, source: str, warm: Path, prompts: list[list[int]]
+) -> tuple[int, dict | None, int]:
+    cgroup = MemoryCgroup.create()
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be created here (needs root and the memory controller)")
+    try:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        args = [
+            sys.executable,
+            "-c",
+            CHILD,
+            mode,
+            source,
+            str(cgroup.path),
+            json.dumps(cgroup.files),
+            str(ALLOWANCE),
+        ]
+        args += [str(warm), json.dumps(prompts), json.dumps(OPTIONS)]
+        done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        result = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else None
+        return done.returncode, result, cgroup.oom_kills()
+    finally:
+        cgroup.remove()
+
+
+def test_streaming_fits_a_limit_the_ordinary_path_does_not(big, checkpoints):
+    assert swap_is_off(), "swap would let the ordinary path page out instead of failing"
+    total = sum(f.stat().st_size for f in big.iterdir())
+    assert total > 2.5 * ALLOWANCE
+    prompts = [list(range(1, 60)), list(range(200, 230)), [7, 8, 9]]
+    with open_checkpoint(big) as ckpt:
+        bound = memory_bound(StreamPlan(ckpt), StreamOptions(**OPTIONS), prompts)
+    warm = checkpoints("tiny")
+    drop_page_cache(big)
+    rc, local, kills = run_in_cgroup("stream", str(big), warm, prompts)
+    assert rc == 0 and kills == 0
+    with RangeServer(big) as server:
+        rc, remote, kills = run_in_cgroup("stream", server.url, warm, prompts)
+        assert rc == 0 and kills == 0
+        peak = remote["peak"] - remote["baseline"]
+        mib = {k: round(v / 2**20, 1) for k, v in bound.items()}
+        print(f"checkpoint {total / 2**20:.0f} MiB, limit +{ALLOWANCE / 2**20:.0f} MiB: streamed over HTTP,")
+        print(f"peak +{peak / 2**20:.1f} MiB over the warmed-up process; bound (MiB) {mib}")
+        assert peak <= bound["total"] + 16 * 2**20  # + allocator slack
+        rc, ordinary, kills = run_in_cgroup("ordinary", server.url, warm, prompts)
+    assert rc != 0 and ordinary is None and kills >= 1  # OOM-killed
+    assert local["logits"] == remote["logits"]
