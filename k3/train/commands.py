@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from k3.terminal import fail
-from k3.train.config import Balance, DType, Optimizer, Schedule, TrainConfig, TrainError
+from k3.train.config import Balance, DType, EPPolicy, Optimizer, Schedule, TrainConfig, TrainError
 
 train_app = typer.Typer(
     help="Train K3-shaped models at small scale, with quantile-balanced routing.",
@@ -100,6 +100,27 @@ def train(
         int | None, typer.Option(help="Stop after this step (rerun to resume).")
     ] = D.stop_after,
     progress: Annotated[bool, typer.Option("--progress/--quiet", help="Progress display.")] = D.progress,
+    nproc: Annotated[
+        int, typer.Option(help="Processes on this machine (> 1: launched through torch.distributed.run).")
+    ] = D.nproc,
+    expert_parallel: Annotated[
+        int, typer.Option(help="Ranks the routed experts are sharded over (0: all processes).")
+    ] = D.expert_parallel,
+    ep_policy: Annotated[
+        EPPolicy, typer.Option(help="Where the (token, expert) pairs are computed: none, eplb or moonep.")
+    ] = D.ep_policy,
+    ep_slots: Annotated[
+        int, typer.Option(help="Replicas of other ranks' experts a rank may host.")
+    ] = D.ep_slots,
+    ep_replan_every: Annotated[
+        int, typer.Option(help="EPLB: steps between replica placements.")
+    ] = D.ep_replan_every,
+    ep_timeout: Annotated[
+        float, typer.Option(help="Seconds a collective waits before naming the rank that did not arrive.")
+    ] = D.ep_timeout,
+    ep_threshold: Annotated[
+        bool, typer.Option(help="Skip replicas whose token traffic is below the weight bytes they cost.")
+    ] = D.ep_threshold,
 ) -> None:
     """Train (or resume) a run; writes RUN/log.csv, RUN/checkpoints/ and RUN/export/."""
     if ctx.invoked_subcommand is not None:

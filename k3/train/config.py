@@ -39,6 +39,14 @@ class DType(StrEnum):
     BF16 = "bf16"
 
 
+class EPPolicy(StrEnum):
+    """Where the (token, expert) pairs are computed with several processes (k3.dist.planner)."""
+
+    NONE = "none"
+    EPLB = "eplb"
+    MOONEP = "moonep"
+
+
 class TrainError(ValueError):
     """A training setup that cannot run; the message says which option and why."""
 
@@ -78,6 +86,13 @@ class TrainConfig:
     threads: int = 0  # torch CPU threads (0: torch's default); on a busy machine 1 is often fastest
     stop_after: int | None = None  # leave after this step as if killed (tests, time slicing)
     progress: bool = True
+    nproc: int = 1  # processes on this machine (> 1: launched through torch.distributed.run)
+    expert_parallel: int = 0  # ranks the routed experts are sharded over: 0 = all processes (the only layout)
+    ep_policy: EPPolicy = EPPolicy.NONE  # none | eplb | moonep
+    ep_slots: int = 1  # replicas of other ranks' experts a rank may host, per layer
+    ep_replan_every: int = 10  # eplb: steps between placements, from the loads of the steps before
+    ep_timeout: float = 60.0  # seconds a collective waits for every rank before naming the missing one
+    ep_threshold: bool = True  # skip replicas whose token traffic is below the weight bytes they cost
 
     def check(self) -> None:
         def bad(option: str, problem: str) -> None:
@@ -108,3 +123,18 @@ class TrainConfig:
             bad("warmup", f"must be in 0..{self.steps} (the number of steps), got {self.warmup}")
         if self.lr <= 0:
             bad("lr", f"must be positive, got {self.lr}")
+        for name in ("nproc", "ep_replan_every"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.expert_parallel < 0:
+            bad("expert-parallel", f"must be at least 0 (0: all processes), got {self.expert_parallel}")
+        if self.ep_policy not in tuple(EPPolicy):
+            bad("ep-policy", f"unknown policy {self.ep_policy!r} (known: {', '.join(EPPolicy)})")
+        if self.ep_slots < 0:
+            bad("ep-slots", f"must be at least 0, got {self.ep_slots}")
+        if self.nproc > 1 and self.expert_parallel not in (0, self.nproc):
+            bad(
+                "expert-parallel",
+                f"shards the experts over all {self.nproc} processes (0 or {self.nproc}), "
+                f"got {self.expert_parallel}",
+            )

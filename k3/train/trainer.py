@@ -18,6 +18,11 @@ chosen experts, through `record_routing` (k3.model.routing), as the routers comp
 optimizer step the balancer turns them into new biases, written to the routers' `e_score_correction_bias`
 buffers; so the bias a batch is routed with comes from earlier batches only.
 
+With several processes (`--nproc N`, or started by torchrun) the routed experts are sharded over the ranks
+(`--expert-parallel N`, dispatch as `--ep-policy` plans it, see k3.dist) and everything else is data
+parallel: each rank takes its share of the global `--batch-size`, gradients are summed over ranks and the
+routing balance sees the whole batch, so the run equals one process to rounding. Rank 0 writes the files.
+
 With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
 batch without gradients, and every router fits QB to it just before routing it: the bias then fits the
 step's batch as the *updated* model routes it, each layer's input already routed by the refitted biases
@@ -30,6 +35,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -40,6 +46,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from k3.config import K3Config
+from k3.dist.group import torchrun_env
+from k3.dist.moe import STATS_COLUMNS
 from k3.model.routing import record_routing
 from k3.train.config import TrainConfig, TrainError
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
@@ -51,9 +59,11 @@ from k3.train.state import list_checkpoints, load_training_state, save_training_
 TRAIN_JSON = "train.json"
 LOG_FILE = "log.csv"
 LOADS_FILE = "loads.csv"
+EP_FILE = "expert_parallel.csv"  # with several processes: per step, micro-batch and layer (k3.dist.moe)
 EXPORT_DIR = "export"
 # Fields that may change between a run and its resumption without changing what is computed.
-_RESUMABLE_CHANGES = {"stop_after", "progress", "export"}
+_RESUMABLE_CHANGES = {"stop_after", "progress", "export", "nproc", "expert_parallel", "ep_policy", "ep_slots"}
+_RESUMABLE_CHANGES |= {"ep_replan_every", "ep_timeout", "ep_threshold"}
 
 
 def load_model_config(preset: str) -> K3Config:
@@ -168,10 +178,46 @@ def refit_on_updated_model(
             hook.remove()
 
 
+def _start_parallel(tc: TrainConfig, cfg: K3Config):
+    """The data/expert-parallel setup under torchrun (None in one process); checks the settings first."""
+    from k3.dist.data_parallel import DataParallel, cpu_threads
+
+    world = int(os.environ["WORLD_SIZE"])
+    if world == 1 and tc.expert_parallel in (0, 1):
+        return None
+    if tc.expert_parallel not in (0, world):
+        raise TrainError(
+            f"--expert-parallel: shards the experts over all {world} processes; got {tc.expert_parallel}"
+        )
+    if tc.batch_size % world:
+        raise TrainError(f"--batch-size: {tc.batch_size} sequences do not divide over {world} processes")
+    if tc.balance_refresh:
+        raise TrainError("--balance-refresh: not supported with several processes yet")
+    if cfg.num_experts % world:
+        raise TrainError(f"--expert-parallel: {cfg.num_experts} experts do not divide over {world} processes")
+    par = DataParallel.start(tc.ep_policy, tc.ep_slots, tc.ep_timeout, tc.ep_threshold)
+    if not tc.threads:
+        torch.set_num_threads(cpu_threads(world))
+    return par
+
+
+def _read_loads(path: Path, first: int, last: int) -> dict[int, torch.Tensor]:
+    """Tokens per expert summed over steps first..last of RUN/loads.csv, per MoE layer."""
+    summed: dict[int, torch.Tensor] = {}
+    if path.is_file():
+        with path.open(newline="") as f:
+            for row in csv.reader(f):
+                if row and row[0].isdigit() and first <= int(row[0]) <= last:
+                    loads = torch.tensor([float(v) for v in row[2:]])
+                    summed[int(row[1])] = summed.get(int(row[1]), 0) + loads
+    return summed
+
+
 def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Path:
     """Run (or resume) the training described by `tc`; returns the run folder.
 
-    `on_step(row)` sees every CSV row (the progress display uses it)."""
+    `on_step(row)` sees every CSV row (the progress display uses it). With `nproc` > 1 (and not already
+    under torchrun) the run is launched on that many processes through torch.distributed.run."""
     from k3.model import K3ForCausalLM
 
     tc.check()
@@ -179,12 +225,27 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if not cfg.num_experts:
         raise TrainError("--preset: the model has no MoE layers, nothing to balance or export as MXFP4")
     run = Path(tc.out)
-    _prepare_run(tc, run)
+    if tc.nproc > 1 and not torchrun_env():
+        from k3.dist.launch import launch
+
+        _prepare_run(tc, run)
+        launch(tc.nproc, ["-m", "k3.train.trainer", str(run / TRAIN_JSON)])
+        return run
+    if tc.expert_parallel > 1 and not torchrun_env():
+        raise TrainError(
+            f"--expert-parallel {tc.expert_parallel}: needs --nproc {tc.expert_parallel} (or torchrun)"
+        )
+    par = _start_parallel(tc, cfg) if torchrun_env() else None
+    writes = par is None or par.writes
+    if writes:
+        _prepare_run(tc, run)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
     model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
     model.train()
+    if par is not None:
+        par.install(model)
     optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2))
     routers = model.routers()
     moe_layers = sorted(routers)
@@ -209,8 +270,25 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     for layer, router in routers.items():  # the bias lives in the router buffer; the balancer reads it
         balancer.biases[layer] = router.e_score_correction_bias.detach().clone()
     log_path, loads_path = run / LOG_FILE, run / LOADS_FILE
-    _cut_log(log_path, columns, start)
-    _cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
+    eplb = par is not None and tc.ep_policy == "eplb"
+    if eplb:  # EPLB places replicas every ep_replan_every steps, from the loads of the steps before
+        every = tc.ep_replan_every
+        placed = start - start % every if start % every else start - every  # the last placement's window
+        per_micro = every * tc.accum  # EPLB plans from pairs per micro-batch, averaged over the window
+        par.ep.history = {
+            layer: (v / per_micro).numpy()
+            for layer, v in _read_loads(loads_path, placed - every + 1, placed).items()
+        }
+        recent = _read_loads(loads_path, placed + 1, start)  # the loads the next placement starts from
+    if writes:
+        _cut_log(log_path, columns, start)
+        _cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
+        if par is not None:
+            _cut_log(run / EP_FILE, STATS_COLUMNS, start)
+    else:  # rank 0 writes the run's files; the others write nowhere
+        log_path = loads_path = Path(os.devnull)
+    if par is not None:
+        par.barrier()
 
     autocast = tc.dtype == "bf16"
     tokens_per_step = tc.batch_size * tc.seq_len * tc.accum
@@ -222,18 +300,35 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             lr = learning_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            if eplb and step % tc.ep_replan_every == 0 and step:
+                per_micro = tc.ep_replan_every * tc.accum
+                par.ep.history, recent = {layer: (v / per_micro).numpy() for layer, v in recent.items()}, {}
+            if par is not None:
+                par.ep.stats.clear()  # the evaluation's forwards of the step before
             loss_sum = 0.0
             # the refresh below computes its own scores
             with record_routing(model, scores=not tc.balance_refresh, weights=False) as routing:
                 for micro in range(tc.accum):
                     inputs, labels = data.batch(step * tc.accum + micro)
+                    if par is not None:  # this rank's rows; the loss is its share of the global mean
+                        counted = max(1, int((labels != IGNORE).sum()))
+                        inputs, labels = par.shard(inputs), par.shard(labels)
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                         logits = model(inputs)
-                    loss = F.cross_entropy(
-                        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE
-                    )
+                    flat_logits, flat_labels = logits.float().flatten(0, 1), labels.flatten()
+                    if par is None:
+                        loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE)
+                    else:
+                        loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=IGNORE, reduction="sum")
+                        loss = loss / counted
                     (loss / tc.accum).backward()
                     loss_sum += float(loss.detach())
+            if par is not None:
+                par.reduce_gradients(model)
+                loss_sum = par.sum(loss_sum)
+                if writes:
+                    with (run / EP_FILE).open("a", newline="") as f:
+                        csv.DictWriter(f, fieldnames=STATS_COLUMNS).writerows(par.ep.stats_rows(step + 1))
             if not math.isfinite(loss_sum):
                 raise TrainError(f"step {step + 1}: the loss is {loss_sum}; lower --lr or use --clip")
             # with no clipping the norm is still measured (a max norm of inf scales every gradient by 1)
@@ -249,9 +344,17 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             }
             worst = 0.0
             for layer in moe_layers:
-                loads = chosen_loads(routing.indices(layer), cfg.num_experts)
+                indices = routing.indices(layer) if par is None else par.gather(routing.indices(layer))
+                loads = chosen_loads(indices, cfg.num_experts)
+                if eplb:
+                    recent[layer] = recent.get(layer, 0) + loads
                 if not tc.balance_refresh:  # else the refresh above has fitted the biases already
-                    balancer.fit(layer, routing.scores(layer), loads)
+                    scores = (
+                        routing.scores(layer)
+                        if par is None or tc.balance != "qb"
+                        else par.gather(routing.scores(layer))
+                    )
+                    balancer.fit(layer, scores, loads)
                 routers[layer].e_score_correction_bias.copy_(balancer.biases[layer])
                 loads_writer.writerow([step + 1, layer, *(int(n) for n in loads.tolist())])
                 ratio = max_over_mean(loads)
@@ -266,9 +369,11 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             writer.writerow(row)
             log_file.flush()
             loads_file.flush()
-            if on_step is not None:
+            if on_step is not None and writes:
                 on_step(row)
-            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
+            if par is not None and writes and tc.progress:
+                print(f"step {step + 1}/{tc.steps}  loss {loss_sum / tc.accum:.4f}", flush=True)
+            if writes and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
                 save_training_state(
                     run,
                     step + 1,
@@ -277,8 +382,17 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
                     {"tokens": (step + 1) * tokens_per_step},
                     tc.keep_checkpoints,
                 )
-    if last == tc.steps and tc.export:
+    if last == tc.steps and tc.export and writes:
         from k3.train.export import export_checkpoint
 
         export_checkpoint(model, cfg, run / EXPORT_DIR, tokenizer_dir=tc.tokenizer)
+    if par is not None:
+        par.barrier()  # nobody leaves before rank 0 has written everything
+        par.close()
     return run
+
+
+if __name__ == "__main__":  # python -m k3.train.trainer RUN/train.json (what `--nproc N` launches)
+    import sys
+
+    train(TrainConfig(**json.loads(Path(sys.argv[1]).read_text())))

@@ -33,7 +33,7 @@ def test_the_defaults_are_the_dataclass_values():
 def test_typer_refuses_what_is_not_one_of_the_choices():
     """Each named choice is validated before training starts: the message lists the enum's values."""
     choices = [f for f in fields(TrainConfig) if isinstance(f.default, Enum)]
-    assert {f.name for f in choices} == {"optimizer", "schedule", "dtype", "balance"}
+    assert {f.name for f in choices} == {"optimizer", "schedule", "dtype", "balance", "ep_policy"}
     for f in choices:
         option = "--" + f.name.replace("_", "-")
         result = CliRunner().invoke(train_app, [option, "bogus", "--quiet"], env={"COLUMNS": "300"})
