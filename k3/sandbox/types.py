@@ -1,0 +1,76 @@
+"""The values the sandbox API passes around: limits, a command's result, a snapshot, and its errors."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from k3.errors import K3Error
+
+KILLED_BY = (None, "timeout", "oom", "pids", "output")
+SNAPSHOT_KINDS = ("memory+fs", "fs")
+
+
+class SandboxError(K3Error):
+    """A sandbox cannot do what was asked: bad arguments, a missing backend, a dead sandbox, a path
+    outside the workspace. The message says which."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits of one sandbox. `cpus` is a CFS quota in cores; `memory_mb` caps RAM with no swap
+    (for gVisor it covers the whole sandbox kernel, which also caches the template's files); `pids` caps
+    processes; `disk_mb` is the size of the workspace tmpfs; `output_mb` caps stdout + stderr per command."""
+
+    cpus: float = 0.5
+    memory_mb: int = 512
+    pids: int = 64
+    disk_mb: int = 256
+    output_mb: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0.01 <= self.cpus <= 256:
+            raise SandboxError(f"Limits.cpus must be in [0.01, 256] cores, got {self.cpus}")
+        for name, low in (("memory_mb", 16), ("pids", 4), ("disk_mb", 1), ("output_mb", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < low:
+                raise SandboxError(f"Limits.{name} must be an integer >= {low}, got {value!r}")
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What a command did. `killed_by` says why it was stopped early: "timeout" (its deadline), "oom"
+    (the memory limit), "pids" (the process limit was reached), "output" (stdout + stderr passed the cap;
+    both are cut at it) or None (it ended by itself; `exit_code` is then its own)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    duration_s: float
+    killed_by: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A saved sandbox: "memory+fs" (gVisor: every process with its memory, plus the workspace) or "fs"
+    (bubblewrap: the workspace files only; no process survives). `path` is its directory on the host."""
+
+    id: str
+    kind: str
+    backend: str
+    template: str
+    path: str
+    size_bytes: int
+    limits: Limits = field(default_factory=Limits)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "limits": self.limits.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Snapshot:
+        return cls(**{**data, "limits": Limits(**data["limits"])})

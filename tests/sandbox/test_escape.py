@@ -1,0 +1,221 @@
+"""Escape attempts and limits, on both backends: each attempt must fail, and each limit must hold. The
+references are the host itself: its files' checksums, a listener it opens, a process it runs, counters."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import secrets
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from k3.sandbox import Limits, Sandbox, SandboxError
+
+
+@pytest.fixture
+def sbx(backend, root):
+    with Sandbox.create(
+        backend=backend, root=root, limits=Limits(memory_mb=256, pids=32, disk_mb=8, output_mb=1)
+    ) as s:
+        yield s
+
+
+def test_runs_as_unprivileged_user_on_the_template(sbx):
+    r = sbx.commands.run("id -u; cat /etc/hostname; python3 -c 'print(6 * 7)'; ls /home/user", timeout=20)
+    assert r.exit_code == 0, r
+    assert r.stdout.split() == ["1000", "sandbox", "42"]
+
+
+def test_host_secret_is_unreadable(sbx, tmp_path):
+    secret = secrets.token_hex(16)
+    for place in (tmp_path / "secret.txt", Path("/var/tmp") / f"k3-secret-{secret[:8]}"):
+        place.write_text(secret)
+    try:
+        r = sbx.commands.run(
+            f"cat {tmp_path}/secret.txt /var/tmp/k3-secret-{secret[:8]}; ls /var /root /work 2>&1; "
+            f"grep -rs -l {secret} /etc /home /tmp /k3 /dev; echo end",
+            timeout=25,
+        )
+        assert secret not in r.stdout + r.stderr.replace(secret, "", 1)  # only the command line echoes it
+        assert "No such file" in r.stderr
+        assert r.stdout.strip().endswith("end")
+    finally:
+        (Path("/var/tmp") / f"k3-secret-{secret[:8]}").unlink()
+
+
+def _checksums(paths: list[Path]) -> dict[str, str]:
+    return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in paths}
+
+
+def test_writes_outside_the_workspace_change_nothing_on_the_host(sbx, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    watched = [Path("/etc/passwd"), Path("/usr/bin/env"), victim]
+    before, usr_bin = _checksums(watched), sorted(os.listdir("/usr/bin"))
+    r = sbx.commands.run(
+        f"for f in /etc/passwd /usr/bin/env {victim} /k3/seccomp.bpf; do echo pwned >> $f; done; "
+        f"touch /usr/bin/k3-pwned /etc/k3-pwned /k3-pwned; mkdir -p {tmp_path}; echo pwned > {victim}; "
+        "echo pwned > /tmp/k3-pwned && echo tmp-ok",
+        timeout=20,
+    )
+    assert "tmp-ok" in r.stdout  # the sandbox's own /tmp is writable, and private
+    assert r.stderr.count("Read-only file system") + r.stderr.count("Permission denied") >= 6, r.stderr
+    assert _checksums(watched) == before
+    assert sorted(os.listdir("/usr/bin")) == usr_bin
+    assert not Path("/tmp/k3-pwned").exists() and not Path("/k3-pwned").exists()
+
+
+def test_files_api_does_not_follow_planted_symlinks(sbx):
+    before = _checksums([Path("/etc/passwd")])
+    sbx.commands.run("ln -s /etc/passwd link; ln -s /etc dirlink", timeout=20)
+    for attempt in (
+        lambda: sbx.files.read("link"),
+        lambda: sbx.files.write("link", "pwned"),
+        lambda: sbx.files.write("dirlink/k3-pwned", "pwned"),
+        lambda: sbx.files.read("/etc/passwd"),
+        lambda: sbx.files.write("../../etc/k3-pwned", "x"),
+    ):
+        with pytest.raises(SandboxError):
+            attempt()
+    assert _checksums([Path("/etc/passwd")]) == before and not Path("/etc/k3-pwned").exists()
+
+
+def test_tcp_to_a_host_loopback_listener_fails(sbx):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        script = (
+            "import socket\n"
+            f"for host in ('127.0.0.1', 'localhost', '10.0.2.2', '172.17.0.1'):\n"
+            "    try:\n"
+            f"        socket.create_connection((host, {port}), timeout=2); print('CONNECTED', host)\n"
+            "    except OSError as e:\n"
+            "        print('refused', host, e.errno)\n"
+        )
+        r = sbx.commands.run(f'python3 -c "{script}"', timeout=25)
+        assert "CONNECTED" not in r.stdout and r.stdout.count("refused") == 4, r
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nothing ever reached the host's listener
+
+
+def test_host_processes_are_invisible_and_unsignalable(sbx):
+    marker = f"{secrets.randbelow(10**6) + 1000}.5"
+    host = subprocess.Popen(["sleep", marker])
+    try:
+        sbx.files.write(
+            "look.sh",
+            "cat /proc/[0-9]*/cmdline | tr '\\0' ' '; echo; ls -d /proc/[0-9]* | wc -l\n"
+            f"kill -9 {host.pid} 2>/dev/null; kill -0 {host.pid} 2>/dev/null && echo SIGNALLED\n",
+        )
+        r = sbx.commands.run("sh look.sh", timeout=20)
+        assert marker not in r.stdout and "SIGNALLED" not in r.stdout, r
+        assert int(r.stdout.split()[-1]) < 10  # only the sandbox's own few processes
+        assert host.poll() is None  # still running
+    finally:
+        host.kill()
+        host.wait()
+
+
+PRIVILEGED = """
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, rc):
+    print(name, "ok" if rc == 0 else f"fail {ctypes.get_errno()}")
+attempt("mount", libc.mount(b"none", b"/tmp", b"tmpfs", 0, None))
+attempt("ptrace", libc.ptrace(16, 1, 0, 0))  # PTRACE_ATTACH to pid 1
+child = os.fork()
+if child == 0:
+    import time; time.sleep(5); os._exit(0)
+attempt("ptrace-child", libc.ptrace(16, child, 0, 0))
+for flag, name in ((0x10000000, "unshare-user"), (0x20000, "unshare-mount"), (0x40000000, "unshare-net")):
+    attempt(name, libc.unshare(flag))
+fd = os.open("/proc/1/ns/net", os.O_RDONLY) if os.path.exists("/proc/1/ns/net") else -1
+attempt("setns", libc.setns(fd, 0) if fd >= 0 else -1)
+attempt("tiocsti", libc.ioctl(1, 0x5412, ctypes.c_char_p(b"x")))
+attempt("chroot", libc.chroot(b"/tmp"))
+os.kill(child, 9)
+"""
+
+
+def test_mount_ptrace_unshare_setns_tiocsti_fail(sbx):
+    sbx.files.write("priv.py", PRIVILEGED)
+    r = sbx.commands.run("python3 priv.py", timeout=20)
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    names = ["mount", "ptrace", "ptrace-child", "unshare-user", "unshare-mount", "unshare-net", "setns"]
+    assert set(lines) == {*names, "tiocsti", "chroot"}, r
+    assert all(v.startswith("fail") for v in lines.values()), lines
+
+
+FORK_BOMB = """
+import os, time
+n = 0
+for i in range(1000):
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    n += 1
+print("forked", n, flush=True)
+time.sleep(30)
+"""
+
+
+def test_fork_bomb_stops_at_the_pids_limit(sbx, backend):
+    sbx.files.write("bomb.py", FORK_BOMB)
+    started = time.monotonic()
+    r = sbx.commands.run("python3 bomb.py", timeout=8)
+    forked = int(r.stdout.split()[1])
+    assert 10 <= forked < 32, r  # the limit is 32 processes in all
+    # bubblewrap sees the cgroup's pids.events and stops the command at once; gVisor's limit is
+    # RLIMIT_NPROC inside its kernel, which the host cannot observe, so the command runs to its timeout
+    assert r.killed_by == ("pids" if backend == "bwrap" else "timeout"), r
+    assert time.monotonic() - started < 12
+    t0 = time.monotonic()
+    subprocess.run(["true"], check=True)
+    assert time.monotonic() - t0 < 1.0  # the host can still start processes
+    assert sbx.commands.run("echo alive", timeout=20).stdout == "alive\n"  # nothing of the bomb is left
+
+
+def test_memory_hog_is_killed_by_oom(sbx, backend):
+    hog = "b = []\nfor i in range(256):\n    b.append(bytearray(16 << 20))\n    print(i, flush=True)\n"
+    sbx.files.write("hog.py", hog)
+    r = sbx.commands.run("python3 hog.py", timeout=30)
+    assert r.killed_by == "oom", r
+    assert int(r.stdout.split()[-1]) < 256 // 16 + 2  # ~256 MB at most, in 16 MB steps
+    if backend == "gvisor":  # the host OOM killer ends the whole sandbox kernel
+        assert not sbx.is_running()
+    else:
+        assert sbx.commands.run("echo alive", timeout=20).stdout == "alive\n"
+
+
+def test_cpu_spin_ends_at_its_deadline(sbx):
+    sbx.files.write("spin.py", "while True:\n    pass\n")
+    sbx.files.write("spin.sh", "while :; do :; done\n")
+    r = sbx.commands.run("python3 spin.py & sh spin.sh", timeout=3)
+    assert r.killed_by == "timeout"
+    assert 3 * 0.8 <= r.duration_s <= 3 * 1.2, r.duration_s
+    left = sbx.commands.run("ps -e -o args= | grep -c 'spin[.]' || true", timeout=20)
+    assert left.stdout.strip() == "0", left  # the whole tree ended, the background spinner too
+
+
+def test_filling_the_workspace_gives_enospc(sbx):
+    r = sbx.commands.run("dd if=/dev/zero of=/home/user/big bs=1M count=32", timeout=20)
+    assert r.exit_code != 0 and "No space left on device" in r.stderr, r
+    with pytest.raises(SandboxError, match="No space left"):
+        sbx.files.write("more", b"x" * (4 << 20))
+
+
+def test_output_beyond_the_cap_is_cut_and_flagged(sbx):
+    r = sbx.commands.run("head -c 5000000 /dev/zero | tr '\\0' a; sleep 20", timeout=20)
+    assert r.killed_by == "output"
+    assert len(r.stdout) + len(r.stderr) == 1 << 20 and set(r.stdout) == {"a"}
+    assert r.duration_s < 10  # stopped at the cap, not at the timeout
