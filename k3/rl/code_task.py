@@ -3,7 +3,7 @@
 The prompt names a function of x (`f:7x+3;`), the reference answer is a one-line Python program defining
 it (`def f(x):return 7*x+3`). Grading appends unit tests to the response and runs it with `python3` inside
 one sandbox per batch, each program under its own timeout; the reward is 1.0 only if the program printed
-`PASS` and exited 0. A crash, a wrong value, a timeout, a fork bomb (the sandbox's pids limit) or a
+the grader's one-off nonce after the tests and exited 0. A crash, a wrong value, a timeout, a fork bomb (the sandbox's pids limit) or a
 sandbox that fails to run the program at all gives 0.0: the model's program can never stop the trainer.
 A sandbox that cannot even be created is a setup error (TaskError), not a reward of 0.
 """
@@ -11,6 +11,7 @@ A sandbox that cannot even be created is a setup error (TaskError), not a reward
 from __future__ import annotations
 
 import re
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,14 +28,16 @@ _FORMS = (
 )
 
 
-def harness(program: str, expected: list[int]) -> str:
-    """The response followed by its unit tests: prints PASS when f gives `expected` on TEST_INPUTS."""
-    return f'{program}\nassert [f(x) for x in {list(TEST_INPUTS)}] == {expected}\nprint("PASS")\n'
+def harness(program: str, expected: list[int], nonce: str) -> str:
+    """The response followed by its unit tests: prints `nonce` when f gives `expected` on TEST_INPUTS
+    (a program that prints something and exits before the tests cannot know the nonce)."""
+    return f"{program}\nassert [f(x) for x in {list(TEST_INPUTS)}] == {expected}\nprint({nonce!r})\n"
 
 
 @dataclass(eq=False)
 class CodeTask(Task):
-    backend: str | None = None  # k3.sandbox backend (None: the sandbox's default)
+    backend: str = "bwrap"  # k3.sandbox backend: bwrap (fast, stateless) or gvisor
+    held_out_size: int = 50  # of 350 distinct problems
     timeout_s: float = 5.0  # per program
     memory_mb: int = 256
     pids: int = 16
@@ -43,7 +46,7 @@ class CodeTask(Task):
 
     def sample(self, rng: np.random.Generator) -> Problem:
         spec, body, _ = _FORMS[int(rng.integers(0, len(_FORMS)))]
-        a, b = int(rng.integers(2, 10)), int(rng.integers(1, 10))
+        a, b = int(rng.integers(2, 10)), int(rng.integers(1, 20))
         return Problem(f"f:{spec.format(a=a, b=b)};", f"def f(x):return {body.format(a=a, b=b)}")
 
     def expected(self, problem: Problem) -> list[int]:
@@ -60,15 +63,16 @@ class CodeTask(Task):
         from k3.sandbox import Limits, Sandbox
 
         limits = Limits(cpus=0.5, memory_mb=self.memory_mb, pids=self.pids, disk_mb=64, output_mb=1)
-        options = {} if self.backend is None else {"backend": self.backend}
         try:
-            sbx = Sandbox.create(template="python", timeout=300, limits=limits, **options)
+            sbx = Sandbox.create(template="python", timeout=300, limits=limits, backend=self.backend)
         except Exception as e:  # the setup, not the model: say so
             raise TaskError(f"code task: the sandbox could not be created ({e})") from e
         rewards = []
         try:
             for i, (problem, response) in enumerate(zip(problems, responses, strict=True)):
-                rewards.append(self._run_one(sbx, i, harness(response, self.expected(problem))))
+                nonce = secrets.token_hex(8)
+                source = harness(response, self.expected(problem), nonce)
+                rewards.append(self._run_one(sbx, i, source, nonce))
         finally:
             try:
                 sbx.kill()
@@ -76,14 +80,14 @@ class CodeTask(Task):
                 pass
         return rewards
 
-    def _run_one(self, sbx, index: int, source: str) -> float:
+    def _run_one(self, sbx, index: int, source: str, nonce: str) -> float:
         path = f"p{index}.py"
         try:
             sbx.files.write(path, source)
             result = sbx.commands.run(f"python3 {path}", timeout=self.timeout_s)
         except Exception:  # the program broke the sandbox: reward 0, never a crashed trainer
             return 0.0
-        passed = result.killed_by is None and result.exit_code == 0 and result.stdout.strip() == "PASS"
+        passed = result.killed_by is None and result.exit_code == 0 and result.stdout.strip() == nonce
         return float(passed)
 
 
