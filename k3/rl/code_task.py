@@ -3,8 +3,9 @@
 The prompt names a function of x (`f:7x+3;`), the reference answer is a one-line Python program defining
 it (`def f(x):return 7*x+3`). Grading appends unit tests to the response and runs it with `python3` inside
 one sandbox per batch, each program under its own timeout; the reward is 1.0 only if the program printed
-the grader's one-off nonce after the tests and exited 0. A crash, a wrong value, a timeout, a fork bomb (the sandbox's pids limit) or a
-sandbox that fails to run the program at all gives 0.0: the model's program can never stop the trainer.
+the grader's one-off nonce after the tests and exited 0. A crash, a wrong value, a timeout, a fork bomb
+(the sandbox's pids limit) or a sandbox that fails to run the program at all gives 0.0: the model's
+program can never stop the trainer.
 A sandbox that cannot even be created is a setup error (TaskError), not a reward of 0.
 """
 
