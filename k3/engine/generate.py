@@ -13,6 +13,14 @@ One `Engine` owns a model and a set of sequences. Each `step()`:
 Sequences join and leave between steps (continuous batching); sampling is per sequence with its own
 `torch.Generator`, so a seeded request gives the same tokens whatever shares its batch.
 
+Every generated token comes with its log-probability under the distribution it was drawn from (see
+`k3.engine.sampling`), the `policy_version` of the weights that produced it and, if asked, its top
+alternatives; a request may also ask for the log-probability of every prompt token (`prompt_logprobs`,
+raw `log_softmax`) and for the experts every MoE router chose at every position fed (`record_experts`:
+`k3.model.routing.record_routing` around each forward, its rows mapped back to the sequences of that
+prefill chunk or decode batch). `complete` returns all of it as `Completion`s (the token-in/token-out API
+of training loops); `load_weights` swaps the weights between requests.
+
 Prefill chunks are sized so the attention scores of MLA layers, [heads, chunk, context] fp32, stay within
 `attention_budget` bytes; with the default 2048-token chunks and a 512 MiB budget a 100k-token prompt
 on `mini` prefills in chunks of ~160 tokens at its end.
@@ -21,16 +29,19 @@ on `mini` prefills in chunks of ~160 tokens at its end.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 
 from k3.config import K3Config, Mixer
-from k3.engine.sampling import SamplingParams, sample_token
+from k3.engine.sampling import SamplingParams, draw
 from k3.errors import K3Error
 from k3.model.cache import KDAState, MLAState, ModelCache
+from k3.model.routing import record_routing
+
+TopLogprobs = list[tuple[int, float]]  # (token id, log-prob), most likely first
 
 
 class EngineError(K3Error):
@@ -57,6 +68,14 @@ class Sequence:
     prefilled: int = 0  # prompt tokens already in the cache
     cache: ModelCache | None = None  # own cache while waiting; None once in the batch (or finished)
     seen: set[int] = field(default_factory=set)  # ids for the repetition penalty (prompt + output)
+    record_experts: bool = False
+    stop_token: int | None = None  # the stop id that ended it (not in `output`: it is never fed)
+    logprobs: list[float] = field(default_factory=list)  # per token of output (+ stop_token)
+    versions: list[int] = field(default_factory=list)  # policy version per token of output (+ stop_token)
+    top: list[TopLogprobs] = field(default_factory=list)  # alternatives per token (params.logprobs > 0)
+    prompt_logprobs: list[float | None] = field(default_factory=list)  # params.prompt_logprobs set
+    prompt_top: list[TopLogprobs | None] = field(default_factory=list)
+    experts: list[torch.Tensor] = field(default_factory=list)  # [rows, n_moe, k] per forward it was in
 
     @property
     def num_tokens(self) -> int:
@@ -72,6 +91,37 @@ class Event:
     token: int | None
     finish_reason: str | None = None
     logits: torch.Tensor | None = None  # [V] the token was drawn from (only with `record_logits`)
+    logprob: float | None = None  # of `token`, or of `seq.stop_token` when it stopped on one
+    top: TopLogprobs | None = None  # alternatives (params.logprobs > 0)
+
+
+@dataclass
+class Completion:
+    """One finished request, token ids in and out (see docs/engine.md, "Token-in/token-out")."""
+
+    prompt: list[int]
+    tokens: list[int]  # generated ids; includes the stop id when finish_reason == "stop"
+    logprobs: list[float]  # per token, under the distribution it was drawn from (greedy: log_softmax)
+    versions: list[int]  # per token, Engine.policy_version of the weights that produced it
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    experts: torch.Tensor | None  # [len(prompt) + len(tokens) - 1, n_moe_layers, k] int64, positions fed
+    # in order (prompt, then tokens but the last), layers in sorted(model.routers()); record_experts only
+    top_logprobs: list[TopLogprobs] | None = None  # per token (params.logprobs > 0)
+    prompt_logprobs: list[float | None] | None = None  # per prompt token, first None (params.prompt_logprobs)
+
+    @staticmethod
+    def of(seq: Sequence) -> Completion:
+        stop = [seq.stop_token] if seq.stop_token is not None else []
+        return Completion(
+            prompt=list(seq.prompt),
+            tokens=seq.output + stop,
+            logprobs=list(seq.logprobs),
+            versions=list(seq.versions),
+            finish_reason=seq.finish_reason or "cancelled",
+            experts=_cat_experts(seq) if seq.record_experts else None,
+            top_logprobs=list(seq.top) if seq.params.logprobs else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
+        )
 
 
 def cache_bytes_formula(cfg: K3Config, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
@@ -127,9 +177,19 @@ class Engine:
         self.running: list[Sequence] = []  # row i of self.batch is running[i]
         self.batch: ModelCache | None = None
         self._ids = itertools.count()
+        self.policy_version = 0
+        self.steps = 0  # calls of `step` that ran a forward
+        self._moe_layers = sorted(model.routers())
 
     # ---- requests ----------------------------------------------------------------------------------------
-    def submit(self, prompt: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def submit(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        *,
+        record_experts: bool = False,
+    ) -> Sequence:
         if not prompt:
             raise EngineError("the prompt is empty: at least one token is needed")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -147,6 +207,7 @@ class Engine:
             params=params,
             generator=params.make_generator(),
             seen=set(prompt) if params.repetition_penalty != 1.0 else set(),
+            record_experts=record_experts,
         )
         self.waiting.append(seq)
         return seq
@@ -178,31 +239,62 @@ class Engine:
     @torch.no_grad()
     def step(self) -> list[Event]:
         events: list[Event] = []
-        if self.waiting and len(self.running) < self.max_batch:
+        prefill, decode = bool(self.waiting) and len(self.running) < self.max_batch, bool(self.running)
+        if prefill:
             events += self._prefill_chunk(self.waiting[0])
-        if self.running:
+        if decode:
             events += self._decode_step()
+        self.steps += prefill or decode
         return events
 
-    def chunk_size(self, done: int, remaining: int) -> int:
-        """Tokens in the next prefill chunk: bounded by `prefill_chunk` and the MLA scores' budget."""
+    def chunk_size(self, done: int, remaining: int, all_logits: bool = False) -> int:
+        """Tokens in the next prefill chunk: bounded by `prefill_chunk` and the MLA scores' budget (and,
+        when every position's logits are kept, by their [size, V] fp32 within the same budget)."""
         size = min(self.prefill_chunk, remaining)
         if self.cfg.mla_layers:
             # scores + probabilities: 2 x [heads, size, done + size] fp32
             per_query = 2 * 4 * self.cfg.num_attention_heads * (done + size)
             size = min(size, max(16, self.attention_budget // per_query))
+        if all_logits:  # logits + log_softmax: 2 x [size, V] fp32
+            size = min(size, max(16, self.attention_budget // (2 * 4 * self.cfg.vocab_size)))
         return size
+
+    def _forward(self, ids: torch.Tensor, cache: ModelCache, seqs: list[Sequence], keep: int) -> torch.Tensor:
+        """logits of ids [B, T] (row b continues seqs[b]); appends each row's experts to seqs that record."""
+        if not any(seq.record_experts for seq in seqs):
+            return self.model(ids, cache, logits_to_keep=keep)
+        with record_routing(self.model, scores=False, weights=False) as trace:
+            logits = self.model(ids, cache, logits_to_keep=keep)
+        B, T = ids.shape
+        k = self.cfg.num_experts_per_token
+        chosen = [trace.indices(layer) for layer in trace.layers]  # per layer [B * T, k], row-major
+        if any(c.shape[0] != B * T for c in chosen):
+            raise EngineError(f"a router saw {[c.shape[0] for c in chosen]} rows for a forward of {B} x {T}")
+        experts = torch.stack(chosen, 1) if chosen else torch.empty(B * T, 0, k, dtype=torch.long)
+        for seq, rows in zip(seqs, experts.view(B, T, len(chosen), k), strict=True):  # [T, n_moe, k]
+            if seq.record_experts:
+                seq.experts.append(rows)
+        return logits
 
     def _prefill_chunk(self, seq: Sequence) -> list[Event]:
         if seq.cache is None:
             seq.cache = self.model.new_cache(1)
-        size = self.chunk_size(seq.prefilled, len(seq.prompt) - seq.prefilled)
-        chunk = torch.tensor([seq.prompt[seq.prefilled : seq.prefilled + size]])  # [1, size]
-        logits = self.model(chunk, seq.cache, logits_to_keep=1)  # [1, 1, V]
+            if seq.params.prompt_logprobs is not None:
+                seq.prompt_logprobs, seq.prompt_top = [None], [None]  # nothing predicts the first token
+        scoring = seq.params.prompt_logprobs is not None
+        start = seq.prefilled
+        size = self.chunk_size(start, len(seq.prompt) - start, all_logits=scoring)
+        chunk = torch.tensor([seq.prompt[start : start + size]])  # [1, size]
+        logits = self._forward(chunk, seq.cache, [seq], keep=0 if scoring else 1)  # [1, size or 1, V]
         seq.prefilled += size
+        if scoring:
+            self._score_prompt(seq, logits[0], start)
         if seq.prefilled < len(seq.prompt):
             return []
         self.waiting.remove(seq)
+        if seq.params.max_tokens == 0:  # scoring only
+            seq.status, seq.finish_reason, seq.cache = Status.FINISHED, "length", None
+            return [Event(seq, None, "length")]
         event = self._sample(seq, logits[0, -1])
         if seq.status is Status.FINISHED:
             seq.cache = None
@@ -213,9 +305,16 @@ class Engine:
         seq.cache = None
         return [event]
 
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Log-probs of the prompt tokens that the chunk's logits [size, V] (positions start...) predict."""
+        targets = torch.tensor(seq.prompt[start + 1 : start + 1 + logits.shape[0]])  # the last may be past
+        logp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1)  # [n, V]
+        seq.prompt_logprobs += logp.gather(1, targets[:, None])[:, 0].tolist()
+        seq.prompt_top += [_top(row, seq.params.prompt_logprobs) for row in logp]
+
     def _decode_step(self) -> list[Event]:
         ids = torch.tensor([[seq.output[-1]] for seq in self.running])  # [B, 1]
-        logits = self.model(ids, self.batch)[:, -1]  # [B, V]
+        logits = self._forward(ids, self.batch, self.running, keep=0)[:, -1]  # [B, V]
         events = [self._sample(seq, logits[row]) for row, seq in enumerate(self.running)]
         done = [row for row, seq in enumerate(self.running) if seq.status is Status.FINISHED]
         if done:
@@ -231,17 +330,64 @@ class Engine:
         """Draw seq's next token from logits [V]; finish it on a stop id, max_tokens or a full context."""
         p = seq.params
         seen = torch.tensor(sorted(seq.seen)) if p.repetition_penalty != 1.0 else None
-        token = sample_token(logits, p, seq.generator, seen)
+        token, logp = draw(logits, p, seq.generator, seen)
         kept = logits if self.record_logits else None
+        logprob, top = float(logp[token]), _top(logp, p.logprobs) if p.logprobs else None
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.policy_version)
+        if top is not None:
+            seq.top.append(top)
         if token in p.stop_ids:
-            seq.status, seq.finish_reason = Status.FINISHED, "stop"
-            return Event(seq, None, "stop", kept)
+            seq.status, seq.finish_reason, seq.stop_token = Status.FINISHED, "stop", token
+            return Event(seq, None, "stop", kept, logprob, top)
         seq.output.append(token)
         if p.repetition_penalty != 1.0:
             seq.seen.add(token)
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_context:
             seq.status, seq.finish_reason = Status.FINISHED, "length"
-        return Event(seq, token, seq.finish_reason, kept)
+        return Event(seq, token, seq.finish_reason, kept, logprob, top)
+
+    # ---- weights -----------------------------------------------------------------------------------------
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy new weights into the model in place (names as in `model.state_dict()`, all of them, same
+        shapes; floating tensors may come in another floating dtype) and set `policy_version`. Only between
+        requests: raises EngineError while sequences are in flight, and changes nothing then."""
+        if self.has_work:
+            raise EngineError(
+                f"load_weights: {len(self.waiting) + len(self.running)} sequences are in flight; "
+                "swap weights between requests"
+            )
+        own = self.model.state_dict()
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        misfit = [
+            f"{name} {tuple(t.shape)}/{t.dtype} (model: {tuple(own[name].shape)}/{own[name].dtype})"
+            for name, t in state_dict.items()
+            if name in own
+            and (
+                t.shape != own[name].shape
+                or (
+                    t.dtype != own[name].dtype
+                    and not (t.is_floating_point() and own[name].is_floating_point())
+                )
+            )
+        ]
+        if missing or unexpected or misfit:
+            raise EngineError(
+                "load_weights: "
+                + "; ".join(
+                    f"{what}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                    for what, names in (
+                        ("missing", missing),
+                        ("unexpected", unexpected),
+                        ("mis-shaped", misfit),
+                    )
+                    if names
+                )
+            )
+        with torch.no_grad():
+            for name, tensor in state_dict.items():
+                own[name].copy_(tensor)
+        self.policy_version = version
 
     # ---- conveniences ------------------------------------------------------------------------------------
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
@@ -255,12 +401,41 @@ class Engine:
         finally:
             self.cancel(seq)
 
+    def complete(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams | list[SamplingParams],
+        *,
+        record_experts: bool = False,
+    ) -> list[Completion]:
+        """Run prompts to completion together (continuous batching): ids, logprobs, policy versions and
+        (with `record_experts`) routed experts of each. Drives `step` itself."""
+        per = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [self.submit(p, sp, record_experts=record_experts) for p, sp in zip(prompts, per, strict=True)]
+        try:
+            while any(s.status is not Status.FINISHED for s in seqs):
+                self.step()
+        finally:
+            for seq in seqs:
+                self.cancel(seq)
+        return [Completion.of(s) for s in seqs]
+
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
     ) -> list[list[int]]:
-        """Run prompts to completion together (continuous batching); the generated ids of each."""
-        per = params if isinstance(params, list) else [params] * len(prompts)
-        seqs = [self.submit(p, sp) for p, sp in zip(prompts, per, strict=True)]
-        while any(s.status is not Status.FINISHED for s in seqs):
-            self.step()
-        return [s.output for s in seqs]
+        """Run prompts to completion together (continuous batching); the generated ids of each (without
+        the stop id)."""
+        return [
+            c.tokens[: len(c.tokens) - (c.finish_reason == "stop")] for c in self.complete(prompts, params)
+        ]
+
+
+def _cat_experts(seq: Sequence) -> torch.Tensor:
+    """[positions fed, n_moe, k]: the rows recorded for seq, in order (none if it never reached a forward)."""
+    return torch.cat(seq.experts) if seq.experts else torch.empty(0, 0, 0, dtype=torch.long)
+
+
+def _top(logp: torch.Tensor, n: int) -> TopLogprobs:
+    """The n most likely (id, log-prob) of logp [V], most likely first (-inf ones included if n asks)."""
+    values, ids = torch.topk(logp, n)
+    return list(zip(ids.tolist(), values.tolist(), strict=True))

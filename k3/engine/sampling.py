@@ -3,6 +3,11 @@
 Order of operations (as in most engines): repetition penalty on the raw logits, then temperature, then
 top-k, then top-p (nucleus) on the resulting distribution, then a draw with the request's own
 `torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch.
+
+The log-probability reported for a token is the one of the distribution it was drawn from
+(`sampling_logprobs`: after penalty, temperature, top-k and top-p; -inf outside the kept tokens). Greedy
+decoding takes the argmax of `log_softmax(logits)` and reports that: with temperature 0 (or 1) and top_p 1
+the reported values are the model's own log-softmax.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from k3.errors import K3Error
+
+MAX_LOGPROBS = 20  # most alternatives per position (OpenAI's top_logprobs limit)
 
 
 class SamplingError(K3Error):
@@ -27,6 +34,9 @@ class SamplingParams:
     max_tokens: int = 256
     stop_ids: frozenset[int] = field(default_factory=frozenset)
     seed: int | None = None
+    logprobs: int = 0  # per generated token, also return this many most likely alternatives (0..20)
+    prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's log-prob under the model
+    # (raw log_softmax, the first one None) and n alternatives per position, e.g. for `echo` scoring
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -37,8 +47,16 @@ class SamplingParams:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not self.repetition_penalty > 0:
             raise SamplingError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingError(f"max_tokens must be a positive integer, got {self.max_tokens}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
+            raise SamplingError(f"max_tokens must be a non-negative integer, got {self.max_tokens}")
+        if not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise SamplingError(f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (
+            isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise SamplingError(
+                f"prompt_logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs}"
+            )
         object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
 
     @property
@@ -63,38 +81,56 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: 
     return out
 
 
-def next_token_probs(
+def sampling_logprobs(
     logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """The distribution the next token is drawn from, fp32 [V] (one-hot for greedy)."""
+    """Log-probabilities of the distribution the next token is drawn from, fp32 [V] (-inf where top-k /
+    top-p removed a token). Greedy: `log_softmax` of the (penalised) logits, whose argmax is taken."""
     logits = logits.float()
     if seen is not None:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
     if params.greedy:
-        probs = torch.zeros_like(logits)
-        probs[torch.argmax(logits)] = 1.0
-        return probs
+        return torch.log_softmax(logits, dim=-1)
     logits = logits / params.temperature
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+        sorted_logp, order = torch.sort(logp, descending=True)
+        sorted_probs = sorted_logp.exp()
         # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep_sorted = mass_before < params.top_p
-        keep = torch.zeros_like(keep_sorted).scatter(0, order, keep_sorted)
-        probs = torch.where(keep, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum()
-    return probs
+        keep = torch.zeros_like(mass_before, dtype=torch.bool).scatter(0, order, mass_before < params.top_p)
+        logp = logp.masked_fill(~keep, float("-inf"))
+        logp = logp - torch.logsumexp(logp, dim=-1)
+    return logp
+
+
+def next_token_probs(
+    logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The distribution the next token is drawn from, fp32 [V] (one-hot for greedy)."""
+    logp = sampling_logprobs(logits, params, seen)
+    if params.greedy:
+        probs = torch.zeros_like(logp)
+        probs[torch.argmax(logp)] = 1.0
+        return probs
+    return logp.exp()
+
+
+def draw(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, seen: torch.Tensor | None = None
+) -> tuple[int, torch.Tensor]:
+    """The next token for one sequence and the log-probabilities [V] it was drawn from. logits: [V]."""
+    logp = sampling_logprobs(logits, params, seen)
+    if params.greedy:
+        return int(torch.argmax(logp)), logp
+    return int(torch.multinomial(logp.exp(), 1, generator=generator)), logp
 
 
 def sample_token(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, seen: torch.Tensor | None = None
 ) -> int:
     """Draw the next token for one sequence. logits: [V]."""
-    probs = next_token_probs(logits, params, seen)
-    if params.greedy:
-        return int(torch.argmax(probs))
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return draw(logits, params, generator, seen)[0]

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 
-from k3.engine.sampling import SamplingError, SamplingParams, next_token_probs, sample_token
+from k3.engine.sampling import (
+    SamplingError,
+    SamplingParams,
+    draw,
+    next_token_probs,
+    sample_token,
+    sampling_logprobs,
+)
 
 
 def reference_probs(logits: list[float], p: SamplingParams, seen: list[int]) -> list[float]:
@@ -56,6 +64,24 @@ def test_distribution_matches_reference(params: SamplingParams) -> None:
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("params", CASES)
+def test_logprobs_are_those_of_the_drawn_distribution(params: SamplingParams) -> None:
+    """Sampled: log of the reference distribution (-inf outside it); greedy: log_softmax of the penalised
+    logits (the distribution whose argmax is taken)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(50, generator=g) * 3
+    seen = torch.randint(0, 50, (12,), generator=g)
+    got = sampling_logprobs(logits, params, seen)
+    if params.greedy:
+        penalised = dataclasses.replace(params, temperature=1.0)  # the reference at T=1 is the softmax
+        want = torch.tensor(reference_probs(logits.tolist(), penalised, seen.tolist())).log()
+    else:
+        want = torch.tensor(reference_probs(logits.tolist(), params, seen.tolist())).log()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    token, logp = draw(logits, params, torch.Generator().manual_seed(2), seen)
+    assert torch.equal(logp, got) and logp[token] > float("-inf")
+
+
 def test_repetition_penalty_changes_greedy_choice() -> None:
     logits = torch.tensor([3.0, 2.0, -1.0])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
@@ -91,7 +117,10 @@ def test_seed_reproducible() -> None:
         {"top_p": 0},
         {"top_p": 1.5},
         {"top_k": -1},
-        {"max_tokens": 0},
+        {"max_tokens": -1},
+        {"max_tokens": 1.5},
+        {"logprobs": 21},
+        {"prompt_logprobs": -1},
         {"repetition_penalty": 0},
     ],
 )
