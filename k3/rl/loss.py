@@ -13,6 +13,8 @@ grad L = -(1/G) sum_g sum_i (r_gi - mean_j r_gj) grad log pi(y_gi): the policy g
 baseline; away from theta_old the squared form pulls log pi / pi_old towards (r - mean_r) / tau, the
 closed-form solution of the KL-regularised objective, so tau sets how far one iteration moves the policy.
 
+ReST (rejection sampling fine-tuning, K1.5's baseline): the log-likelihood of the correct samples.
+
 GRPO (Shao et al. 2024), the comparison: advantages (r - mean) / (std + eps) per group, PPO's clipped
 ratio per token, averaged over all counted tokens of the batch.
 
@@ -89,6 +91,13 @@ def grpo_loss(
     surrogate = torch.minimum(ratio * advantage, ratio.clamp(1 - clip, 1 + clip) * advantage)
     weight = mask if token_weights is None else mask * token_weights
     return -(surrogate * weight).sum() / mask.sum().clamp_min(1)
+
+
+def rest_loss(logp: torch.Tensor, mask: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
+    """ReST / rejection-sampling fine-tuning (K1.5's ablation): the negative log-likelihood of the correct
+    samples only, mean over their tokens (0, with no gradient signal, when none is correct). correct: [N]."""
+    keep = mask * correct[:, None].to(mask.dtype)
+    return -(logp * keep).sum() / keep.sum().clamp_min(1)
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
