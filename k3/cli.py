@@ -111,6 +111,7 @@ def _register_rooms() -> None:
     from k3.checkpoint.commands import inspect
     from k3.engine.commands import chat, generate, serve, tokenize
     from k3.model.commands import init as write_random_weights
+    from k3.rl.commands import rl_app
     from k3.train.commands import train_app
 
     app.command("inspect")(inspect)
@@ -134,6 +135,7 @@ def _register_rooms() -> None:
         app.command()(command)
     app.add_typer(atlas_app, name="atlas")
     app.add_typer(train_app, name="train")
+    app.add_typer(rl_app, name="rl")
 
 
 _register_rooms()

@@ -6,8 +6,8 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
    unfinished trajectories of the replay buffer; the engine continues all of them by one segment
    (`partial_budget` tokens at most, or to the end) with weights v;
 2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
-   penalty); at most `partial_cap` of the batch's samples may come from partial rollouts, the rest of those
-   groups wait for the next iteration;
+   penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
+   the rest of those groups wait for the next iteration;
 3. the trainer runs one teacher-forced forward over the batch with its own routing: the log row records
    mean/max |trainer - engine| log-prob over the tokens version v drew and the share of positions whose
    experts differ from the engine's (the consistency check); with `routing_replay` the update runs with
@@ -86,6 +86,7 @@ class RLConfig:
     loop_repeats: int = 0  # a tail block repeated this often ends the sample as a loop (0: off)
     routing_replay: bool = False
     eval_every: int = 5
+    held_out: int = 100  # held-out problems
     digits: int = 3  # arithmetic
     seed: int = 0
     max_batch: int = 64  # engine slots
@@ -98,7 +99,15 @@ class RLConfig:
         def bad(option: str, problem: str) -> None:
             raise RLError(f"--{option.replace('_', '-')}: {problem}")
 
-        for name in ("iterations", "prompts", "samples", "minibatches", "eval_every", "checkpoint_every"):
+        for name in (
+            "iterations",
+            "prompts",
+            "samples",
+            "minibatches",
+            "eval_every",
+            "held_out",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 1:
                 bad(name, f"must be at least 1, got {getattr(self, name)}")
         if self.samples < 2:
@@ -124,7 +133,8 @@ class RLConfig:
 
 
 def task_of(rc: RLConfig) -> Task:
-    return make_task(rc.task, digits=rc.digits) if rc.task == "arithmetic" else make_task(rc.task)
+    options = {"digits": rc.digits} if rc.task == "arithmetic" else {}
+    return make_task(rc.task, held_out_size=rc.held_out, **options)
 
 
 @torch.no_grad()
@@ -177,22 +187,19 @@ def _optimizer(model, rc: RLConfig):
     return build_optimizer(model, "adamw", rc.lr, 0.0, (0.9, 0.95))
 
 
-def select_batch(
-    pool: list[Trajectory], samples: int, cap: float
-) -> tuple[list[list[Trajectory]], list[Trajectory]]:
-    """(groups to train on now, trajectories to keep): complete groups, those without partial samples
-    first, partial ones while their samples stay within `cap` of the batch; the rest waits."""
+def select_batch(pool: list[Trajectory], max_partial: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
+    """(groups to train on now, trajectories to keep): every complete group without partial samples, and
+    complete groups with partial ones, oldest first, while their partial samples number at most
+    `max_partial` (at least one such group when nothing else is ready, so no group waits for ever)."""
     by_group: dict[int, list[Trajectory]] = {}
     for t in pool:
         by_group.setdefault(t.group, []).append(t)
     complete = [sorted(g, key=lambda t: t.sample) for g in by_group.values() if all(t.finished for t in g)]
-    fresh = [g for g in complete if not any(t.partial for t in g)]
-    partial = [g for g in complete if any(t.partial for t in g)]
-    chosen = list(fresh)
+    chosen = [g for g in complete if not any(t.partial for t in g)]
     n_partial = 0
-    for g in sorted(partial, key=lambda g: g[0].group):  # oldest first
+    for g in sorted((g for g in complete if any(t.partial for t in g)), key=lambda g: g[0].group):
         share = sum(t.partial for t in g)
-        if n_partial + share <= cap * (len(chosen) + 1) * samples:
+        if n_partial + share <= max_partial or not chosen:
             chosen.append(g)
             n_partial += share
     taken = {g[0].group for g in chosen}
@@ -301,7 +308,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
                 loop_repeats=rc.loop_repeats,
                 record_experts=record,
             )
-            groups, pool = select_batch(pool, rc.samples, rc.partial_cap)
+            groups, pool = select_batch(pool, int(rc.partial_cap * rc.prompts * rc.samples))
             row: dict = {"step": it + 1, "lr": repr(rc.lr), "gen_tokens": gen_tokens, "buffered": len(pool)}
             if groups:
                 row.update(_train_on(model, optimizer, rc, task, codec, groups, problems, version))

@@ -25,10 +25,14 @@ def _rollouts(model, temperature=1.0, n=7, record=True, budget=None):
     engine = Engine(copy.deepcopy(model), max_batch=3)  # fewer slots than requests: sequences join and leave
     g = torch.Generator().manual_seed(1)
     trajs = [
-        Trajectory(group=i // 2, sample=i % 2, prompt=torch.randint(1, 700, (3 + 2 * i,), generator=g).tolist())
+        Trajectory(
+            group=i // 2, sample=i % 2, prompt=torch.randint(1, 700, (3 + 2 * i,), generator=g).tolist()
+        )
         for i in range(n)
     ]
-    generate(engine, trajs, seed=5, temperature=temperature, stop_id=STOP, max_tokens=12, record_experts=record)
+    generate(
+        engine, trajs, seed=5, temperature=temperature, stop_id=STOP, max_tokens=12, record_experts=record
+    )
     return engine, trajs
 
 
