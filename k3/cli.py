@@ -118,6 +118,7 @@ def _register_rooms() -> None:
     from k3.export.commands import export_app
     from k3.model.commands import init as write_random_weights
     from k3.ops.commands import doctor
+    from k3.rl.commands import rl_app
     from k3.sandbox.commands import sandbox_app
     from k3.stream.commands import stream_app
     from k3.train.commands import train_app
@@ -147,6 +148,7 @@ def _register_rooms() -> None:
     app.add_typer(sandbox_app, name="sandbox")
     app.add_typer(stream_app, name="stream")
     app.add_typer(export_app, name="export")
+    app.add_typer(rl_app, name="rl")
 
 
 _register_rooms()

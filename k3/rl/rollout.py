@@ -1,0 +1,142 @@
+"""Rollouts through k3's engine: K samples per prompt, token ids end to end, partial rollouts.
+
+A `Trajectory` is one sample of one prompt: its prompt ids, the ids generated so far and, per generated
+token, the behaviour log-prob (of the distribution it was drawn from: temperature T, top_p 1) and the
+policy version that drew it; with `record_experts`, the experts every MoE router chose at every position
+fed (from the engine's last segment, which fed the whole sequence). Nothing is re-tokenised: the ids the
+engine produced are the ids trained on.
+
+Partial rollouts (Kimi K1.5 section 2.6.2): each iteration a trajectory may generate at most `budget`
+tokens; one that is still unfinished then waits in the replay buffer and is continued in the next
+iteration by the current weights (the engine is given prompt + tokens so far as its prompt), so its
+tokens carry several versions. A trajectory ends on the task's stop id ("stop"), on the task's token budget
+("length", a truncation) or when its tail is a loop ("loop", see `loop_length`).
+
+Each segment is drawn with its own seed, a pure function of (run seed, group, sample, segment), so a rerun
+of an iteration draws the same tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+from k3.engine.generate import Engine
+from k3.engine.sampling import SamplingParams
+
+FINISHED = ("stop", "length", "loop")
+
+
+@dataclass
+class Trajectory:
+    group: int  # the prompt it samples (its K samples share the group)
+    sample: int  # 0..K-1
+    prompt: list[int]
+    tokens: list[int] = field(default_factory=list)  # generated ids (the stop id included)
+    logprobs: list[float] = field(default_factory=list)  # behaviour log-prob per token
+    versions: list[int] = field(default_factory=list)  # policy version per token
+    finish_reason: str | None = None  # None while unfinished; else one of FINISHED
+    segments: int = 0  # engine calls that generated for it
+    experts: torch.Tensor | None = None  # [len(prompt) + len(tokens) - 1, n_moe, k] (record_experts)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def partial(self) -> bool:
+        """Generated over more than one iteration."""
+        return self.segments > 1
+
+    def to_json(self) -> dict:
+        """Everything but the experts (a resumed run recomputes them when it continues the trajectory)."""
+        return {
+            "group": self.group,
+            "sample": self.sample,
+            "prompt": self.prompt,
+            "tokens": self.tokens,
+            "logprobs": self.logprobs,  # json writes floats with repr: they round-trip exactly
+            "versions": self.versions,
+            "finish_reason": self.finish_reason,
+            "segments": self.segments,
+            "experts": None if self.experts is None else self.experts.tolist(),
+        }
+
+    @staticmethod
+    def from_json(d: dict) -> Trajectory:
+        experts = d.pop("experts")
+        t = Trajectory(**d)
+        t.experts = None if experts is None else torch.tensor(experts, dtype=torch.long)
+        return t
+
+
+def segment_seed(seed: int, group: int, sample: int, segment: int) -> int:
+    """A 62-bit seed per (run, group, sample, segment), independent of batch composition."""
+    digest = hashlib.blake2b(f"{seed}/{group}/{sample}/{segment}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def loop_length(tokens: list[int], repeats: int, max_period: int = 8) -> int:
+    """Tokens at the end of `tokens` that are one block of <= max_period ids repeated `repeats` times or
+    more (the smallest such period wins), or 0 when the tail is no such loop (or `repeats` < 2)."""
+    if repeats < 2:
+        return 0
+    for period in range(1, max_period + 1):
+        span = period * repeats
+        if len(tokens) < span:
+            break
+        tail = tokens[-span:]
+        if all(tail[i] == tail[i % period] for i in range(span)):
+            return span
+    return 0
+
+
+def generate(
+    engine: Engine,
+    trajectories: list[Trajectory],
+    *,
+    seed: int,
+    temperature: float,
+    stop_id: int,
+    max_tokens: int,
+    budget: int | None = None,
+    loop_repeats: int = 0,
+    record_experts: bool = False,
+) -> int:
+    """Continue every unfinished trajectory by one segment (in place): at most `budget` new tokens (None:
+    until done), never past `max_tokens` in all. Returns the number of tokens generated."""
+    todo = [t for t in trajectories if not t.finished]
+    params = []
+    for t in todo:
+        room = max_tokens - len(t.tokens)
+        params.append(
+            SamplingParams(
+                temperature=temperature,
+                max_tokens=room if budget is None else min(room, budget),
+                stop_ids=frozenset({stop_id}),
+                seed=segment_seed(seed, t.group, t.sample, t.segments),
+            )
+        )
+    done = engine.complete([t.prompt + t.tokens for t in todo], params, record_experts=record_experts)
+    generated = 0
+    for t, c in zip(todo, done, strict=True):
+        t.tokens += c.tokens
+        t.logprobs += c.logprobs
+        t.versions += c.versions
+        t.segments += 1
+        t.experts = c.experts
+        generated += len(c.tokens)
+        if c.finish_reason == "stop":
+            t.finish_reason = "stop"
+        elif loop_length(t.tokens, loop_repeats):
+            t.finish_reason = "loop"
+        elif len(t.tokens) >= max_tokens or c.finish_reason != "length" or not c.tokens:
+            t.finish_reason = "length"  # the task's budget (or the model's context) is used up
+    return generated
+
+
+def answer_ids(t: Trajectory, stop_id: int) -> list[int]:
+    """The generated ids without the stop id."""
+    return t.tokens[:-1] if t.finish_reason == "stop" and t.tokens and t.tokens[-1] == stop_id else t.tokens

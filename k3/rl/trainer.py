@@ -1,0 +1,379 @@
+"""The RL loop: rollouts through the engine, verifiable rewards, K2 / GRPO / ReST updates, weight swap.
+
+One iteration (policy version v = the iteration number, engine and trainer hold the same weights):
+
+1. new prompts (`prompts` less the groups still in the replay buffer, so at most `prompts` groups are
+   in flight; a pure function of (seed, iteration)), K samples each, join the unfinished trajectories of
+   the replay buffer; the engine continues all of them by one segment
+   (`partial_budget` tokens at most, or to the end) with weights v;
+2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
+   penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
+   the rest of those groups wait for the next iteration;
+3. the trainer runs one teacher-forced forward over the batch with its own routing: the log row records
+   mean/max |trainer - engine| log-prob over the tokens version v drew and the share of positions whose
+   experts differ from the engine's (the consistency check); with `routing_replay` the update runs with
+   the rollout's experts (route_with);
+4. `minibatches` optimizer steps on the loss (k2, grpo or rest); tokens older than `stale_versions`
+   versions are masked (`stale=mask`) or weighted by min(pi_old / pi_behaviour, tis_cap) (`stale=tis`);
+5. KL(pi_v || pi_v+1) on the batch (k3 estimator), then the engine loads weights v + 1.
+
+A run folder: RUN/rl.json (the config; a rerun must agree), RUN/log.csv (row 0: the base model's held-out
+accuracy; then one row per iteration), RUN/checkpoints/step-N (model, optimizer, RNG and the replay
+buffer: k3.train.state), RUN/config.json. Everything random is seeded by (seed, iteration, group,
+sample, segment), so a run killed at any point and rerun gives the same log (timing columns aside) and
+the same weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from k3.errors import K3Error
+from k3.rl.codec import CharCodec
+from k3.rl.loss import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
+from k3.rl.policy import check_consistency, forward_logprobs, pack
+from k3.rl.rollout import Trajectory, answer_ids, generate
+from k3.rl.tasks import TASK_NAMES, Problem, Task, make_task
+
+RL_JSON = "rl.json"
+LOG_FILE = "log.csv"
+LOSSES = ("k2", "grpo", "rest")
+STALE_MODES = ("mask", "tis")
+_RESUMABLE_CHANGES = {"stop_after", "progress", "threads"}
+COLUMNS = [
+    "step", "loss", "lr", "reward", "score", "eval_acc", "response_len", "truncated", "partial_share",
+    "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm", "samples",
+    "gen_tokens", "tokens_per_s", "elapsed_s",
+]  # fmt: skip
+TIMING = ("tokens_per_s", "elapsed_s")  # the columns a resumed run may not reproduce
+
+
+class RLError(K3Error):
+    """An RL setup that cannot run; the message names the option."""
+
+
+@dataclass
+class RLConfig:
+    init: str = "tiny"  # preset, published checkpoint or policy folder (k3 rl sft)
+    task: str = "arithmetic"
+    out: str = "runs/rl"
+    iterations: int = 20
+    prompts: int = 16  # new prompts per iteration
+    samples: int = 8  # K per prompt
+    loss: str = "k2"  # k2 | grpo | rest
+    tau: float = 0.1  # K2's KL weight
+    clip: float = 0.2  # GRPO's ratio clip
+    lr: float = 1e-3
+    minibatches: int = 2  # optimizer steps per iteration
+    reset_optimizer: bool = False  # a fresh optimizer every iteration (K1.5)
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    partial_budget: int = 0  # tokens per trajectory per iteration (0: no partial rollouts)
+    partial_cap: float = 0.5  # most samples of a batch from partial rollouts
+    stale_versions: int = 2
+    stale: str = "mask"  # mask | tis
+    tis_cap: float = 2.0
+    length_coef: float = 0.0  # K1.5 length penalty weight
+    truncation_penalty: float = 0.0
+    loop_repeats: int = 0  # a tail block repeated this often ends the sample as a loop (0: off)
+    routing_replay: bool = False
+    eval_every: int = 5
+    held_out: int = 100  # held-out problems
+    digits: int = 3  # arithmetic
+    seed: int = 0
+    max_batch: int = 64  # engine slots
+    checkpoint_every: int = 1
+    threads: int = 0
+    stop_after: int | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        def bad(option: str, problem: str) -> None:
+            raise RLError(f"--{option.replace('_', '-')}: {problem}")
+
+        for name in (
+            "iterations",
+            "prompts",
+            "samples",
+            "minibatches",
+            "eval_every",
+            "held_out",
+            "checkpoint_every",
+        ):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.samples < 2:
+            bad("samples", "needs at least 2 samples per prompt (the baseline is their mean)")
+        if self.task not in TASK_NAMES:
+            bad("task", f"unknown task {self.task!r} (known: {', '.join(TASK_NAMES)})")
+        if self.loss not in LOSSES:
+            bad("loss", f"unknown loss {self.loss!r} (known: {', '.join(LOSSES)})")
+        if self.stale not in STALE_MODES:
+            bad("stale", f"must be one of {', '.join(STALE_MODES)}, got {self.stale!r}")
+        if self.prompts % self.minibatches:
+            bad("minibatches", f"must divide --prompts ({self.prompts})")
+        if self.tau <= 0:
+            bad("tau", f"must be positive, got {self.tau}")
+        if self.lr < 0:
+            bad("lr", f"must be >= 0, got {self.lr}")
+        if self.temperature <= 0:
+            bad("temperature", f"RL samples need a temperature > 0, got {self.temperature}")
+        if self.partial_budget < 0:
+            bad("partial-budget", f"must be >= 0, got {self.partial_budget}")
+        if not 0 <= self.partial_cap <= 1:
+            bad("partial-cap", f"must be in [0, 1], got {self.partial_cap}")
+
+
+def task_of(rc: RLConfig) -> Task:
+    options = {"digits": rc.digits} if rc.task == "arithmetic" else {}
+    return make_task(rc.task, held_out_size=rc.held_out, **options)
+
+
+@torch.no_grad()
+def held_out_accuracy(engine, task: Task, codec: CharCodec, seed: int) -> float:
+    """Greedy answers to the task's held-out problems: the share graded right."""
+    from k3.engine.sampling import SamplingParams
+
+    problems = list(task.held_out(seed))
+    params = SamplingParams(temperature=0, max_tokens=task.max_tokens, stop_ids=frozenset({codec.eos}))
+    outs = engine.generate([codec.encode(p.prompt) for p in problems], params)
+    return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
+
+
+def _prepare_run(rc: RLConfig, run: Path) -> None:
+    path = run / RL_JSON
+    mine = {k: v for k, v in asdict(rc).items() if k not in _RESUMABLE_CHANGES}
+    if path.is_file():
+        theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in _RESUMABLE_CHANGES}
+        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if changed:
+            raise RLError(
+                f"{run} holds a run with other settings ({', '.join(changed)}); choose another --out"
+            )
+    run.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(rc), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def _cut_log(path: Path, step: int) -> None:
+    """Keep the complete rows up to `step` (a torn last line or rows past the checkpoint are dropped)."""
+    rows = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if None in row.values() or row.get("step") in (None, "") or int(row["step"]) > step:
+                    break
+                rows.append(row)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def _optimizer(model, rc: RLConfig):
+    from k3.train.optim import build_optimizer
+
+    return build_optimizer(model, "adamw", rc.lr, 0.0, (0.9, 0.95))
+
+
+def select_batch(pool: list[Trajectory], max_partial: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
+    """(groups to train on now, trajectories to keep): every complete group without partial samples, and
+    complete groups with partial ones, oldest first, while their partial samples number at most
+    `max_partial` (at least one such group when nothing else is ready, so no group waits for ever)."""
+    by_group: dict[int, list[Trajectory]] = {}
+    for t in pool:
+        by_group.setdefault(t.group, []).append(t)
+    complete = [sorted(g, key=lambda t: t.sample) for g in by_group.values() if all(t.finished for t in g)]
+    chosen = [g for g in complete if not any(t.partial for t in g)]
+    n_partial = 0
+    for g in sorted((g for g in complete if any(t.partial for t in g)), key=lambda g: g[0].group):
+        share = sum(t.partial for t in g)
+        if n_partial + share <= max_partial or not chosen:
+            chosen.append(g)
+            n_partial += share
+    taken = {g[0].group for g in chosen}
+    return sorted(chosen, key=lambda g: g[0].group), [t for t in pool if t.group not in taken]
+
+
+def _token_tensor(trajs: list[Trajectory], T: int, values: Callable[[Trajectory], list]) -> torch.Tensor:
+    out = torch.zeros(len(trajs), T, dtype=torch.float64)
+    for b, t in enumerate(trajs):
+        v = values(t)
+        out[b, : len(v)] = torch.tensor(v, dtype=torch.float64)
+    return out
+
+
+def update(model, optimizer, rc: RLConfig, groups: list[list[Trajectory]], rewards: torch.Tensor, scores,
+           version: int, old_logp: torch.Tensor) -> tuple[float, float]:  # fmt: skip
+    """`minibatches` optimizer steps over the batch; returns (mean loss, last gradient norm)."""
+    trajs = [t for g in groups for t in g]
+    K, M = rc.samples, rc.minibatches
+    per = max(1, math.ceil(len(groups) / M))
+    losses, norm = [], 0.0
+    for start in range(0, len(groups), per):
+        rows = slice(start * K, (start + len(groups[start : start + per])) * K)
+        chunk = trajs[rows]
+        packed = pack(chunk)
+        T = packed.mask.shape[1]
+        logp = forward_logprobs(model, chunk, rc.temperature, rc.routing_replay, packed)  # [n, T]
+        old = old_logp[rows, :T].to(logp.dtype)
+        mask = packed.mask.clone()
+        versions = _token_tensor(chunk, T, lambda t: t.versions)
+        stale = (version - versions > rc.stale_versions) & (mask > 0)
+        weights = None
+        if rc.stale == "mask":
+            mask[stale] = 0.0
+        else:
+            behaviour = _token_tensor(chunk, T, lambda t: t.logprobs).to(logp.dtype)
+            ratio = torch.exp(old - behaviour).clamp(max=rc.tis_cap)
+            weights = torch.where(stale, ratio, torch.ones_like(ratio))
+        r = rewards[rows].to(logp.dtype)
+        if rc.loss == "k2":
+            loss = k2_loss(logp, old, mask, r, K, rc.tau, weights)
+        elif rc.loss == "grpo":
+            loss = grpo_loss(logp, old, mask, r, K, rc.clip, weights)
+        else:
+            loss = rest_loss(logp, mask, scores[rows] > 0.5)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), rc.grad_clip or math.inf))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return sum(losses) / len(losses), norm
+
+
+def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -> Path:
+    """Run (or resume) the RL run `rc` describes; returns the run folder."""
+    from k3.engine.generate import Engine
+    from k3.rl.policy_io import load_policy
+    from k3.train.state import list_checkpoints, load_training_state, save_training_state
+
+    rc.check()
+    run = Path(rc.out)
+    _prepare_run(rc, run)
+    if rc.threads:
+        torch.set_num_threads(rc.threads)
+    task = task_of(rc)
+    model = load_policy(rc.init, rc.seed)
+    model.train()
+    if not model.routers() and rc.routing_replay:
+        raise RLError("--routing-replay: the model has no MoE layers")
+    codec = CharCodec(model.config.vocab_size)
+    model.config.save(run / "config.json")
+    optimizer = _optimizer(model, rc)
+    start, pool, problems, samples_done, elapsed = 0, [], {}, 0, 0.0
+    checkpoints = list_checkpoints(run)
+    if checkpoints:
+        meta = load_training_state(checkpoints[-1][1], model, optimizer)
+        start, samples_done, elapsed = meta["step"], meta["samples"], meta["elapsed_s"]
+        pool = [Trajectory.from_json(d) for d in meta["pool"]]
+        problems = {int(k): Problem(**v) for k, v in meta["problems"].items()}
+    engine = Engine(copy.deepcopy(model).eval(), max_batch=rc.max_batch)
+    engine.policy_version = start
+    log_path = run / LOG_FILE
+    _cut_log(log_path, start)
+    last = rc.iterations if rc.stop_after is None else min(rc.iterations, rc.stop_after)
+    record = bool(model.routers())
+    with log_path.open("a", newline="") as log_file:
+        writer = csv.DictWriter(log_file, fieldnames=COLUMNS)
+        if start == 0:
+            writer.writerow({"step": 0, "eval_acc": f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"})
+            log_file.flush()
+        for it in range(start, last):
+            began = time.perf_counter()
+            version = it
+            waiting = len({t.group for t in pool})  # groups carried over count against the batch
+            for p, problem in enumerate(task.problems(rc.seed, it, max(0, rc.prompts - waiting))):
+                gid = it * rc.prompts + p
+                problems[gid] = problem
+                pool += [Trajectory(gid, k, codec.encode(problem.prompt)) for k in range(rc.samples)]
+            gen_tokens = generate(
+                engine,
+                pool,
+                seed=rc.seed,
+                temperature=rc.temperature,
+                stop_id=codec.eos,
+                max_tokens=task.max_tokens,
+                budget=rc.partial_budget or None,
+                loop_repeats=rc.loop_repeats,
+                record_experts=record,
+            )
+            groups, pool = select_batch(pool, int(rc.partial_cap * rc.prompts * rc.samples))
+            row: dict = {"step": it + 1, "lr": repr(rc.lr), "gen_tokens": gen_tokens, "buffered": len(pool)}
+            if groups:
+                row.update(_train_on(model, optimizer, rc, task, codec, groups, problems, version))
+                samples_done += len(groups) * rc.samples
+                for g in groups:
+                    problems.pop(g[0].group)
+            engine.load_weights(model.state_dict(), version + 1)
+            if rc.reset_optimizer:
+                optimizer = _optimizer(model, rc)
+            if (it + 1) % rc.eval_every == 0 or it + 1 == rc.iterations:
+                row["eval_acc"] = f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"
+            spent = time.perf_counter() - began
+            elapsed += spent
+            row.update(
+                samples=samples_done, tokens_per_s=f"{gen_tokens / spent:.1f}", elapsed_s=f"{elapsed:.3f}"
+            )
+            writer.writerow(row)
+            log_file.flush()
+            if on_iteration is not None:
+                on_iteration(row)
+            if (it + 1) % rc.checkpoint_every == 0 or it + 1 == rc.iterations:
+                extra = {
+                    "samples": samples_done,
+                    "elapsed_s": elapsed,
+                    "pool": [t.to_json() for t in pool],
+                    "problems": {str(k): asdict(v) for k, v in problems.items()},
+                }
+                save_training_state(run, it + 1, model, optimizer, extra, keep=2)
+    return run
+
+
+def _train_on(
+    model, optimizer, rc: RLConfig, task: Task, codec: CharCodec, groups, problems, version
+) -> dict:
+    """Grade, check consistency, update; the log row's figures."""
+    trajs = [t for g in groups for t in g]
+    texts = [codec.decode(answer_ids(t, codec.eos)) for t in trajs]
+    scores = torch.tensor(task.grade([problems[t.group] for t in trajs], texts), dtype=torch.float64)
+    lengths = torch.tensor([len(t.tokens) for t in trajs])
+    truncated = torch.tensor([t.finish_reason != "stop" for t in trajs])
+    rewards = shape_rewards(scores, lengths, truncated, rc.samples, rc.length_coef, rc.truncation_penalty)
+    check = check_consistency(model, trajs, rc.temperature, version)
+    if rc.routing_replay:
+        with torch.no_grad():
+            old_logp = forward_logprobs(model, trajs, rc.temperature, replay=True)
+    else:
+        old_logp = check.trainer_logprobs
+    loss, norm = update(model, optimizer, rc, groups, rewards, scores, version, old_logp.detach())
+    with torch.no_grad():
+        packed = pack(trajs)
+        new_logp = forward_logprobs(model, trajs, rc.temperature, rc.routing_replay, packed)
+    mask = packed.mask
+    kl = float((kl_estimate(old_logp, new_logp, "k3") * mask).sum() / mask.sum())
+    return {
+        "loss": repr(loss),
+        "reward": f"{float(rewards.mean()):.6f}",
+        "score": f"{float(scores.mean()):.6f}",
+        "response_len": f"{float(lengths.double().mean()):.3f}",
+        "truncated": f"{float(truncated.double().mean()):.4f}",
+        "partial_share": f"{sum(t.partial for t in trajs) / len(trajs):.4f}",
+        "kl": f"{kl:.6g}",
+        "logprob_diff_mean": f"{check.logprob_diff_mean:.3g}",
+        "logprob_diff_max": f"{check.logprob_diff_max:.3g}",
+        "expert_flips": f"{check.expert_flips:.6f}",
+        "grad_norm": f"{norm:.6g}",
+    }
