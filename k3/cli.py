@@ -112,6 +112,7 @@ def _register_rooms() -> None:
     from k3.engine.commands import chat, generate, serve, tokenize
     from k3.model.commands import init as write_random_weights
     from k3.rl.commands import rl_app
+    from k3.rl.distill_commands import distill_app
     from k3.train.commands import train_app
 
     app.command("inspect")(inspect)
@@ -136,6 +137,7 @@ def _register_rooms() -> None:
     app.add_typer(atlas_app, name="atlas")
     app.add_typer(train_app, name="train")
     app.add_typer(rl_app, name="rl")
+    app.add_typer(distill_app, name="distill")
 
 
 _register_rooms()
