@@ -24,6 +24,7 @@ def make_teachers(
     lr: float = 3e-3,
     rl_iterations: int = 0,
     digits: int = 3,
+    held_out: int = 100,
     seed: int = 0,
     threads: int = 0,
     on_step=None,
@@ -44,7 +45,7 @@ def make_teachers(
             eval_every = max(1, steps // 3)
             run = sft(
                 SFTConfig(init, task, str(root / "sft"), steps, batch_size, lr, min(20, steps), digits, seed,
-                          eval_every, threads=threads),
+                          eval_every, held_out, threads),
                 on_step=on_step,
             )  # fmt: skip
             policy = run / "policy"
