@@ -109,6 +109,8 @@ class DistillConfig:
             bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
         if self.lr < 0:
             bad("lr", f"must be >= 0, got {self.lr}")
+        if self.minibatches > self.prompts * self.samples:
+            bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
 

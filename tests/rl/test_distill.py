@@ -117,6 +117,12 @@ def test_full_vocabulary_reverse_kl_brute_force():
         torch.log_softmax(z, -1)[None, None], t[None, None], torch.ones(1, 1, dtype=torch.float64)
     ).backward()
     assert t.grad is None and float(z.grad.abs().max()) < 1e-15
+    # away from the teacher: d KL / d z_j = q_j (log q_j - log p_j - KL), q = softmax(z)
+    z = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    gkd_loss(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], torch.ones(1, 1)).backward()
+    q = torch.softmax(z.detach(), -1)
+    kl = float((q * (q.log() - teacher.log())).sum())
+    assert torch.allclose(z.grad, q * (q.log() - teacher.log() - kl), atol=1e-14, rtol=0)
 
 
 class _Counting(torch.nn.Module):

@@ -181,3 +181,23 @@ def test_teacher_with_another_vocabulary_is_refused(tmp_path, policies):
     )
     with pytest.raises(DistillError, match=r"teacher big: vocab_size 2048 \(student: 1024\)"):
         train_distill(dc)
+
+
+def test_full_vocabulary_run_and_bad_options(tmp_path, policies):
+    dc = DistillConfig(
+        student=str(policies[0]),
+        teachers=[f"a={policies[1]}:arithmetic"],
+        full_vocab=True,
+        out=str(tmp_path / "gkd"),
+        iterations=1,
+        **SMALL,
+    )
+    train_distill(dc)
+    row = _rows(tmp_path / "gkd")[1]
+    assert float(row["loss"]) > 0 and float(row["grad_norm"]) > 0  # an exact KL of two different models
+    with pytest.raises(DistillError, match="--method"):
+        DistillConfig(teachers=["a=x"], method="rl").check()
+    with pytest.raises(DistillError, match="--is-low"):
+        DistillConfig(teachers=["a=x"], is_low=1.5).check()
+    with pytest.raises(DistillError, match="--teacher"):
+        DistillConfig().check()
