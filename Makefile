@@ -19,11 +19,13 @@ $(STAMP): pyproject.toml
 native: $(STAMP)
 	$(PY) -m k3.ops.build
 
-# Debian's Chromium for the atlas browser tests (the tests skip, saying why, where it cannot be had).
+# Debian's Chromium for the atlas browser tests. Where it cannot be had the tests skip, saying why; under
+# CI=true (where no test may skip) this target fails instead.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
-	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || \
-	  echo "note: chromium not installed; browser tests will be skipped"; }
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null); } || \
+	{ if [ "$(CI)" = true ]; then echo "error: CI=true but chromium cannot be installed" >&2; exit 1; \
+	  else echo "note: chromium not installed; browser tests will be skipped"; fi; }
 
 # gVisor (runsc) and bubblewrap for the sandbox tests, plus a C compiler for the sandbox's guest helpers;
 # with CI=true the sandbox tests fail where a backend is missing.

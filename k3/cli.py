@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from k3.census import Census, census_of
+from k3.census import Census, census_from_headers, census_of
 from k3.config import PRESETS
 from k3.errors import K3Error
 from k3.terminal import fail
@@ -105,17 +105,22 @@ def census(
         print_census(c, target)
 
 
+def _census_findings(cfg, headers, source: str) -> list[str]:
+    """`k3 inspect`'s cross-check: what the census finds wrong in the headers against the config."""
+    return census_from_headers(cfg, headers, source).findings
+
+
 def _register_rooms() -> None:
     """Each room's commands, imported light (their heavy imports happen when a command runs)."""
     from k3.atlas.commands import atlas_app
-    from k3.checkpoint.commands import inspect
+    from k3.checkpoint.commands import inspect_command
     from k3.engine.commands import chat, generate, serve, tokenize
     from k3.model.commands import init as write_random_weights
     from k3.rl.commands import rl_app
     from k3.rl.distill_commands import distill_app
     from k3.train.commands import train_app
 
-    app.command("inspect")(inspect)
+    app.command("inspect")(inspect_command(cross_check=_census_findings))
 
     @app.command("init")
     def init(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
 from functools import cached_property
 from importlib import resources
@@ -47,71 +47,102 @@ class LayerPlan:
     ffn: FFN
 
 
-# Keys that transformers' KimiLinearConfig writes under other names: {its name: published name}.
-_TRANSFORMERS_ALIASES = {
-    "num_local_experts": "num_experts",
-    "num_experts_per_tok": "num_experts_per_token",
-    "n_shared_experts": "num_shared_experts",
-    "norm_topk_prob": "moe_renormalize",
-    "n_group": "num_expert_group",
-    "model_max_length": "max_position_embeddings",
+@dataclass(frozen=True)
+class Spelling:
+    """How a field is published, where that is not simply `text_config[field name]`, always written."""
+
+    key: str  # a text_config key, or "linear_attn_config.<key>"
+    also: tuple[
+        str, ...
+    ] = ()  # transformers' KimiLinearConfig spellings (text_config keys): read, never written
+    optional: bool = False  # left out of the written config while the field holds its default
+    one_indexed: bool = False  # a list of layer numbers counted from 1 there (from 0 here)
+
+
+LINEAR_ATTN = "linear_attn_config."
+
+# The one rename table: every field not listed is published as text_config[its name] and always written.
+SPELLINGS = {
+    "num_experts": Spelling("num_experts", also=("num_local_experts",)),
+    "num_experts_per_token": Spelling("num_experts_per_token", also=("num_experts_per_tok",)),
+    "num_shared_experts": Spelling("num_shared_experts", also=("n_shared_experts",)),
+    "moe_renormalize": Spelling("moe_renormalize", also=("norm_topk_prob",)),
+    "num_expert_group": Spelling("num_expert_group", also=("n_group",)),
+    "max_position_embeddings": Spelling("max_position_embeddings", also=("model_max_length",)),
+    "routed_expert_hidden_size": Spelling(
+        "routed_expert_hidden_size", optional=True
+    ),  # absent in Kimi Linear
+    "attn_res_block_size": Spelling("attn_res_block_size", optional=True),  # absent in Kimi Linear
+    "kda_layers": Spelling(LINEAR_ATTN + "kda_layers", one_indexed=True),
+    "mla_layers": Spelling(LINEAR_ATTN + "full_attn_layers", one_indexed=True),
+    "kda_num_heads": Spelling(LINEAR_ATTN + "num_heads", also=("linear_num_heads",)),
+    "kda_head_dim": Spelling(LINEAR_ATTN + "head_dim", also=("linear_head_dim",)),
+    "kda_short_conv_kernel_size": Spelling(
+        LINEAR_ATTN + "short_conv_kernel_size", also=("linear_conv_kernel_dim",)
+    ),
+    "kda_gate_lower_bound": Spelling(LINEAR_ATTN + "gate_lower_bound", optional=True),
+    "kda_use_full_rank_gate": Spelling(LINEAR_ATTN + "use_full_rank_gate", optional=True),
+    "quantization_config": Spelling("quantization_config", optional=True),
 }
+_NOT_PUBLISHED = {"published": False}  # field metadata of the bookkeeping fields below the published ones
 
 
-@dataclass
+@dataclass(kw_only=True)
 class K3Config:
-    """The text model. Field names are the published `text_config` keys."""
+    """The text model: one field per published setting, in the order `to_dict` writes them (K3's order).
+    Names are the published `text_config` keys except where `SPELLINGS` says otherwise; a field's default is
+    what a config.json without that key means."""
 
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
-    intermediate_size: int
-    # attention: MLA
-    num_attention_heads: int
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    # attention: KDA, from `linear_attn_config` (layer lists are 1-indexed there, 0-indexed here)
-    kda_layers: list[int]
-    mla_layers: list[int]
-    kda_num_heads: int
-    kda_head_dim: int
-    # mixture of experts
-    num_experts: int
-    num_experts_per_token: int
-    moe_intermediate_size: int
-    num_shared_experts: int = 1
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
+    intermediate_size: int
+    # mixture of experts (num_experts 0: every layer dense)
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    num_shared_experts: int = 1  # as transformers' KimiLinearConfig; every published config states it
     routed_expert_hidden_size: int | None = None  # the latent width; None = experts run on the hidden state
-    latent_moe_use_norm: bool = False
+    moe_intermediate_size: int = 0
     moe_router_activation_func: str = "sigmoid"
     moe_renormalize: bool = True
     routed_scaling_factor: float = 1.0
     num_expert_group: int = 1
     topk_group: int = 1
-    # the rest
-    num_key_value_heads: int | None = None
-    q_lora_rank: int | None = None  # None = a single q_proj (Kimi Linear)
-    kda_short_conv_kernel_size: int = 4
-    kda_gate_lower_bound: float | None = None  # None = the softplus gate of Kimi Linear
-    kda_use_full_rank_gate: bool = False  # False = the low-rank output gate g_b(g_a(x)) of Kimi Linear
+    latent_moe_use_norm: bool = False
+    # activation, residual stream, norms
     hidden_act: str = "silu"
     activation_situ_beta: float = 4.0
     activation_situ_linear_beta: float = 25.0
     attn_res_block_size: int | None = None  # None = a plain pre-norm residual stream
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = False
-    max_position_embeddings: int = 1048576
+    # attention: MLA
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None = num_attention_heads
+    q_lora_rank: int | None = None  # None = a single q_proj (Kimi Linear)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
     mla_use_nope: bool = True
     mla_use_output_gate: bool = False
+    max_position_embeddings: int = 1048576
+    # attention: KDA, from `linear_attn_config`
+    kda_layers: list[int]
+    mla_layers: list[int]
+    kda_num_heads: int
+    kda_head_dim: int
+    kda_short_conv_kernel_size: int = 4
+    kda_gate_lower_bound: float | None = None  # None = the softplus gate of Kimi Linear
+    kda_use_full_rank_gate: bool = False  # False = the low-rank output gate g_b(g_a(x)) of Kimi Linear
     quantization_config: dict[str, Any] | None = None
     # Keys k3 does not interpret, kept so that saving writes them back.
-    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    extra: dict[str, Any] = field(default_factory=dict, repr=False, metadata=_NOT_PUBLISHED)
     # The published form this config came from: "kimi_k3" (nested) or "kimi_linear" (flat).
-    published_form: str = "kimi_k3"
-    outer_extra: dict[str, Any] = field(default_factory=dict, repr=False)
+    published_form: str = field(default="kimi_k3", metadata=_NOT_PUBLISHED)
+    outer_extra: dict[str, Any] = field(default_factory=dict, repr=False, metadata=_NOT_PUBLISHED)
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -259,9 +290,6 @@ class K3Config:
                 raise ConfigError("text_config: expected a JSON object")
         else:
             outer, text, form = {}, raw, "kimi_linear"
-        for theirs, ours in _TRANSFORMERS_ALIASES.items():
-            if theirs in text and ours not in text:
-                text[ours] = text.pop(theirs)
         try:
             return cls._from_text_config(text, form, outer)
         except (TypeError, AttributeError) as e:  # a value of the wrong JSON type somewhere
@@ -269,88 +297,36 @@ class K3Config:
 
     @classmethod
     def _from_text_config(cls, text: dict[str, Any], form: str, outer: dict[str, Any]) -> K3Config:
-        def take(key: str, default: Any = ...) -> Any:
-            if key in text:
-                return text.pop(key)
-            if default is ...:
-                raise ConfigError(f"{key}: missing (required in text_config)")
-            return default
-
-        num_layers = take("num_hidden_layers")
-        lin = dict(take("linear_attn_config", None) or {})
-        layer_types = take("layer_types", None)
-        if "kda_layers" in lin or "full_attn_layers" in lin:
-            for key in ("kda_layers", "full_attn_layers"):
-                if key not in lin:
-                    raise ConfigError(f"linear_attn_config.{key}: missing")
-                if not all(isinstance(i, int) for i in lin[key]):
-                    raise ConfigError(f"linear_attn_config.{key}: expected a list of integers")
-            kda = [i - 1 for i in lin.pop("kda_layers")]
-            mla = [i - 1 for i in lin.pop("full_attn_layers")]
-        elif layer_types is not None:  # transformers' spelling: one type per layer
-            kda = [i for i, t in enumerate(layer_types) if t == "linear_attention"]
-            mla = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-        else:
-            raise ConfigError("linear_attn_config: missing (needs kda_layers and full_attn_layers)")
-        mlp_types = text.pop("mlp_layer_types", None)  # transformers' spelling of first_k_dense_replace
-        if mlp_types is not None and "first_k_dense_replace" not in text:
-            dense = [t == "dense" for t in mlp_types]
-            first_sparse = dense.index(False) if False in dense else len(dense)
-            if any(dense[first_sparse:]):
-                raise ConfigError("mlp_layer_types: dense layers after the first MoE layer are not supported")
-            text["first_k_dense_replace"] = first_sparse
-        kda_heads = lin.pop("num_heads", text.pop("linear_num_heads", None))
-        kda_head_dim = lin.pop("head_dim", text.pop("linear_head_dim", None))
-        if kda_heads is None or kda_head_dim is None:
-            raise ConfigError("linear_attn_config.num_heads/head_dim: missing")
-        conv = lin.pop("short_conv_kernel_size", text.pop("linear_conv_kernel_dim", 4))
-        lower = lin.pop("gate_lower_bound", None)
-        full_rank = lin.pop("use_full_rank_gate", False)
-        lin_extra = lin  # whatever else linear_attn_config held
-
+        lin = dict(text.pop("linear_attn_config", None) or {})
+        _layer_lists_from_transformers(text, lin)
+        values: dict[str, Any] = {}
+        for f in published_fields():
+            spelling = SPELLINGS.get(f.name, Spelling(f.name))
+            where, key = (
+                (lin, spelling.key[len(LINEAR_ATTN) :])
+                if spelling.key.startswith(LINEAR_ATTN)
+                else (
+                    text,
+                    spelling.key,
+                )
+            )
+            if key in where:
+                value = where.pop(key)
+            elif present := [other for other in spelling.also if other in text]:
+                value = text.pop(present[0])
+            elif f.default is not MISSING:
+                continue
+            else:
+                raise ConfigError(f"{spelling.key}: missing (required in text_config)")
+            if spelling.one_indexed:
+                if not isinstance(value, list) or not all(isinstance(i, int) for i in value):
+                    raise ConfigError(f"{spelling.key}: expected a list of integers")
+                value = [i - 1 for i in value]
+            values[f.name] = value
+        values["quantization_config"] = values.get("quantization_config") or outer.get("quantization_config")
         cfg = cls(
-            vocab_size=take("vocab_size"),
-            hidden_size=take("hidden_size"),
-            num_hidden_layers=num_layers,
-            intermediate_size=take("intermediate_size"),
-            num_attention_heads=take("num_attention_heads"),
-            kv_lora_rank=take("kv_lora_rank"),
-            qk_nope_head_dim=take("qk_nope_head_dim"),
-            qk_rope_head_dim=take("qk_rope_head_dim"),
-            v_head_dim=take("v_head_dim"),
-            kda_layers=kda,
-            mla_layers=mla,
-            kda_num_heads=kda_heads,
-            kda_head_dim=kda_head_dim,
-            num_experts=take("num_experts", 0),
-            num_experts_per_token=take("num_experts_per_token", 0),
-            moe_intermediate_size=take("moe_intermediate_size", 0),
-            num_shared_experts=take("num_shared_experts", 0),
-            first_k_dense_replace=take("first_k_dense_replace", 1),
-            moe_layer_freq=take("moe_layer_freq", 1),
-            routed_expert_hidden_size=take("routed_expert_hidden_size", None),
-            latent_moe_use_norm=take("latent_moe_use_norm", False),
-            moe_router_activation_func=take("moe_router_activation_func", "sigmoid"),
-            moe_renormalize=take("moe_renormalize", True),
-            routed_scaling_factor=take("routed_scaling_factor", 1.0),
-            num_expert_group=take("num_expert_group", 1),
-            topk_group=take("topk_group", 1),
-            num_key_value_heads=take("num_key_value_heads", None),
-            q_lora_rank=take("q_lora_rank", None),
-            kda_short_conv_kernel_size=conv,
-            kda_gate_lower_bound=lower,
-            kda_use_full_rank_gate=full_rank,
-            hidden_act=take("hidden_act", "silu"),
-            activation_situ_beta=take("activation_situ_beta", 4.0),
-            activation_situ_linear_beta=take("activation_situ_linear_beta", 25.0),
-            attn_res_block_size=take("attn_res_block_size", None),
-            rms_norm_eps=take("rms_norm_eps", 1e-5),
-            tie_word_embeddings=take("tie_word_embeddings", False),
-            max_position_embeddings=take("max_position_embeddings", 1048576),
-            mla_use_nope=take("mla_use_nope", True),
-            mla_use_output_gate=take("mla_use_output_gate", False),
-            quantization_config=take("quantization_config", None) or outer.get("quantization_config"),
-            extra={**text, **({"linear_attn_config": lin_extra} if lin_extra else {})},
+            **values,
+            extra={**text, **({"linear_attn_config": lin} if lin else {})},  # whatever else they held
             published_form=form,
             outer_extra=outer,
         )
@@ -360,67 +336,26 @@ class K3Config:
 
     def to_dict(self) -> dict[str, Any]:
         """The published form this config was loaded from (or K3's nested form for new configs)."""
-        lin_extra = dict(self.extra.get("linear_attn_config", {}))
-        lin = {
-            "kda_layers": [i + 1 for i in self.kda_layers],
-            "full_attn_layers": [i + 1 for i in self.mla_layers],
-            "num_heads": self.kda_num_heads,
-            "head_dim": self.kda_head_dim,
-            "short_conv_kernel_size": self.kda_short_conv_kernel_size,
-            **lin_extra,
-        }
-        if self.kda_gate_lower_bound is not None:
-            lin["gate_lower_bound"] = self.kda_gate_lower_bound
-        if self.kda_use_full_rank_gate:
-            lin["use_full_rank_gate"] = True
         text: dict[str, Any] = {k: v for k, v in self.extra.items() if k != "linear_attn_config"}
         text.setdefault("model_type", "kimi_linear")
-        for key in (
-            "vocab_size",
-            "hidden_size",
-            "num_hidden_layers",
-            "first_k_dense_replace",
-            "moe_layer_freq",
-            "intermediate_size",
-            "num_experts",
-            "num_experts_per_token",
-            "num_shared_experts",
-            "routed_expert_hidden_size",
-            "moe_intermediate_size",
-            "moe_router_activation_func",
-            "moe_renormalize",
-            "routed_scaling_factor",
-            "num_expert_group",
-            "topk_group",
-            "latent_moe_use_norm",
-            "hidden_act",
-            "activation_situ_beta",
-            "activation_situ_linear_beta",
-            "attn_res_block_size",
-            "rms_norm_eps",
-            "tie_word_embeddings",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "q_lora_rank",
-            "kv_lora_rank",
-            "qk_nope_head_dim",
-            "qk_rope_head_dim",
-            "v_head_dim",
-            "mla_use_nope",
-            "mla_use_output_gate",
-            "max_position_embeddings",
-        ):
-            value = getattr(self, key)
-            if value is None and key in ("routed_expert_hidden_size", "attn_res_block_size"):
-                continue  # absent in Kimi Linear's published form
-            text[key] = value
-        text["linear_attn_config"] = lin
+        lin_extra = self.extra.get("linear_attn_config", {})
+        for f in published_fields():
+            spelling = SPELLINGS.get(f.name, Spelling(f.name))
+            value = getattr(self, f.name)
+            if spelling.optional and value == f.default:
+                continue
+            if spelling.one_indexed:
+                value = [i + 1 for i in value]
+            if spelling.key.startswith(LINEAR_ATTN):
+                lin = text.setdefault("linear_attn_config", {})
+                if spelling.optional:
+                    lin.update(lin_extra)  # keys k3 does not read go before the optional ones
+                lin[spelling.key[len(LINEAR_ATTN) :]] = value
+            else:
+                text[spelling.key] = value
+        text["linear_attn_config"].update(lin_extra)
         if self.published_form == "kimi_linear":
-            if self.quantization_config is not None:
-                text["quantization_config"] = self.quantization_config
             return text
-        if self.quantization_config is not None:
-            text["quantization_config"] = self.quantization_config
         return {"model_type": "kimi_k3", **self.outer_extra, "text_config": text}
 
     @classmethod
@@ -457,3 +392,30 @@ class K3Config:
         if path.is_dir():
             path = path / "config.json"
         return cls.from_json(path)
+
+
+def published_fields() -> list[Field]:
+    """The fields of K3Config that config.json holds, in the order they are written."""
+    return [f for f in fields(K3Config) if f.metadata.get("published", True)]
+
+
+def _layer_lists_from_transformers(text: dict[str, Any], lin: dict[str, Any]) -> None:
+    """transformers' spellings of the layer plan (one `layer_types` / `mlp_layer_types` entry per layer),
+    rewritten in place into the published `linear_attn_config` lists and `first_k_dense_replace`."""
+    layer_types = text.pop("layer_types", None)
+    if "kda_layers" in lin or "full_attn_layers" in lin:
+        for key in ("kda_layers", "full_attn_layers"):
+            if key not in lin:
+                raise ConfigError(f"linear_attn_config.{key}: missing")
+    elif layer_types is not None:
+        lin["kda_layers"] = [i + 1 for i, t in enumerate(layer_types) if t == "linear_attention"]
+        lin["full_attn_layers"] = [i + 1 for i, t in enumerate(layer_types) if t == "full_attention"]
+    else:
+        raise ConfigError("linear_attn_config: missing (needs kda_layers and full_attn_layers)")
+    mlp_types = text.pop("mlp_layer_types", None)
+    if mlp_types is not None and "first_k_dense_replace" not in text:
+        dense = [t == "dense" for t in mlp_types]
+        first_sparse = dense.index(False) if False in dense else len(dense)
+        if any(dense[first_sparse:]):
+            raise ConfigError("mlp_layer_types: dense layers after the first MoE layer are not supported")
+        text["first_k_dense_replace"] = first_sparse

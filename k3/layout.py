@@ -1,7 +1,7 @@
 """The published tensor layout: every tensor name, shape and dtype a K3-family checkpoint holds.
 
 One table serves everyone: the census counts it, `k3 init` writes it, the model loader checks a checkpoint
-against it. Names follow ../shared/spec/K3.md section 3: K3 prefixes the text tower with `language_model.`;
+against it. Names follow docs/spec/K3.md section 3: K3 prefixes the text tower with `language_model.`;
 Kimi Linear has no prefix and spells the low-rank output gate `g_a_proj` / `g_b_proj`.
 """
 

@@ -18,7 +18,7 @@ def k3():
 
 
 def test_k3_headline_figures(k3):
-    # The published figures (../shared/spec/K3.md section 1 and the seeds).
+    # The published figures (docs/spec/K3.md section 1 and the seeds).
     assert round(k3["total_params"] / 1e9, 2) == 2779.48
     assert round(k3["active_params"] / 1e9, 1) == 104.2
     assert round(k3["active_fraction"] * 100, 1) == 3.7
@@ -137,3 +137,15 @@ def test_census_of_checkpoint_directory_and_non_k3_checkpoint(tmp_path):
     save_checkpoint([("w", torch.ones(4, 4))], None, tmp_path / "plain")
     out = CliRunner().invoke(app, ["census", str(tmp_path / "plain")])
     assert out.exit_code == 1 and "no K3-family config" in out.output
+
+
+@pytest.mark.parametrize("preset", ["k3", "kimi-linear-48b", "mini", "tiny", "k3-slice"])
+def test_cli_figures_unchanged(preset):
+    """`k3 census PRESET --json` prints what it printed at commit bdc7ed8 (tests/census/, written then),
+    before the config's field list was derived from the dataclass."""
+    from pathlib import Path
+
+    result = CliRunner().invoke(app, ["census", preset, "--json"])
+    assert result.exit_code == 0, result.output
+    expected = (Path(__file__).parent / "census" / f"{preset}.json").read_text()
+    assert result.stdout == expected

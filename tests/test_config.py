@@ -2,12 +2,15 @@
 
 import copy
 import json
+from dataclasses import MISSING
+from pathlib import Path
 
 import pytest
+import transformers
 
-from k3.config import FFN, PRESETS, ConfigError, K3Config, Mixer
+from k3.config import FFN, PRESETS, SPELLINGS, ConfigError, K3Config, Mixer, published_fields
 
-SPEC_CONFIG = "../shared/spec/kimi-k3-config.json"
+SPEC_CONFIG = Path(__file__).resolve().parents[1] / "docs" / "spec" / "kimi-k3-config.json"
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +21,8 @@ def k3_raw() -> dict:
 
 
 def test_shipped_k3_preset_is_the_published_config(k3_raw):
-    from pathlib import Path
-
-    spec = Path(__file__).resolve().parents[2] / "shared" / "spec" / "kimi-k3-config.json"
-    if not spec.exists():
-        pytest.skip("../shared/spec is not beside this checkout")
-    assert json.loads(spec.read_text()) == k3_raw
+    """The preset k3 ships is the published config that travels with the code (docs/spec/)."""
+    assert json.loads(SPEC_CONFIG.read_text()) == k3_raw
 
 
 def test_k3_layer_plan_matches_the_published_lists(k3_raw):
@@ -74,7 +73,7 @@ def test_kimi_linear_flat_form():
 
 def test_transformers_spelling_loads():
     """transformers' KimiLinearConfig.save_pretrained writes layer_types and its own key names."""
-    transformers = pytest.importorskip("transformers")
+
     tcfg = transformers.KimiLinearConfig(
         hidden_size=64,
         num_hidden_layers=6,
@@ -155,3 +154,116 @@ def test_bad_files(tmp_path):
         K3Config.from_dict({"text_config": {"linear_attn_config": 5, "num_hidden_layers": 4}})
     with pytest.raises(ConfigError, match="text_config"):
         K3Config.from_dict({"model_type": "kimi_k3", "text_config": []})
+
+
+def _published_raw(name: str) -> dict:
+    from importlib import resources
+
+    return json.loads(resources.files("k3").joinpath("presets", f"{name}.json").read_text())
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_field_reads_its_published_spelling(name):
+    """Each published field equals the value at its spelling in the raw JSON (read here by hand), or the
+    field's default where the JSON leaves the key out; nothing k3 reads is left in `extra`."""
+    raw = _published_raw(name)
+    text = raw.get("text_config", raw)
+    cfg = K3Config.from_dict(raw)
+    for f in published_fields():
+        key = SPELLINGS[f.name].key if f.name in SPELLINGS else f.name
+        where = text["linear_attn_config"] if key.startswith("linear_attn_config.") else text
+        key = key.removeprefix("linear_attn_config.")
+        if key not in where:
+            expected = f.default if f.name != "num_key_value_heads" else cfg.num_attention_heads
+        elif f.name in ("kda_layers", "mla_layers"):
+            expected = [i - 1 for i in where[key]]
+        else:
+            expected = where[key]
+        assert getattr(cfg, f.name) == expected, f.name
+    spelled = {SPELLINGS[f.name].key if f.name in SPELLINGS else f.name for f in published_fields()}
+    assert not spelled & set(cfg.extra), "a key k3 reads was also kept as an extra"
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_to_dict_writes_every_field_back_in_its_published_form(name):
+    raw = _published_raw(name)
+    cfg = K3Config.from_dict(raw)
+    written = cfg.to_dict()
+    assert K3Config.from_dict(written) == cfg
+    if "text_config" in raw:  # K3's nested form comes back whole, in K3's order (the field order)
+        assert written == raw
+        ours = {SPELLINGS[f.name].key if f.name in SPELLINGS else f.name for f in published_fields()}
+        ours |= {"linear_attn_config"}
+        assert [k for k in written["text_config"] if k in ours] == [
+            k for k in raw["text_config"] if k in ours
+        ]
+    else:  # Kimi Linear's flat form: every key comes back, a transformers spelling under the published one
+        renamed = {other: s.key for s in SPELLINGS.values() for other in s.also}
+        for key, value in raw.items():
+            assert written[renamed.get(key, key)] == value, key
+        assert "model_max_length" in raw and "model_max_length" not in written
+
+
+def test_a_minimal_config_gets_the_dataclass_defaults():
+    """Only the required keys: every other field takes the dataclass default, and the defaults are the
+    meanings k3 has always given an absent key (planted here), num_shared_experts that of transformers."""
+
+    required = [f.name for f in published_fields() if f.default is MISSING]
+    assert required == [
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "intermediate_size",
+        "num_attention_heads",
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "kda_layers",
+        "mla_layers",
+        "kda_num_heads",
+        "kda_head_dim",
+    ]
+    text = {key: 8 for key in required[:9]}
+    text["num_hidden_layers"] = 2
+    text["linear_attn_config"] = {"kda_layers": [1], "full_attn_layers": [2], "num_heads": 2, "head_dim": 8}
+    cfg = K3Config.from_dict({"model_type": "kimi_k3", "text_config": text})
+    planted = {
+        "first_k_dense_replace": 1,
+        "num_experts": 0,
+        "num_experts_per_token": 0,
+        "moe_intermediate_size": 0,
+        "routed_expert_hidden_size": None,
+        "moe_renormalize": True,
+        "routed_scaling_factor": 1.0,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "q_lora_rank": None,
+        "kda_short_conv_kernel_size": 4,
+        "kda_gate_lower_bound": None,
+        "kda_use_full_rank_gate": False,
+        "attn_res_block_size": None,
+        "max_position_embeddings": 1048576,
+        "quantization_config": None,
+    }
+    assert {k: getattr(cfg, k) for k in planted} == planted
+    assert cfg.num_shared_experts == transformers.KimiLinearConfig().num_shared_experts == 1
+    assert cfg.num_key_value_heads == cfg.num_attention_heads == 8
+    written = cfg.to_dict()["text_config"]
+    assert "routed_expert_hidden_size" not in written and written["num_shared_experts"] == 1
+    again = K3Config.from_dict(cfg.to_dict())
+    assert K3Config.from_dict(again.to_dict()) == again
+
+
+def test_transformers_names_are_read_ours_win_and_theirs_stay():
+    """The transformers spellings fill a field only where the published key is absent; where both are
+    present, the published key wins and transformers' key is kept (written back) as an extra."""
+    raw = _published_raw("tiny")
+    text = raw["text_config"]
+    text["n_shared_experts"] = 7
+    del text["moe_renormalize"]
+    text["norm_topk_prob"] = False
+    cfg = K3Config.from_dict(raw)
+    assert cfg.num_shared_experts == 2 and cfg.extra["n_shared_experts"] == 7
+    assert cfg.moe_renormalize is False and "norm_topk_prob" not in cfg.extra
+    assert cfg.to_dict()["text_config"]["moe_renormalize"] is False

@@ -1,12 +1,14 @@
 """`k3 inspect SOURCE [--filter RE] [--json]`: list and validate a checkpoint's tensors.
 
-Wired into the `k3` app by k3/cli.py as `app.command("inspect")(inspect)`.
+Wired into the `k3` app by k3/cli.py, which adds the census's cross-check of the headers against the config
+(`inspect_command(cross_check)`): the census sits above the checkpoint room, so this module cannot ask it.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import typer
@@ -14,13 +16,16 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from k3.config import K3Config
 from k3.errors import K3Error
 from k3.terminal import fail
 
+# (config, [(name, safetensors dtype, shape)] of every tensor, source) -> findings about the checkpoint
+CrossCheck = Callable[[K3Config, Sequence[tuple[str, str, tuple[int, ...]]], str], list[str]]
 
-def _report(source: str, pattern: re.Pattern[str] | None) -> dict[str, Any]:
+
+def _report(source: str, pattern: re.Pattern[str] | None, cross_check: CrossCheck | None) -> dict[str, Any]:
     """Everything inspect shows, as JSON-ready data. Raises K3Error on a broken checkpoint."""
-    from k3.census import census_from_headers
     from k3.checkpoint import open_checkpoint
     from k3.layout import parameters_of
 
@@ -41,9 +46,9 @@ def _report(source: str, pattern: re.Pattern[str] | None) -> dict[str, Any]:
         findings = list(ckpt.findings)
         if ckpt.config is None:
             findings.append(f"no K3 config: {ckpt.config_error}")
-        else:
+        elif cross_check is not None:
             headers = [(t.name, t.dtype, t.shape) for t in ckpt.tensors()]
-            findings += census_from_headers(ckpt.config, headers, source).findings
+            findings += cross_check(ckpt.config, headers, source)
         shown = [r for r in rows if pattern is None or pattern.search(r["name"])]
         return {
             "source": source,
@@ -86,23 +91,28 @@ def _print(report: dict[str, Any]) -> None:
         console.print(f"[yellow]finding:[/] {escape(finding)}", highlight=False)
 
 
-def inspect(
-    source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
-    filter: str | None = typer.Option(
-        None, "--filter", help="Show only tensors whose name matches this regex."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
-) -> None:
-    """Tensor listing and validation of a checkpoint: every header is checked, no tensor data is read."""
-    try:
-        pattern = re.compile(filter) if filter is not None else None
-    except re.error as e:
-        fail(f"--filter {filter!r} is not a regular expression ({e})")
-    try:
-        report = _report(source, pattern)
-    except (K3Error, OSError) as e:
-        fail(str(e))
-    if as_json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print(report)
+def inspect_command(cross_check: CrossCheck | None = None) -> Callable[..., None]:
+    """The typer command `inspect`, with `cross_check`'s findings added to the checkpoint's own."""
+
+    def inspect(
+        source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
+        filter: str | None = typer.Option(
+            None, "--filter", help="Show only tensors whose name matches this regex."
+        ),
+        as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
+    ) -> None:
+        """Tensor listing and validation of a checkpoint: every header is checked, no tensor data is read."""
+        try:
+            pattern = re.compile(filter) if filter is not None else None
+        except re.error as e:
+            fail(f"--filter {filter!r} is not a regular expression ({e})")
+        try:
+            report = _report(source, pattern, cross_check)
+        except (K3Error, OSError) as e:
+            fail(str(e))
+        if as_json:
+            print(json.dumps(report, indent=2))
+        else:
+            _print(report)
+
+    return inspect

@@ -1,4 +1,4 @@
-"""The K3 model in PyTorch (spec: ../shared/spec/K3.md sections 3-4).
+"""The K3 model in PyTorch (spec: docs/spec/K3.md sections 3-4).
 
 Modules, one concept each: `norm` (RMSNorm, Linear), `activations` (SiTU, SiLU-GLU), `kda` (KDA layer),
 `mla` (gated MLA, plain and absorbed), `moe` (router, latent MoE, experts), `mlp` (dense MLP), `attn_res`

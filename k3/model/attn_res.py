@@ -48,14 +48,19 @@ class ResidualStream:
     def _values(self) -> list[torch.Tensor]:
         return self.blocks + ([self.partial] if self.partial is not None else [])
 
-    def read(self, norm: RMSNorm | None, proj: Linear | None) -> torch.Tensor:
+    def plain(self) -> torch.Tensor:
+        """The read of a model without AttnRes: the running sum (no block is ever closed)."""
+        assert not self.blocks and self.partial is not None
+        return self.partial
+
+    def read(self, norm: RMSNorm, proj: Linear) -> torch.Tensor:
+        """An AttnRes read site with these weights (the open block alone while no block is finished)."""
         if not self.blocks:
             assert self.partial is not None
             return self.partial
-        assert norm is not None and proj is not None
         return attn_res_read(self._values(), norm, proj)
 
-    def mixer_input(self, layer: int, norm: RMSNorm | None, proj: Linear | None) -> torch.Tensor:
+    def mixer_input(self, layer: int, norm: RMSNorm, proj: Linear) -> torch.Tensor:
         """The mixer's input at layer `layer`; closes the open block when a new one starts there."""
         x = self.read(norm, proj)
         if self.block_size is not None and layer % self.block_size == 0:

@@ -130,11 +130,14 @@ class MLAState:
         return MLAState(lengths, latent, k_rope)
 
 
+LayerState = KDAState | MLAState  # the state of one layer: its mixer's
+
+
 @dataclass
 class ModelCache:
     """One state per layer for a batch of `batch_size` sequences; `tokens` [B] counts tokens consumed."""
 
-    layers: list[KDAState | MLAState]
+    layers: list[LayerState]
     tokens: torch.Tensor
     extra: dict = field(default_factory=dict)  # room for callers' bookkeeping; the model never reads it
 
@@ -142,7 +145,7 @@ class ModelCache:
     def empty(cls, cfg: K3Config, batch_size: int, num_layers: int | None = None) -> ModelCache:
         n = cfg.num_hidden_layers if num_layers is None else num_layers
         zeros = torch.zeros(batch_size, dtype=torch.long)
-        states: list[KDAState | MLAState] = [
+        states: list[LayerState] = [
             KDAState() if plan.mixer is Mixer.KDA else MLAState(zeros.clone()) for plan in cfg.layer_plan[:n]
         ]
         return cls(states, zeros.clone())
@@ -162,7 +165,7 @@ class ModelCache:
     @staticmethod
     def stack(caches: list[ModelCache]) -> ModelCache:
         """Join caches of the same model row-wise (e.g. sequences prefilled one by one)."""
-        layers: list[KDAState | MLAState] = []
+        layers: list[LayerState] = []
         for states in zip(*(c.layers for c in caches), strict=True):
             if isinstance(states[0], KDAState):
                 layers.append(KDAState.stack(list(states)))  # type: ignore[arg-type]

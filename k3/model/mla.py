@@ -35,7 +35,8 @@ class MLAttention(nn.Module):
         self.num_heads, self.kv_lora = n, cfg.kv_lora_rank
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.scale = cfg.qk_head_dim**-0.5
-        if cfg.q_lora_rank is None:
+        self.q_lora = cfg.q_lora_rank is not None  # low-rank queries (K3) or one q_proj (Kimi Linear)
+        if not self.q_lora:
             self.q_proj = Linear(H, n * cfg.qk_head_dim)
         else:
             self.q_a_proj = Linear(H, cfg.q_lora_rank)
@@ -53,7 +54,7 @@ class MLAttention(nn.Module):
     def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, hidden] -> q_nope [B, T, n, dn], q_rope [B, T, n, dr]."""
         B, T, _ = x.shape
-        q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         return q.view(B, T, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
 
     def latents(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

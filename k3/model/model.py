@@ -20,7 +20,7 @@ from torch import nn
 
 from k3.config import FFN, K3Config, Mixer
 from k3.model.attn_res import ResidualStream
-from k3.model.cache import ModelCache
+from k3.model.cache import LayerState, ModelCache
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
@@ -36,9 +36,8 @@ class K3DecoderLayer(nn.Module):
         self.index = index
         self.input_layernorm = RMSNorm(H, eps)
         self.post_attention_layernorm = RMSNorm(H, eps)
-        self.self_attention_res_norm = self.self_attention_res_proj = None
-        self.mlp_res_norm = self.mlp_res_proj = None
-        if cfg.uses_attn_res:
+        self.uses_attn_res = cfg.uses_attn_res  # the AttnRes read weights before the mixer and the FFN
+        if self.uses_attn_res:
             self.self_attention_res_norm, self.self_attention_res_proj = RMSNorm(H, eps), Linear(H, 1)
             self.mlp_res_norm, self.mlp_res_proj = RMSNorm(H, eps), Linear(H, 1)
         self.self_attn: KDAttention | MLAttention = (
@@ -58,13 +57,19 @@ class K3DecoderLayer(nn.Module):
     def forward(
         self,
         stream: ResidualStream,
-        state: object | None = None,
+        state: LayerState | None = None,
         counts: torch.Tensor | None = None,
     ) -> None:
-        """Advance the residual stream by this layer (see k3.model.attn_res for the read sites)."""
-        x = stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
+        """Advance the residual stream by this layer (see k3.model.attn_res for the read sites).
+
+        `state`: this layer's KDAState or MLAState (ModelCache.empty builds them from the same layer plan).
+        """
+        if self.uses_attn_res:
+            x = stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
+        else:
+            x = stream.plain()
         stream.add(self.self_attn(self.input_layernorm(x), state, counts))  # type: ignore[arg-type]
-        y = stream.read(self.mlp_res_norm, self.mlp_res_proj)
+        y = stream.read(self.mlp_res_norm, self.mlp_res_proj) if self.uses_attn_res else stream.plain()
         stream.add(self.ffn(self.post_attention_layernorm(y)))
 
 
@@ -80,8 +85,8 @@ class K3Model(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H, _weight=torch.zeros(cfg.vocab_size, H))
         self.layers = nn.ModuleList(K3DecoderLayer(cfg, i, quantized_experts) for i in range(n))
-        self.output_attn_res_norm = self.output_attn_res_proj = None
-        if cfg.uses_attn_res:
+        self.uses_attn_res = cfg.uses_attn_res  # the AttnRes read weights of the output
+        if self.uses_attn_res:
             self.output_attn_res_norm, self.output_attn_res_proj = RMSNorm(H, cfg.rms_norm_eps), Linear(H, 1)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
 
@@ -101,7 +106,10 @@ class K3Model(nn.Module):
         )
         for i, layer in enumerate(self.layers):
             layer(stream, None if cache is None else cache.layers[i], counts)
-        h = stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
+        if self.uses_attn_res:
+            h = stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
+        else:
+            h = stream.plain()
         if cache is not None:
             cache.tokens += input_ids.shape[1] if counts is None else counts
         return self.norm(h)

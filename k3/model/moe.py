@@ -111,13 +111,17 @@ class MoE(nn.Module):
         act = gated_activation(cfg)
         quantized = cfg.experts_mxfp4 if quantized_experts is None else quantized_experts
         self.gate = Router(cfg)
-        self.latent = cfg.is_latent_moe
+        self.latent = cfg.is_latent_moe  # experts run on a down-projected latent (K3)
+        self.latent_norm = self.latent and cfg.latent_moe_use_norm  # ... normalised before the up-projection
+        self.shared = cfg.num_shared_experts > 0  # shared experts beside the routed ones
         if self.latent:
             self.routed_expert_down_proj = Linear(H, L)
-            self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps) if cfg.latent_moe_use_norm else None
+            if self.latent_norm:
+                self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
             self.routed_expert_up_proj = Linear(L, H)
         self.experts = nn.ModuleList(RoutedExpert(L, m, act, quantized) for _ in range(cfg.num_experts))
-        self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m) if cfg.num_shared_experts else None
+        if self.shared:
+            self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m)
 
     def dispatch(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L].
@@ -148,9 +152,9 @@ class MoE(nn.Module):
         z = self.routed_expert_down_proj(flat) if self.latent else flat  # [N, L]
         r = self.dispatch(z, weights, indices)
         if self.latent:
-            if self.routed_expert_norm is not None:
+            if self.latent_norm:
                 r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)
-        if self.shared_experts is not None:
+        if self.shared:
             r = r + self.shared_experts(flat)
         return r.view(shape)

@@ -4,7 +4,8 @@ competent (RL needs some initial success to learn from).
 Each step trains on `batch_size` problems of the task (the training stream, never the held-out set):
 `prompt answer [EOS]` as character ids, the loss on the answer and EOS only. The result is a policy
 folder (`RUN/policy/`: config.json + policy.safetensors) that `k3 rl --init RUN/policy` starts from, and
-RUN/log.csv (step, loss, lr, eval_acc) that `k3 train plot RUN` draws.
+RUN/log.csv (step, loss, lr, eval_acc) that `k3 train plot RUN` draws; each evaluation also keeps the
+policy of that step (`RUN/policy-000150/`), to pick a base of the competence wanted.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
             if (step + 1) % sc.eval_every == 0 or step + 1 == sc.steps:
                 engine = Engine(model.eval(), max_batch=64)
                 row["eval_acc"] = f"{held_out_accuracy(engine, task, codec, sc.seed):.6f}"
+                save_policy(model, run / f"policy-{step + 1:06d}")  # to pick a partly competent base
                 model.train()
             writer.writerow(row)
             f.flush()

@@ -6,12 +6,15 @@ matplotlib) happen inside the commands so that `k3 --help` stays fast.
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Annotated
 
 import typer
 from rich.console import Console
 
 from k3.terminal import fail
+from k3.train.config import Balance, DType, Optimizer, Schedule, TrainConfig, TrainError
 
 train_app = typer.Typer(
     help="Train K3-shaped models at small scale, with quantile-balanced routing.",
@@ -20,50 +23,83 @@ train_app = typer.Typer(
 )
 
 
+D = TrainConfig()  # every option's default is the field's
+
+
 @train_app.callback(invoke_without_command=True)
 def train(
     ctx: typer.Context,
-    preset: str = typer.Option(
-        "tiny", help="Model: a preset (tiny, mini, ...), a config.json or a checkpoint dir."
+    preset: Annotated[
+        str, typer.Option(help="Model: a preset (tiny, mini, ...), a config.json or a checkpoint dir.")
+    ] = D.preset,
+    data: Annotated[
+        str, typer.Option(help="mqar, copy, or a plain text file (tokenised with the k3 tokenizer).")
+    ] = D.data,
+    out: Annotated[str, typer.Option(help="Run folder; an existing run there is resumed.")] = D.out,
+    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = D.steps,
+    batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = D.batch_size,
+    seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = D.seq_len,
+    accum: Annotated[
+        int, typer.Option(help="Micro-batches per optimizer step (gradient accumulation).")
+    ] = D.accum,
+    lr: Annotated[float, typer.Option(help="Peak learning rate.")] = D.lr,
+    optimizer: Annotated[
+        Optimizer,
+        typer.Option(help="adamw, or muon (hidden matrices; AdamW for embeddings, head and vectors)."),
+    ] = D.optimizer,
+    min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of the peak.")] = (
+        D.min_lr_ratio
     ),
-    data: str = typer.Option(
-        "mqar", help="mqar, copy, or a plain text file (tokenised with the k3 tokenizer)."
-    ),
-    steps: int = typer.Option(200, help="Optimizer steps."),
-    out: Path = typer.Option(Path("runs/train"), help="Run folder; an existing run there is resumed."),
-    batch_size: int = typer.Option(8, help="Sequences per micro-batch."),
-    seq_len: int = typer.Option(64, help="Tokens per sequence."),
-    accum: int = typer.Option(1, help="Micro-batches per optimizer step (gradient accumulation)."),
-    lr: float = typer.Option(1e-3, help="Peak learning rate."),
-    optimizer: str = typer.Option(
-        "adamw", help="adamw, or muon (hidden matrices; AdamW for embeddings, head and vectors)."
-    ),
-    warmup: int = typer.Option(20, help="Warm-up steps."),
-    schedule: str = typer.Option("cosine", help="cosine, wsd or constant after warm-up."),
-    min_lr_ratio: float = typer.Option(0.1, help="Final learning rate as a fraction of the peak."),
-    weight_decay: float = typer.Option(0.1, help="Decoupled weight decay (matrices only)."),
-    clip: float = typer.Option(1.0, help="Max gradient norm (0: no clipping)."),
-    dtype: str = typer.Option("fp32", help="fp32, or bf16 autocast."),
-    seed: int = typer.Option(0, help="Seed of the weights, the data and every random choice."),
-    balance: str = typer.Option("qb", help="Routing balance: qb (quantile balancing), deepseek or none."),
-    qb_iters: int = typer.Option(1, help="Quantile-balancing rounds per batch (warm-started)."),
-    balance_ema: float = typer.Option(0.0, help="EMA of the QB bias across batches (0: the latest only)."),
-    balance_refresh: bool = typer.Option(
-        False, help="QB: refit on the step's batch routed again by the updated model (one more forward)."
-    ),
-    gamma: float = typer.Option(1e-3, help="Step of the DeepSeek sign update."),
-    num_kv_pairs: int = typer.Option(8, help="MQAR: key-value pairs per sequence."),
-    tokenizer: Path | None = typer.Option(
-        None, help="Tokenizer directory for text data (default: built-in)."
-    ),
-    checkpoint_every: int = typer.Option(50, help="Steps between checkpoints."),
-    eval_every: int = typer.Option(0, help="Steps between held-out evaluations (0: none)."),
-    stop_after: int | None = typer.Option(None, help="Stop after this step (rerun to resume)."),
-    export: bool = typer.Option(True, help="Export the final model (experts MXFP4) to RUN/export."),
-    threads: int = typer.Option(
-        0, help="torch CPU threads (0: default; 1 is often fastest on a busy machine)."
-    ),
-    quiet: bool = typer.Option(False, help="No progress display."),
+    warmup: Annotated[int, typer.Option(help="Warm-up steps.")] = D.warmup,
+    schedule: Annotated[Schedule, typer.Option(help="Learning rate after warm-up.")] = D.schedule,
+    weight_decay: Annotated[
+        float, typer.Option(help="Decoupled weight decay (matrices only).")
+    ] = D.weight_decay,
+    beta1: Annotated[float, typer.Option(help="AdamW's first-moment decay (Muon's momentum).")] = D.beta1,
+    beta2: Annotated[float, typer.Option(help="AdamW's second-moment decay.")] = D.beta2,
+    clip: Annotated[float, typer.Option(help="Max gradient norm (0: no clipping).")] = D.clip,
+    dtype: Annotated[DType, typer.Option(help="fp32, or bf16 autocast.")] = D.dtype,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the weights, the data and every random choice.")
+    ] = D.seed,
+    balance: Annotated[
+        Balance, typer.Option(help="Routing balance: qb (quantile balancing), deepseek or none.")
+    ] = D.balance,
+    qb_iters: Annotated[
+        int, typer.Option(help="Quantile-balancing rounds per batch (warm-started).")
+    ] = D.qb_iters,
+    balance_ema: Annotated[
+        float, typer.Option(help="EMA of the QB bias across batches (0: the latest only).")
+    ] = D.balance_ema,
+    balance_refresh: Annotated[
+        bool,
+        typer.Option(
+            help="QB: refit on the step's batch routed again by the updated model (one more forward)."
+        ),
+    ] = D.balance_refresh,
+    gamma: Annotated[float, typer.Option(help="Step of the DeepSeek sign update.")] = D.gamma,
+    checkpoint_every: Annotated[int, typer.Option(help="Steps between checkpoints.")] = D.checkpoint_every,
+    keep_checkpoints: Annotated[
+        int, typer.Option(help="Checkpoints kept (the newest).")
+    ] = D.keep_checkpoints,
+    num_kv_pairs: Annotated[int, typer.Option(help="MQAR: key-value pairs per sequence.")] = D.num_kv_pairs,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="Tokenizer directory for text data (default: built-in).")
+    ] = D.tokenizer,
+    eval_every: Annotated[
+        int, typer.Option(help="Steps between held-out evaluations (0: none).")
+    ] = D.eval_every,
+    eval_batches: Annotated[int, typer.Option(help="Held-out batches per evaluation.")] = D.eval_batches,
+    export: Annotated[
+        bool, typer.Option(help="Export the final model (experts MXFP4) to RUN/export.")
+    ] = D.export,
+    threads: Annotated[
+        int, typer.Option(help="torch CPU threads (0: default; 1 is often fastest on a busy machine).")
+    ] = D.threads,
+    stop_after: Annotated[
+        int | None, typer.Option(help="Stop after this step (rerun to resume).")
+    ] = D.stop_after,
+    progress: Annotated[bool, typer.Option("--progress/--quiet", help="Progress display.")] = D.progress,
 ) -> None:
     """Train (or resume) a run; writes RUN/log.csv, RUN/checkpoints/ and RUN/export/."""
     if ctx.invoked_subcommand is not None:
@@ -72,43 +108,13 @@ def train(
 
     from k3.errors import K3Error
     from k3.train.allocator import keep_freed_memory
-    from k3.train.trainer import TrainConfig, TrainError
     from k3.train.trainer import train as run_training
 
     keep_freed_memory()  # every step frees and reallocates the same large tensors
 
-    tc = TrainConfig(
-        preset=preset,
-        data=data,
-        out=str(out),
-        steps=steps,
-        batch_size=batch_size,
-        seq_len=seq_len,
-        accum=accum,
-        lr=lr,
-        min_lr_ratio=min_lr_ratio,
-        warmup=warmup,
-        schedule=schedule,
-        weight_decay=weight_decay,
-        clip=clip,
-        dtype=dtype,
-        seed=seed,
-        balance=balance,
-        optimizer=optimizer,
-        qb_iters=qb_iters,
-        balance_ema=balance_ema,
-        balance_refresh=balance_refresh,
-        gamma=gamma,
-        checkpoint_every=checkpoint_every,
-        num_kv_pairs=num_kv_pairs,
-        tokenizer=None if tokenizer is None else str(tokenizer),
-        eval_every=eval_every,
-        export=export,
-        stop_after=stop_after,
-        threads=threads,
-        progress=not quiet,
-    )
-    progress = Progress(
+    tc = TrainConfig(**{f.name: ctx.params[f.name] for f in fields(TrainConfig)})
+    quiet = not progress
+    bar = Progress(
         TextColumn("[bold]train"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -116,7 +122,7 @@ def train(
         TimeRemainingColumn(),
         disable=quiet,
     )
-    task = progress.add_task("train", total=steps, stats="")
+    task = bar.add_task("train", total=tc.steps, stats="")
 
     def on_step(row: dict) -> None:
         stats = (
@@ -125,10 +131,10 @@ def train(
         )
         if row.get("eval_acc"):
             stats += f"  eval acc {float(row['eval_acc']):.3f}"
-        progress.update(task, completed=int(row["step"]), stats=stats)
+        bar.update(task, completed=int(row["step"]), stats=stats)
 
     try:
-        with progress:
+        with bar:
             run = run_training(tc, on_step=on_step)
     except (TrainError, K3Error, FileNotFoundError) as e:
         fail(str(e))

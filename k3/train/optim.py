@@ -18,7 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-OPTIMIZERS = ("adamw", "muon")
+from k3.train.config import Optimizer
+
+OPTIMIZERS = tuple(Optimizer)
 NOT_HIDDEN = ("embed_tokens", "lm_head")  # matrices that Muon leaves to AdamW
 
 

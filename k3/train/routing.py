@@ -26,7 +26,9 @@ import math
 import numpy as np
 import torch
 
-BALANCE_METHODS = ("qb", "deepseek", "none")
+from k3.train.config import Balance
+
+BALANCE_METHODS = tuple(Balance)
 
 
 def _check_scores(scores: torch.Tensor, k: int) -> tuple[int, int]:

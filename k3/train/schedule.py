@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("cosine", "wsd", "constant")
+from k3.train.config import Schedule
+
+SCHEDULES = tuple(Schedule)
 
 
 def learning_rate(

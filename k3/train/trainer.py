@@ -13,11 +13,10 @@ Rerunning a killed run continues from its newest checkpoint: the CSV is cut back
 remaining steps see the same batches, RNG and optimizer state, so on CPU the losses equal an
 uninterrupted run's bit for bit.
 
-Routing balance needs each MoE layer's router scores for the batch: the trainer registers a forward
-hook on every `Router` (k3.model.moe) that recomputes `sigmoid(x @ gate.weight^T)` from the router's input
-(the model exposes no scores of its own) and records the chosen experts. After the optimizer step the
-balancer turns them into new biases, written to the routers' `e_score_correction_bias` buffers; so the
-bias a batch is routed with comes from earlier batches only.
+Routing balance needs each MoE layer's router scores for the batch: the trainer records them, with the
+chosen experts, through `record_routing` (k3.model.routing), as the routers computed them. After the
+optimizer step the balancer turns them into new biases, written to the routers' `e_score_correction_bias`
+buffers; so the bias a batch is routed with comes from earlier batches only.
 
 With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
 batch without gradients, and every router fits QB to it just before routing it: the bias then fits the
@@ -33,7 +32,7 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -42,10 +41,11 @@ from torch import nn
 
 from k3.config import K3Config
 from k3.model.routing import record_routing
+from k3.train.config import TrainConfig, TrainError
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
-from k3.train.optim import OPTIMIZERS, build_optimizer
-from k3.train.routing import BALANCE_METHODS, RoutingBalancer, chosen_loads, max_over_mean
-from k3.train.schedule import SCHEDULES, learning_rate
+from k3.train.optim import build_optimizer
+from k3.train.routing import RoutingBalancer, chosen_loads, max_over_mean
+from k3.train.schedule import learning_rate
 from k3.train.state import list_checkpoints, load_training_state, save_training_state
 
 TRAIN_JSON = "train.json"
@@ -54,77 +54,6 @@ LOADS_FILE = "loads.csv"
 EXPORT_DIR = "export"
 # Fields that may change between a run and its resumption without changing what is computed.
 _RESUMABLE_CHANGES = {"stop_after", "progress", "export"}
-
-
-class TrainError(ValueError):
-    """A training setup that cannot run; the message says which option and why."""
-
-
-@dataclass
-class TrainConfig:
-    preset: str = "tiny"  # a preset name, a config.json path or a checkpoint directory
-    data: str = "mqar"  # mqar | copy | PATH.txt
-    out: str = "runs/tiny"
-    steps: int = 100
-    batch_size: int = 8
-    seq_len: int = 64
-    accum: int = 1  # micro-batches per optimizer step
-    lr: float = 1e-3
-    optimizer: str = "adamw"  # adamw | muon (hidden matrices; AdamW for the rest)
-    min_lr_ratio: float = 0.1
-    warmup: int = 10
-    schedule: str = "cosine"
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    clip: float = 1.0  # max gradient norm; 0 = no clipping
-    dtype: str = "fp32"  # fp32 | bf16 (autocast)
-    seed: int = 0
-    balance: str = "qb"  # qb | deepseek | none
-    qb_iters: int = 1
-    balance_ema: float = 0.0
-    balance_refresh: bool = False  # QB: refit on the step's batch routed by the updated model
-    gamma: float = 1e-3  # DeepSeek step
-    checkpoint_every: int = 50
-    keep_checkpoints: int = 2
-    num_kv_pairs: int = 8  # MQAR
-    tokenizer: str | None = None  # tokenizer directory for text data (default: the built-in one)
-    eval_every: int = 0  # steps between held-out evaluations (0: none); MQAR/copy accuracy
-    eval_batches: int = 4
-    export: bool = True
-    threads: int = 0  # torch CPU threads (0: torch's default); on a busy machine 1 is often fastest
-    stop_after: int | None = None  # leave after this step as if killed (tests, time slicing)
-    progress: bool = True
-
-    def check(self) -> None:
-        def bad(option: str, problem: str) -> None:
-            raise TrainError(f"--{option.replace('_', '-')}: {problem}")
-
-        for name in (
-            "steps",
-            "batch_size",
-            "seq_len",
-            "accum",
-            "checkpoint_every",
-            "keep_checkpoints",
-            "qb_iters",
-        ):
-            if getattr(self, name) < 1:
-                bad(name, f"must be at least 1, got {getattr(self, name)}")
-        if self.schedule not in SCHEDULES:
-            bad("schedule", f"unknown schedule {self.schedule!r} (known: {', '.join(SCHEDULES)})")
-        if self.balance not in BALANCE_METHODS:
-            bad("balance", f"unknown method {self.balance!r} (known: {', '.join(BALANCE_METHODS)})")
-        if self.balance_refresh and self.balance != "qb":
-            bad("balance-refresh", f"applies to --balance qb only, not {self.balance}")
-        if self.optimizer not in OPTIMIZERS:
-            bad("optimizer", f"unknown optimizer {self.optimizer!r} (known: {', '.join(OPTIMIZERS)})")
-        if self.dtype not in ("fp32", "bf16"):
-            bad("dtype", f"must be fp32 or bf16, got {self.dtype!r}")
-        if not 0 <= self.warmup <= self.steps:
-            bad("warmup", f"must be in 0..{self.steps} (the number of steps), got {self.warmup}")
-        if self.lr <= 0:
-            bad("lr", f"must be positive, got {self.lr}")
 
 
 def load_model_config(preset: str) -> K3Config:

@@ -10,9 +10,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import playwright.sync_api
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM = "/usr/bin/chromium"  # Debian's
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts" / "atlas"
 I18N = Path(__file__).resolve().parents[2] / "k3" / "atlas" / "i18n"
 ARGS = [
@@ -25,10 +26,6 @@ ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
-
-pytestmark = pytest.mark.skipif(
-    not CHROMIUM.exists(), reason="needs Debian's chromium at /usr/bin/chromium (apt-get install -y chromium)"
-)
 
 
 def _free_port() -> int:
@@ -55,10 +52,10 @@ def _serve(app) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def browser():
-    playwright = pytest.importorskip("playwright.sync_api")
-    with playwright.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+def browser(require_tool):
+    chromium = require_tool("chromium", path=CHROMIUM, install="make browser: apt-get install -y chromium")
+    with playwright.sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=chromium, args=ARGS)
         yield b
         b.close()
 

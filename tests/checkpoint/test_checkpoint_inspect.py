@@ -10,17 +10,9 @@ from typer.testing import CliRunner
 
 from k3.census import census_from_config
 from k3.checkpoint import save_checkpoint
-from k3.checkpoint.commands import inspect
+from k3.checkpoint.commands import inspect_command
+from k3.cli import app
 from k3.config import K3Config
-
-app = typer.Typer()
-app.command("inspect")(inspect)
-
-
-@app.callback()
-def _root() -> None:
-    """A stand-in for the k3 app."""
-
 
 runner = CliRunner()
 
@@ -87,3 +79,17 @@ def test_bad_regex(tiny):
     assert result.exit_code == 1 and result.stderr.startswith(
         "error: --filter '(' is not a regular expression"
     )
+
+
+def test_census_cross_check_through_the_k3_app(tmp_path):
+    """A K3 checkpoint short of one tensor: the k3 app's inspect adds the census's finding; the checkpoint
+    room's command without a cross-check reports only what the checkpoint itself shows."""
+    cfg = K3Config.preset("tiny")
+    tensors = [(name, t) for name, t in tiny_tensors(cfg) if not name.endswith("embed_tokens.weight")]
+    save_checkpoint(tensors, cfg, tmp_path)
+    report = json.loads(runner.invoke(app, ["inspect", str(tmp_path), "--json"]).stdout)
+    assert report["findings"] == ["1 missing tensor(s) vs config: language_model.model.embed_tokens.weight"]
+    bare = typer.Typer()
+    bare.command("inspect")(inspect_command())
+    bare.callback()(lambda: None)
+    assert json.loads(runner.invoke(bare, ["inspect", str(tmp_path), "--json"]).stdout)["findings"] == []

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import uvicorn
 
@@ -24,7 +25,6 @@ from k3.model.init import init_checkpoint
 from k3.tokenizer.build import write_tokenizer
 from k3.tokenizer.kimi import Tokenizer
 
-openai = pytest.importorskip("openai")
 NAME = "k3-tiny"
 
 

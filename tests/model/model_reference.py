@@ -1,4 +1,4 @@
-"""An independent, slow K3 forward pass written straight from ../shared/spec/K3.md sections 3-5.
+"""An independent, slow K3 forward pass written straight from docs/spec/K3.md sections 3-5.
 
 For tests only. It shares no code with k3.model or k3.ops: it reads config.json with `json` and the shards
 with the official `safetensors` library, decodes MXFP4 itself (E2M1 LUT and 2^(s-127)), runs everything

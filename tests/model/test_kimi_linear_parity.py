@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from k3.model import K3ForCausalLM  # noqa: E402
+from k3.model import K3ForCausalLM
 
 
 def tiny_kimi_linear(q_lora_rank: int | None, n_group: int) -> transformers.KimiLinearForCausalLM:

@@ -65,8 +65,9 @@ def test_copying_labels_are_the_source_after_the_separator() -> None:
 
 
 def test_text_file_windows_are_consecutive_tokens(tmp_path) -> None:
-    tokenizer_module = pytest.importorskip("k3.tokenizer.build")
-    tokenizer = tokenizer_module.builtin_tokenizer(1024)
+    from k3.tokenizer.build import builtin_tokenizer
+
+    tokenizer = builtin_tokenizer(1024)
     path = tmp_path / "corpus.txt"
     path.write_text("The quick brown fox jumps over the lazy dog. " * 40)
     ids = tokenizer.encode(path.read_text())

@@ -1,0 +1,126 @@
+"""RL on a briefly supervised tiny model: K2 loss vs GRPO vs ReST at equal samples, partial vs full rollouts.
+
+    python benchmarks/rl.py --base runs/sft2/policy --digits 2 --iterations 15 --jobs 4
+
+Every method starts from the same SFT policy and draws the same prompts (seeded by iteration), `prompts` x
+`samples` samples per iteration, so the number of samples is equal by construction. Each run is a plain
+`k3 rl` run folder under benchmarks/results/_rl_runs/; this script runs them (in parallel processes), then
+writes benchmarks/results/rl.csv (one row per run: held-out accuracy before and after, samples, wall-clock)
+and rl.png (held-out accuracy per iteration; reward against wall-clock seconds for partial vs full).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+RUNS = RESULTS / "_rl_runs"
+
+
+def method_args(method: str) -> list[str]:
+    if method == "k2_partial":
+        return ["--loss", "k2", "--partial-budget", "2"]
+    return ["--loss", method]
+
+
+def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
+    out = RUNS / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3",
+        "rl",
+        "--init",
+        a.base,
+        "--task",
+        "arithmetic",
+        "--digits",
+        str(a.digits),
+    ]
+    cmd += ["--out", str(out), "--iterations", str(a.iterations), "--prompts", str(a.prompts)]
+    cmd += ["--samples", str(a.samples), "--seed", str(seed), "--lr", str(a.lr), "--tau", str(a.tau)]
+    cmd += ["--eval-every", str(a.eval_every), "--held-out", str(a.held_out), "--threads", "1", "--quiet"]
+    cmd += method_args(method)
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return out
+
+
+def read(path: Path) -> list[dict]:
+    with (path / "log.csv").open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base", required=True, help="policy folder from `k3 rl sft`")
+    p.add_argument("--digits", type=int, default=2)
+    p.add_argument("--iterations", type=int, default=15)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--tau", type=float, default=0.1)
+    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--held-out", type=int, default=100)
+    p.add_argument("--methods", default="k2,grpo,rest,k2_partial")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--jobs", type=int, default=4)
+    a = p.parse_args()
+    jobs = [(f"{m}_s{s}", m, int(s)) for s in a.seeds.split(",") for m in a.methods.split(",")]
+    with ThreadPoolExecutor(a.jobs) as pool:
+        outs = list(pool.map(lambda j: run(*j, a), jobs))
+    rows = []
+    for (name, method, seed), out in zip(jobs, outs, strict=True):
+        log = read(out)
+        evals = [r for r in log if r["eval_acc"]]
+        rows.append(
+            {
+                "run": name,
+                "method": method,
+                "seed": seed,
+                "eval_acc_before": evals[0]["eval_acc"],
+                "eval_acc_after": evals[-1]["eval_acc"],
+                "eval_acc_best": max(float(r["eval_acc"]) for r in evals),
+                "samples": log[-1]["samples"],
+                "elapsed_s": log[-1]["elapsed_s"],
+                "mean_train_score_last5": sum(float(r["score"] or 0) for r in log[-5:]) / 5,
+                "max_logprob_diff": max(float(r["logprob_diff_max"] or 0) for r in log[1:]),
+                "mean_expert_flips": sum(float(r["expert_flips"] or 0) for r in log[1:]) / (len(log) - 1),
+            }
+        )
+    with (RESULTS / "rl.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(jobs, outs)
+    for r in rows:
+        print(r)
+
+
+def plot(jobs, outs) -> None:
+    from k3.train.plot import _pyplot
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for (name, _, _), out in zip(jobs, outs, strict=True):
+        log = read(out)
+        pts = [(int(r["step"]), float(r["eval_acc"])) for r in log if r["eval_acc"]]
+        left.plot(*zip(*pts, strict=True), marker="o", label=name)
+        pts = [(float(r["elapsed_s"]), float(r["score"])) for r in log[1:] if r["score"]]
+        right.plot(*zip(*pts, strict=True), lw=1, label=name)
+    left.set(xlabel="iteration", ylabel="held-out accuracy (greedy)", title="held-out accuracy")
+    right.set(xlabel="wall-clock seconds (rollouts + update)", ylabel="train score", title="reward vs time")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "rl.png", dpi=110)
+
+
+if __name__ == "__main__":
+    main()
