@@ -4,9 +4,9 @@
 
 Every method starts from the same SFT policy and draws the same prompts (seeded by iteration), `prompts` x
 `samples` samples per iteration, so the number of samples is equal by construction. Each run is a plain
-`k3 rl` run folder under benchmarks/results/_rl_runs/; this script runs them (in parallel processes), then
-writes benchmarks/results/rl.csv (one row per run: held-out accuracy before and after, samples, wall-clock)
-and rl.png (held-out accuracy per iteration; reward against wall-clock seconds for partial vs full).
+`k3 rl` run folder under benchmarks/results/_rl_runs/NAME/; this script runs them (in parallel processes),
+then writes benchmarks/results/NAME.csv (one row per run: held-out accuracy before and after, samples,
+wall-clock) and NAME.png (held-out accuracy per iteration; reward against wall-clock seconds).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def method_args(method: str) -> list[str]:
 
 
 def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
-    out = RUNS / name
+    out = RUNS / a.name / name
     cmd = [
         sys.executable,
         "-m",
@@ -45,6 +45,7 @@ def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
     ]
     cmd += ["--out", str(out), "--iterations", str(a.iterations), "--prompts", str(a.prompts)]
     cmd += ["--samples", str(a.samples), "--seed", str(seed), "--lr", str(a.lr), "--tau", str(a.tau)]
+    cmd += ["--temperature", str(a.temperature)]
     cmd += ["--eval-every", str(a.eval_every), "--held-out", str(a.held_out), "--threads", "1", "--quiet"]
     cmd += method_args(method)
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -60,16 +61,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="policy folder from `k3 rl sft`")
     p.add_argument("--digits", type=int, default=2)
-    p.add_argument("--iterations", type=int, default=15)
+    p.add_argument("--iterations", type=int, default=12)
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--tau", type=float, default=0.1)
-    p.add_argument("--eval-every", type=int, default=5)
+    p.add_argument("--temperature", type=float, default=0.6)
+    p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--held-out", type=int, default=100)
     p.add_argument("--methods", default="k2,grpo,rest,k2_partial")
     p.add_argument("--seeds", default="0")
     p.add_argument("--jobs", type=int, default=4)
+    p.add_argument("--name", default="rl", help="results: NAME.csv, NAME.png, _rl_runs/NAME/")
     a = p.parse_args()
     jobs = [(f"{m}_s{s}", m, int(s)) for s in a.seeds.split(",") for m in a.methods.split(",")]
     with ThreadPoolExecutor(a.jobs) as pool:
@@ -93,16 +96,16 @@ def main() -> None:
                 "mean_expert_flips": sum(float(r["expert_flips"] or 0) for r in log[1:]) / (len(log) - 1),
             }
         )
-    with (RESULTS / "rl.csv").open("w", newline="") as f:
+    with (RESULTS / f"{a.name}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(jobs, outs)
+    plot(jobs, outs, RESULTS / f"{a.name}.png")
     for r in rows:
         print(r)
 
 
-def plot(jobs, outs) -> None:
+def plot(jobs, outs, path: Path) -> None:
     from k3.train.plot import _pyplot
 
     plt = _pyplot()
@@ -119,7 +122,7 @@ def plot(jobs, outs) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "rl.png", dpi=110)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ class Task(ABC):
         rng = np.random.default_rng([seed, iteration])
         held = {p.prompt for p in self.held_out(seed)}
         out: list[Problem] = []
+        if count == 0:
+            return out
         for _ in range(1000 * count):
             p = self.sample(rng)
             if p.prompt not in held:

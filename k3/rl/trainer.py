@@ -2,8 +2,9 @@
 
 One iteration (policy version v = the iteration number, engine and trainer hold the same weights):
 
-1. new prompts (`prompts` of them, a pure function of (seed, iteration)), K samples each, join the
-   unfinished trajectories of the replay buffer; the engine continues all of them by one segment
+1. new prompts (`prompts` less the groups still in the replay buffer, so at most `prompts` groups are
+   in flight; a pure function of (seed, iteration)), K samples each, join the unfinished trajectories of
+   the replay buffer; the engine continues all of them by one segment
    (`partial_budget` tokens at most, or to the end) with weights v;
 2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
    penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
@@ -294,7 +295,8 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
         for it in range(start, last):
             began = time.perf_counter()
             version = it
-            for p, problem in enumerate(task.problems(rc.seed, it, rc.prompts)):
+            waiting = len({t.group for t in pool})  # groups carried over count against the batch
+            for p, problem in enumerate(task.problems(rc.seed, it, max(0, rc.prompts - waiting))):
                 gid = it * rc.prompts + p
                 problems[gid] = problem
                 pool += [Trajectory(gid, k, codec.encode(problem.prompt)) for k in range(rc.samples)]

@@ -1,5 +1,6 @@
 """Losses against analytic gradients and brute-force categorical expectations (float64)."""
 
+import pytest
 import torch
 
 from k3.rl.loss import (
@@ -10,7 +11,14 @@ from k3.rl.loss import (
     shape_rewards,
 )
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def float64():
+    """Every test here in float64; the default is restored for the other test files."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def _policy(seed: int, T: int = 4, V: int = 5, K: int = 6):
