@@ -119,6 +119,7 @@ def _register_rooms() -> None:
     from k3.model.commands import init as write_random_weights
     from k3.ops.commands import doctor
     from k3.rl.commands import rl_app
+    from k3.rl.distill_commands import distill_app
     from k3.sandbox.commands import sandbox_app
     from k3.stream.commands import stream_app
     from k3.train.commands import train_app
@@ -149,6 +150,7 @@ def _register_rooms() -> None:
     app.add_typer(stream_app, name="stream")
     app.add_typer(export_app, name="export")
     app.add_typer(rl_app, name="rl")
+    app.add_typer(distill_app, name="distill")
 
 
 _register_rooms()

@@ -149,8 +149,9 @@ def held_out_accuracy(engine, task: Task, codec: CharCodec, seed: int) -> float:
     return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
 
 
-def _prepare_run(rc: RLConfig, run: Path) -> None:
-    path = run / RL_JSON
+def _prepare_run(rc, run: Path, name: str = RL_JSON) -> None:
+    """Write the run's config as RUN/`name`, or refuse if the folder holds a run with other settings."""
+    path = run / name
     mine = {k: v for k, v in asdict(rc).items() if k not in _RESUMABLE_CHANGES}
     if path.is_file():
         theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in _RESUMABLE_CHANGES}
@@ -165,7 +166,7 @@ def _prepare_run(rc: RLConfig, run: Path) -> None:
     tmp.replace(path)
 
 
-def _cut_log(path: Path, step: int) -> None:
+def _cut_log(path: Path, step: int, columns: list[str] = COLUMNS) -> None:
     """Keep the complete rows up to `step` (a torn last line or rows past the checkpoint are dropped)."""
     rows = []
     if path.is_file():
@@ -176,7 +177,7 @@ def _cut_log(path: Path, step: int) -> None:
                 rows.append(row)
     tmp = path.with_suffix(".tmp")
     with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
         writer.writerows(rows)
     tmp.replace(path)

@@ -1,6 +1,9 @@
-"""On-policy distillation losses (issue #24): zero advantage with teacher = student leaves the weights
-bitwise unchanged under SGD, the gradient is the analytic policy-gradient form (float64), the full-vocabulary
-reverse KL equals a brute-force sum, a vocabulary mismatch is named."""
+"""Distillation loss and scoring: a teacher equal to the student leaves SGD's weights bitwise unchanged,
+the loss gradient against the analytic policy-gradient form (float64), the full-vocabulary reverse KL
+against a brute-force sum, each sample scored by its own teacher only (counted), vocabulary mismatches."""
+
+import copy
+import math
 
 import pytest
 import torch
@@ -9,57 +12,199 @@ from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.rl.distill import (
     DistillError,
-    check_compatible,
+    Scores,
+    TeacherSpec,
+    advantages,
+    assign_domains,
+    average_weights,
+    check_vocabularies,
     distill_loss,
-    full_reverse_kl,
-    reverse_kl_advantages,
+    gkd_loss,
+    parse_teacher,
+    reverse_kl_full,
+    sampled_reverse_kl,
+    score,
+    vocabulary_of,
 )
+from k3.rl.policy import pack, token_logprobs
+from k3.rl.rollout import Trajectory
 
 
-def test_teacher_equal_to_student_changes_nothing():
-    model = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=2, quantized_experts=False)
-    ids = torch.randint(1, 700, (2, 6), generator=torch.Generator().manual_seed(0))
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    logp = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [2, 5]
-    with torch.no_grad():
-        teacher = torch.log_softmax(model(ids[:, :-1]).float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-    adv = reverse_kl_advantages(logp, teacher)
-    assert torch.count_nonzero(adv) == 0
-    optimizer = torch.optim.SGD(model.parameters(), lr=10.0)
-    distill_loss(logp, logp.detach(), adv, torch.ones_like(logp)).backward()
-    optimizer.step()
-    after = model.state_dict()
+def _tiny(seed: int) -> K3ForCausalLM:
+    return K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=seed, quantized_experts=False)
+
+
+def _trajectories() -> list[Trajectory]:
+    """Unequal prompts and answers (planted ids), as the engine would return them."""
+    specs = [
+        ([49, 43, 50, 61], [51, 52, 769]),
+        ([115, 111, 61], [49, 769]),
+        ([97, 51, 63, 97, 61], [51, 769]),
+        ([50, 43, 50, 61], [52, 48, 49, 769]),
+    ]
+    out = []
+    for g, (prompt, tokens) in enumerate(specs):
+        out.append(Trajectory(g, 0, prompt, tokens, [-1.0] * len(tokens), [0] * len(tokens), "stop", 1))
+    return out
+
+
+def test_teacher_equal_to_student_zero_advantage_and_sgd_leaves_weights_bitwise():
+    student = _tiny(0)
+    teacher = copy.deepcopy(student).eval()
+    trajs = _trajectories()
+    teacher_of = ["a", "b", "a", "b"]  # two "teachers", both equal to the student
+    scores = score(student, {"a": teacher, "b": teacher}, teacher_of, trajs, temperature=1.0)
+    adv = advantages(scores)
+    assert scores.mask.sum() == sum(len(t.tokens) for t in trajs)
+    assert torch.equal(adv, torch.zeros_like(adv))
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    for lr in (1e-3, 1.0, 1e6):
+        opt = torch.optim.SGD(student.parameters(), lr=lr)
+        packed = pack(trajs)
+        behaviour = torch.tensor([[-1.0] * packed.mask.shape[1]] * len(trajs))
+        loss = distill_loss(token_logprobs(student, packed, 1.0), behaviour, adv, packed.mask)
+        loss.backward()
+        assert any(p.grad is not None for p in student.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    after = student.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    # a different teacher: advantages are not zero and the same update moves the weights
+    scores = score(student, {"a": _tiny(1).eval(), "b": teacher}, teacher_of, trajs, temperature=1.0)
+    assert advantages(scores)[[0, 2]].abs().sum() > 0 and torch.equal(
+        advantages(scores)[[1, 3]], torch.zeros(2, 4)
+    )
 
 
-def test_gradient_is_the_policy_gradient_form():
-    g = torch.Generator().manual_seed(1)
-    theta = torch.randn(4, 6, dtype=torch.float64, generator=g).requires_grad_()  # [T, V]
-    y = torch.multinomial(torch.softmax(theta.detach(), -1), 3, replacement=True, generator=g).T  # [K, T]
-    teacher = torch.log_softmax(torch.randn(4, 6, dtype=torch.float64, generator=g), -1)
-    logp = torch.log_softmax(theta, -1).gather(-1, y.T).T  # [K, T]
-    adv = reverse_kl_advantages(logp, teacher.gather(-1, y.T).T)
-    (grad,) = torch.autograd.grad(distill_loss(logp, logp.detach(), adv, torch.ones_like(logp)), theta)
-    p = torch.softmax(theta.detach(), -1)
-    grad_logpi = torch.nn.functional.one_hot(y, 6).double() - p  # [K, T, V]
-    analytic = -(adv[..., None] * grad_logpi).sum(0) / logp.numel()
-    torch.testing.assert_close(grad, analytic, rtol=1e-12, atol=1e-14)
+def test_loss_gradient_equals_analytic_policy_gradient_float64():
+    torch.manual_seed(0)
+    N, T, V = 3, 5, 7
+    logits = torch.randn(N, T, V, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, V, (N, T))
+    mask = torch.ones(N, T, dtype=torch.float64)
+    mask[0, 3:] = 0
+    mask[2, 1:] = 0
+    logp = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
+    behaviour = logp.detach() + torch.randn(N, T, dtype=torch.float64)  # some ratios outside [0.5, 1.5]
+    adv = torch.randn(N, T, dtype=torch.float64)
+    low, high = 0.5, 1.5
+    distill_loss(logp, behaviour, adv, mask, low, high).backward()
+    # analytic: grad_z log softmax(z)[x] = onehot(x) - softmax(z); w, A constants
+    p = torch.softmax(logits.detach(), -1)
+    onehot = torch.nn.functional.one_hot(targets, V).double()
+    n = mask.sum()
+    expected = torch.zeros_like(p)
+    for i in range(N):
+        for t in range(T):
+            if mask[i, t]:
+                w = min(max(math.exp(float(logp[i, t].detach() - behaviour[i, t])), low), high)
+                expected[i, t] = -(w * float(adv[i, t]) / n) * (onehot[i, t] - p[i, t])
+    assert torch.allclose(logits.grad, expected, atol=1e-12, rtol=0)
+    assert not torch.equal(logits.grad, torch.zeros_like(logits.grad))
 
 
-def test_full_reverse_kl_brute_force():
-    g = torch.Generator().manual_seed(2)
-    s, t = torch.randn(5, generator=g, dtype=torch.float64), torch.randn(5, generator=g, dtype=torch.float64)
-    ps, pt = torch.softmax(s, 0).tolist(), torch.softmax(t, 0).tolist()
-    import math
+def test_full_vocabulary_reverse_kl_brute_force():
+    student = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    teacher = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    brute = sum(float(q) * math.log(float(q) / float(p)) for q, p in zip(student, teacher, strict=True))
+    got = reverse_kl_full(student.log()[None, None], teacher.log()[None, None])
+    assert abs(float(got[0, 0]) - brute) < 1e-15
+    assert abs(float(reverse_kl_full(teacher.log(), teacher.log()))) < 1e-15
+    # the GKD loss differentiates through the student only, and its gradient vanishes at student == teacher
+    z = teacher.log().clone().requires_grad_(True)
+    t = teacher.log().clone().requires_grad_(True)
+    gkd_loss(
+        torch.log_softmax(z, -1)[None, None], t[None, None], torch.ones(1, 1, dtype=torch.float64)
+    ).backward()
+    assert t.grad is None and float(z.grad.abs().max()) < 1e-15
+    # away from the teacher: d KL / d z_j = q_j (log q_j - log p_j - KL), q = softmax(z)
+    z = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
+    gkd_loss(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], torch.ones(1, 1)).backward()
+    q = torch.softmax(z.detach(), -1)
+    kl = float((q * (q.log() - teacher.log())).sum())
+    assert torch.allclose(z.grad, q * (q.log() - teacher.log() - kl), atol=1e-14, rtol=0)
 
-    expected = sum(a * math.log(a / b) for a, b in zip(ps, pt, strict=True))
-    assert abs(float(full_reverse_kl(s.float(), t.float())) - expected) < 1e-6
+
+class _Counting(torch.nn.Module):
+    """A teacher that counts the rows and token ids it was fed."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.fed = model, []
+
+    def forward(self, inputs):
+        self.fed.append(inputs.clone())
+        return self.model(inputs)
 
 
-def test_vocabulary_mismatch_is_named():
-    tiny = K3Config.from_pretrained("tiny")
-    other = K3Config.from_pretrained("tiny")
-    other.vocab_size = 2048
-    check_compatible(tiny, {"math": tiny})
-    with pytest.raises(DistillError, match="teacher code: vocabulary of 2048"):
-        check_compatible(tiny, {"math": tiny, "code": other})
+def test_mixed_domains_each_sample_scored_by_its_own_teacher_only():
+    student = _tiny(0)
+    teachers = {"arith": _Counting(_tiny(1)), "sort": _Counting(_tiny(2)), "recall": _Counting(_tiny(3))}
+    trajs = _trajectories() + [Trajectory(9, 0, [120, 61], [55, 56, 57, 769], [0.0] * 4, [0] * 4, "stop", 1)]
+    teacher_of = ["arith", "sort", "recall", "arith", "sort"]
+    scores = score(student, teachers, teacher_of, trajs, temperature=1.0)
+    for name, teacher in teachers.items():
+        mine = [t for t, owner in zip(trajs, teacher_of, strict=True) if owner == name]
+        assert len(teacher.fed) == 1  # one batched forward per teacher
+        (fed,) = teacher.fed
+        assert fed.shape[0] == len(mine)
+        for row, t in zip(fed, mine, strict=True):
+            seq = t.prompt + t.tokens[:-1]
+            assert row[: len(seq)].tolist() == seq and not row[len(seq) :].any()
+        assert scores.tokens_scored[name] == sum(len(t.tokens) for t in mine)
+    # the scores are each teacher's own: recompute teacher by teacher, sample by sample
+    for i, (t, owner) in enumerate(zip(trajs, teacher_of, strict=True)):
+        alone = token_logprobs(teachers[owner].model, pack([t]), 1.0)[0]
+        assert torch.allclose(scores.teacher[i, : len(t.tokens)], alone, atol=1e-5)
+    kl = sampled_reverse_kl(scores, teacher_of)
+    rows = [0, 3]
+    expected = float(((scores.student - scores.teacher) * scores.mask)[rows].sum() / scores.mask[rows].sum())
+    assert kl["arith"] == pytest.approx(expected)
+
+
+def test_alpha_reward_adds_group_centred_reward():
+    s = Scores(torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor([[1.0, 1], [1, 0], [1, 1], [1, 1]]))
+    adv = advantages(s, torch.tensor([1.0, 0.0, 1.0, 1.0]), alpha=0.5, group_size=2)
+    assert adv.tolist() == [[0.25, 0.25], [-0.25, 0.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_vocabulary_mismatch_names_what_differs(tmp_path):
+    from k3.tokenizer.build import write_tokenizer
+
+    student = vocabulary_of("tiny", 1024)
+    check_vocabularies(student, {"same": vocabulary_of(str(write_tokenizer(tmp_path / "same", 1024)), 1024)})
+    with pytest.raises(DistillError, match=r"teacher big: vocab_size 2048 \(student: 1024\)"):
+        check_vocabularies(student, {"ok": student, "big": vocabulary_of("x", 2048)})
+    other = tmp_path / "other"
+    write_tokenizer(other, 1024)
+    lines = (other / "tiktoken.model").read_text().splitlines()
+    a, b = lines[300].split(), lines[301].split()
+    lines[300], lines[301] = f"{b[0]} {a[1]}", f"{a[0]} {b[1]}"  # two merges swap ranks
+    (other / "tiktoken.model").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DistillError, match="teacher swapped: the BPE ranks of .*tiktoken.model differ"):
+        check_vocabularies(student, {"swapped": vocabulary_of(str(other), 1024)})
+
+
+def test_teacher_specs_and_domains():
+    assert parse_teacher("arith=runs/t/arith:arithmetic") == TeacherSpec(
+        "arith", "runs/t/arith", "arithmetic"
+    )
+    assert parse_teacher("gen=C:/x") == TeacherSpec("gen", "C:/x", None)
+    with pytest.raises(DistillError, match="NAME=CKPT"):
+        parse_teacher("runs/t")
+    specs = [TeacherSpec("a", "x", "arithmetic"), TeacherSpec("g", "y", None)]
+    assert assign_domains(specs, ["sort", "arithmetic"]) == {"arithmetic": "a", "sort": "g"}
+    with pytest.raises(DistillError, match="task sort has no teacher"):
+        assign_domains(specs[:1], ["sort"])
+    with pytest.raises(DistillError, match="two teachers"):
+        assign_domains([TeacherSpec("a", "x", "sort"), TeacherSpec("b", "y", "sort")], [])
+
+
+def test_average_weights():
+    a, b = _tiny(0), _tiny(1)
+    avg = average_weights([a, b])
+    k = "lm_head.weight"
+    assert torch.allclose(avg[k], (a.state_dict()[k] + b.state_dict()[k]) / 2, atol=1e-7)
+    short = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), num_layers=1, quantized_experts=False)
+    with pytest.raises(DistillError, match="other tensors"):
+        average_weights([a, short])

@@ -1,0 +1,353 @@
+"""The `k3 distill` loop: several teachers into one student, on-policy, with the baselines beside it.
+
+Methods (`--method`):
+- `on-policy` (the method): each iteration, `prompts` new problems of every domain, K student samples
+  each through the engine (k3.rl.rollout); every sample scored by its domain's teacher (k3.rl.distill.score);
+  `minibatches` steps on the truncated importance-sampling loss with the reverse-KL advantages (or, with
+  `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
+- `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
+  student is fine-tuned on them (cross-entropy over the answer tokens).
+- `average`: no training; the student is the mean of the teachers' weights (shapes must match), evaluated.
+A single generalist teacher is the same command with one teacher without a task (`--tasks` names the
+domains it covers).
+
+Teacher tokens (`teacher_tokens`, cumulative): answer tokens a teacher scored (on-policy) or wrote
+(off-policy), so the two methods can be compared at equal teacher budgets.
+
+A run folder is laid out as `k3 rl`'s (RUN/distill.json, RUN/log.csv, RUN/checkpoints/step-N,
+RUN/config.json): `k3 rl export` and `k3 distill export` write its checkpoint; everything random is seeded by
+(seed, iteration, group, sample, segment), so a run killed at any point and rerun gives the same log
+(timing columns aside).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from k3.rl.codec import CharCodec
+from k3.rl.distill import (
+    DistillError,
+    advantages,
+    assign_domains,
+    average_weights,
+    check_vocabularies,
+    distill_loss,
+    gkd_loss,
+    load_teacher,
+    log_distributions,
+    parse_teacher,
+    sampled_reverse_kl,
+    score,
+    vocabulary_of,
+)
+from k3.rl.policy import pack, token_logprobs
+from k3.rl.rollout import Trajectory, answer_ids, generate
+from k3.rl.tasks import Task, make_task
+from k3.rl.trainer import _cut_log, _prepare_run, held_out_accuracy
+
+DISTILL_JSON = "distill.json"
+LOG_FILE = "log.csv"
+METHODS = ("on-policy", "off-policy", "average")
+TIMING = ("tokens_per_s", "elapsed_s")
+EVAL_STREAM = -1  # group ids of the evaluation samples are negative (training groups count from 0)
+
+
+@dataclass
+class DistillConfig:
+    student: str = "tiny"  # preset, published checkpoint or policy folder
+    teachers: list[str] = field(default_factory=list)  # NAME=CKPT[:task]
+    tasks: list[str] = field(default_factory=list)  # extra domains, for a teacher without a task
+    out: str = "runs/distill"
+    method: str = "on-policy"
+    iterations: int = 20
+    prompts: int = 8  # new prompts per domain per iteration
+    samples: int = 4  # K per prompt
+    lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | sgd
+    minibatches: int = 1
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
+    is_high: float = 2.0
+    alpha_reward: float = 0.0
+    full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
+    eval_every: int = 5
+    held_out: int = 100
+    eval_samples: int = 16  # held-out prompts per domain sampled for eval_rkl_<teacher>
+    digits: int = 3  # arithmetic
+    seed: int = 0
+    max_batch: int = 64
+    checkpoint_every: int = 1
+    threads: int = 0
+    stop_after: int | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        def bad(option: str, problem: str) -> None:
+            raise DistillError(f"--{option.replace('_', '-')}: {problem}")
+
+        if not self.teachers:
+            bad("teacher", "give at least one NAME=CKPT[:task]")
+        for name in ("iterations", "prompts", "samples", "minibatches", "eval_every", "held_out"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.method not in METHODS:
+            bad("method", f"unknown method {self.method!r} (known: {', '.join(METHODS)})")
+        if self.optimizer not in ("adamw", "sgd"):
+            bad("optimizer", f"adamw or sgd, got {self.optimizer!r}")
+        if self.temperature <= 0:
+            bad("temperature", f"must be > 0, got {self.temperature}")
+        if not 0 <= self.is_low <= 1 <= self.is_high:
+            bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
+        if self.lr < 0:
+            bad("lr", f"must be >= 0, got {self.lr}")
+        if self.minibatches > self.prompts * self.samples:
+            bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
+        if self.alpha_reward and self.method != "on-policy":
+            bad("alpha_reward", "only with --method on-policy")
+
+
+def make_tasks(dc: DistillConfig, domains: list[str]) -> dict[str, Task]:
+    def one(name: str) -> Task:
+        options = {"digits": dc.digits} if name == "arithmetic" else {}
+        return make_task(name, held_out_size=dc.held_out, **options)
+
+    return {name: one(name) for name in domains}
+
+
+def columns(domains: dict[str, str]) -> list[str]:
+    teachers = list(dict.fromkeys(domains.values()))
+    return [
+        "step", "loss", "lr", "grad_norm", "samples", "student_tokens", "teacher_tokens",
+        *[f"rkl_{t}" for t in teachers], *[f"score_{d}" for d in domains], *[f"acc_{d}" for d in domains],
+        "acc_mean", *[f"eval_rkl_{t}" for t in teachers], "logprob_diff_max", *TIMING,
+    ]  # fmt: skip
+
+
+@dataclass
+class Setup:
+    """What a run holds for its whole life: the student, teachers (loaded once) and domains."""
+
+    model: torch.nn.Module
+    teachers: dict[str, torch.nn.Module]
+    domains: dict[str, str]  # task -> teacher name
+    tasks: dict[str, Task]
+    codec: CharCodec
+
+
+def load_setup(dc: DistillConfig) -> Setup:
+    from k3.rl.policy_io import load_policy
+
+    specs = [parse_teacher(t) for t in dc.teachers]
+    domains = assign_domains(specs, dc.tasks)
+    model = load_policy(dc.student, dc.seed).train()
+    teachers = {s.name: load_teacher(s.source) for s in specs if s.name in domains.values()}
+    vocab = model.config.vocab_size
+    check_vocabularies(
+        vocabulary_of(dc.student, vocab),
+        {
+            s.name: vocabulary_of(s.source, teachers[s.name].config.vocab_size)
+            for s in specs
+            if s.name in teachers
+        },
+    )
+    return Setup(model, teachers, domains, make_tasks(dc, list(domains)), CharCodec(vocab))
+
+
+def _optimizer(model, dc: DistillConfig):
+    if dc.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=dc.lr)
+    from k3.train.optim import build_optimizer
+
+    return build_optimizer(model, "adamw", dc.lr, 0.0, (0.9, 0.95))
+
+
+def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], list, list[str]]:
+    """(trajectories, their problems, their domains): `prompts` per domain, K samples each."""
+    trajs, problems, domain_of = [], [], []
+    for d, (name, task) in enumerate(setup.tasks.items()):
+        for p, problem in enumerate(task.problems(dc.seed, it, dc.prompts)):
+            gid = (it * len(setup.tasks) + d) * dc.prompts + p
+            for k in range(dc.samples):
+                trajs.append(Trajectory(gid, k, setup.codec.encode(problem.prompt)))
+                problems.append(problem)
+                domain_of.append(name)
+    return trajs, problems, domain_of
+
+
+def _generate(engines: dict[str, object], setup: Setup, trajs, domain_of, dc: DistillConfig) -> int:
+    """Each domain's trajectories by its engine (engines: domain -> Engine), to the task's budget."""
+    tokens = 0
+    for name, task in setup.tasks.items():
+        mine = [t for t, d in zip(trajs, domain_of, strict=True) if d == name]
+        tokens += generate(
+            engines[name], mine, seed=dc.seed, temperature=dc.temperature, stop_id=setup.codec.eos,
+            max_tokens=task.max_tokens,
+        )  # fmt: skip
+    return tokens
+
+
+def _evaluate(engine, setup: Setup, dc: DistillConfig) -> dict:
+    """Greedy held-out accuracy per task, and the sampled reverse KL to each teacher on the student's own
+    samples of `eval_samples` held-out prompts per domain (the same prompts and seeds at every eval)."""
+    row, accs = {}, []
+    for name, task in setup.tasks.items():
+        acc = held_out_accuracy(engine, task, setup.codec, dc.seed)
+        row[f"acc_{name}"] = f"{acc:.6f}"
+        accs.append(acc)
+    row["acc_mean"] = f"{sum(accs) / len(accs):.6f}"
+    trajs, domain_of = [], []
+    for d, (name, task) in enumerate(setup.tasks.items()):
+        for i, problem in enumerate(task.held_out(dc.seed)[: dc.eval_samples]):
+            trajs.append(Trajectory(EVAL_STREAM - d * 10**6 - i, 0, setup.codec.encode(problem.prompt)))
+            domain_of.append(name)
+    _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
+    teacher_of = [setup.domains[d] for d in domain_of]
+    scores = score(setup.model, setup.teachers, teacher_of, trajs, dc.temperature)
+    for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
+        row[f"eval_rkl_{teacher}"] = f"{kl:.6f}"
+    return row
+
+
+def _step(model, optimizer, dc: DistillConfig, loss: torch.Tensor) -> float:
+    loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), dc.grad_clip or math.inf))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, domain_of) -> dict:
+    """Score, then `minibatches` updates (rows m, m + M, ... so each mixes the domains); the log figures."""
+    model, codec = setup.model, setup.codec
+    teacher_of = [setup.domains[d] for d in domain_of]
+    scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
+    rewards = torch.zeros(len(trajs))
+    for name, task in setup.tasks.items():
+        rows = [i for i, d in enumerate(domain_of) if d == name]
+        texts = [codec.decode(answer_ids(trajs[i], codec.eos)) for i in rows]
+        rewards[rows] = torch.tensor(task.grade([problems[i] for i in rows], texts))
+    adv = advantages(scores, rewards, dc.alpha_reward, dc.samples)
+    behaviour = torch.zeros_like(scores.mask)
+    for b, t in enumerate(trajs):
+        behaviour[b, : len(t.logprobs)] = torch.tensor(t.logprobs)
+    diff_max = float(((scores.student - behaviour).abs() * scores.mask).max())
+    losses, norm = [], 0.0
+    for m in range(dc.minibatches):
+        rows = list(range(m, len(trajs), dc.minibatches))
+        packed = pack([trajs[i] for i in rows])
+        n = packed.mask.shape[1]
+        if dc.full_vocab:
+            student_dist = log_distributions(model, packed, dc.temperature)
+            loss = gkd_loss(student_dist, scores.teacher_dist[rows, :n], packed.mask)
+        else:
+            logp = token_logprobs(model, packed, dc.temperature)
+            loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)
+        norm = _step(model, optimizer, dc, loss)
+        losses.append(float(loss.detach()))
+    row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
+    row["logprob_diff_max"] = f"{diff_max:.3g}"
+    for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
+        row[f"rkl_{teacher}"] = f"{kl:.6f}"
+    for name in setup.tasks:
+        rows = [i for i, d in enumerate(domain_of) if d == name]
+        row[f"score_{name}"] = f"{float(rewards[rows].mean()):.6f}"
+    return row
+
+
+def _off_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, domain_of) -> dict:
+    """Fine-tune on the teachers' samples: cross-entropy over their answer tokens."""
+    model, codec = setup.model, setup.codec
+    losses, norm = [], 0.0
+    for m in range(dc.minibatches):
+        rows = list(range(m, len(trajs), dc.minibatches))
+        packed = pack([trajs[i] for i in rows])
+        logp = token_logprobs(model, packed, 1.0)
+        loss = -(logp * packed.mask).sum() / packed.mask.sum().clamp(min=1)
+        norm = _step(model, optimizer, dc, loss)
+        losses.append(float(loss.detach()))
+    row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
+    for name, task in setup.tasks.items():
+        rows = [i for i, d in enumerate(domain_of) if d == name]
+        texts = [codec.decode(answer_ids(trajs[i], codec.eos)) for i in rows]
+        right = task.grade([problems[i] for i in rows], texts)
+        row[f"score_{name}"] = f"{sum(right) / len(right):.6f}"  # the teacher's samples
+    return row
+
+
+def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None = None) -> Path:
+    """Run (or resume) the distillation run `dc` describes; returns the run folder."""
+    from k3.engine.generate import Engine
+    from k3.train.state import list_checkpoints, load_training_state, save_training_state
+
+    dc.check()
+    run = Path(dc.out)
+    _prepare_run(dc, run, DISTILL_JSON)
+    if dc.threads:
+        torch.set_num_threads(dc.threads)
+    setup = load_setup(dc)
+    model = setup.model
+    if dc.method == "average":
+        plain = [copy.deepcopy(t).dequantize_experts(torch.float32) for t in setup.teachers.values()]
+        model.load_state_dict(average_weights(plain), strict=True)
+    model.config.save(run / "config.json")
+    optimizer = _optimizer(model, dc)
+    start, counters, elapsed = 0, {"samples": 0, "student_tokens": 0, "teacher_tokens": 0}, 0.0
+    checkpoints = list_checkpoints(run)
+    if checkpoints:
+        meta = load_training_state(checkpoints[-1][1], model, optimizer)
+        start, counters, elapsed = meta["step"], meta["counters"], meta["elapsed_s"]
+    engine = Engine(copy.deepcopy(model).eval(), max_batch=dc.max_batch)
+    engine.policy_version = start
+    teacher_engines = {}
+    if dc.method == "off-policy":
+        engines = {t: Engine(m, max_batch=dc.max_batch) for t, m in setup.teachers.items()}
+        teacher_engines = {d: engines[t] for d, t in setup.domains.items()}
+    cols = columns(setup.domains)
+    log_path = run / LOG_FILE
+    _cut_log(log_path, start, cols)
+    iterations = 0 if dc.method == "average" else dc.iterations
+    last = iterations if dc.stop_after is None else min(iterations, dc.stop_after)
+    with log_path.open("a", newline="") as log_file:
+        writer = csv.DictWriter(log_file, fieldnames=cols)
+        if start == 0:
+            writer.writerow({"step": 0, **counters, **_evaluate(engine, setup, dc)})
+            log_file.flush()
+            if dc.method == "average":
+                save_training_state(run, 0, model, optimizer, {"counters": counters, "elapsed_s": 0.0})
+        for it in range(start, last):
+            began = time.perf_counter()
+            trajs, problems, domain_of = _batch(dc, setup, it)
+            if dc.method == "on-policy":
+                tokens = _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
+                row = _on_policy(setup, optimizer, dc, trajs, problems, domain_of)
+                counters["student_tokens"] += tokens
+            else:
+                tokens = _generate(teacher_engines, setup, trajs, domain_of, dc)
+                row = _off_policy(setup, optimizer, dc, trajs, problems, domain_of)
+            counters["teacher_tokens"] += tokens
+            counters["samples"] += len(trajs)
+            engine.load_weights(model.state_dict(), it + 1)
+            if (it + 1) % dc.eval_every == 0 or it + 1 == dc.iterations:
+                row.update(_evaluate(engine, setup, dc))
+            spent = time.perf_counter() - began
+            elapsed += spent
+            row.update(step=it + 1, lr=repr(dc.lr), **counters)
+            row.update(tokens_per_s=f"{tokens / spent:.1f}", elapsed_s=f"{elapsed:.3f}")
+            writer.writerow(row)
+            log_file.flush()
+            if on_iteration is not None:
+                on_iteration(row)
+            if (it + 1) % dc.checkpoint_every == 0 or it + 1 == dc.iterations:
+                save_training_state(
+                    run, it + 1, model, optimizer, {"counters": counters, "elapsed_s": elapsed}
+                )
+    return run

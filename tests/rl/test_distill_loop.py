@@ -1,0 +1,203 @@
+"""`k3 distill` end to end on tiny: a teacher equal to the student leaves the weights bitwise unchanged
+(SGD, large lr), a SIGKILLed run resumes to identical logs, export and plot; off-policy counts the teacher
+tokens it generated; a generalist teacher covers every domain; averaged weights are the teachers' mean;
+a teacher with another vocabulary is refused by name."""
+
+import csv
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.rl.distill import DistillError
+from k3.rl.distill_loop import TIMING, DistillConfig, train_distill
+from k3.rl.policy_io import POLICY_FILE, save_policy
+from k3.train.state import list_checkpoints
+
+SMALL = dict(prompts=1, samples=2, held_out=4, eval_samples=2, eval_every=2, digits=1, threads=1)
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory) -> dict[int, Path]:
+    root = tmp_path_factory.mktemp("policies")
+    cfg = K3Config.from_pretrained("tiny")
+    return {
+        s: save_policy(K3ForCausalLM.from_config(cfg, seed=s, quantized_experts=False), root / f"p{s}")
+        for s in (0, 1)
+    }
+
+
+def _rows(run: Path) -> list[dict]:
+    with (run / "log.csv").open(newline="") as f:
+        return [{k: v for k, v in row.items() if k not in TIMING} for row in csv.DictReader(f)]
+
+
+def _weights(run: Path) -> dict:
+    return load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors"))
+
+
+def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, policies):
+    p0 = str(policies[0])
+    dc = DistillConfig(
+        student=p0,
+        teachers=[f"a={p0}:arithmetic", f"s={p0}:sort"],
+        out=str(tmp_path / "run"),
+        iterations=2,
+        optimizer="sgd",
+        lr=100.0,
+        **SMALL,
+    )
+    train_distill(dc)
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    for r in rows[1:]:
+        assert float(r["rkl_a"]) == 0.0 and float(r["rkl_s"]) == 0.0 and float(r["grad_norm"]) == 0.0
+    start = load_file(str(policies[0] / POLICY_FILE))
+    end = _weights(tmp_path / "run")
+    assert all(torch.equal(start[k], end[k]) for k in start)
+
+
+def _cli(run: Path, policies, *extra: str) -> list[str]:
+    args = [
+        "--student",
+        str(policies[0]),
+        "--teacher",
+        f"a={policies[1]}:arithmetic",
+        "--teacher",
+        f"s={policies[1]}:sort",
+        "--out",
+        str(run),
+        "--iterations",
+        "3",
+        "--prompts",
+        "1",
+        "--samples",
+        "2",
+        "--held-out",
+        "4",
+        "--eval-samples",
+        "2",
+        "--eval-every",
+        "2",
+        "--digits",
+        "1",
+        "--threads",
+        "1",
+        "--lr",
+        "0.01",
+        "--quiet",
+    ]
+    return [sys.executable, "-m", "k3", "distill", *args, *extra]
+
+
+def test_sigkill_resume_gives_identical_logs_export_and_plot(tmp_path, policies):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(_cli(whole, policies), check=True, timeout=900)
+    proc = subprocess.Popen(_cli(killed, policies))
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline and proc.poll() is None:
+        if list_checkpoints(killed) and len(_rows(killed)) >= 2:  # step 0 and 1 written
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert len(_rows(killed)) < 4, "the run finished before it was killed"
+    subprocess.run(_cli(killed, policies), check=True, timeout=900)
+    assert _rows(killed) == _rows(whole)
+    rows = _rows(whole)
+    assert all(r["rkl_a"] and r["rkl_s"] for r in rows[1:]) and rows[-1]["acc_arithmetic"]
+    a, b = _weights(whole), _weights(killed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    out = tmp_path / "export"
+    subprocess.run(
+        [sys.executable, "-m", "k3", "distill", "export", str(whole), str(out)], check=True, timeout=300
+    )
+    assert K3ForCausalLM.from_pretrained(out).config.vocab_size == 1024
+    subprocess.run([sys.executable, "-m", "k3", "distill", "plot", str(whole)], check=True, timeout=300)
+    assert (whole / "distill.png").stat().st_size > 1000
+    # the exported (MXFP4) student is a teacher too: the vocabulary check accepts its tokenizer files
+    dc = DistillConfig(
+        student=str(policies[0]),
+        teachers=[f"e={out}:arithmetic"],
+        out=str(tmp_path / "again"),
+        iterations=1,
+        **SMALL,
+    )
+    train_distill(dc)
+    assert _rows(tmp_path / "again")[1]["rkl_e"]
+
+
+def test_off_policy_generalist_counts_teacher_tokens(tmp_path, policies):
+    dc = DistillConfig(
+        student=str(policies[0]),
+        teachers=[f"g={policies[1]}"],
+        tasks=["arithmetic", "sort"],
+        method="off-policy",
+        out=str(tmp_path / "off"),
+        iterations=1,
+        **SMALL,
+    )
+    train_distill(dc)
+    row = _rows(tmp_path / "off")[1]
+    assert row["rkl_g"] == "" and row["eval_rkl_g"] and row["acc_sort"] and row["acc_arithmetic"]
+    # each of the 4 teacher samples wrote between 1 token and its task's budget (arithmetic 5, sort 9)
+    assert 4 <= int(row["teacher_tokens"]) <= 2 * 5 + 2 * 9
+    assert int(row["student_tokens"]) == 0 and int(row["samples"]) == 4  # 2 domains x 1 prompt x 2 samples
+
+
+def test_average_is_the_teachers_mean(tmp_path, policies):
+    dc = DistillConfig(
+        student="tiny",
+        teachers=[f"a={policies[0]}:arithmetic", f"b={policies[1]}:sort"],
+        method="average",
+        out=str(tmp_path / "avg"),
+        **SMALL,
+    )
+    train_distill(dc)
+    w0, w1 = (load_file(str(policies[s] / POLICY_FILE)) for s in (0, 1))
+    avg = _weights(tmp_path / "avg")
+    k = "lm_head.weight"
+    assert torch.allclose(avg[k], (w0[k] + w1[k]) / 2, atol=1e-7) and not torch.equal(avg[k], w0[k])
+    assert [r["step"] for r in _rows(tmp_path / "avg")] == ["0"]
+
+
+def test_teacher_with_another_vocabulary_is_refused(tmp_path, policies):
+    cfg = dataclasses.replace(K3Config.from_pretrained("tiny"), vocab_size=2048)
+    other = save_policy(K3ForCausalLM.from_config(cfg, quantized_experts=False), tmp_path / "big")
+    dc = DistillConfig(
+        student=str(policies[0]),
+        teachers=[f"ok={policies[1]}:sort", f"big={other}:arithmetic"],
+        out=str(tmp_path / "run"),
+        **SMALL,
+    )
+    with pytest.raises(DistillError, match=r"teacher big: vocab_size 2048 \(student: 1024\)"):
+        train_distill(dc)
+
+
+def test_full_vocabulary_run_and_bad_options(tmp_path, policies):
+    dc = DistillConfig(
+        student=str(policies[0]),
+        teachers=[f"a={policies[1]}:arithmetic"],
+        full_vocab=True,
+        out=str(tmp_path / "gkd"),
+        iterations=1,
+        **SMALL,
+    )
+    train_distill(dc)
+    row = _rows(tmp_path / "gkd")[1]
+    assert float(row["loss"]) > 0 and float(row["grad_norm"]) > 0  # an exact KL of two different models
+    with pytest.raises(DistillError, match="--method"):
+        DistillConfig(teachers=["a=x"], method="rl").check()
+    with pytest.raises(DistillError, match="--is-low"):
+        DistillConfig(teachers=["a=x"], is_low=1.5).check()
+    with pytest.raises(DistillError, match="--teacher"):
+        DistillConfig().check()
