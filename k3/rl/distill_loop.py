@@ -51,7 +51,7 @@ from k3.rl.distill import (
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory, answer_ids, generate
 from k3.rl.tasks import Task, make_task
-from k3.rl.trainer import _cut_log, _prepare_run, held_out_accuracy
+from k3.rl.trainer import RESUMABLE_CHANGES, held_out_accuracy
 
 DISTILL_JSON = "distill.json"
 LOG_FILE = "log.csv"
@@ -286,11 +286,17 @@ def _off_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, dom
 def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None = None) -> Path:
     """Run (or resume) the distillation run `dc` describes; returns the run folder."""
     from k3.engine.generate import Engine
-    from k3.train.state import list_checkpoints, load_training_state, save_training_state
+    from k3.train.state import (
+        cut_log,
+        list_checkpoints,
+        load_training_state,
+        save_training_state,
+        write_run_config,
+    )
 
     dc.check()
     run = Path(dc.out)
-    _prepare_run(dc, run, DISTILL_JSON)
+    write_run_config(dc, run / DISTILL_JSON, RESUMABLE_CHANGES, DistillError)
     if dc.threads:
         torch.set_num_threads(dc.threads)
     setup = load_setup(dc)
@@ -313,7 +319,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
         teacher_engines = {d: engines[t] for d, t in setup.domains.items()}
     cols = columns(setup.domains)
     log_path = run / LOG_FILE
-    _cut_log(log_path, start, cols)
+    cut_log(log_path, cols, start)
     iterations = 0 if dc.method == "average" else dc.iterations
     last = iterations if dc.stop_after is None else min(iterations, dc.stop_after)
     with log_path.open("a", newline="") as log_file:

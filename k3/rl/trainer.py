@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import csv
-import json
 import math
 import time
 from collections.abc import Callable
@@ -48,7 +47,7 @@ RL_JSON = "rl.json"
 LOG_FILE = "log.csv"
 LOSSES = ("k2", "grpo", "rest")
 STALE_MODES = ("mask", "tis")
-_RESUMABLE_CHANGES = {"stop_after", "progress", "threads"}
+RESUMABLE_CHANGES = {"stop_after", "progress", "threads"}
 COLUMNS = [
     "step", "loss", "lr", "reward", "score", "eval_acc", "response_len", "truncated", "partial_share",
     "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm", "samples",
@@ -149,40 +148,6 @@ def held_out_accuracy(engine, task: Task, codec: CharCodec, seed: int) -> float:
     return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
 
 
-def _prepare_run(rc, run: Path, name: str = RL_JSON) -> None:
-    """Write the run's config as RUN/`name`, or refuse if the folder holds a run with other settings."""
-    path = run / name
-    mine = {k: v for k, v in asdict(rc).items() if k not in _RESUMABLE_CHANGES}
-    if path.is_file():
-        theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in _RESUMABLE_CHANGES}
-        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if changed:
-            raise RLError(
-                f"{run} holds a run with other settings ({', '.join(changed)}); choose another --out"
-            )
-    run.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(rc), indent=1) + "\n")
-    tmp.replace(path)
-
-
-def _cut_log(path: Path, step: int, columns: list[str] = COLUMNS) -> None:
-    """Keep the complete rows up to `step` (a torn last line or rows past the checkpoint are dropped)."""
-    rows = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                if None in row.values() or row.get("step") in (None, "") or int(row["step"]) > step:
-                    break
-                rows.append(row)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
-
-
 def _optimizer(model, rc: RLConfig):
     from k3.train.optim import build_optimizer
 
@@ -259,11 +224,17 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
     """Run (or resume) the RL run `rc` describes; returns the run folder."""
     from k3.engine.generate import Engine
     from k3.rl.policy_io import load_policy
-    from k3.train.state import list_checkpoints, load_training_state, save_training_state
+    from k3.train.state import (
+        cut_log,
+        list_checkpoints,
+        load_training_state,
+        save_training_state,
+        write_run_config,
+    )
 
     rc.check()
     run = Path(rc.out)
-    _prepare_run(rc, run)
+    write_run_config(rc, run / RL_JSON, RESUMABLE_CHANGES, RLError)
     if rc.threads:
         torch.set_num_threads(rc.threads)
     task = task_of(rc)
@@ -284,7 +255,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
     engine = Engine(copy.deepcopy(model).eval(), max_batch=rc.max_batch)
     engine.policy_version = start
     log_path = run / LOG_FILE
-    _cut_log(log_path, start)
+    cut_log(log_path, COLUMNS, start)
     last = rc.iterations if rc.stop_after is None else min(rc.iterations, rc.stop_after)
     record = bool(model.routers())
     with log_path.open("a", newline="") as log_file:

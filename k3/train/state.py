@@ -15,9 +15,11 @@ one is in place. Data needs no state: batches are pure functions of (seed, batch
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import shutil
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +110,39 @@ def load_training_state(checkpoint: str | Path, model: nn.Module, optimizer: tor
         state.setdefault(int(index), {})[key] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     return meta
+
+
+def write_run_config(config: Any, path: Path, resumable: set[str], error: type[Exception]) -> None:
+    """Write a run's config (a dataclass) as JSON at `path`, atomically, or raise `error` if `path` holds
+    a run with other settings (fields in `resumable` may change between a run and its resumption)."""
+    mine = {k: v for k, v in asdict(config).items() if k not in resumable}
+    if path.is_file():
+        theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in resumable}
+        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if changed:
+            raise error(
+                f"{path.parent} holds a run with other settings ({', '.join(changed)}); choose another --out"
+            )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(config), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def cut_log(path: Path, columns: list[str], step: int) -> None:
+    """Keep only a CSV log's complete rows up to `step` (rows written after the checkpoint, or a
+    half-written line, are dropped), so the resumed run writes them again."""
+    rows = []
+    if path.is_file():
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                if None in row.values() or row.get("step") in (None, ""):
+                    break  # a torn last line
+                if int(row["step"]) <= step:
+                    rows.append(row)
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)

@@ -38,7 +38,6 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -54,7 +53,13 @@ from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accur
 from k3.train.optim import build_optimizer
 from k3.train.routing import RoutingBalancer, chosen_loads, max_over_mean
 from k3.train.schedule import learning_rate
-from k3.train.state import list_checkpoints, load_training_state, save_training_state
+from k3.train.state import (
+    cut_log,
+    list_checkpoints,
+    load_training_state,
+    save_training_state,
+    write_run_config,
+)
 
 TRAIN_JSON = "train.json"
 LOG_FILE = "log.csv"
@@ -97,42 +102,6 @@ def make_dataset(tc: TrainConfig, cfg: K3Config, stream: int = 0) -> Dataset:
 def log_columns(moe_layers: list[int], extra: list[str]) -> list[str]:
     per_layer = [f"load_max_over_mean_L{i}" for i in moe_layers]
     return ["step", "loss", "lr", "grad_norm", "tokens_per_s", "max_over_mean_load", *per_layer, *extra]
-
-
-def _prepare_run(tc: TrainConfig, run: Path) -> None:
-    """Write train.json, or check that an existing one describes the same computation."""
-    path = run / TRAIN_JSON
-    mine = {k: v for k, v in asdict(tc).items() if k not in _RESUMABLE_CHANGES}
-    if path.is_file():
-        theirs = {k: v for k, v in json.loads(path.read_text()).items() if k not in _RESUMABLE_CHANGES}
-        changed = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        if changed:
-            raise TrainError(
-                f"{run} holds a run with other settings ({', '.join(changed)}); choose another --out"
-            )
-    run.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(tc), indent=1) + "\n")
-    tmp.replace(path)
-
-
-def _cut_log(path: Path, columns: list[str], step: int) -> None:
-    """Keep only complete rows up to `step` (rows written after the checkpoint, or a half-written line,
-    are dropped), so the resumed run writes them again."""
-    rows = []
-    if path.is_file():
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                if None in row.values() or row.get("step") in (None, ""):
-                    break  # a torn last line
-                if int(row["step"]) <= step:
-                    rows.append(row)
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    tmp.replace(path)
 
 
 def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = False) -> tuple[float, float]:
@@ -228,7 +197,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if tc.nproc > 1 and not torchrun_env():
         from k3.dist.launch import launch
 
-        _prepare_run(tc, run)
+        write_run_config(tc, run / TRAIN_JSON, _RESUMABLE_CHANGES, TrainError)
         launch(tc.nproc, ["-m", "k3.train.trainer", str(run / TRAIN_JSON)])
         return run
     if tc.expert_parallel > 1 and not torchrun_env():
@@ -238,7 +207,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     par = _start_parallel(tc, cfg) if torchrun_env() else None
     writes = par is None or par.writes
     if writes:
-        _prepare_run(tc, run)
+        write_run_config(tc, run / TRAIN_JSON, _RESUMABLE_CHANGES, TrainError)
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -281,10 +250,10 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
         }
         recent = _read_loads(loads_path, placed + 1, start)  # the loads the next placement starts from
     if writes:
-        _cut_log(log_path, columns, start)
-        _cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
+        cut_log(log_path, columns, start)
+        cut_log(loads_path, ["step", "layer", *(f"e{e}" for e in range(cfg.num_experts))], start)
         if par is not None:
-            _cut_log(run / EP_FILE, STATS_COLUMNS, start)
+            cut_log(run / EP_FILE, STATS_COLUMNS, start)
     else:  # rank 0 writes the run's files; the others write nowhere
         log_path = loads_path = Path(os.devnull)
     if par is not None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stream_testing import k3ish_config, perturbed_checkpoint
+from perturbed import perturbed_checkpoint
+from stream_testing import k3ish_config
 
 from k3.config import K3Config
 from k3.model.init import init_checkpoint
