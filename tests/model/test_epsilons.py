@@ -70,7 +70,7 @@ def test_k3_epsilons_follow_the_reference(tiny_checkpoint, tmp_path, which):
 
 
 def small_input_kimi_linear(which: str):
-    from test_kimi_linear_parity import tiny_kimi_linear
+    from kimi_linear_oracle import tiny_kimi_linear
 
     model = tiny_kimi_linear(16, 1)  # q_lora_rank 16: both latent norms
     rx = re.compile(SCALED[which])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from kimi_linear_oracle import tiny_kimi_linear
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
@@ -17,48 +18,7 @@ from k3.stream.api import stream_to_dir
 from k3.stream.compare import CompareError, compare_logits, read_logits
 from k3.stream.runner import StreamOptions
 
-transformers = pytest.importorskip("transformers")
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "stream.md"
-
-
-def tiny_kimi_linear() -> transformers.KimiLinearForCausalLM:
-    """As tests/model/test_kimi_linear_parity.py: every weight moved off its default."""
-    cfg = transformers.KimiLinearConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=80,
-        moe_intermediate_size=32,
-        num_hidden_layers=4,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        first_k_dense_replace=1,
-        num_local_experts=8,
-        num_experts_per_tok=3,
-        n_shared_experts=1,
-        routed_scaling_factor=2.446,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        q_lora_rank=16,
-        kv_lora_rank=24,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=12,
-        linear_num_heads=2,
-        linear_head_dim=16,
-        pad_token_id=None,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    torch.manual_seed(0)
-    model = transformers.KimiLinearForCausalLM(cfg).float().eval()
-    with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith("A_log") or name.endswith("dt_bias"):
-                p.add_(0.3 * torch.randn_like(p))
-            elif p.dim() == 1:
-                p.copy_((1.0 if "norm" in name else 0.0) + 0.2 * torch.randn_like(p))
-            else:
-                p.mul_(3.0)
-    return model
 
 
 def docs_snippet() -> str:
@@ -68,7 +28,7 @@ def docs_snippet() -> str:
 
 
 def test_against_transformers_dumped_with_the_documented_snippet(tmp_path, monkeypatch):
-    oracle = tiny_kimi_linear()
+    oracle = tiny_kimi_linear(num_layers=4)
     oracle.save_pretrained(tmp_path / "ckpt")
     prompts = [[3, 14, 15, 92, 65, 35], list(range(40, 80)), [7]]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
