@@ -135,7 +135,7 @@ class MoE(nn.Module):
         CPU and not deterministic).
         """
         N, k = indices.shape
-        if N == 1 and self.fast_decode:
+        if N == 1 and self.fast_decode and not torch.is_grad_enabled():  # the one-token path has no backward
             return self.dispatch_one(z, weights[0], indices[0])
         flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
         order = flat.argsort(stable=True)  # pairs grouped by expert

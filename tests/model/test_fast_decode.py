@@ -139,3 +139,24 @@ def test_fast_decode_of_a_batch_and_without_native_kernels(monkeypatch):
     monkeypatch.setattr("k3.ops.mxfp4.experts.load_native", lambda: None)
     model.set_fast_decode(True)
     assert rel(decode_logits(model, ids[:1], 8), general[:1]) <= 1e-5
+
+
+def test_a_one_token_forward_with_gradients_takes_the_general_path():
+    """The one-token expert call has no backward: with grad enabled, the experts' and the router's
+    gradients of a [1, 1] forward must be those of the general path (they were silently missing)."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0, quantized_experts=False)
+    ids = torch.tensor([[5]])
+
+    def grads(fast: bool) -> dict[str, torch.Tensor]:
+        model.set_fast_decode(fast).zero_grad(set_to_none=True)
+        model(ids).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    fast, general = grads(True), grads(False)
+    assert any(".experts." in name for name in general) and any(".gate." in name for name in general)
+    assert fast.keys() == general.keys()
+    # the stacked AttnRes read of one-token forwards rounds differently: not bitwise, relative to the
+    # largest gradient (a single MLA query's q gradients are rounding noise near 0)
+    scale = max(float(g.abs().max()) for g in general.values())
+    for name in general:
+        assert (fast[name] - general[name]).abs().max() <= 1e-5 * scale, name
