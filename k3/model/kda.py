@@ -110,6 +110,7 @@ class KDAttention(nn.Module):
             and counts is None
             and state is not None
             and state.recurrent is not None
+            and not torch.is_grad_enabled()  # the native decode step has no backward
         ):
             return self.decode(x, state)
         heads = (B, T, self.num_heads, self.head_dim)

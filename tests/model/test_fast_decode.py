@@ -160,3 +160,24 @@ def test_a_one_token_forward_with_gradients_takes_the_general_path():
     scale = max(float(g.abs().max()) for g in general.values())
     for name in general:
         assert (fast[name] - general[name]).abs().max() <= 1e-5 * scale, name
+
+
+def test_a_cached_one_token_step_with_gradients_takes_the_general_kda_path():
+    """The native KDA decode step has no backward either: a one-token step that continues a cache with
+    grad enabled must give the KDA projections the gradients of the general path (they were missing)."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0, quantized_experts=False)
+
+    def grads(fast: bool) -> dict[str, torch.Tensor]:
+        model.set_fast_decode(fast).zero_grad(set_to_none=True)
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(torch.tensor([[3, 4, 5]]), cache)
+        model(torch.tensor([[6]]), cache).sum().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    fast, general = grads(True), grads(False)
+    assert any("self_attn.q_proj" in name for name in general)
+    assert fast.keys() == general.keys()
+    scale = max(float(g.abs().max()) for g in general.values())
+    for name in general:
+        assert (fast[name] - general[name]).abs().max() <= 1e-5 * scale, name
