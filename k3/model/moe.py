@@ -165,11 +165,15 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])  # [N, hidden]
         weights, indices, _ = self.gate(flat)
         z = self.routed_expert_down_proj(flat) if self.latent else flat  # [N, L]
-        r = self.dispatch(z, weights, indices)
+        return self.finish(flat, self.dispatch(z, weights, indices)).view(shape)
+
+    def finish(self, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """The rest after the dispatch: x [N, hidden], the experts' mixture r [N, L] -> [N, hidden]
+        (latent norm and up-projection, plus the shared experts)."""
         if self.latent:
             if self.latent_norm:
                 r = self.routed_expert_norm(r)
             r = self.routed_expert_up_proj(r)
         if self.shared:
-            r = r + self.shared_experts(flat)
-        return r.view(shape)
+            r = r + self.shared_experts(x)
+        return r

@@ -120,23 +120,8 @@ def expert_dispatch(
         expert = moe.experts[e]
         fill(expert, tensors)
         rows = order[starts[e] : starts[e + 1]]
-        # the native MXFP4 kernel writes its output from intra-op worker threads, which do not inherit
-        # inference mode: an output made in inference mode cannot be written there. Run it outside.
-        with torch.inference_mode(False), torch.no_grad():
-            y = expert(z[rows // k])
-        sorted_out[starts[e] : starts[e + 1]] = y
+        sorted_out[starts[e] : starts[e + 1]] = expert(z[rows // k])
         release(expert, tensors)
     pair_out = torch.empty_like(sorted_out)
     pair_out[order] = sorted_out  # back to pair order [N*k, L]
     return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
-
-
-def finish_moe(moe: MoE, x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """The rest of `MoE.forward` after the dispatch: latent norm and up-projection, shared experts."""
-    if moe.latent:
-        if moe.routed_expert_norm is not None:
-            r = moe.routed_expert_norm(r)
-        r = moe.routed_expert_up_proj(r)
-    if moe.shared_experts is not None:
-        r = r + moe.shared_experts(x)
-    return r

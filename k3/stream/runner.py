@@ -38,7 +38,6 @@ from k3.stream.layer import (
     empty_layer,
     expert_dispatch,
     fill,
-    finish_moe,
     new_state,
     release,
     route,
@@ -254,7 +253,7 @@ class StreamRun:
             moe = layer.block_sparse_moe
             weights, indices, z = route(moe, x)
             r = expert_dispatch(moe, z, weights, indices, lambda chosen: self._experts(i, chosen, following))
-            out = finish_moe(moe, x, r)
+            out = moe.finish(x, r)
         release(layer, ffn)
         for s, part in zip(streams, out.split(sizes), strict=True):
             s.add(part.view(1, -1, H))
