@@ -140,7 +140,24 @@ class Recall(Task):
 
 
 def make_task(name: str, **options) -> Task:
-    """The task called `name` (see TASK_NAMES), built with its options."""
+    """The task called `name` (see TASK_NAMES), built with its options; `name@effort` (`sort@long`) is that
+    task with a scratchpad of that effort, chosen by a tag in the prompt (k3.rl.effort); `a+b`, a mixture
+    of tasks (k3.rl.mixture)."""
+    if "+" in name:  # a mixture (k3.rl.mixture); each part takes the options its task has
+        from dataclasses import fields
+
+        from k3.rl.mixture import Mixture
+
+        def part(n: str) -> Task:
+            known = {f.name for f in fields(type(make_task(n.partition("@")[0])))}
+            return make_task(n, **{k: v for k, v in options.items() if k in known})
+
+        return Mixture(parts=tuple(part(n) for n in name.split("+")))
+    if "@" in name:
+        from k3.rl.effort import with_effort
+
+        base, _, effort = name.partition("@")
+        return with_effort(make_task(base, **options), effort)
     if name == "code":
         from k3.rl.code_task import CodeTask
 
