@@ -66,7 +66,8 @@ def plot(out: Path, png: Path, teachers: list[str]) -> None:
     a.set(title="on-policy: reverse KL to each teacher", xlabel="iteration", ylabel="nats / token (held out)")
     for method, ls in (("on-policy", "-"), ("off-policy", "--"), ("rl", ":")):
         log = read_log(out / method)
-        line(b, log, "teacher_tokens", "acc_mean", ls=ls, label=method)
+        if method != "rl":  # RL spends no teacher tokens
+            line(b, log, "teacher_tokens", "acc_mean", ls=ls, label=method)
         line(c, log, "elapsed_s", "acc_mean", ls=ls, label=method)
     b.set(title="mean held-out accuracy vs teacher tokens", xlabel="teacher tokens", ylabel="accuracy")
     c.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores)")
