@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from dist_ranks import assert_ok
 from dist_workers import relative_error, train_on_ranks
 from safetensors import safe_open
@@ -138,3 +139,34 @@ def test_settings_that_cannot_run_are_refused_clearly(tmp_path):
         TrainConfig(**dict(TINY, steps=1, ep_policy="hot")).check()
     with pytest.raises(TrainError, match="--expert-parallel: shards the experts over all 4 processes"):
         TrainConfig(**dict(TINY, steps=1, nproc=4, expert_parallel=2)).check()
+
+
+def test_a_one_process_checkpoint_resumes_on_four_ranks_and_exports_every_rank_s_experts(ranks4, tmp_path):
+    """A one-process run stopped after step 2 resumes on 4 ranks (each takes its 2 experts and their
+    optimizer state from the single file) to the uninterrupted run; its export, written by rank 0 from
+    the 4 shards, equals the export of one model loaded from that final checkpoint."""
+    steps = 4
+    one = dict(TINY, steps=steps, checkpoint_every=1, out=str(tmp_path / "one"))
+    train(TrainConfig(**one))
+    run = tmp_path / "resumed"
+    train(TrainConfig(**dict(one, out=str(run), stop_after=2)))
+    config = dict(one, out=str(run), expert_parallel=4, ep_policy="moonep", ep_threshold=False, export=True)
+    assert_ok(ranks4.run(train_on_ranks, config))
+    with (run / "expert_parallel.csv").open(newline="") as f:  # only steps 3 and 4 ran on 4 ranks
+        assert {int(row["step"]) for row in csv.DictReader(f)} == {3, 4}
+    assert_experts_sharded(run, 4, 8)
+    assert_same_run(run, tmp_path / "one", steps)
+
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    from k3.train.export import export_checkpoint
+    from k3.train.state import load_model_state
+
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM.from_config(cfg, quantized_experts=False)
+    load_model_state(list_checkpoints(run)[-1][1], model)
+    export_checkpoint(model, cfg, tmp_path / "want")
+    got, want = CheckpointTensors(run / "export"), CheckpointTensors(tmp_path / "want")
+    assert got.keys() == want.keys() and any(".experts.7." in name for name in got)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
