@@ -71,6 +71,12 @@ class DataParallel:
         """Every rank's `rows` [n, ...] (the same n everywhere) concatenated in rank order: [R n, ...]."""
         return self.comm.all_gather(rows.to(self.comm.device)).flatten(0, 1).to(rows.device)
 
+    def gather_micro(self, rows: torch.Tensor, micro: int) -> torch.Tensor:
+        """`gather` of rows that hold `micro` micro-batches' shares one after the other ([micro, n, ...]
+        flattened): every rank's, in the order of the one-process batch (micro-batch, then rank)."""
+        every = self.gather(rows).unflatten(0, (self.world, micro, -1))  # [R, micro, n, ...]
+        return every.transpose(0, 1).flatten(0, 2)
+
     def sum(self, value: float) -> float:
         return float(self.comm.all_reduce_(torch.tensor([value], dtype=torch.float64)).item())
 

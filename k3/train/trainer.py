@@ -127,21 +127,25 @@ def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = Fal
 
 
 def refit_on_updated_model(
-    model: nn.Module, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig
+    model: nn.Module, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig, par=None
 ) -> None:
     """Route step `step`'s micro-batches again, as one batch, with the model as it is now (after the
     optimizer step); each router fits its bias to the batch just before routing it, so layer l sees its
-    input as routed by the refitted biases of the layers below."""
+    input as routed by the refitted biases of the layers below. With several processes (`par`, a
+    k3.dist DataParallel) each rank routes its rows and the fit sees every rank's scores, in the order of
+    the one-process batch."""
 
     def fit_then_route(layer: int) -> Callable:
         def pre_hook(router: nn.Module, args: tuple) -> None:
             with torch.no_grad():
-                balancer.fit(layer, router.scores(args[0]))
+                scores = router.scores(args[0])  # [rows, E]
+                balancer.fit(layer, scores if par is None else par.gather_micro(scores, tc.accum))
             router.e_score_correction_bias.copy_(balancer.biases[layer])
 
         return pre_hook
 
-    inputs = torch.cat([data.batch(step * tc.accum + micro)[0] for micro in range(tc.accum)])  # [accum B, L]
+    shard = (lambda rows: rows) if par is None else par.shard
+    inputs = torch.cat([shard(data.batch(step * tc.accum + micro)[0]) for micro in range(tc.accum)])
     routers = model.routers().items()
     hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in routers]
     try:
@@ -165,8 +169,6 @@ def _start_parallel(tc: TrainConfig, cfg: K3Config):
         )
     if tc.batch_size % world:
         raise TrainError(f"--batch-size: {tc.batch_size} sequences do not divide over {world} processes")
-    if tc.balance_refresh:
-        raise TrainError("--balance-refresh: not supported with several processes yet")
     if cfg.num_experts % world:
         raise TrainError(f"--expert-parallel: {cfg.num_experts} experts do not divide over {world} processes")
     par = DataParallel.start(tc.ep_policy, tc.ep_slots, tc.ep_timeout, tc.ep_threshold)
@@ -321,7 +323,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if tc.balance_refresh:
-                refit_on_updated_model(model, balancer, data, step, tc)
+                refit_on_updated_model(model, balancer, data, step, tc, par)
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),

@@ -73,12 +73,14 @@ def assert_experts_sharded(run: Path, ranks: int, experts: int) -> None:
 
 
 @pytest.mark.parametrize(
-    "optimizer, policy", [("adamw", "none"), ("muon", "eplb")], ids=["adamw-none", "muon-eplb"]
+    "optimizer, policy, more",
+    [("adamw", "none", {}), ("muon", "eplb", {}), ("adamw", "moonep", {"balance_refresh": True, "accum": 2})],
+    ids=["adamw-none", "muon-eplb", "balance-refresh-accum2"],
 )
-def test_three_steps_on_two_ranks_equal_one_process(ranks2, tmp_path, optimizer, policy):
+def test_three_steps_on_two_ranks_equal_one_process(ranks2, tmp_path, optimizer, policy, more):
     # Muon's Newton-Schulz iteration in fp32: in bf16 (torch.optim.Muon) a gradient that differs in its
     # last fp32 bits (summed over ranks, not in one matmul) can round to another bf16 value (k3.train.optim)
-    one = dict(TINY, steps=3, optimizer=optimizer, muon_fp32=True, out=str(tmp_path / "one"))
+    one = dict(TINY, steps=3, optimizer=optimizer, muon_fp32=True, out=str(tmp_path / "one"), **more)
     train(TrainConfig(**one))
     ep = dict(one, out=str(tmp_path / "ep"), expert_parallel=2, ep_policy=policy, ep_replan_every=1)
     ep["ep_threshold"] = False  # tiny's experts are too small to be worth a replica otherwise
