@@ -2,8 +2,8 @@
 
     python benchmarks/expert_parallel.py plan       # planned figures: trained mini loads + a skewed router
     python benchmarks/expert_parallel.py project    # K3 scale (896 experts, 16 active): R = 8, 16, 64
-    python benchmarks/expert_parallel.py step       # a measured training step on 1, 2, 4 processes (torchrun):
-                                                    # compute vs collectives, parameter / optimizer / RSS MB per rank
+    python benchmarks/expert_parallel.py step       # a training step on 1, 2, 4 processes (torchrun): time
+                                                    # (compute, collectives), parameter/optimizer/RSS MB
 
 `plan` replays the per-step, per-layer expert loads a trained mini run wrote (benchmarks/results/
 train_balance_accum32_runs/{none,qb}/loads.csv: 65k tokens per step) and a synthetic Zipf-skewed router
