@@ -7,22 +7,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+from typer.testing import CliRunner
+
+from k3.cli import app
+
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _k3(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run(
-        [sys.executable, "-m", "k3", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
 
 
 def test_generate_on_two_processes_prints_what_one_process_prints(tmp_path):
     ckpt = tmp_path / "tiny"
-    assert _k3("init", str(ckpt), "--preset", "tiny").returncode == 0
-    args = ("generate", str(ckpt), "-p", "Hola mundo", "-n", "12", "--seed", "3")  # sampled, t = 0.7
-    one, two = _k3(*args), _k3(*args, "--nproc", "2")
-    assert one.returncode == 0, one.stderr
+    runner = CliRunner()
+    assert runner.invoke(app, ["init", str(ckpt), "--preset", "tiny"]).exit_code == 0
+    args = ["generate", str(ckpt), "-p", "Hola mundo", "-n", "12", "--seed", "3"]  # sampled, t = 0.7
+    one = runner.invoke(app, args)
+    assert one.exit_code == 0, one.output
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    two = subprocess.run(
+        [sys.executable, "-m", "k3", *args, "--nproc", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert two.returncode == 0, two.stderr
     assert "on 2 processes" in two.stderr  # it did run expert-parallel
     assert one.stdout.startswith("Hola mundo") and len(one.stdout) > len("Hola mundo\n")
