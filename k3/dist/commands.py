@@ -12,6 +12,7 @@ does. (k3.engine knows nothing of k3.dist: the wiring is here and in k3/cli.py.)
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 
@@ -104,11 +105,14 @@ def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: in
                 out.write(text)
                 out.flush()
             count += 1
+    elapsed = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB, this rank
+    peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64))
     if out:
         out.write(decoder.flush() + "\n")
-        elapsed = time.perf_counter() - start
         Console(stderr=True).print(
             f"[dim]{len(ids)} prompt tokens, {count} generated in {elapsed:.2f} s "
-            f"({count / max(elapsed, 1e-9):.1f} tokens/s) on {comm.world} processes[/]"
+            f"({count / max(elapsed, 1e-9):.1f} tokens/s) on {comm.world} processes, "
+            f"peak RSS of the largest rank {float(peaks.max()):,.0f} MB[/]"
         )
     comm.close()
