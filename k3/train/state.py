@@ -178,11 +178,6 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         return len(self.where)
 
 
-def _read(checkpoint: Path, stem: str, wanted: Callable[[str], bool]) -> dict[str, torch.Tensor]:
-    tensors = CheckpointTensors(checkpoint, stem)
-    return {name: tensors[name] for name in tensors if wanted(name)}
-
-
 def load_model_state(
     checkpoint: str | Path, model: nn.Module, elsewhere: Callable[[str], bool] | None = None
 ) -> None:
@@ -190,11 +185,11 @@ def load_model_state(
     one file or the shards that several ranks wrote. `elsewhere(name)`: tensors of the checkpoint that
     this model does not hold (another rank's experts); any other name missing on either side is an error."""
     held = set(model.state_dict())
-    tensors = _read(Path(checkpoint), "model", lambda _: True)
+    tensors = CheckpointTensors(checkpoint)
     extra = sorted(k for k in tensors if k not in held and (elsewhere is None or not elsewhere(k)))
     if extra:
         raise KeyError(f"{checkpoint}: tensors the model does not have: {', '.join(extra[:5])}")
-    model.load_state_dict({k: v for k, v in tensors.items() if k in held}, strict=True)
+    model.load_state_dict({k: tensors[k] for k in tensors if k in held}, strict=True)
 
 
 def load_training_state(
@@ -212,14 +207,17 @@ def load_training_state(
     load_model_state(checkpoint, model, elsewhere)
     names = _param_names(model, optimizer)
     index = {name: i for i, name in enumerate(names)}
-    tensors = _read(
-        checkpoint, "optimizer", lambda k: k == "rng.torch" or k.split(".", 1)[1].rsplit(".", 1)[0] in index
-    )
-    torch.set_rng_state(tensors.pop("rng.torch"))
+    saved = CheckpointTensors(checkpoint, "optimizer")
+    torch.set_rng_state(saved["rng.torch"])
     state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        name, entry = key.split(".", 1)[1].rsplit(".", 1)
-        state.setdefault(index[name], {})[entry] = value
+    for key in saved:
+        if key == "rng.torch":
+            continue
+        name, entry = key.removeprefix("state.").rsplit(".", 1)  # state.{parameter name}.{entry}
+        if name in index:
+            state.setdefault(index[name], {})[entry] = saved[key]
+        elif elsewhere is None or not elsewhere(name):  # nothing is dropped silently
+            raise KeyError(f"{checkpoint}: optimizer state {key} belongs to no parameter of this model")
     current = optimizer.state_dict()["param_groups"]
     if len(current) != len(meta["param_groups"]):
         raise ValueError(
