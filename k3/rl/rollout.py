@@ -12,8 +12,10 @@ iteration by the current weights (the engine is given prompt + tokens so far as 
 tokens carry several versions. A trajectory ends on the task's stop id ("stop"), on the task's token budget
 ("length", a truncation) or when its tail is a loop ("loop", see `loop_length`).
 
-Each segment is drawn with its own seed, a pure function of (run seed, group, sample, segment), so a rerun
-of an iteration draws the same tokens.
+Draws are keyed by (run seed, group, sample, position) (`SamplingParams.seed_position`): a rerun of an
+iteration draws the same tokens, and a trajectory continued over several segments draws at each position
+what one uninterrupted generation would have drawn there, sampled (T > 0) as well as greedy, so at
+learning rate 0 partial rollouts give exactly the tokens of one generation.
 """
 
 from __future__ import annotations
@@ -72,9 +74,9 @@ class Trajectory:
         return t
 
 
-def segment_seed(seed: int, group: int, sample: int, segment: int) -> int:
-    """A 62-bit seed per (run, group, sample, segment), independent of batch composition."""
-    digest = hashlib.blake2b(f"{seed}/{group}/{sample}/{segment}".encode(), digest_size=8).digest()
+def trajectory_seed(seed: int, group: int, sample: int) -> int:
+    """A 62-bit seed per (run, group, sample), independent of batch composition; positions key the draws."""
+    digest = hashlib.blake2b(f"{seed}/{group}/{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
 
@@ -116,7 +118,8 @@ def generate(
                 temperature=temperature,
                 max_tokens=room if budget is None else min(room, budget),
                 stop_ids=frozenset({stop_id}),
-                seed=segment_seed(seed, t.group, t.sample, t.segments),
+                seed=trajectory_seed(seed, t.group, t.sample),
+                seed_position=len(t.tokens),  # position-keyed: a continuation draws as one generation would
             )
         )
     done = engine.complete([t.prompt + t.tokens for t in todo], params, record_experts=record_experts)
