@@ -46,9 +46,9 @@ from k3.rl.tasks import Problem, Task, make_task
 RL_JSON = "rl.json"
 LOG_FILE = "log.csv"
 COLUMNS = [
-    "step", "loss", "lr", "reward", "score", "eval_acc", "response_len", "truncated", "partial_share",
-    "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm", "samples",
-    "gen_tokens", "tokens_per_s", "elapsed_s",
+    "step", "loss", "lr", "reward", "score", "eval_acc", "eval_sampled", "response_len", "truncated",
+    "partial_share", "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm",
+    "samples", "gen_tokens", "tokens_per_s", "elapsed_s",
 ]  # fmt: skip
 TIMING = ("tokens_per_s", "elapsed_s")  # the columns a resumed run may not reproduce
 
@@ -59,14 +59,30 @@ def task_of(rc: RLConfig) -> Task:
 
 
 @torch.no_grad()
-def held_out_accuracy(engine, task: Task, codec: CharCodec, seed: int) -> float:
-    """Greedy answers to the task's held-out problems: the share graded right."""
+def held_out_accuracy(
+    engine, task: Task, codec: CharCodec, seed: int, temperature: float = 0.0, samples: int = 1
+) -> float:
+    """The share of answers to the task's held-out problems graded right: greedy (temperature 0), or
+    `samples` seeded samples per problem at `temperature` (what the RL objective is the expectation of)."""
     from k3.engine.sampling import SamplingParams
 
-    problems = list(task.held_out(seed))
-    params = SamplingParams(temperature=0, max_tokens=task.max_tokens, stop_ids=frozenset({codec.eos}))
+    problems = [p for p in task.held_out(seed) for _ in range(samples if temperature else 1)]
+    stop = frozenset({codec.eos})
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=task.max_tokens, stop_ids=stop, seed=seed + i)
+        for i in range(len(problems))
+    ]
     outs = engine.generate([codec.encode(p.prompt) for p in problems], params)
     return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
+
+
+def _evaluate(engine, task: Task, codec: CharCodec, rc: RLConfig) -> dict:
+    """The log's held-out columns: greedy accuracy, and accuracy of 4 samples per problem at the rollout
+    temperature."""
+    return {
+        "eval_acc": f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}",
+        "eval_sampled": f"{held_out_accuracy(engine, task, codec, rc.seed, rc.temperature, 4):.6f}",
+    }
 
 
 def _optimizer(model, rc: RLConfig):
@@ -195,7 +211,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
     with log_path.open("a", newline="") as log_file:
         writer = csv.DictWriter(log_file, fieldnames=COLUMNS)
         if start == 0:
-            writer.writerow({"step": 0, "eval_acc": f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"})
+            writer.writerow({"step": 0, **_evaluate(engine, task, codec, rc)})
             log_file.flush()
         for it in range(start, last):
             began = time.perf_counter()
@@ -232,7 +248,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
             if rc.reset_optimizer:
                 optimizer = _optimizer(model, rc)
             if (it + 1) % rc.eval_every == 0 or it + 1 == rc.iterations:
-                row["eval_acc"] = f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"
+                row.update(_evaluate(engine, task, codec, rc))
             spent = time.perf_counter() - began
             elapsed += spent
             row.update(
