@@ -54,7 +54,7 @@ TIMING = ("tokens_per_s", "elapsed_s")  # the columns a resumed run may not repr
 
 
 def task_of(rc: RLConfig) -> Task:
-    options = {"digits": rc.digits} if rc.task == "arithmetic" else {}
+    options = {"digits": rc.digits} if rc.task in ("arithmetic", "calculator") else {}
     return make_task(rc.task, held_out_size=rc.held_out, **options)
 
 
@@ -231,6 +231,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
                 budget=rc.partial_budget or None,
                 loop_repeats=rc.loop_repeats,
                 record_experts=record,
+                tool=task.tool(codec),
             )
             groups, pool = select_batch(pool, int(rc.partial_cap * rc.prompts * rc.samples))
             row: dict = {
