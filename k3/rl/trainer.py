@@ -129,9 +129,11 @@ def _token_tensor(trajs: list[Trajectory], T: int, values: Callable[[Trajectory]
 
 
 def update(model, optimizer, rc: RLConfig, groups: list[list[Trajectory]], rewards: torch.Tensor, scores,
-           version: int, old_logp: torch.Tensor, first_step: int = 0) -> tuple[float, float]:  # fmt: skip
+           version: int, old_logp: torch.Tensor, first_step: int = 0,
+           ptx: Callable[[int], torch.Tensor] | None = None) -> tuple[float, float]:  # fmt: skip
     """`minibatches` optimizer steps over the batch, the first one the optimizer's `first_step`-th (for the
-    warm-up); returns (mean loss, last gradient norm)."""
+    warm-up); `ptx(n)`, the weighted PTX term of the iteration's n-th step, is added to the loss (k3.rl.ptx).
+    Returns (mean loss, last gradient norm)."""
     trajs = [t for g in groups for t in g]
     K, M = rc.samples, rc.minibatches
     per = max(1, math.ceil(len(groups) / M))
@@ -162,6 +164,8 @@ def update(model, optimizer, rc: RLConfig, groups: list[list[Trajectory]], rewar
             loss = grpo_loss(logp, old, mask, r, K, rc.clip, weights)
         else:
             loss = rest_loss(logp, mask, scores[rows] > 0.5)
+        if ptx is not None:
+            loss = loss + ptx(n)
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), rc.grad_clip or math.inf))
         optimizer.step()
@@ -287,7 +291,16 @@ def _train_on(
     else:
         old_logp = check.trainer_logprobs
     first_step = (0 if rc.reset_optimizer else version) * rc.minibatches
-    loss, norm = update(model, optimizer, rc, groups, rewards, scores, version, old_logp.detach(), first_step)
+    ptx = None
+    if rc.ptx_coef:
+        from k3.rl.ptx import ptx_batch, ptx_loss
+
+        def ptx(n: int) -> torch.Tensor:
+            return rc.ptx_coef * ptx_loss(model, *ptx_batch(rc, task, codec, version * rc.minibatches + n))
+
+    loss, norm = update(
+        model, optimizer, rc, groups, rewards, scores, version, old_logp.detach(), first_step, ptx
+    )
     with torch.no_grad():
         packed = pack(trajs)
         new_logp = forward_logprobs(model, trajs, rc.temperature, rc.routing_replay, packed)
