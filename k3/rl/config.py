@@ -6,7 +6,6 @@ Light on purpose (no torch): `k3 rl`'s options are read from these fields and th
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from k3.errors import K3Error
@@ -24,7 +23,7 @@ class RLError(K3Error):
 @dataclass
 class RLConfig:
     init: str = "tiny"  # preset, published checkpoint or policy folder (k3 rl sft)
-    task: str = "arithmetic"  # arithmetic | sort | recall | code | calculator
+    task: str = "arithmetic"  # arithmetic | sort | recall | code | calculator (a mixture: a+b, k3.rl.mixture)
     out: str = "runs/rl"
     iterations: int = 20
     prompts: int = 16  # new prompts per iteration
@@ -70,7 +69,7 @@ class RLConfig:
                 bad(name, f"must be at least 1, got {getattr(self, name)}")
         if self.samples < 2:
             bad("samples", "needs at least 2 samples per prompt (the baseline is their mean)")
-        unknown = [n for n in re.split(r"[+,]", self.task) if n.partition("@")[0] not in TASK_NAMES]
+        unknown = [n for n in self.task.split("+") if n.partition("@")[0] not in TASK_NAMES]
         if unknown:
             bad("task", f"unknown task {unknown[0]!r} (known: {', '.join(TASK_NAMES)})")
         if self.loss not in LOSSES:

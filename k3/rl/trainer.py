@@ -5,7 +5,8 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
 1. new prompts (`prompts` less the groups still in the replay buffer, so at most `prompts` groups are
    in flight; a pure function of (seed, iteration)), K samples each, join the unfinished trajectories of
    the replay buffer; the engine continues all of them by one segment
-   (`partial_budget` tokens at most, or to the end) with weights v;
+   (`partial_budget` tokens at most, or to the end) with weights v (a task with a tool: each tool call
+   answered with token ids of loss mask 0 and the model's next turn generated, k3.rl.rollout.Tool);
 2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
    penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
    the rest of those groups wait for the next iteration;
@@ -13,15 +14,17 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
    mean/max |trainer - engine| log-prob over the tokens version v drew and the share of positions whose
    experts differ from the engine's (the consistency check); with `routing_replay` the update runs with
    the rollout's experts (route_with);
-4. `minibatches` optimizer steps on the loss (k2, grpo or rest); tokens older than `stale_versions`
-   versions are masked (`stale=mask`) or weighted by min(pi_old / pi_behaviour, tis_cap) (`stale=tis`);
+4. `minibatches` optimizer steps on the loss (k2, grpo or rest; + `ptx_coef` x the PTX cross-entropy,
+   k3.rl.ptx), the learning rate warmed up linearly over the run's first `warmup` steps; tokens older
+   than `stale_versions` versions are masked (`stale=mask`) or weighted by min(pi_old / pi_behaviour,
+   tis_cap) (`stale=tis`);
 5. KL(pi_v || pi_v+1) on the batch (k3 estimator), then the engine loads weights v + 1.
 
 A run folder: RUN/rl.json (the config; a rerun must agree), RUN/log.csv (row 0: the base model's held-out
-accuracy; then one row per iteration), RUN/checkpoints/step-N (model, optimizer, RNG and the replay
-buffer: k3.train.state), RUN/config.json. Everything random is seeded by (seed, iteration, group,
-sample, segment), so a run killed at any point and rerun gives the same log (timing columns aside) and
-the same weights.
+accuracy, greedy and sampled; then one row per iteration), RUN/checkpoints/step-N (model, optimizer, RNG
+and the replay buffer: k3.train.state), RUN/config.json. Everything random is seeded by (seed,
+iteration, group, sample, position), so a run killed at any point and rerun gives the same log (timing
+columns aside) and the same weights.
 """
 
 from __future__ import annotations
