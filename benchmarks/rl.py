@@ -86,8 +86,12 @@ def main() -> None:
     p.add_argument("--seeds", default="0")
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--name", default="rl", help="results: NAME.csv, NAME.png, _rl_runs/NAME/")
+    p.add_argument("--replot", action="store_true", help="only redraw NAME.png from the run folders")
     a = p.parse_args()
     jobs = [(f"{m}_s{s}", m, int(s)) for s in a.seeds.split(",") for m in a.methods.split(",")]
+    if a.replot:
+        plot(jobs, [RUNS / a.name / name for name, _, _ in jobs], RESULTS / f"{a.name}.png")
+        return
     load_before = os.getloadavg()
     with ThreadPoolExecutor(a.jobs) as pool:
         outs = list(pool.map(lambda j: run(*j, a), jobs))
@@ -136,19 +140,41 @@ def reward_sum(log: list[dict]) -> float:
 
 
 def plot(jobs, outs, path: Path) -> None:
+    """Held-out accuracy, greedy and sampled, per iteration (mean over seeds, thin lines: each seed); the
+    reward of the samples trained on, summed, against wall-clock seconds (each run)."""
     from k3.train.plot import _pyplot
 
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for (name, _, _), out in zip(jobs, outs, strict=True):
-        log = read(out)
-        pts = [(int(r["step"]), float(r["eval_acc"])) for r in log if r["eval_acc"]]
-        left.plot(*zip(*pts, strict=True), marker="o", label=name)
-        pts = [(float(r["elapsed_s"]), float(r["score"])) for r in log[1:] if r["score"]]
-        right.plot(*zip(*pts, strict=True), lw=1, label=name)
-    left.set(xlabel="iteration", ylabel="held-out accuracy (greedy)", title="held-out accuracy")
-    right.set(xlabel="wall-clock seconds (rollouts + update)", ylabel="train score", title="reward vs time")
-    for ax in (left, right):
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    methods = list(dict.fromkeys(m for _, m, _ in jobs))
+    colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
+    logs = {name: read(out) for (name, _, _), out in zip(jobs, outs, strict=True)}
+    for column, ax in (("eval_acc", axes[0]), ("eval_sampled", axes[1])):
+        for m in methods:
+            runs = [
+                [(int(r["step"]), float(r[column])) for r in logs[n] if r.get(column)]
+                for n, mm, _ in jobs
+                if mm == m
+            ]
+            for pts in runs:
+                ax.plot(*zip(*pts, strict=True), color=colors[m], lw=0.6, alpha=0.4)
+            steps = [s for s, _ in runs[0]]
+            mean = [sum(dict(r)[s] for r in runs) / len(runs) for s in steps]
+            ax.plot(steps, mean, color=colors[m], marker="o", lw=2, label=f"{m} (mean of {len(runs)})")
+    for name, m, _ in jobs:
+        total, before, pts = 0.0, 0, [(0.0, 0.0)]
+        for r in logs[name][1:]:
+            total += (int(r["samples"]) - before) * float(r["reward"] or 0)
+            before = int(r["samples"])
+            pts.append((float(r["elapsed_s"]), total))
+        axes[2].plot(
+            *zip(*pts, strict=True), color=colors[m], lw=1, label=m if name.endswith("_s0") else None
+        )
+    axes[0].set(xlabel="iteration", ylabel="accuracy", title="held-out accuracy, greedy")
+    axes[1].set(xlabel="iteration", ylabel="accuracy", title="held-out accuracy, 4 samples at rollout T")
+    axes[2].set(xlabel="wall-clock seconds (rollouts + update + eval)", ylabel="reward summed",
+                title="reward of trained samples vs time")  # fmt: skip
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
