@@ -21,7 +21,7 @@ from k3.rl.plot import plot_rl
 from k3.rl.policy_io import load_policy
 from k3.rl.rollout import Trajectory, generate, loop_length
 from k3.rl.sft import SFTConfig, sft
-from k3.rl.trainer import TIMING, RLConfig, RLError, select_batch, train_rl
+from k3.rl.trainer import TIMING, RLConfig, RLError, learning_rate, select_batch, train_rl
 from k3.train.plot import plot_run
 from k3.train.state import list_checkpoints
 
@@ -124,6 +124,14 @@ def test_bad_options():
         RLConfig(samples=1).check()
     with pytest.raises(RLError, match="--minibatches"):
         RLConfig(prompts=3, minibatches=2).check()
+
+
+def test_warmup_learning_rate():
+    rc = RLConfig(lr=1e-3, warmup=4)
+    assert [learning_rate(rc, s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert learning_rate(RLConfig(lr=1e-3, warmup=0), 0) == 1e-3
+    with pytest.raises(RLError, match="--warmup"):
+        RLConfig(warmup=-1).check()
 
 
 def _cli(run: Path, *extra: str) -> list[str]:
