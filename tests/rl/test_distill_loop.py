@@ -5,6 +5,7 @@ a teacher with another vocabulary is refused by name."""
 
 import csv
 import dataclasses
+import math
 import os
 import signal
 import subprocess
@@ -215,7 +216,9 @@ def test_rl_method_takes_no_teacher_signal(tmp_path, policies):
     rows = _rows(tmp_path / "rl")
     assert float(rows[1]["score_arithmetic"]) == 0.0 and float(rows[1]["grad_norm"]) == 0.0
     assert rows[1]["teacher_tokens"] == "0" and int(rows[1]["student_tokens"]) > 0
-    assert rows[1]["rkl_a"] == "" and float(rows[1]["eval_rkl_a"]) > 0
+    # the teacher still measures the held-out reverse KL (a sampled estimate: either sign, not 0 here)
+    assert rows[1]["rkl_a"] == "" and math.isfinite(float(rows[1]["eval_rkl_a"]))
+    assert float(rows[1]["eval_rkl_a"]) != 0.0
     start = load_file(str(policies[0] / POLICY_FILE))
     assert all(torch.equal(start[k], v) for k, v in _weights(tmp_path / "rl").items())
     train_distill(DistillConfig(method="on-policy", out=str(tmp_path / "on"), **common))
