@@ -225,6 +225,11 @@ class HttpSource:
         self._cache = BlockCache(self._options.cache_dir) if self._options.cache_dir is not None else None
         self._prefix, self.size = http.get_range(url, 0, self._options.first_read)
 
+    @property
+    def prefix(self) -> bytes | bytearray:
+        """The first bytes of the file, fetched when it was opened."""
+        return self._prefix
+
     def read(self, offset: int, length: int) -> bytearray:
         check_range(self, offset, length)
         if offset + length <= len(self._prefix):
