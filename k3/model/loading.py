@@ -140,10 +140,10 @@ def load_model(
     layers: int | None,
     compute_dtype: torch.dtype | None,
     requires_grad: bool = False,
-    cache_dir: Path | None = None,
+    mirror_dir: Path | None = None,
 ) -> K3ForCausalLM:
     remote = is_url(source)
-    mirror = Path(cache_dir or tempfile.gettempdir()) if remote else None
+    mirror = Path(mirror_dir or tempfile.gettempdir()) if remote else None
     ckpt = open_checkpoint(source, mirror=mirror)
     try:
         cfg = ckpt.config

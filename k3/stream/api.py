@@ -53,6 +53,7 @@ def stream_logits(
                 "requests": stats.requests,
                 "bytes": stats.bytes_fetched,
                 "retries": stats.retries,
+                "cache_hits": stats.cache_hits,
             }
     return result
 

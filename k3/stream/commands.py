@@ -93,23 +93,30 @@ def run(
     prefetch: str = typer.Option("256MB", help="Routed experts read ahead of the one computing."),
     tokenizer: Path | None = typer.Option(None, help="Tokenizer folder for text prompts (default: SOURCE)."),
     scratch: Path | None = typer.Option(None, help="Scratch folder (default OUT/scratch; resume from it)."),
+    cache_dir: Path | None = typer.Option(None, help="URLs: keep fetched ranges here for later passes/runs."),
+    cache_size: str | None = typer.Option(None, help="At most this much in --cache-dir (e.g. 20GB; LRU)."),
 ) -> None:
     """Exact logits of every prompt, reading each weight once per pass (docs/stream.md)."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
     from k3.checkpoint.reader import is_url
+    from k3.checkpoint.remote import RemoteOptions
     from k3.stream.api import stream_to_dir
     from k3.stream.memory import return_freed_memory, rss_bytes
     from k3.stream.runner import StreamOptions, StreamStatus
 
     try:
         budget, ahead = parse_size(memory_budget), parse_size(prefetch)
+        cap = parse_size(cache_size) if cache_size is not None else None
         layers = tuple(int(x) for x in dump_hidden.split(",")) if dump_hidden else ()
         ids = read_prompts(prompts, tokenizer or (None if is_url(source) else Path(source)))
     except ValueError as e:
         fail(str(e) if isinstance(e, K3Error) else f"--dump-hidden: {e}")
     if max_new_tokens < 0 or top_k < 1 or chunk_tokens < 1 or (threads is not None and threads < 1):
         fail("--max-new-tokens must be >= 0; --top-k, --chunk-tokens and --threads >= 1")
+    if cache_size is not None and cache_dir is None:
+        fail("--cache-size needs --cache-dir")
+    remote = RemoteOptions(cache_dir=cache_dir, cache_max_bytes=cap) if cache_dir is not None else None
     return_freed_memory()
     if threads:
         import torch
@@ -136,7 +143,9 @@ def run(
             bar.update(task, completed=s.fraction, description=f"{where} {s.stage}", io=io)
 
         try:
-            result = stream_to_dir(source, ids, out, options, scratch_dir=scratch, report=report)
+            result = stream_to_dir(
+                source, ids, out, options, scratch_dir=scratch, remote=remote, report=report
+            )
         except (K3Error, OSError) as e:
             fail(str(e))
         bar.update(task, completed=1.0, description="done")

@@ -64,7 +64,7 @@ elif mode == "eager":  # what from_pretrained(url) did before: every tensor fetc
     logits = torch.zeros(len(prompts), 1)
 else:
     with torch.no_grad():
-        model = K3ForCausalLM.from_pretrained(source, cache_dir=os.environ["K3_TEST_MIRROR"])
+        model = K3ForCausalLM.from_pretrained(source, mirror_dir=os.environ["K3_TEST_MIRROR"])
         logits = torch.stack([model(torch.tensor([p]))[0, -1] for p in prompts])
 print(json.dumps({"baseline": baseline, "peak": int(open(path("peak")).read()), "logits": logits.tolist()}))
 """

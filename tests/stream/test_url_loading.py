@@ -88,7 +88,7 @@ def test_url_load_reads_dense_bytes_then_exactly_the_chosen_experts(checkpoints,
             present[shard] = Ranges()
             present[shard].add(0, size if size <= first else first // PAGE * PAGE)
 
-        model = K3ForCausalLM.from_pretrained(server.url, cache_dir=tmp_path)
+        model = K3ForCausalLM.from_pretrained(server.url, mirror_dir=tmp_path)
         at_load = served(server, skip_first_reads=True)
         expected = pages(ckpt, dense, present, headers=True)  # headers longer than the first read
         assert {s: union(r) for s, r in at_load.items()} == expected
@@ -123,7 +123,7 @@ def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path):
     ckpt_dir = checkpoints("k3ish")
     local = K3ForCausalLM.from_pretrained(ckpt_dir)
     with RangeServer(ckpt_dir) as server, torch.no_grad():
-        remote = K3ForCausalLM.from_pretrained(server.url, cache_dir=tmp_path)
+        remote = K3ForCausalLM.from_pretrained(server.url, mirror_dir=tmp_path)
         caches = local.new_cache(), remote.new_cache()
         ids = torch.tensor([[3, 1, 4, 1, 5]])
         for _ in range(4):
