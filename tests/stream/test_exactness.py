@@ -122,3 +122,23 @@ def test_over_http_each_byte_is_read_once(checkpoints, name):
         < sum(plan.expert_bytes(layer, e) for layer in used for e in plan.experts[layer])
         or name == "tiny"
     )  # tiny's 8 experts are all chosen by 51 tokens
+
+
+def test_expert_by_expert_sum_equals_the_model_dispatch(checkpoints, monkeypatch):
+    """The streamed dispatch accumulates expert by expert, EXPERT_ROWS tokens at a time (3 here, so every
+    expert runs in pieces): equal to `MoE.dispatch` (pair buffers, sum in choice order) to rounding."""
+    import k3.stream.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "EXPERT_ROWS", 3)
+    model = K3ForCausalLM.from_pretrained(checkpoints("k3ish"))
+    moe = model.model.layers[1].block_sparse_moe
+    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        weights, indices, z = layer_module.route(moe, x)
+        want = moe.dispatch(z, weights, indices)
+        tensors = {e: dict(moe.experts[e].state_dict()) for e in range(len(moe.experts))}
+        empty = layer_module.empty_layer(model.config, 1).block_sparse_moe
+        got = layer_module.expert_dispatch(
+            empty, z, weights, indices, lambda chosen: ((e, tensors[e]) for e in reversed(chosen))
+        )
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()
