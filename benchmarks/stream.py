@@ -59,6 +59,13 @@ print(json.dumps(result))
 """
 
 
+def prompt_ids(tokens: int) -> list[int]:
+    """The prompt each child runs (the same draw as in CHILD)."""
+    import torch
+
+    return torch.randint(1, 1000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def sequential_read(ckpt: Path) -> dict:
     drop_page_cache(ckpt)
     start, n = time.perf_counter(), 0
@@ -111,7 +118,8 @@ def compute_params(ckpt: Path) -> dict[str, int]:
             "expert": expert_params,
             "pairs_per_token": cfg.num_experts_per_token * sum(1 for e in plan.experts if e),
             "lm_head": head.shape[0] * head.shape[1],
-            "dense_bytes_per_pass": plan.dense_bytes,
+            "layer_bytes": plan.layer_bytes,
+            "embedding_row_bytes": plan.embed.nbytes // cfg.vocab_size,
             "expert_bytes": expert.nbytes,
         }
 
@@ -220,7 +228,12 @@ def main() -> None:
         if "summary" in run:
             s = run["summary"]
             touched = sum(len(ids) for ids in s["experts_touched_ids"][0].values())
-            run["bytes_formula"] = params["dense_bytes_per_pass"] + touched * params["expert_bytes"]
+            rows = len(set(prompt_ids(n)))  # the embedding rows read
+            run["bytes_formula"] = (
+                params["layer_bytes"]
+                + rows * params["embedding_row_bytes"]
+                + touched * params["expert_bytes"]
+            )
             run["GBps"] = s["bytes_read"] / run["seconds"] / 1e9
             run["vs_sequential"] = run["GBps"] / report["sequential_read"]["GBps"]
             run["compute_seconds_per_token"] = s["seconds_compute"] / n

@@ -73,9 +73,17 @@ class ResidentWeights:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self._tensors = {t.name: ckpt.read(t.name).clone() for t in ckpt.tensors()}
+        self._starts = {t.name: t.start for t in ckpt.tensors()}
 
     def fetch(self, stage: Stage) -> tuple[Tensors, int]:
-        return {name: self._tensors[t.name] for name, t in stage.tensors}, 0
+        """The stage's tensors; one that covers only some rows of a tensor (the embedding's) as those rows."""
+        out = {}
+        for name, t in stage.tensors:
+            full = self._tensors[t.name]
+            row = full[0].numel() * full.element_size() if full.dim() else 0
+            first = (t.start - self._starts[t.name]) // row if row else 0
+            out[name] = full[first : first + t.shape[0]] if t.shape != tuple(full.shape) else full
+        return out, 0
 
 
 class Reads:

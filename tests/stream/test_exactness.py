@@ -115,7 +115,9 @@ def test_over_http_each_byte_is_read_once(checkpoints, name):
     used = {layer: sorted(set(trace.indices(layer).view(-1).tolist())) for layer in trace.layers}
     assert remote.summary["experts_touched_ids"][0] == {str(k): v for k, v in used.items()}
     expert_bytes = sum(plan.expert_bytes(layer, e) for layer, es in used.items() for e in es)
-    assert sum(b - a for _, a, b in data) == plan.dense_bytes + expert_bytes
+    table, distinct = plan.embed.tensors[0][1], len({t for p in prompts for t in p})
+    embed_rows = table.nbytes // table.shape[0] * distinct  # only the rows the prompts use
+    assert sum(b - a for _, a, b in data) == plan.layer_bytes + embed_rows + expert_bytes
     assert (
         remote.summary["bytes_experts"]
         == expert_bytes

@@ -45,7 +45,11 @@ def test_later_passes_and_runs_read_from_the_cache(checkpoints, tmp_path):
             for layer, ids in p.items()
             for e in ids
         }
-        distinct = plan.dense_bytes + sum(plan.expert_bytes(layer, e) for layer, e in touched)
+        generated = first.outputs["generated"]
+        passes = [{t for p in prompts for t in p}, *({int(t) for t in generated[:, j]} for j in (0, 1))]
+        embed = {span for ids in passes for span in plan.embed_rows(sorted(ids)).spans()}  # distinct ranges
+        distinct = sum(plan.expert_bytes(layer, e) for layer, e in touched) + plan.layer_bytes
+        distinct += sum(span.nbytes for span in embed)
         assert first.summary["bytes_read"] > distinct  # 3 passes read the dense stages 3 times,
         assert server.bytes_served == opening + distinct  # but each range went out once
         assert first.summary["http"]["cache_hits"] > 0
