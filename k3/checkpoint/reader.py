@@ -232,6 +232,21 @@ class Checkpoint:
             raise CheckpointError(f"{self.location}: checkpoint is closed (reading {shard})")
         return self._sources[shard].read_owned(start, stop - start)
 
+    def map_span(self, shard: str, start: int, stop: int) -> memoryview:
+        """Bytes [start, stop) of a local shard as a view of its memory map, read into the page cache and
+        mapped now (no copy); `unmap_span` gives the pages back. For readers that stream a local
+        checkpoint."""
+        return self._local(shard).populate(start, stop - start)
+
+    def unmap_span(self, shard: str, start: int, stop: int) -> None:
+        self._local(shard).unmap(start, stop - start)
+
+    def _local(self, shard: str) -> LocalSource:
+        source = self._sources.get(shard)
+        if self._closed or not isinstance(source, LocalSource):
+            raise CheckpointError(f"{self.location}: {shard!r} is not an open local shard")
+        return source
+
     # ---- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
         self._closed = True

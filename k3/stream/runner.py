@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from k3.errors import K3Error
 from k3.model.attn_res import ResidualStream
-from k3.stream.fetch import CheckpointWeights, Reads, ReadStats, ResidentWeights, Tensors
+from k3.stream.fetch import CheckpointWeights, MappedWeights, Reads, ReadStats, ResidentWeights, Tensors
 from k3.stream.layer import (
     LayerState,
     empty_ends,
@@ -118,7 +118,7 @@ class StreamRun:
     def __init__(
         self,
         plan: StreamPlan,
-        weights: CheckpointWeights | ResidentWeights,
+        weights: CheckpointWeights | MappedWeights | ResidentWeights,
         prompts: list[list[int]],
         options: StreamOptions,
         scratch: Scratch | None = None,
@@ -211,6 +211,7 @@ class StreamRun:
         tensors = self._take(stage)
         self.reads.ahead(self.plan.mixer[0])
         table = torch.cat([tensors[name] for name, _ in stage.tensors])  # [len(ids), H], rows of `ids`
+        self.reads.done(stage)
         row = {t: i for i, t in enumerate(ids)}
         return [
             ResidualStream(
@@ -244,6 +245,7 @@ class StreamRun:
             for s, st in zip(streams, states, strict=True)  # [1, T_p, H] each
         ]
         release(layer, mixer)
+        self.reads.done(plan.mixer[i])
         del mixer
         sizes = [f.shape[1] for f in ffn_inputs]
         x = torch.cat([f.reshape(-1, H) for f in ffn_inputs])  # [N, H], all prompts' tokens
@@ -260,6 +262,7 @@ class StreamRun:
             r = expert_dispatch(moe, z, weights, indices, lambda chosen: self._experts(i, chosen, following))
             out = moe.finish(x, r)
         release(layer, ffn)
+        self.reads.done(plan.ffn[i])
         for s, part in zip(streams, out.split(sizes), strict=True):
             s.add(part.view(1, -1, H))
         if self.pass_index == 0 and i in self.options.dump_hidden:
@@ -288,6 +291,7 @@ class StreamRun:
             tensors = self._take(stage)
             ask_until(j + 1 + ring)
             yield stage.expert, tensors  # type: ignore[misc]
+            self.reads.done(stage)
 
     def _head(self, streams: list[ResidualStream]) -> torch.Tensor:
         ends = empty_ends(self.cfg)
@@ -299,6 +303,7 @@ class StreamRun:
             h = ends.model.output(s)  # [1, T, H]
             logits.append(ends.lm_head(h[0] if keep_all else h[0, -1:]).float())  # [T or 1, V]
         release(ends, tensors)
+        self.reads.done(self.plan.head)
         if self.pass_index == 0:
             self._first_outputs(logits)
         return torch.stack([row[-1] for row in logits])  # [P, V]
