@@ -40,11 +40,9 @@ if cgroup:
     with open(os.path.join(cgroup, json.loads(files)["limit"]), "w") as f:
         f.write(limit)
 import torch
-from k3.stream.memory import return_freed_memory
 ids = torch.randint(1, 1000, (int(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
 start = time.perf_counter()
 if mode == "stream":
-    return_freed_memory()
     from k3.stream.api import stream_logits
     result = {"summary": stream_logits(ckpt, [ids]).summary}
 else:

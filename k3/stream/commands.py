@@ -117,7 +117,8 @@ def run(
     if cache_size is not None and cache_dir is None:
         fail("--cache-size needs --cache-dir")
     remote = RemoteOptions(cache_dir=cache_dir, cache_max_bytes=cap) if cache_dir is not None else None
-    return_freed_memory()
+    if is_url(source):  # stages arrive in buffers of ours (a local checkpoint's are used in place)
+        return_freed_memory()
     if threads:
         import torch
 
