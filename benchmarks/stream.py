@@ -42,8 +42,10 @@ if cgroup:
 import torch
 ids = torch.randint(1, 1000, (int(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
 start = time.perf_counter()
-if mode == "stream":
+if mode == "stream":  # as `k3 stream` runs: torch threads = CPUs - 1 (one is for the reading thread)
     from k3.stream.api import stream_logits
+    from k3.stream.commands import compute_threads
+    torch.set_num_threads(compute_threads())
     result = {"summary": stream_logits(ckpt, [ids]).summary}
 else:
     from k3.model import K3ForCausalLM
