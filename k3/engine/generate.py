@@ -5,7 +5,9 @@ One `Engine` owns a model and a set of sequences. Each `step()`:
 1. drops cancelled sequences (their cache is freed at once);
 2. prefills one chunk of the oldest waiting sequence (alone, batch of 1, so a long prompt never stalls the
    running streams for more than one chunk); when its prompt is done, its first token is sampled from the
-   last prompt logits and it joins the decode batch (`ModelCache.stack`);
+   last prompt logits and it joins the decode batch (`ModelCache.stack`). Waiting prompts of the oldest
+   one's length that fit in one chunk are prefilled together instead, one [B, T] forward (many short
+   prompts, e.g. RL rollouts, then cost one forward, not one each);
 3. runs one decode step for every running sequence together: input [B, 1] (each row's last token), each
    row at its own context length (the model's cache keeps per-row lengths, see `k3.model.cache`);
    finished rows leave the batch (`ModelCache.select`).
@@ -242,7 +244,10 @@ class Engine:
         events: list[Event] = []
         prefill, decode = bool(self.waiting) and len(self.running) < self.max_batch, bool(self.running)
         if prefill:
-            events += self._prefill_chunk(self.waiting[0])
+            group = self._prefill_group()
+            events += (
+                self._prefill_together(group) if len(group) > 1 else self._prefill_chunk(self.waiting[0])
+            )
         if decode:
             events += self._decode_step()
         self.steps += prefill or decode
@@ -305,6 +310,47 @@ class Engine:
         self.batch = seq.cache if self.batch is None else ModelCache.stack([self.batch, seq.cache])
         seq.cache = None
         return [event]
+
+    def _prefill_group(self) -> list[Sequence]:
+        """The oldest waiting sequence and, while slots are free, every other waiting one that can be
+        prefilled with it in one [B, T] forward: not started, same prompt length, a prompt that fits in
+        one chunk, no prompt log-probs, at least one token to generate."""
+        first = self.waiting[0]
+        n = len(first.prompt)
+
+        def fits(seq: Sequence) -> bool:
+            return (
+                seq.prefilled == 0
+                and seq.cache is None
+                and len(seq.prompt) == n
+                and seq.params.prompt_logprobs is None
+                and seq.params.max_tokens > 0
+            )
+
+        if not fits(first) or self.chunk_size(0, n) < n:
+            return [first]
+        free = self.max_batch - len(self.running)
+        return [seq for seq in self.waiting if fits(seq)][:free]
+
+    def _prefill_together(self, seqs: list[Sequence]) -> list[Event]:
+        """Prefill whole equal-length prompts in one forward (row b is seqs[b]); each row then samples its
+        first token and joins the decode batch as `_prefill_chunk` does for one sequence."""
+        cache = self.model.new_cache(len(seqs))
+        ids = torch.tensor([seq.prompt for seq in seqs])  # [B, T]
+        logits = self._forward(ids, cache, seqs, keep=1)[:, -1]  # [B, V]
+        events, keep = [], []
+        for row, seq in enumerate(seqs):
+            self.waiting.remove(seq)
+            seq.prefilled = len(seq.prompt)
+            events.append(self._sample(seq, logits[row]))
+            if seq.status is not Status.FINISHED:
+                seq.status = Status.RUNNING
+                keep.append(row)
+        if keep:
+            joined = cache if len(keep) == len(seqs) else cache.select(keep)
+            self.running += [seqs[row] for row in keep]
+            self.batch = joined if self.batch is None else ModelCache.stack([self.batch, joined])
+        return events
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         """Log-probs of the prompt tokens that the chunk's logits [size, V] (positions start...) predict."""

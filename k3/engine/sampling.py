@@ -4,6 +4,13 @@ Order of operations (as in most engines): repetition penalty on the raw logits, 
 top-k, then top-p (nucleus) on the resulting distribution, then a draw with the request's own
 `torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch.
 
+With `seed_position = n` the draws are keyed by position instead of one stream: the request's i-th draw
+uses a generator seeded with `seed + n + i` (fresh for each draw), so a request that continues a sequence
+from its n-th generated token (the tokens so far appended to its prompt) draws exactly what one
+uninterrupted request of the same seed would have drawn there (RL's partial rollouts, k3.rl.rollout).
+Two seeds' streams overlap only where they are less than the tokens generated apart (RL's seeds are
+62-bit hashes).
+
 The log-probability reported for a token is the one of the distribution it was drawn from
 (`sampling_logprobs`: after penalty, temperature, top-k and top-p; -inf outside the kept tokens). Greedy
 decoding takes the argmax of `log_softmax(logits)` and reports that: with temperature 0 (or 1) and top_p 1
@@ -37,6 +44,7 @@ class SamplingParams:
     logprobs: int = 0  # per generated token, also return this many most likely alternatives (0..20)
     prompt_logprobs: int | None = None  # None: off; n >= 0: each prompt token's log-prob under the model
     # (raw log_softmax, the first one None) and n alternatives per position, e.g. for `echo` scoring
+    seed_position: int | None = None  # None: one stream; n: draws keyed by position, the first at n
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -57,6 +65,12 @@ class SamplingParams:
             raise SamplingError(
                 f"prompt_logprobs must be None or an integer in 0..{MAX_LOGPROBS}, got {self.prompt_logprobs}"
             )
+        if self.seed_position is not None and not (
+            isinstance(self.seed_position, int) and self.seed_position >= 0
+        ):
+            raise SamplingError(
+                f"seed_position must be None or a non-negative integer, got {self.seed_position}"
+            )
         object.__setattr__(self, "stop_ids", frozenset(self.stop_ids))
 
     @property
@@ -65,7 +79,8 @@ class SamplingParams:
 
     def make_generator(self) -> torch.Generator:
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed = self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item())
+        g.manual_seed((seed + (self.seed_position or 0)) % 2**64)  # keyed: the stream of the first position
         return g
 
 
@@ -125,8 +140,12 @@ def draw(
     """The next token for one sequence and the log-probabilities [V] it was drawn from. logits: [V]."""
     logp = sampling_logprobs(logits, params, seen)
     if params.greedy:
-        return int(torch.argmax(logp)), logp
-    return int(torch.multinomial(logp.exp(), 1, generator=generator)), logp
+        token = int(torch.argmax(logp))
+    else:
+        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    if params.seed_position is not None:  # the next draw's own stream (its position's seed)
+        generator.manual_seed((generator.initial_seed() + 1) % 2**64)
+    return token, logp
 
 
 def sample_token(

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from k3.rl.config import RLConfig
 from k3.terminal import fail
 
 rl_app = typer.Typer(
@@ -16,53 +19,84 @@ rl_app = typer.Typer(
 )
 
 
+D = RLConfig()  # every option's default is the field's
+
+
+def _option(help: str):  # noqa: A002 (typer's name)
+    return typer.Option(help=help)
+
+
 @rl_app.callback(invoke_without_command=True)
 def rl(
     ctx: typer.Context,
-    init: str = typer.Option("tiny", help="Start from: a preset, a published checkpoint or a policy folder."),
-    task: str = typer.Option("arithmetic", help="arithmetic, sort, recall or code (graded in a sandbox)."),
-    out: Path = typer.Option(Path("runs/rl"), help="Run folder; an existing run there is resumed."),
-    iterations: int = typer.Option(20, help="RL iterations (one policy version each)."),
-    prompts: int = typer.Option(16, help="New prompts per iteration."),
-    samples: int = typer.Option(8, help="Samples per prompt (K)."),
-    loss: str = typer.Option("k2", help="k2 (Kimi's squared mirror-descent loss), grpo or rest."),
-    tau: float = typer.Option(0.1, help="K2: weight of the log(pi / pi_old) term."),
-    clip: float = typer.Option(0.2, help="GRPO: ratio clip."),
-    lr: float = typer.Option(1e-3, help="AdamW learning rate (0 allowed: checks)."),
-    minibatches: int = typer.Option(2, help="Optimizer steps per iteration (must divide --prompts)."),
-    reset_optimizer: bool = typer.Option(False, help="A fresh optimizer every iteration (K1.5)."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature of rollouts."),
-    partial_budget: int = typer.Option(
-        0, help="Tokens per trajectory per iteration (0: no partial rollouts)."
+    init: Annotated[
+        str, _option("Start from: a preset, a published checkpoint or a policy folder.")
+    ] = D.init,
+    task: Annotated[
+        str, _option("arithmetic, sort, recall, code (graded in a sandbox) or calculator (a tool turn).")
+    ] = D.task,
+    out: Annotated[str, _option("Run folder; an existing run there is resumed.")] = D.out,
+    iterations: Annotated[int, _option("RL iterations (one policy version each).")] = D.iterations,
+    prompts: Annotated[int, _option("New prompts per iteration.")] = D.prompts,
+    samples: Annotated[int, _option("Samples per prompt (K).")] = D.samples,
+    loss: Annotated[str, _option("k2 (Kimi's squared mirror-descent loss), grpo or rest.")] = D.loss,
+    tau: Annotated[float, _option("K2: weight of the log(pi / pi_old) term.")] = D.tau,
+    clip: Annotated[float, _option("GRPO: ratio clip.")] = D.clip,
+    lr: Annotated[float, _option("AdamW learning rate (0 allowed: checks).")] = D.lr,
+    warmup: Annotated[int, _option("Optimizer steps of linear learning-rate warm-up (0: none).")] = D.warmup,
+    minibatches: Annotated[int, _option("Optimizer steps per iteration (must divide --prompts).")] = (
+        D.minibatches
     ),
-    partial_cap: float = typer.Option(0.5, help="Most share of a batch's samples from partial rollouts."),
-    stale_versions: int = typer.Option(2, help="Tokens older than this many versions are stale."),
-    stale: str = typer.Option("mask", help="Stale tokens: mask, or tis (truncated importance weights)."),
-    tis_cap: float = typer.Option(2.0, help="Cap of the truncated importance weight."),
-    length_coef: float = typer.Option(0.0, help="Weight of K1.5's length reward."),
-    truncation_penalty: float = typer.Option(
-        0.0, help="Reward of a sample cut by its token budget: minus this."
+    reset_optimizer: Annotated[
+        bool, _option("A fresh optimizer every iteration (K1.5).")
+    ] = D.reset_optimizer,
+    grad_clip: Annotated[float, _option("Max gradient norm (0: no clipping).")] = D.grad_clip,
+    temperature: Annotated[float, _option("Sampling temperature of rollouts.")] = D.temperature,
+    partial_budget: Annotated[int, _option("Tokens per trajectory per iteration (0: off).")] = (
+        D.partial_budget
     ),
-    loop_repeats: int = typer.Option(
-        0, help="A tail block repeated this often ends a sample as a loop (0: off)."
+    partial_cap: Annotated[float, _option("Most share of a batch's samples from partial rollouts.")] = (
+        D.partial_cap
     ),
-    routing_replay: bool = typer.Option(False, help="Train with the rollout's experts (route_with)."),
-    eval_every: int = typer.Option(5, help="Iterations between held-out evaluations."),
-    held_out: int = typer.Option(100, help="Held-out problems (greedy accuracy)."),
-    digits: int = typer.Option(3, help="Arithmetic: digits per operand."),
-    seed: int = typer.Option(0, help="Seed of prompts and samples."),
-    threads: int = typer.Option(0, help="torch CPU threads (0: default)."),
-    stop_after: int | None = typer.Option(None, help="Leave after this iteration (rerun to resume)."),
-    quiet: bool = typer.Option(False, help="No progress lines."),
+    stale_versions: Annotated[int, _option("Tokens older than this many versions are stale.")] = (
+        D.stale_versions
+    ),
+    stale: Annotated[str, _option("Stale tokens: mask, or tis (truncated importance weights).")] = D.stale,
+    tis_cap: Annotated[float, _option("Cap of the truncated importance weight.")] = D.tis_cap,
+    length_coef: Annotated[float, _option("Weight of K1.5's length reward.")] = D.length_coef,
+    truncation_penalty: Annotated[float, _option("Reward of a sample cut by its budget: minus this.")] = (
+        D.truncation_penalty
+    ),
+    loop_repeats: Annotated[int, _option("A tail repeated this often ends a sample (0: off).")] = (
+        D.loop_repeats
+    ),
+    routing_replay: Annotated[
+        bool, _option("Train with the rollout's experts (route_with).")
+    ] = D.routing_replay,
+    ptx_coef: Annotated[float, _option("Weight of the PTX (pretraining) loss (0: off).")] = (D.ptx_coef),
+    ptx_data: Annotated[str, _option("PTX data: task (reference answers) or a text file.")] = D.ptx_data,
+    ptx_batch: Annotated[int, _option("PTX sequences per optimizer step.")] = D.ptx_batch,
+    eval_every: Annotated[int, _option("Iterations between held-out evaluations.")] = D.eval_every,
+    held_out: Annotated[int, _option("Held-out problems (greedy accuracy).")] = D.held_out,
+    digits: Annotated[int, _option("Arithmetic: digits per operand.")] = D.digits,
+    seed: Annotated[int, _option("Seed of prompts and samples.")] = D.seed,
+    max_batch: Annotated[int, _option("Engine slots (sequences generated together).")] = D.max_batch,
+    checkpoint_every: Annotated[int, _option("Iterations between checkpoints.")] = D.checkpoint_every,
+    threads: Annotated[int, _option("torch CPU threads (0: default).")] = D.threads,
+    stop_after: Annotated[
+        int | None, _option("Leave after this iteration (rerun to resume).")
+    ] = D.stop_after,
+    quiet: Annotated[bool, _option("No progress lines.")] = not D.progress,
 ) -> None:
     """Run (or resume) RL; writes RUN/log.csv and RUN/checkpoints/."""
     if ctx.invoked_subcommand is not None:
         return
     from k3.errors import K3Error
-    from k3.rl.trainer import RLConfig, train_rl
+    from k3.rl.trainer import train_rl
 
-    rc = RLConfig(**{k: v for k, v in locals().items() if k in RLConfig.__dataclass_fields__ and k != "out"})
-    rc.out, rc.progress = str(out), not quiet
+    chosen = locals()
+    rc = RLConfig(**{f.name: chosen[f.name] for f in fields(RLConfig) if f.name in chosen})
+    rc.progress = not quiet
 
     def show(row: dict) -> None:
         if not quiet:

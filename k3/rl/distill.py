@@ -34,14 +34,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k3.errors import K3Error
+from k3.rl.distill_config import DistillError
+from k3.rl.effort import EFFORTS, is_task_name
 from k3.rl.policy import Packed, pack
 from k3.rl.rollout import Trajectory
 from k3.rl.tasks import TASK_NAMES
-
-
-class DistillError(K3Error):
-    """A distillation setup that cannot run (teachers, tasks, vocabularies); the message names it."""
 
 
 # ---- teachers ---------------------------------------------------------------------------------------------
@@ -58,7 +55,7 @@ def parse_teacher(text: str) -> TeacherSpec:
     if not eq or not name or not rest:
         raise DistillError(f"--teacher {text!r}: expected NAME=CKPT[:task]")
     source, colon, task = rest.rpartition(":")
-    if not colon or task not in TASK_NAMES:
+    if not colon or not is_task_name(task):
         source, task = rest, None
     if not name.isidentifier():
         raise DistillError(
@@ -83,8 +80,11 @@ def assign_domains(specs: list[TeacherSpec], tasks: list[str]) -> dict[str, str]
     if len(generalists) > 1:
         raise DistillError(f"--teacher: at most one teacher without a task, got {', '.join(generalists)}")
     for task in tasks:
-        if task not in TASK_NAMES:
-            raise DistillError(f"--tasks: unknown task {task!r} (known: {', '.join(TASK_NAMES)})")
+        if not is_task_name(task):
+            raise DistillError(
+                f"--tasks: unknown task {task!r} (known: {', '.join(TASK_NAMES)}, each also at an effort "
+                f"TASK@{'|'.join(EFFORTS)})"
+            )
     for task in dict.fromkeys(tasks):
         if task not in owner:
             if not generalists:
@@ -254,12 +254,18 @@ def advantages(
     sample's reward minus its group's mean (group_size >= 2; else the reward itself) on every token."""
     adv = (scores.teacher - scores.student).detach() * scores.mask
     if alpha and rewards is not None:
-        r = rewards.to(adv.dtype)
-        if group_size >= 2:
-            g = r.view(-1, group_size)
-            r = (g - g.mean(-1, keepdim=True)).view(-1)
-        adv = adv + alpha * r[:, None] * scores.mask
+        adv = adv + alpha * reward_advantages(rewards, scores.mask, group_size)
     return adv
+
+
+def reward_advantages(rewards: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, T] each sample's reward minus its group's mean (group_size >= 2; else the reward itself) on
+    every generated token: the outcome term, and `--method rl`'s whole advantage."""
+    r = rewards.to(mask.dtype)
+    if group_size >= 2:
+        g = r.view(-1, group_size)
+        r = (g - g.mean(-1, keepdim=True)).view(-1)
+    return r[:, None] * mask
 
 
 def importance_weights(logp: torch.Tensor, behaviour: torch.Tensor, low: float, high: float) -> torch.Tensor:

@@ -4,10 +4,14 @@ inside the commands."""
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
+from k3.rl.distill_config import DistillConfig
+from k3.rl.distill_teachers import make_teachers
 from k3.terminal import fail
 
 distill_app = typer.Typer(
@@ -17,45 +21,68 @@ distill_app = typer.Typer(
 )
 
 
+D = DistillConfig()  # every option's default is the field's
+
+
 @distill_app.callback(invoke_without_command=True)
 def distill(
     ctx: typer.Context,
-    student: str = typer.Option(
-        "tiny", help="Start from: a preset, a published checkpoint or a policy folder."
+    student: Annotated[
+        str, typer.Option(help="Start from: a preset, a published checkpoint or a policy folder.")
+    ] = D.student,
+    teacher: Annotated[
+        list[str],
+        typer.Option(help="NAME=CKPT[:task], repeated; a teacher without a task covers each --tasks domain"),
+    ] = [],  # noqa: B006 (typer's list default; D.teachers is empty too)
+    tasks: Annotated[
+        str, typer.Option(help="Comma-separated domains for a teacher without a task.")
+    ] = ",".join(D.tasks),
+    out: Annotated[Path, typer.Option(help="Run folder; an existing run there is resumed.")] = Path(D.out),
+    method: Annotated[
+        str, typer.Option(help="on-policy, off-policy (SFT on teacher samples), average, rl (reward only).")
+    ] = D.method,
+    iterations: Annotated[int, typer.Option(help="Iterations (one policy version each).")] = D.iterations,
+    prompts: Annotated[int, typer.Option(help="New prompts per domain per iteration.")] = D.prompts,
+    samples: Annotated[int, typer.Option(help="Samples per prompt (K).")] = D.samples,
+    lr: Annotated[float, typer.Option(help="Learning rate (0 allowed: checks).")] = D.lr,
+    optimizer: Annotated[str, typer.Option(help="adamw or sgd.")] = D.optimizer,
+    minibatches: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = D.minibatches,
+    grad_clip: Annotated[float, typer.Option(help="Max gradient norm (0: no clipping).")] = D.grad_clip,
+    temperature: Annotated[
+        float, typer.Option(help="Sampling temperature (teacher and student log-probs too).")
+    ] = D.temperature,
+    is_low: Annotated[
+        float, typer.Option(help="Importance weight pi_theta / pi_behaviour truncated below at this.")
+    ] = D.is_low,
+    is_high: Annotated[float, typer.Option(help="... and above at this.")] = D.is_high,
+    alpha_reward: Annotated[
+        float, typer.Option(help="Add A x (task reward - group mean) to every advantage.")
+    ] = D.alpha_reward,
+    full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
+        D.full_vocab
     ),
-    teacher: list[str] = typer.Option(
-        [], help="NAME=CKPT[:task], repeated; a teacher without a task covers every --tasks domain."
-    ),
-    tasks: str = typer.Option("", help="Comma-separated domains for a teacher without a task."),
-    out: Path = typer.Option(Path("runs/distill"), help="Run folder; an existing run there is resumed."),
-    method: str = typer.Option("on-policy", help="on-policy, off-policy (SFT on teacher samples), average."),
-    iterations: int = typer.Option(20, help="Iterations (one policy version each)."),
-    prompts: int = typer.Option(8, help="New prompts per domain per iteration."),
-    samples: int = typer.Option(4, help="Samples per prompt (K)."),
-    lr: float = typer.Option(1e-3, help="Learning rate (0 allowed: checks)."),
-    optimizer: str = typer.Option("adamw", help="adamw or sgd."),
-    minibatches: int = typer.Option(1, help="Optimizer steps per iteration."),
-    temperature: float = typer.Option(1.0, help="Sampling temperature (teacher and student log-probs too)."),
-    is_low: float = typer.Option(
-        0.0, help="Importance weight pi_theta / pi_behaviour truncated below at this."
-    ),
-    is_high: float = typer.Option(2.0, help="... and above at this."),
-    alpha_reward: float = typer.Option(0.0, help="Add A x (task reward - group mean) to every advantage."),
-    full_vocab: bool = typer.Option(False, help="Exact full-vocabulary reverse KL (GKD beta = 1)."),
-    eval_every: int = typer.Option(5, help="Iterations between held-out evaluations."),
-    held_out: int = typer.Option(100, help="Held-out problems per task (greedy accuracy)."),
-    eval_samples: int = typer.Option(16, help="Held-out prompts per domain for the logged reverse KL."),
-    digits: int = typer.Option(3, help="Arithmetic: digits per operand."),
-    seed: int = typer.Option(0, help="Seed of prompts and samples."),
-    threads: int = typer.Option(0, help="torch CPU threads (0: default)."),
-    stop_after: int | None = typer.Option(None, help="Leave after this iteration (rerun to resume)."),
-    quiet: bool = typer.Option(False, help="No progress lines."),
+    eval_every: Annotated[int, typer.Option(help="Iterations between held-out evaluations.")] = D.eval_every,
+    held_out: Annotated[int, typer.Option(help="Held-out problems per task (greedy accuracy).")] = D.held_out,
+    eval_samples: Annotated[
+        int, typer.Option(help="Held-out prompts per domain for the logged reverse KL.")
+    ] = D.eval_samples,
+    digits: Annotated[int, typer.Option(help="Arithmetic: digits per operand.")] = D.digits,
+    seed: Annotated[int, typer.Option(help="Seed of prompts and samples.")] = D.seed,
+    max_batch: Annotated[int, typer.Option(help="Engine batch (sequences decoded together).")] = D.max_batch,
+    checkpoint_every: Annotated[
+        int, typer.Option(help="Iterations between checkpoints.")
+    ] = D.checkpoint_every,
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0: default).")] = D.threads,
+    stop_after: Annotated[
+        int | None, typer.Option(help="Leave after this iteration (rerun to resume).")
+    ] = D.stop_after,
+    quiet: Annotated[bool, typer.Option(help="No progress lines.")] = not D.progress,
 ) -> None:
     """Run (or resume) a distillation; writes RUN/log.csv and RUN/checkpoints/."""
     if ctx.invoked_subcommand is not None:
         return
     from k3.errors import K3Error
-    from k3.rl.distill_loop import DistillConfig, train_distill
+    from k3.rl.distill_loop import train_distill
 
     dc = DistillConfig(
         **{
@@ -78,29 +105,43 @@ def distill(
         fail(str(e))
 
 
+T = {k: p.default for k, p in inspect.signature(make_teachers).parameters.items()}  # its defaults
+
+
 @distill_app.command("teachers")
 def teachers(
-    out: Path = typer.Option(
-        Path("runs/teachers"), help="Folder of the specialists (OUT/<task>/checkpoint)."
+    out: Annotated[Path, typer.Option(help="Folder of the specialists (OUT/<task>/checkpoint).")] = Path(
+        "runs/teachers"
     ),
-    tasks: str = typer.Option("arithmetic,sort,recall", help="Comma-separated tasks, one specialist each."),
-    init: str = typer.Option("tiny", help="The preset (or checkpoint) every specialist starts from."),
-    steps: int = typer.Option(300, help="SFT steps per specialist."),
-    batch_size: int = typer.Option(64, help="Problems per SFT step."),
-    lr: float = typer.Option(3e-3, help="SFT peak learning rate."),
-    rl_iterations: int = typer.Option(0, help="k3 rl iterations after SFT (0: SFT only)."),
-    digits: int = typer.Option(3, help="Arithmetic: digits per operand."),
-    seed: int = typer.Option(0, help="Seed."),
-    threads: int = typer.Option(0, help="torch CPU threads (0: default)."),
+    tasks: Annotated[
+        str, typer.Option(help="Comma-separated tasks (TASK or TASK@no|short|long), one specialist each.")
+    ] = "arithmetic,sort,recall",
+    init: Annotated[str, typer.Option(help="The preset (or checkpoint) every specialist starts from.")] = T[
+        "init"
+    ],
+    steps: Annotated[int, typer.Option(help="SFT steps per specialist.")] = T["steps"],
+    batch_size: Annotated[int, typer.Option(help="Problems per SFT step.")] = T["batch_size"],
+    lr: Annotated[float, typer.Option(help="SFT peak learning rate.")] = T["lr"],
+    rl_iterations: Annotated[int, typer.Option(help="k3 rl iterations after SFT (0: SFT only).")] = T[
+        "rl_iterations"
+    ],
+    digits: Annotated[int, typer.Option(help="Arithmetic: digits per operand.")] = T["digits"],
+    held_out: Annotated[int, typer.Option(help="Held-out problems per task (SFT evaluations).")] = T[
+        "held_out"
+    ],
+    seed: Annotated[int, typer.Option(help="Seed.")] = T["seed"],
+    threads: Annotated[int, typer.Option(help="torch CPU threads (0: default).")] = T["threads"],
+    base_steps: Annotated[
+        int, typer.Option(help="First fine-tune a base this many steps on all the tasks (OUT/base/policy).")
+    ] = T["base_steps"],
 ) -> None:
     """Build one specialist teacher per task with k3 itself (SFT, optionally RL); prints --teacher specs."""
     from k3.errors import K3Error
-    from k3.rl.distill_teachers import make_teachers
 
     try:
         specs = make_teachers(out, [t for t in tasks.split(",") if t], init=init, steps=steps,
                               batch_size=batch_size, lr=lr, rl_iterations=rl_iterations, digits=digits,
-                              seed=seed, threads=threads,
+                              held_out=held_out, seed=seed, threads=threads, base_steps=base_steps,
                               on_step=lambda row: print(row) if row.get("eval_acc") else None)  # fmt: skip
     except K3Error as e:
         fail(str(e))

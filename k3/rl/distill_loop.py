@@ -8,6 +8,9 @@ Methods (`--method`):
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
   student is fine-tuned on them (cross-entropy over the answer tokens).
 - `average`: no training; the student is the mean of the teachers' weights (shapes must match), evaluated.
+- `rl`: the on-policy loop without teachers in the update: the advantage is the task's reward minus the
+  mean over the prompt's K samples (RL on all the tasks at once, the baseline at equal samples); the
+  teachers only measure `eval_rkl_<teacher>`.
 A single generalist teacher is the same command with one teacher without a task (`--tasks` names the
 domains it covers).
 
@@ -27,14 +30,13 @@ import csv
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from k3.rl.codec import CharCodec
 from k3.rl.distill import (
-    DistillError,
     advantages,
     assign_domains,
     average_weights,
@@ -44,10 +46,12 @@ from k3.rl.distill import (
     load_teacher,
     log_distributions,
     parse_teacher,
+    reward_advantages,
     sampled_reverse_kl,
     score,
     vocabulary_of,
 )
+from k3.rl.distill_config import DistillConfig, DistillError
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory, answer_ids, generate
 from k3.rl.tasks import Task, make_task
@@ -55,69 +59,13 @@ from k3.rl.trainer import RESUMABLE_CHANGES, held_out_accuracy
 
 DISTILL_JSON = "distill.json"
 LOG_FILE = "log.csv"
-METHODS = ("on-policy", "off-policy", "average")
 TIMING = ("tokens_per_s", "elapsed_s")
 EVAL_STREAM = -1  # group ids of the evaluation samples are negative (training groups count from 0)
 
 
-@dataclass
-class DistillConfig:
-    student: str = "tiny"  # preset, published checkpoint or policy folder
-    teachers: list[str] = field(default_factory=list)  # NAME=CKPT[:task]
-    tasks: list[str] = field(default_factory=list)  # extra domains, for a teacher without a task
-    out: str = "runs/distill"
-    method: str = "on-policy"
-    iterations: int = 20
-    prompts: int = 8  # new prompts per domain per iteration
-    samples: int = 4  # K per prompt
-    lr: float = 1e-3
-    optimizer: str = "adamw"  # adamw | sgd
-    minibatches: int = 1
-    grad_clip: float = 1.0
-    temperature: float = 1.0
-    is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
-    is_high: float = 2.0
-    alpha_reward: float = 0.0
-    full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
-    eval_every: int = 5
-    held_out: int = 100
-    eval_samples: int = 16  # held-out prompts per domain sampled for eval_rkl_<teacher>
-    digits: int = 3  # arithmetic
-    seed: int = 0
-    max_batch: int = 64
-    checkpoint_every: int = 1
-    threads: int = 0
-    stop_after: int | None = None
-    progress: bool = True
-
-    def check(self) -> None:
-        def bad(option: str, problem: str) -> None:
-            raise DistillError(f"--{option.replace('_', '-')}: {problem}")
-
-        if not self.teachers:
-            bad("teacher", "give at least one NAME=CKPT[:task]")
-        for name in ("iterations", "prompts", "samples", "minibatches", "eval_every", "held_out"):
-            if getattr(self, name) < 1:
-                bad(name, f"must be at least 1, got {getattr(self, name)}")
-        if self.method not in METHODS:
-            bad("method", f"unknown method {self.method!r} (known: {', '.join(METHODS)})")
-        if self.optimizer not in ("adamw", "sgd"):
-            bad("optimizer", f"adamw or sgd, got {self.optimizer!r}")
-        if self.temperature <= 0:
-            bad("temperature", f"must be > 0, got {self.temperature}")
-        if not 0 <= self.is_low <= 1 <= self.is_high:
-            bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
-        if self.lr < 0:
-            bad("lr", f"must be >= 0, got {self.lr}")
-        if self.minibatches > self.prompts * self.samples:
-            bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
-        if self.alpha_reward and self.method != "on-policy":
-            bad("alpha_reward", "only with --method on-policy")
-
-
 def make_tasks(dc: DistillConfig, domains: list[str]) -> dict[str, Task]:
     def one(name: str) -> Task:
-        options = {"digits": dc.digits} if name == "arithmetic" else {}
+        options = {"digits": dc.digits} if name.startswith("arithmetic") else {}
         return make_task(name, held_out_size=dc.held_out, **options)
 
     return {name: one(name) for name in domains}
@@ -229,17 +177,25 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, doma
     """Score, then `minibatches` updates (rows m, m + M, ... so each mixes the domains); the log figures."""
     model, codec = setup.model, setup.codec
     teacher_of = [setup.domains[d] for d in domain_of]
-    scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
     rewards = torch.zeros(len(trajs))
     for name, task in setup.tasks.items():
         rows = [i for i, d in enumerate(domain_of) if d == name]
         texts = [codec.decode(answer_ids(trajs[i], codec.eos)) for i in rows]
         rewards[rows] = torch.tensor(task.grade([problems[i] for i in rows], texts))
-    adv = advantages(scores, rewards, dc.alpha_reward, dc.samples)
-    behaviour = torch.zeros_like(scores.mask)
+    behaviour = torch.zeros(len(trajs), max(len(t.tokens) for t in trajs))  # [N, T] as score's rows
+    generated = torch.zeros_like(behaviour)
     for b, t in enumerate(trajs):
         behaviour[b, : len(t.logprobs)] = torch.tensor(t.logprobs)
-    diff_max = float(((scores.student - behaviour).abs() * scores.mask).max())
+        generated[b, : len(t.logprobs)] = 1.0
+    row = {}
+    if dc.method == "rl":  # the baseline: no teacher, the task reward the only advantage
+        adv = reward_advantages(rewards, generated, dc.samples)
+    else:
+        scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
+        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples)
+        row["logprob_diff_max"] = f"{float(((scores.student - behaviour).abs() * scores.mask).max()):.3g}"
+        for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
+            row[f"rkl_{teacher}"] = f"{kl:.6f}"
     losses, norm = [], 0.0
     for m in range(dc.minibatches):
         rows = list(range(m, len(trajs), dc.minibatches))
@@ -253,10 +209,7 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, doma
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)
         norm = _step(model, optimizer, dc, loss)
         losses.append(float(loss.detach()))
-    row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
-    row["logprob_diff_max"] = f"{diff_max:.3g}"
-    for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
-        row[f"rkl_{teacher}"] = f"{kl:.6f}"
+    row.update(loss=repr(sum(losses) / len(losses)), grad_norm=f"{norm:.6g}")
     for name in setup.tasks:
         rows = [i for i, d in enumerate(domain_of) if d == name]
         row[f"score_{name}"] = f"{float(rewards[rows].mean()):.6f}"
@@ -332,14 +285,15 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
         for it in range(start, last):
             began = time.perf_counter()
             trajs, problems, domain_of = _batch(dc, setup, it)
-            if dc.method == "on-policy":
+            if dc.method in ("on-policy", "rl"):
                 tokens = _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
                 row = _on_policy(setup, optimizer, dc, trajs, problems, domain_of)
                 counters["student_tokens"] += tokens
+                counters["teacher_tokens"] += tokens if dc.method == "on-policy" else 0
             else:
                 tokens = _generate(teacher_engines, setup, trajs, domain_of, dc)
                 row = _off_policy(setup, optimizer, dc, trajs, problems, domain_of)
-            counters["teacher_tokens"] += tokens
+                counters["teacher_tokens"] += tokens
             counters["samples"] += len(trajs)
             engine.load_weights(model.state_dict(), it + 1)
             if (it + 1) % dc.eval_every == 0 or it + 1 == dc.iterations:

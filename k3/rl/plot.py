@@ -10,6 +10,8 @@ from k3.train.plot import _pyplot, read_log
 
 
 def _line(ax, log, column, **kw):
+    if column not in log:  # (an older log)
+        return
     pts = [(s, v) for s, v in zip(log["step"], log[column], strict=True) if not math.isnan(v)]
     if pts:
         ax.plot(*zip(*pts, strict=True), **kw)
@@ -22,6 +24,7 @@ def plot_rl(run_dir: str | Path) -> list[Path]:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True)
     _line(top, log, "score", lw=1, label="train score (share right)")
     _line(top, log, "eval_acc", marker="o", lw=1.5, label="held-out accuracy (greedy)")
+    _line(top, log, "eval_sampled", marker="s", lw=1, label="held-out accuracy (sampled, rollout T)")
     top.set(ylabel="reward / accuracy", title=f"RL: {run_dir.name}")
     top.legend(fontsize=8)
     top.grid(alpha=0.3)

@@ -4,7 +4,8 @@ routing replay, and the engine/trainer consistency figures.
 A batch of N trajectories is packed right-padded: row b holds prompt + tokens[:-1] (the positions the
 engine fed), so logits at position len(prompt) - 1 + j predict tokens[j]. The model is causal (MLA masks,
 KDA and its short convolution run left to right), so padding after a row's end changes none of its
-logits. Log-probs are those of the distribution sampled from: log_softmax(logits / T).
+logits. Log-probs are those of the distribution sampled from: log_softmax(logits / T). Tokens a tool
+inserted (`Trajectory.env`) are fed like any other but have mask 0: no loss, no gradient.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ class Packed:
     fed: list[int]  # positions fed per row (len(prompt) + len(tokens) - 1)
     positions: torch.Tensor  # [N, T] the input position whose logits predict token j (0 past the end)
     targets: torch.Tensor  # [N, T] generated ids (0 past the end)
-    mask: torch.Tensor  # [N, T] float: 1 on generated tokens
+    mask: torch.Tensor  # [N, T] float: 1 on the tokens the model generated (0: padding, tool output)
 
 
 def pack(trajectories: list[Trajectory]) -> Packed:
@@ -40,7 +41,7 @@ def pack(trajectories: list[Trajectory]) -> Packed:
         inputs[b, : len(s) - 1] = torch.tensor(s[:-1])
         positions[b, :n] = torch.arange(len(t.prompt) - 1, len(t.prompt) - 1 + n)
         targets[b, :n] = torch.tensor(t.tokens)
-        mask[b, :n] = 1.0
+        mask[b, :n] = 1.0 - torch.tensor(t.env, dtype=torch.float) if t.env else 1.0
     return Packed(inputs, [len(s) - 1 for s in seqs], positions, targets, mask)
 
 

@@ -12,13 +12,21 @@ iteration by the current weights (the engine is given prompt + tokens so far as 
 tokens carry several versions. A trajectory ends on the task's stop id ("stop"), on the task's token budget
 ("length", a truncation) or when its tail is a loop ("loop", see `loop_length`).
 
-Each segment is drawn with its own seed, a pure function of (run seed, group, sample, segment), so a rerun
-of an iteration draws the same tokens.
+Multi-turn (a `Tool`): a model turn that ends in the tool's call id stops there; the environment's answer
+is appended as token ids (`env` marks them: behaviour log-prob 0, version -1, loss mask 0 in
+k3.rl.policy.pack) and the model's next turn is generated in the same call, from prompt + everything so
+far, up to the tool's `max_calls` calls.
+
+Draws are keyed by (run seed, group, sample, position) (`SamplingParams.seed_position`): a rerun of an
+iteration draws the same tokens, and a trajectory continued over several segments draws at each position
+what one uninterrupted generation would have drawn there, sampled (T > 0) as well as greedy, so at
+learning rate 0 partial rollouts give exactly the tokens of one generation.
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +48,8 @@ class Trajectory:
     finish_reason: str | None = None  # None while unfinished; else one of FINISHED
     segments: int = 0  # engine calls that generated for it
     experts: torch.Tensor | None = None  # [len(prompt) + len(tokens) - 1, n_moe, k] (record_experts)
+    env: list[bool] = field(default_factory=list)  # per token: inserted by a tool (empty: none ever was)
+    tool_calls: int = 0
 
     @property
     def finished(self) -> bool:
@@ -61,6 +71,8 @@ class Trajectory:
             "versions": self.versions,
             "finish_reason": self.finish_reason,
             "segments": self.segments,
+            "env": self.env,
+            "tool_calls": self.tool_calls,
             "experts": None if self.experts is None else self.experts.tolist(),
         }
 
@@ -72,9 +84,19 @@ class Trajectory:
         return t
 
 
-def segment_seed(seed: int, group: int, sample: int, segment: int) -> int:
-    """A 62-bit seed per (run, group, sample, segment), independent of batch composition."""
-    digest = hashlib.blake2b(f"{seed}/{group}/{sample}/{segment}".encode(), digest_size=8).digest()
+@dataclass(frozen=True)
+class Tool:
+    """An environment the model calls mid-answer: generating `call_id` ends its turn, and
+    `respond(tokens so far)` gives the ids inserted before its next turn (at most `max_calls` times)."""
+
+    call_id: int
+    respond: Callable[[list[int]], list[int]]
+    max_calls: int = 1
+
+
+def trajectory_seed(seed: int, group: int, sample: int) -> int:
+    """A 62-bit seed per (run, group, sample), independent of batch composition; positions key the draws."""
+    digest = hashlib.blake2b(f"{seed}/{group}/{sample}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 2
 
 
@@ -104,19 +126,55 @@ def generate(
     budget: int | None = None,
     loop_repeats: int = 0,
     record_experts: bool = False,
+    tool: Tool | None = None,
 ) -> int:
-    """Continue every unfinished trajectory by one segment (in place): at most `budget` new tokens (None:
-    until done), never past `max_tokens` in all. Returns the number of tokens generated."""
+    """Continue every unfinished trajectory by one segment (in place): at most `budget` new tokens per
+    model turn (None: until done), never past `max_tokens` in all (tool output included); with a `tool`,
+    each call is answered and the model's next turn generated in the same segment. Returns the number of
+    tokens generated."""
     todo = [t for t in trajectories if not t.finished]
+    for t in todo:
+        t.segments += 1
+    generated = 0
+    while todo:
+        generated += _turn(engine, todo, seed, temperature, stop_id, max_tokens, budget, loop_repeats,
+                           record_experts, tool)  # fmt: skip
+        todo = [t for t in todo if _answer_tool(t, tool, max_tokens)]
+    return generated
+
+
+def _answer_tool(t: Trajectory, tool: Tool | None, max_tokens: int) -> bool:
+    """If t's turn ended in a tool call, append the tool's answer (env tokens) and reopen t."""
+    if tool is None or t.finish_reason != "call":
+        return False
+    ids = tool.respond(list(t.tokens))
+    if len(t.tokens) + len(ids) >= max_tokens:  # no room for another turn: cut here, the reply unfed
+        t.finish_reason = "length"
+        return False
+    t.env = (t.env or [False] * len(t.tokens)) + [True] * len(ids)
+    t.tokens += ids
+    t.logprobs += [0.0] * len(ids)
+    t.versions += [-1] * len(ids)
+    t.tool_calls += 1
+    t.finish_reason = None
+    return True
+
+
+def _turn(
+    engine, todo, seed, temperature, stop_id, max_tokens, budget, loop_repeats, record_experts, tool
+) -> int:
+    """One engine call continuing every trajectory of `todo` by one model turn."""
     params = []
     for t in todo:
         room = max_tokens - len(t.tokens)
+        calls = tool is not None and t.tool_calls < tool.max_calls
         params.append(
             SamplingParams(
                 temperature=temperature,
                 max_tokens=room if budget is None else min(room, budget),
-                stop_ids=frozenset({stop_id}),
-                seed=segment_seed(seed, t.group, t.sample, t.segments),
+                stop_ids=frozenset({stop_id, tool.call_id} if calls else {stop_id}),
+                seed=trajectory_seed(seed, t.group, t.sample),
+                seed_position=len(t.tokens),  # position-keyed: a continuation draws as one generation would
             )
         )
     done = engine.complete([t.prompt + t.tokens for t in todo], params, record_experts=record_experts)
@@ -125,10 +183,13 @@ def generate(
         t.tokens += c.tokens
         t.logprobs += c.logprobs
         t.versions += c.versions
-        t.segments += 1
+        if t.env:
+            t.env += [False] * len(c.tokens)
         t.experts = c.experts
         generated += len(c.tokens)
-        if c.finish_reason == "stop":
+        if c.finish_reason == "stop" and tool is not None and c.tokens[-1] == tool.call_id:
+            t.finish_reason = "call"  # (for _answer_tool: reopened or ended at once)
+        elif c.finish_reason == "stop":
             t.finish_reason = "stop"
         elif loop_length(t.tokens, loop_repeats):
             t.finish_reason = "loop"

@@ -61,7 +61,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
 
     if sc.threads:
         torch.set_num_threads(sc.threads)
-    options = {"digits": sc.digits} if sc.task == "arithmetic" else {}
+    options = {"digits": sc.digits} if "arithmetic" in sc.task else {}  # also at an effort, mixed
     task = make_task(sc.task, held_out_size=sc.held_out, **options)
     model = load_policy(sc.init, sc.seed).train()
     codec = CharCodec(model.config.vocab_size)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from k3.errors import K3Error
+
+if TYPE_CHECKING:
+    from k3.rl.rollout import Tool
 
 
 class TaskError(K3Error):
@@ -66,6 +70,10 @@ class Task(ABC):
             raise TaskError(f"task {self.name}: fewer than {count} distinct problems to hold out")
         memo[seed] = tuple(seen.values())
         return memo[seed]
+
+    def tool(self, codec) -> Tool | None:
+        """The environment the model may call between its turns (k3.rl.rollout.Tool); None: single-turn."""
+        return None
 
     def problems(self, seed: int, iteration: int, count: int) -> list[Problem]:
         """Training problems of one iteration: a pure function of (seed, iteration), none held out."""
@@ -140,11 +148,32 @@ class Recall(Task):
 
 
 def make_task(name: str, **options) -> Task:
-    """The task called `name` (see TASK_NAMES), built with its options."""
+    """The task called `name` (see TASK_NAMES), built with its options; `name@effort` (`sort@long`) is that
+    task with a scratchpad of that effort, chosen by a tag in the prompt (k3.rl.effort); `a+b`, a mixture
+    of tasks (k3.rl.mixture)."""
+    if "+" in name:  # a mixture (k3.rl.mixture); each part takes the options its task has
+        from dataclasses import fields
+
+        from k3.rl.mixture import Mixture
+
+        def part(n: str) -> Task:
+            known = {f.name for f in fields(type(make_task(n.partition("@")[0])))}
+            return make_task(n, **{k: v for k, v in options.items() if k in known})
+
+        return Mixture(parts=tuple(part(n) for n in name.split("+")))
+    if "@" in name:
+        from k3.rl.effort import with_effort
+
+        base, _, effort = name.partition("@")
+        return with_effort(make_task(base, **options), effort)
     if name == "code":
         from k3.rl.code_task import CodeTask
 
         return CodeTask(**options)
+    if name == "calculator":
+        from k3.rl.tool_task import Calculator
+
+        return Calculator(**options)
     classes = {"arithmetic": Arithmetic, "sort": Sort, "recall": Recall}
     if name not in classes:
         raise TaskError(f"unknown task {name!r} (known: {', '.join(TASK_NAMES)})")
@@ -154,4 +183,4 @@ def make_task(name: str, **options) -> Task:
         raise TaskError(f"task {name}: {e}") from None
 
 
-TASK_NAMES = ("arithmetic", "sort", "recall", "code")
+TASK_NAMES = ("arithmetic", "sort", "recall", "code", "calculator")

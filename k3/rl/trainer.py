@@ -5,7 +5,8 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
 1. new prompts (`prompts` less the groups still in the replay buffer, so at most `prompts` groups are
    in flight; a pure function of (seed, iteration)), K samples each, join the unfinished trajectories of
    the replay buffer; the engine continues all of them by one segment
-   (`partial_budget` tokens at most, or to the end) with weights v;
+   (`partial_budget` tokens at most, or to the end) with weights v (a task with a tool: each tool call
+   answered with token ids of loss mask 0 and the model's next turn generated, k3.rl.rollout.Tool);
 2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
    penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
    the rest of those groups wait for the next iteration;
@@ -13,15 +14,17 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
    mean/max |trainer - engine| log-prob over the tokens version v drew and the share of positions whose
    experts differ from the engine's (the consistency check); with `routing_replay` the update runs with
    the rollout's experts (route_with);
-4. `minibatches` optimizer steps on the loss (k2, grpo or rest); tokens older than `stale_versions`
-   versions are masked (`stale=mask`) or weighted by min(pi_old / pi_behaviour, tis_cap) (`stale=tis`);
+4. `minibatches` optimizer steps on the loss (k2, grpo or rest; + `ptx_coef` x the PTX cross-entropy,
+   k3.rl.ptx), the learning rate warmed up linearly over the run's first `warmup` steps; tokens older
+   than `stale_versions` versions are masked (`stale=mask`) or weighted by min(pi_old / pi_behaviour,
+   tis_cap) (`stale=tis`);
 5. KL(pi_v || pi_v+1) on the batch (k3 estimator), then the engine loads weights v + 1.
 
 A run folder: RUN/rl.json (the config; a rerun must agree), RUN/log.csv (row 0: the base model's held-out
-accuracy; then one row per iteration), RUN/checkpoints/step-N (model, optimizer, RNG and the replay
-buffer: k3.train.state), RUN/config.json. Everything random is seeded by (seed, iteration, group,
-sample, segment), so a run killed at any point and rerun gives the same log (timing columns aside) and
-the same weights.
+accuracy, greedy and sampled; then one row per iteration), RUN/checkpoints/step-N (model, optimizer, RNG
+and the replay buffer: k3.train.state), RUN/config.json. Everything random is seeded by (seed,
+iteration, group, sample, position), so a run killed at any point and rerun gives the same log (timing
+columns aside) and the same weights.
 """
 
 from __future__ import annotations
@@ -31,127 +34,74 @@ import csv
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
-from k3.errors import K3Error
 from k3.rl.codec import CharCodec
+from k3.rl.config import RESUMABLE_CHANGES, RLConfig, RLError  # (trainer's names, kept)
 from k3.rl.loss import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
 from k3.rl.policy import check_consistency, forward_logprobs, pack
 from k3.rl.rollout import Trajectory, answer_ids, generate
-from k3.rl.tasks import TASK_NAMES, Problem, Task, make_task
+from k3.rl.tasks import Problem, Task, make_task
 
 RL_JSON = "rl.json"
 LOG_FILE = "log.csv"
-LOSSES = ("k2", "grpo", "rest")
-STALE_MODES = ("mask", "tis")
-RESUMABLE_CHANGES = {"stop_after", "progress", "threads"}
 COLUMNS = [
-    "step", "loss", "lr", "reward", "score", "eval_acc", "response_len", "truncated", "partial_share",
-    "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm", "samples",
-    "gen_tokens", "tokens_per_s", "elapsed_s",
+    "step", "loss", "lr", "reward", "score", "eval_acc", "eval_sampled", "response_len", "truncated",
+    "partial_share", "buffered", "kl", "logprob_diff_mean", "logprob_diff_max", "expert_flips", "grad_norm",
+    "samples", "gen_tokens", "tokens_per_s", "elapsed_s",
 ]  # fmt: skip
 TIMING = ("tokens_per_s", "elapsed_s")  # the columns a resumed run may not reproduce
 
 
-class RLError(K3Error):
-    """An RL setup that cannot run; the message names the option."""
-
-
-@dataclass
-class RLConfig:
-    init: str = "tiny"  # preset, published checkpoint or policy folder (k3 rl sft)
-    task: str = "arithmetic"
-    out: str = "runs/rl"
-    iterations: int = 20
-    prompts: int = 16  # new prompts per iteration
-    samples: int = 8  # K per prompt
-    loss: str = "k2"  # k2 | grpo | rest
-    tau: float = 0.1  # K2's KL weight
-    clip: float = 0.2  # GRPO's ratio clip
-    lr: float = 1e-3
-    minibatches: int = 2  # optimizer steps per iteration
-    reset_optimizer: bool = False  # a fresh optimizer every iteration (K1.5)
-    grad_clip: float = 1.0
-    temperature: float = 1.0
-    partial_budget: int = 0  # tokens per trajectory per iteration (0: no partial rollouts)
-    partial_cap: float = 0.5  # most samples of a batch from partial rollouts
-    stale_versions: int = 2
-    stale: str = "mask"  # mask | tis
-    tis_cap: float = 2.0
-    length_coef: float = 0.0  # K1.5 length penalty weight
-    truncation_penalty: float = 0.0
-    loop_repeats: int = 0  # a tail block repeated this often ends the sample as a loop (0: off)
-    routing_replay: bool = False
-    eval_every: int = 5
-    held_out: int = 100  # held-out problems
-    digits: int = 3  # arithmetic
-    seed: int = 0
-    max_batch: int = 64  # engine slots
-    checkpoint_every: int = 1
-    threads: int = 0
-    stop_after: int | None = None
-    progress: bool = True
-
-    def check(self) -> None:
-        def bad(option: str, problem: str) -> None:
-            raise RLError(f"--{option.replace('_', '-')}: {problem}")
-
-        for name in (
-            "iterations",
-            "prompts",
-            "samples",
-            "minibatches",
-            "eval_every",
-            "held_out",
-            "checkpoint_every",
-        ):
-            if getattr(self, name) < 1:
-                bad(name, f"must be at least 1, got {getattr(self, name)}")
-        if self.samples < 2:
-            bad("samples", "needs at least 2 samples per prompt (the baseline is their mean)")
-        if self.task not in TASK_NAMES:
-            bad("task", f"unknown task {self.task!r} (known: {', '.join(TASK_NAMES)})")
-        if self.loss not in LOSSES:
-            bad("loss", f"unknown loss {self.loss!r} (known: {', '.join(LOSSES)})")
-        if self.stale not in STALE_MODES:
-            bad("stale", f"must be one of {', '.join(STALE_MODES)}, got {self.stale!r}")
-        if self.prompts % self.minibatches:
-            bad("minibatches", f"must divide --prompts ({self.prompts})")
-        if self.tau <= 0:
-            bad("tau", f"must be positive, got {self.tau}")
-        if self.lr < 0:
-            bad("lr", f"must be >= 0, got {self.lr}")
-        if self.temperature <= 0:
-            bad("temperature", f"RL samples need a temperature > 0, got {self.temperature}")
-        if self.partial_budget < 0:
-            bad("partial-budget", f"must be >= 0, got {self.partial_budget}")
-        if not 0 <= self.partial_cap <= 1:
-            bad("partial-cap", f"must be in [0, 1], got {self.partial_cap}")
-
-
 def task_of(rc: RLConfig) -> Task:
-    options = {"digits": rc.digits} if rc.task == "arithmetic" else {}
+    options = {"digits": rc.digits} if rc.task in ("arithmetic", "calculator") else {}
     return make_task(rc.task, held_out_size=rc.held_out, **options)
 
 
 @torch.no_grad()
-def held_out_accuracy(engine, task: Task, codec: CharCodec, seed: int) -> float:
-    """Greedy answers to the task's held-out problems: the share graded right."""
+def held_out_accuracy(
+    engine, task: Task, codec: CharCodec, seed: int, temperature: float = 0.0, samples: int = 1
+) -> float:
+    """The share of answers to the task's held-out problems graded right: greedy (temperature 0), or
+    `samples` seeded samples per problem at `temperature` (what the RL objective is the expectation of)."""
     from k3.engine.sampling import SamplingParams
 
-    problems = list(task.held_out(seed))
-    params = SamplingParams(temperature=0, max_tokens=task.max_tokens, stop_ids=frozenset({codec.eos}))
+    problems = [p for p in task.held_out(seed) for _ in range(samples if temperature else 1)]
+    stop = frozenset({codec.eos})
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=task.max_tokens, stop_ids=stop, seed=seed + i)
+        for i in range(len(problems))
+    ]
     outs = engine.generate([codec.encode(p.prompt) for p in problems], params)
     return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
+
+
+def _evaluate(engine, task: Task, codec: CharCodec, rc: RLConfig) -> dict:
+    """The log's held-out columns: greedy accuracy, and accuracy of 4 samples per problem at the rollout
+    temperature."""
+    return {
+        "eval_acc": f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}",
+        "eval_sampled": f"{held_out_accuracy(engine, task, codec, rc.seed, rc.temperature, 4):.6f}",
+    }
 
 
 def _optimizer(model, rc: RLConfig):
     from k3.train.optim import build_optimizer
 
     return build_optimizer(model, "adamw", rc.lr, 0.0, (0.9, 0.95))
+
+
+def learning_rate(rc: RLConfig, step: int) -> float:
+    """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps.
+
+    A fresh AdamW's first updates are lr * sign(gradient) for every parameter (its second moment is the
+    first squared gradient), whatever the gradient's size; on a policy fine-tuned to its current state,
+    with the noisy gradient of a few dozen samples, that step alone moved the policy by a KL of 0.18
+    nats per token at lr 1e-3 and cost 13 points of held-out accuracy (docs/rl.md, "Measured")."""
+    return rc.lr * min(1.0, (step + 1) / rc.warmup) if rc.warmup else rc.lr
 
 
 def select_batch(pool: list[Trajectory], max_partial: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:
@@ -182,13 +132,18 @@ def _token_tensor(trajs: list[Trajectory], T: int, values: Callable[[Trajectory]
 
 
 def update(model, optimizer, rc: RLConfig, groups: list[list[Trajectory]], rewards: torch.Tensor, scores,
-           version: int, old_logp: torch.Tensor) -> tuple[float, float]:  # fmt: skip
-    """`minibatches` optimizer steps over the batch; returns (mean loss, last gradient norm)."""
+           version: int, old_logp: torch.Tensor, first_step: int = 0,
+           ptx: Callable[[int], torch.Tensor] | None = None) -> tuple[float, float]:  # fmt: skip
+    """`minibatches` optimizer steps over the batch, the first one the optimizer's `first_step`-th (for the
+    warm-up); `ptx(n)`, the weighted PTX term of the iteration's n-th step, is added to the loss (k3.rl.ptx).
+    Returns (mean loss, last gradient norm)."""
     trajs = [t for g in groups for t in g]
     K, M = rc.samples, rc.minibatches
     per = max(1, math.ceil(len(groups) / M))
     losses, norm = [], 0.0
-    for start in range(0, len(groups), per):
+    for n, start in enumerate(range(0, len(groups), per)):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(rc, first_step + n)
         rows = slice(start * K, (start + len(groups[start : start + per])) * K)
         chunk = trajs[rows]
         packed = pack(chunk)
@@ -212,6 +167,8 @@ def update(model, optimizer, rc: RLConfig, groups: list[list[Trajectory]], rewar
             loss = grpo_loss(logp, old, mask, r, K, rc.clip, weights)
         else:
             loss = rest_loss(logp, mask, scores[rows] > 0.5)
+        if ptx is not None:
+            loss = loss + ptx(n)
         loss.backward()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), rc.grad_clip or math.inf))
         optimizer.step()
@@ -261,7 +218,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
     with log_path.open("a", newline="") as log_file:
         writer = csv.DictWriter(log_file, fieldnames=COLUMNS)
         if start == 0:
-            writer.writerow({"step": 0, "eval_acc": f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"})
+            writer.writerow({"step": 0, **_evaluate(engine, task, codec, rc)})
             log_file.flush()
         for it in range(start, last):
             began = time.perf_counter()
@@ -281,9 +238,15 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
                 budget=rc.partial_budget or None,
                 loop_repeats=rc.loop_repeats,
                 record_experts=record,
+                tool=task.tool(codec),
             )
             groups, pool = select_batch(pool, int(rc.partial_cap * rc.prompts * rc.samples))
-            row: dict = {"step": it + 1, "lr": repr(rc.lr), "gen_tokens": gen_tokens, "buffered": len(pool)}
+            row: dict = {
+                "step": it + 1,
+                "lr": repr(learning_rate(rc, ((0 if rc.reset_optimizer else it) + 1) * rc.minibatches - 1)),
+                "gen_tokens": gen_tokens,
+                "buffered": len(pool),
+            }
             if groups:
                 row.update(_train_on(model, optimizer, rc, task, codec, groups, problems, version))
                 samples_done += len(groups) * rc.samples
@@ -293,7 +256,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
             if rc.reset_optimizer:
                 optimizer = _optimizer(model, rc)
             if (it + 1) % rc.eval_every == 0 or it + 1 == rc.iterations:
-                row["eval_acc"] = f"{held_out_accuracy(engine, task, codec, rc.seed):.6f}"
+                row.update(_evaluate(engine, task, codec, rc))
             spent = time.perf_counter() - began
             elapsed += spent
             row.update(
@@ -330,7 +293,17 @@ def _train_on(
             old_logp = forward_logprobs(model, trajs, rc.temperature, replay=True)
     else:
         old_logp = check.trainer_logprobs
-    loss, norm = update(model, optimizer, rc, groups, rewards, scores, version, old_logp.detach())
+    first_step = (0 if rc.reset_optimizer else version) * rc.minibatches
+    ptx = None
+    if rc.ptx_coef:
+        from k3.rl.ptx import ptx_batch, ptx_loss
+
+        def ptx(n: int) -> torch.Tensor:
+            return rc.ptx_coef * ptx_loss(model, *ptx_batch(rc, task, codec, version * rc.minibatches + n))
+
+    loss, norm = update(
+        model, optimizer, rc, groups, rewards, scores, version, old_logp.detach(), first_step, ptx
+    )
     with torch.no_grad():
         packed = pack(trajs)
         new_logp = forward_logprobs(model, trajs, rc.temperature, rc.routing_replay, packed)

@@ -196,8 +196,27 @@ def test_full_vocabulary_run_and_bad_options(tmp_path, policies):
     row = _rows(tmp_path / "gkd")[1]
     assert float(row["loss"]) > 0 and float(row["grad_norm"]) > 0  # an exact KL of two different models
     with pytest.raises(DistillError, match="--method"):
-        DistillConfig(teachers=["a=x"], method="rl").check()
+        DistillConfig(teachers=["a=x"], method="ppo").check()
+    with pytest.raises(DistillError, match="--full-vocab"):
+        DistillConfig(teachers=["a=x"], method="rl", full_vocab=True).check()
     with pytest.raises(DistillError, match="--is-low"):
         DistillConfig(teachers=["a=x"], is_low=1.5).check()
     with pytest.raises(DistillError, match="--teacher"):
         DistillConfig().check()
+
+
+def test_rl_method_takes_no_teacher_signal(tmp_path, policies):
+    """`--method rl`: the reward is the only advantage. An untrained student is never right, so every
+    group-centred reward is 0 and SGD at lr 100 leaves it bitwise unchanged although its teacher differs
+    (on-policy distillation from that teacher moves it); no teacher tokens are spent."""
+    common = dict(student=str(policies[0]), teachers=[f"a={policies[1]}:arithmetic"], iterations=1)
+    common.update(optimizer="sgd", lr=100.0, **SMALL)
+    train_distill(DistillConfig(method="rl", out=str(tmp_path / "rl"), **common))
+    rows = _rows(tmp_path / "rl")
+    assert float(rows[1]["score_arithmetic"]) == 0.0 and float(rows[1]["grad_norm"]) == 0.0
+    assert rows[1]["teacher_tokens"] == "0" and int(rows[1]["student_tokens"]) > 0
+    assert rows[1]["rkl_a"] == "" and float(rows[1]["eval_rkl_a"]) > 0
+    start = load_file(str(policies[0] / POLICY_FILE))
+    assert all(torch.equal(start[k], v) for k, v in _weights(tmp_path / "rl").items())
+    train_distill(DistillConfig(method="on-policy", out=str(tmp_path / "on"), **common))
+    assert any(not torch.equal(start[k], v) for k, v in _weights(tmp_path / "on").items())

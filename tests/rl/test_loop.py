@@ -21,7 +21,7 @@ from k3.rl.plot import plot_rl
 from k3.rl.policy_io import load_policy
 from k3.rl.rollout import Trajectory, generate, loop_length
 from k3.rl.sft import SFTConfig, sft
-from k3.rl.trainer import TIMING, RLConfig, RLError, select_batch, train_rl
+from k3.rl.trainer import TIMING, RLConfig, RLError, learning_rate, select_batch, train_rl
 from k3.train.plot import plot_run
 from k3.train.state import list_checkpoints
 
@@ -73,6 +73,32 @@ def test_partial_rollouts_at_lr_zero_match_one_generation():
         assert b.versions == [j // 2 for j in range(len(b.tokens))]
 
 
+def test_sampled_partial_rollouts_at_lr_zero_match_one_generation():
+    """T = 1: position-keyed draws make a trajectory continued over segments of 2 tokens (prompt + tokens
+    so far re-prefilled each time) draw exactly the tokens of one uninterrupted sampled generation."""
+    model = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=1, quantized_experts=False)
+    prompts = [[40 + i, 41, 42 + 2 * i] for i in range(4)]
+
+    def fresh():
+        return [Trajectory(group=i, sample=s, prompt=p) for i, p in enumerate(prompts) for s in range(2)]
+
+    whole = fresh()
+    generate(
+        Engine(copy.deepcopy(model), max_batch=3), whole, seed=5, temperature=1.0, stop_id=769, max_tokens=9
+    )
+    parts, engine = fresh(), Engine(copy.deepcopy(model), max_batch=3)
+    for version in range(1, 20):
+        if all(t.finished for t in parts):
+            break
+        generate(engine, parts, seed=5, temperature=1.0, stop_id=769, max_tokens=9, budget=2)
+        engine.load_weights(model.state_dict(), version)
+    assert len({tuple(t.tokens) for t in whole}) == len(whole)  # sampled: the samples differ
+    for a, b in zip(whole, parts, strict=True):
+        assert a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+        assert b.segments > 1 or len(b.tokens) <= 2
+
+
 def test_loop_detection():
     assert loop_length([1, 2, 3, 3, 3, 3], repeats=4) == 4
     assert loop_length([5, 1, 2, 1, 2, 1, 2], repeats=3) == 6
@@ -98,6 +124,14 @@ def test_bad_options():
         RLConfig(samples=1).check()
     with pytest.raises(RLError, match="--minibatches"):
         RLConfig(prompts=3, minibatches=2).check()
+
+
+def test_warmup_learning_rate():
+    rc = RLConfig(lr=1e-3, warmup=4)
+    assert [learning_rate(rc, s) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert learning_rate(RLConfig(lr=1e-3, warmup=0), 0) == 1e-3
+    with pytest.raises(RLError, match="--warmup"):
+        RLConfig(warmup=-1).check()
 
 
 def _cli(run: Path, *extra: str) -> list[str]:

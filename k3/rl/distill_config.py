@@ -1,0 +1,73 @@
+"""`k3 distill`'s settings (DistillConfig), without torch: the command builds its options from these
+defaults (k3.rl.distill_commands), so each default lives here only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from k3.errors import K3Error
+
+METHODS = ("on-policy", "off-policy", "average", "rl")  # rl: the task reward the only advantage (a baseline)
+
+
+class DistillError(K3Error):
+    """A distillation setup that cannot run (teachers, tasks, vocabularies); the message names it."""
+
+
+@dataclass
+class DistillConfig:
+    student: str = "tiny"  # preset, published checkpoint or policy folder
+    teachers: list[str] = field(default_factory=list)  # NAME=CKPT[:task]
+    tasks: list[str] = field(default_factory=list)  # extra domains, for a teacher without a task
+    out: str = "runs/distill"
+    method: str = "on-policy"  # one of METHODS
+    iterations: int = 20
+    prompts: int = 8  # new prompts per domain per iteration
+    samples: int = 4  # K per prompt
+    lr: float = 1e-3
+    optimizer: str = "adamw"  # adamw | sgd
+    minibatches: int = 1
+    grad_clip: float = 1.0
+    temperature: float = 1.0
+    is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
+    is_high: float = 2.0
+    alpha_reward: float = 0.0
+    full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
+    eval_every: int = 5
+    held_out: int = 100
+    eval_samples: int = 16  # held-out prompts per domain sampled for eval_rkl_<teacher>
+    digits: int = 3  # arithmetic
+    seed: int = 0
+    max_batch: int = 64
+    checkpoint_every: int = 1
+    threads: int = 0
+    stop_after: int | None = None
+    progress: bool = True
+
+    def check(self) -> None:
+        def bad(option: str, problem: str) -> None:
+            raise DistillError(f"--{option.replace('_', '-')}: {problem}")
+
+        if not self.teachers:
+            bad("teacher", "give at least one NAME=CKPT[:task]")
+        for name in ("iterations", "prompts", "samples", "minibatches", "eval_every", "held_out"):
+            if getattr(self, name) < 1:
+                bad(name, f"must be at least 1, got {getattr(self, name)}")
+        if self.method not in METHODS:
+            bad("method", f"unknown method {self.method!r} (known: {', '.join(METHODS)})")
+        if self.optimizer not in ("adamw", "sgd"):
+            bad("optimizer", f"adamw or sgd, got {self.optimizer!r}")
+        if self.temperature <= 0:
+            bad("temperature", f"must be > 0, got {self.temperature}")
+        if not 0 <= self.is_low <= 1 <= self.is_high:
+            bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
+        if self.lr < 0:
+            bad("lr", f"must be >= 0, got {self.lr}")
+        if self.minibatches > self.prompts * self.samples:
+            bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
+        if self.alpha_reward and self.method != "on-policy":
+            bad("alpha_reward", "only with --method on-policy")
+        if self.method == "rl" and self.full_vocab:
+            bad("full_vocab", "not with --method rl (no teacher scores its samples)")
+        if self.method == "rl" and self.samples < 2:
+            bad("samples", "--method rl needs at least 2 (the advantage: reward minus its group's mean)")

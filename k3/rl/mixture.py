@@ -1,0 +1,40 @@
+"""A mixture of tasks: each problem drawn from one of its parts, uniformly; `make_task("sort+recall")`.
+
+A base model fine-tuned on a mixture (`k3 distill teachers --base-steps`) is what specialists and the
+distilled student start from. The mixture's held-out set is the union of its parts' held-out sets, so
+training on a mixture never sees a problem any part holds out. Grading compares the final answer (after the
+last `;` of an effort's scratchpad, k3.rl.effort) with the reference's, exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from k3.rl.effort import SEPARATOR
+from k3.rl.tasks import Problem, Task, TaskError
+
+
+@dataclass(eq=False)
+class Mixture(Task):
+    parts: tuple[Task, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2 or any(p.name == "code" for p in self.parts):
+            raise TaskError("a mixture takes two or more tasks, none of them code")
+        self.name = "+".join(p.name for p in self.parts)
+        self.max_tokens = max(p.max_tokens for p in self.parts)
+
+    def sample(self, rng: np.random.Generator) -> Problem:
+        return self.parts[int(rng.integers(len(self.parts)))].sample(rng)
+
+    def held_out(self, seed: int) -> tuple[Problem, ...]:
+        """Every part's held-out problems."""
+        return tuple(p for part in self.parts for p in part.held_out(seed))
+
+    def grade(self, problems: list[Problem], responses: list[str]) -> list[float]:
+        return [
+            float(r.rpartition(SEPARATOR)[2].strip() == p.answer.rpartition(SEPARATOR)[2])
+            for p, r in zip(problems, responses, strict=True)
+        ]

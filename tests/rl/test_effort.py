@@ -1,0 +1,110 @@
+"""Reasoning efforts and task mixtures: every scratchpad against a computation of its own (integer carries,
+Counter, dict), only the final answer graded, held-out sets shared with the plain task and never trained
+on; a mixture's parts, options and held-out union; the teacher spec and the RL baseline's advantage."""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from k3.rl.distill import DistillError, assign_domains, parse_teacher, reward_advantages
+from k3.rl.effort import is_task_name
+from k3.rl.tasks import Problem, TaskError, make_task
+
+
+def _carries_and_totals(a: int, b: int, digits: int) -> tuple[str, str]:
+    """Column i's carry out: whether the low i + 1 digits overflow; its total: digit sum + carry in."""
+    carries, totals = "", []
+    for i in range(digits):
+        m = 10 ** (i + 1)
+        carries += str(int(a % m + b % m >= m))
+        carry_in = int(a % (m // 10) + b % (m // 10) >= m // 10)
+        totals.append(f"{(a // (m // 10)) % 10 + (b // (m // 10)) % 10 + carry_in:02d}")
+    return carries, " ".join(totals)
+
+
+def test_arithmetic_scratchpads_and_final_answer_grading():
+    for effort in ("no", "short", "long"):
+        task = make_task(f"arithmetic@{effort}", digits=3, held_out_size=20)
+        plain = make_task("arithmetic", digits=3, held_out_size=20)
+        for p, q in zip(task.problems(0, 4, 30), plain.problems(0, 4, 30), strict=True):
+            a, b = (int(x) for x in q.prompt.rstrip("=").split("+"))
+            assert p.prompt == f"<{effort}>{q.prompt}"
+            short, long = _carries_and_totals(a, b, 3)
+            pad = {"no": "", "short": short + ";", "long": long + ";"}[effort]
+            assert p.answer == pad + str(a + b)[::-1]
+            assert len(p.answer) < task.max_tokens  # the budget holds the answer and its end id
+            wrong_pad = "9" * len(pad.rstrip(";")) + ";" if pad else ""
+            right, wrong = str(a + b)[::-1], str(a + b + 1)[::-1]
+            assert task.grade([p] * 3, [p.answer, wrong_pad + right, pad + wrong]) == [1.0, 1.0, 0.0]
+        assert [p.prompt for p in task.held_out(0)] == [f"<{effort}>{q.prompt}" for q in plain.held_out(0)]
+        held = {p.prompt for p in task.held_out(0)}
+        assert not held & {p.prompt for it in range(20) for p in task.problems(0, it, 10)}
+
+
+def test_sort_and_recall_scratchpads():
+    rng = np.random.default_rng(5)
+    for effort in ("short", "long"):
+        sort = make_task(f"sort@{effort}", length=6)
+        for p in sort.problems(1, 0, 20):
+            digits = p.prompt.removeprefix(f"<{effort}>sort:").removesuffix("=")
+            counts = Counter(digits)
+            pad = (
+                "".join(sorted(counts))
+                if effort == "short"
+                else "".join(str(counts[str(d)]) for d in range(10))
+            )
+            assert p.answer == f"{pad};{''.join(sorted(digits))}"
+        recall = make_task(f"recall@{effort}", pairs=4)
+        for p in recall.problems(1, 0, 20):
+            context, key = p.prompt.removeprefix(f"<{effort}>").rstrip("=").split("?")
+            value = dict(zip(context[::2], context[1::2], strict=True))[key]
+            pad = key + value if effort == "short" else ",".join(context[i : i + 2] for i in range(0, 8, 2))
+            assert p.answer == f"{pad};{value}"
+            assert recall.grade([p, p], [f"x;{value}", f"{pad};{(int(value) + 1) % 10}"]) == [1.0, 0.0]
+    with pytest.raises(TaskError, match="effort"):
+        make_task("sort@huge")
+    with pytest.raises(TaskError, match="no scratchpad"):
+        make_task("recall@long", copy=True)
+    assert make_task("sort@no").sample(rng).prompt.startswith("<no>sort:")
+
+
+def test_mixture_parts_options_and_held_out_union():
+    mix = make_task("arithmetic@long+sort+recall", digits=2, held_out_size=15)
+    parts = [make_task("arithmetic@long", digits=2, held_out_size=15), make_task("sort"), make_task("recall")]
+    assert mix.max_tokens == max(p.max_tokens for p in parts)
+    held = [p.prompt for p in mix.held_out(0)]
+    assert held == [p.prompt for part in parts for p in part.held_out(0)[:15]]
+    drawn = [p for it in range(30) for p in mix.problems(0, it, 20)]
+    assert not set(held) & {p.prompt for p in drawn}
+    kinds = Counter("arith" if p.prompt.startswith("<long>") else p.prompt[:5] == "sort:" for p in drawn)
+    assert min(kinds.values()) > 150  # 600 draws, each part about a third
+    arith = [p for p in drawn if p.prompt.startswith("<long>")]
+    assert all(len(p.prompt) == len("<long>12+34=") for p in arith)  # digits reached the arithmetic part
+    p = Problem("<long>12+34=", "06 04;64")
+    assert mix.grade([p, p, p], ["06 04;64", "64", "06 04;65"]) == [1.0, 1.0, 0.0]
+    with pytest.raises(TaskError, match="mixture"):
+        make_task("sort+code")
+
+
+def test_teacher_specs_at_an_effort():
+    assert is_task_name("arithmetic@long") and is_task_name("sort") and not is_task_name("sort@huge")
+    spec = parse_teacher("ar_long=runs/t/arithmetic@long/checkpoint:arithmetic@long")
+    assert (spec.source, spec.task) == ("runs/t/arithmetic@long/checkpoint", "arithmetic@long")
+    generalist = parse_teacher("gen=ckpt")
+    assert assign_domains([generalist], ["arithmetic@no", "arithmetic@long"]) == {
+        "arithmetic@long": "gen",
+        "arithmetic@no": "gen",
+    }
+    with pytest.raises(DistillError, match="unknown task"):
+        assign_domains([generalist], ["arithmetic@huge"])
+
+
+def test_reward_advantages_are_group_centred_rewards():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # two groups of three
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.float)
+    expected = [2 / 3, -1 / 3, -1 / 3, -2 / 3, 1 / 3, 1 / 3]
+    adv = reward_advantages(rewards, mask, 3)
+    for b, e in enumerate(expected):
+        assert torch.allclose(adv[b], e * mask[b])
