@@ -4,6 +4,11 @@ full K3 per batch from the measured rates and the published layout.
 
     python benchmarks/stream.py CKPT [--tokens 1,16,256] [--limit 2GB] [--out benchmarks/results/stream.json]
 
+Also measured in the same run: the multiply-add rates of the model's BF16 `Linear` and of one MXFP4
+expert matrix at the checkpoint's shapes, per batch size, and from them the compute a pass should take
+(`predicted_compute_seconds`) beside what it took (`summary.seconds_compute`); bytes read against the
+formula (dense bytes per pass + the experts touched x bytes per expert).
+
 Each run is a child process; with root and a memory controller it runs inside a memory cgroup of
 `--limit` (the kernel's peak usage is reported). Machine load (`uptime`) is printed beside the figures:
 on a shared machine they are noisy.
@@ -35,12 +40,12 @@ if cgroup:
     with open(os.path.join(cgroup, json.loads(files)["limit"]), "w") as f:
         f.write(limit)
 import torch
-from k3.stream.memory import return_freed_memory
 ids = torch.randint(1, 1000, (int(tokens),), generator=torch.Generator().manual_seed(0)).tolist()
 start = time.perf_counter()
-if mode == "stream":
-    return_freed_memory()
+if mode == "stream":  # as `k3 stream` runs: torch threads = CPUs - 1 (one is for the reading thread)
     from k3.stream.api import stream_logits
+    from k3.stream.commands import compute_threads
+    torch.set_num_threads(compute_threads())
     result = {"summary": stream_logits(ckpt, [ids]).summary}
 else:
     from k3.model import K3ForCausalLM
@@ -52,6 +57,13 @@ if cgroup:
     result["cgroup_peak"] = int(open(os.path.join(cgroup, json.loads(files)["peak"])).read())
 print(json.dumps(result))
 """
+
+
+def prompt_ids(tokens: int) -> list[int]:
+    """The prompt each child runs (the same draw as in CHILD)."""
+    import torch
+
+    return torch.randint(1, 1000, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
 def sequential_read(ckpt: Path) -> dict:
@@ -83,23 +95,102 @@ def child(mode: str, ckpt: Path, tokens: int, limit: int) -> dict:
             cgroup.remove()
 
 
-def extrapolate(stream_runs: dict[int, dict], slice_layers: int, published_dims: bool) -> dict:
+def compute_params(ckpt: Path) -> dict[str, int]:
+    """Weights a token multiplies by, from the plan: dense matrices of the layers (BF16/F32, 2-D), the
+    routed experts (MXFP4: 2 weights a byte of `weight_packed`) and lm_head (once per prompt)."""
+    from k3.checkpoint import open_checkpoint
+    from k3.stream.plan import StreamPlan
+
+    with open_checkpoint(ckpt) as c:
+        plan = StreamPlan(c)
+        dense = sum(
+            t.nbytes // (2 if t.dtype == "BF16" else 4)
+            for stage in (*plan.mixer, *plan.ffn)
+            for _, t in stage.tensors
+            if len(t.shape) == 2 and t.dtype in ("BF16", "F32")
+        )
+        expert = next(iter(plan.experts[-1].values()))
+        expert_params = sum(2 * t.nbytes for name, t in expert.tensors if name.endswith("weight_packed"))
+        head = next(t for name, t in plan.head.tensors if name == "lm_head.weight")
+        cfg = plan.config
+        return {
+            "dense": dense,
+            "expert": expert_params,
+            "pairs_per_token": cfg.num_experts_per_token * sum(1 for e in plan.experts if e),
+            "lm_head": head.shape[0] * head.shape[1],
+            "layer_bytes": plan.layer_bytes,
+            "embedding_row_bytes": plan.embed.nbytes // cfg.vocab_size,
+            "expert_bytes": expert.nbytes,
+        }
+
+
+def kernel_rates(tokens: list[int], hidden: int, latent: int, moe_hidden: int) -> dict:
+    """Multiply-adds per second of the model's own layers at the published shapes, per batch size: a BF16
+    `Linear` [4 x hidden, hidden] run in fp32 (as every dense matrix is), and one MXFP4 expert matrix
+    [moe_hidden, latent] (each token's expert rows)."""
+    import torch
+
+    from k3.model.norm import Linear
+    from k3.ops.mxfp4 import MXFP4Linear, quantize_mxfp4
+
+    torch.manual_seed(0)
+    dense = Linear(hidden, 4 * hidden).to(torch.bfloat16).requires_grad_(False)
+    expert = MXFP4Linear(latent, moe_hidden)
+    packed, scale = quantize_mxfp4(torch.randn(moe_hidden, latent) * 0.02)
+    expert.weight_packed.copy_(packed)
+    expert.weight_scale.copy_(scale)
+    out = {}
+    for n in tokens:
+        rates = {}
+        for name, layer, k in (("dense", dense, hidden), ("mxfp4", expert, latent)):
+            x = torch.randn(n, k)
+            with torch.no_grad():
+                layer(x)
+                start, reps = time.perf_counter(), 0
+                while reps < 2 or time.perf_counter() - start < 1.0:
+                    layer(x)
+                    reps += 1
+            seconds = (time.perf_counter() - start) / reps
+            params = layer.weight.numel() if name == "dense" else layer.in_features * layer.out_features
+            rates[name] = params * n / seconds  # multiply-adds per second
+        out[n] = rates
+    return out
+
+
+def predicted_compute(params: dict[str, int], rates: dict, tokens: int) -> float:
+    """Seconds of matrix work for one pass of `tokens` tokens (one prompt) at the measured rates."""
+    r = rates[tokens]
+    return (
+        params["dense"] * tokens / r["dense"]
+        + params["expert"] * params["pairs_per_token"] * tokens / r["mxfp4"]
+        + params["lm_head"] / rates[min(rates)]["dense"]
+    )
+
+
+def macs_per_pass(per_token: int, lm_head: int, tokens: int) -> int:
+    """Multiply-adds of one prompt of `tokens` tokens: every layer per token, lm_head for the last one."""
+    return per_token * tokens + lm_head
+
+
+def extrapolate(stream_runs: dict[int, dict], params: dict[str, int], published_dims: bool) -> dict:
     """Full K3 per batch: bytes from the published layout (uniform routing for the experts touched),
-    time = bytes / bandwidth and, separately, the compute measured per layer times 93: only when the
-    checkpoint has the published dimensions (`k3-slice`), else None."""
+    time = bytes / bandwidth; and compute = K3's multiply-adds at the seconds per multiply-add this run's
+    streamed pass achieved: only when the checkpoint has the published dimensions (`k3-slice`), else None."""
     k3 = census_of("k3").to_json()
     E, k, moe_layers = k3["experts_per_layer"], k3["experts_per_token"], k3["moe_layers"]
     expert_bytes = k3["disk_bytes_by_format"]["MXFP4"] / k3["routed_experts"]  # every routed expert is MXFP4
     dense = k3["disk_bytes"] - k3["routed_experts"] * expert_bytes
+    lm_head = params["lm_head"]  # the same vocabulary and hidden size
+    k3_per_token = k3["active_params"] - lm_head  # active parameters exclude the embedding lookup
+    slice_per_token = params["dense"] + params["expert"] * params["pairs_per_token"]
     out = {}
     for tokens, run in stream_runs.items():
         touched = E * (1 - (1 - k / E) ** tokens)
         total = dense + moe_layers * touched * expert_bytes
-        compute = (
-            run["summary"]["seconds_compute"] * k3["layers"] / slice_layers
-            if "summary" in run and published_dims
-            else None
-        )
+        compute = None
+        if "summary" in run and published_dims:
+            per_mac = run["summary"]["seconds_compute"] / macs_per_pass(slice_per_token, lm_head, tokens)
+            compute = per_mac * macs_per_pass(k3_per_token, lm_head, tokens)
         out[tokens] = {
             "bytes": total,
             "experts_per_layer": touched,
@@ -123,6 +214,12 @@ def main() -> None:
     cfg = K3Config.from_pretrained(args.ckpt)
     published_dims = cfg.hidden_size == K3Config.preset("k3").hidden_size
     report: dict = {"uptime": os.popen("uptime").read().strip(), "limit": limit, "ckpt": str(args.ckpt)}
+    params = compute_params(args.ckpt)
+    report["compute_params"] = params
+    report["kernel_rates"] = kernel_rates(
+        tokens, cfg.hidden_size, cfg.expert_input_size, cfg.moe_intermediate_size
+    )
+    print("multiply-adds per second", report["kernel_rates"], flush=True)
     report["sequential_read"] = sequential_read(args.ckpt)
     print("sequential read", report["sequential_read"], flush=True)
     report["stream"], report["ordinary"] = {}, {}
@@ -130,13 +227,25 @@ def main() -> None:
         run = child("stream", args.ckpt, n, limit)
         if "summary" in run:
             s = run["summary"]
+            touched = sum(len(ids) for ids in s["experts_touched_ids"][0].values())
+            rows = len(set(prompt_ids(n)))  # the embedding rows read
+            run["bytes_formula"] = (
+                params["layer_bytes"]
+                + rows * params["embedding_row_bytes"]
+                + touched * params["expert_bytes"]
+            )
             run["GBps"] = s["bytes_read"] / run["seconds"] / 1e9
             run["vs_sequential"] = run["GBps"] / report["sequential_read"]["GBps"]
+            run["compute_seconds_per_token"] = s["seconds_compute"] / n
+            run["predicted_compute_seconds"] = predicted_compute(params, report["kernel_rates"], n)
+            run["peak_rss_GB"] = s["peak_rss_bytes"] / 1e9
         report["stream"][n] = run
         print(f"stream {n} tokens", {k: v for k, v in run.items() if k != "summary"}, flush=True)
         report["ordinary"][n] = child("ordinary", args.ckpt, n, limit)
+        if "seconds" in report["ordinary"][n] and "seconds" in run:
+            report["ordinary"][n]["stream_speedup"] = report["ordinary"][n]["seconds"] / run["seconds"]
         print(f"ordinary {n} tokens", report["ordinary"][n], flush=True)
-    report["k3_extrapolated"] = extrapolate(report["stream"], cfg.num_hidden_layers, published_dims)
+    report["k3_extrapolated"] = extrapolate(report["stream"], params, published_dims)
     report["uptime_after"] = os.popen("uptime").read().strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str) + "\n")

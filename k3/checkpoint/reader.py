@@ -21,6 +21,7 @@ from urllib.parse import quote
 import torch
 
 from k3.checkpoint.header import TensorInfo, load_json_object, parse_header
+from k3.checkpoint.mirror import MirroredSource
 from k3.checkpoint.remote import FetchStats, HttpClient, HttpSource, RemoteNotFound, RemoteOptions
 from k3.checkpoint.source import ByteSource, CheckpointError, LocalSource
 from k3.config import ConfigError, K3Config
@@ -205,6 +206,23 @@ class Checkpoint:
         buf = self._source(t).read(t.start + start * row_bytes, (stop - start) * row_bytes)
         return tensor_from_bytes(buf, t.dtype, (stop - start, *t.shape[1:]))
 
+    def prefetch(self, names: list[str]) -> int:
+        """Fetch the bytes of these tensors into a mirrored checkpoint's local files at once (the missing
+        parts as maximal runs, in file order, a few requests in parallel): what `read` would fetch one
+        tensor at a time. Returns the bytes fetched; 0 for a checkpoint that is not mirrored."""
+        by_shard: dict[str, list[tuple[int, int]]] = {}
+        for name in names:
+            t = self.info(name)
+            by_shard.setdefault(t.shard, []).append((t.start, t.end))
+        if self._closed:
+            raise CheckpointError(f"{self.location}: checkpoint is closed (prefetching)")
+        fetched = 0
+        for shard, ranges in by_shard.items():
+            source = self._sources[shard]
+            if isinstance(source, MirroredSource):
+                fetched += source.fetch(ranges)
+        return fetched
+
     def read_span(self, shard: str, start: int, stop: int) -> bytearray:
         """Bytes [start, stop) of a shard file in a buffer of the caller's: one `preadv` locally (nothing
         stays mapped), one ranged request remotely. For readers that stream a checkpoint through memory."""
@@ -213,6 +231,21 @@ class Checkpoint:
         if self._closed:
             raise CheckpointError(f"{self.location}: checkpoint is closed (reading {shard})")
         return self._sources[shard].read_owned(start, stop - start)
+
+    def map_span(self, shard: str, start: int, stop: int) -> memoryview:
+        """Bytes [start, stop) of a local shard as a view of its memory map, read into the page cache and
+        mapped now (no copy); `unmap_span` gives the pages back. For readers that stream a local
+        checkpoint."""
+        return self._local(shard).populate(start, stop - start)
+
+    def unmap_span(self, shard: str, start: int, stop: int) -> None:
+        self._local(shard).unmap(start, stop - start)
+
+    def _local(self, shard: str) -> LocalSource:
+        source = self._sources.get(shard)
+        if self._closed or not isinstance(source, LocalSource):
+            raise CheckpointError(f"{self.location}: {shard!r} is not an open local shard")
+        return source
 
     # ---- lifetime -----------------------------------------------------------------------------------------
     def close(self) -> None:
@@ -242,14 +275,18 @@ def is_url(source: str | Path) -> bool:
     return isinstance(source, str) and source.startswith(("http://", "https://"))
 
 
-def open_checkpoint(source: str | Path, *, remote: RemoteOptions | None = None) -> Checkpoint:
+def open_checkpoint(
+    source: str | Path, *, remote: RemoteOptions | None = None, mirror: Path | None = None
+) -> Checkpoint:
     """Open a checkpoint directory, a single `.safetensors` file, or an http(s) URL of either.
 
     Raises CheckpointError when the checkpoint is missing, unsafe (pickle-only) or malformed.
-    `remote` tunes HTTP reading (block size, parallelism, retries, cache directory).
+    `remote` tunes HTTP reading (block size, parallelism, retries, cache directory). `mirror` (URLs only):
+    every shard is mirrored into a sparse file in that folder (`k3.checkpoint.mirror`), so `read` returns
+    tensors memory-mapped from local disk instead of fetched into anonymous memory.
     """
     if is_url(source):
-        return _open_remote(str(source), remote or RemoteOptions())
+        return _open_remote(str(source), remote or RemoteOptions(), mirror)
     return _open_local(Path(source))
 
 
@@ -355,7 +392,7 @@ def _open_local(path: Path) -> Checkpoint:
     )
 
 
-def _open_remote(url: str, options: RemoteOptions) -> Checkpoint:
+def _open_remote(url: str, options: RemoteOptions, mirror: Path | None) -> Checkpoint:
     http = HttpClient(options)
     try:
         if url.endswith(".safetensors"):
@@ -383,6 +420,11 @@ def _open_remote(url: str, options: RemoteOptions) -> Checkpoint:
             shard = urls[e.url]
             raise CheckpointError(f"{base + INDEX_NAME}: shard {shard} is missing (HTTP 404)") from None
         sources: dict[str, ByteSource] = dict(zip(shard_names, opened, strict=True))
+        if mirror is not None:  # the same sources, read through local sparse files
+            sources = {
+                shard: MirroredSource(s, mirror, parallel=options.parallel)
+                for shard, s in zip(shard_names, opened, strict=True)
+            }
     except BaseException:
         http.close()
         raise

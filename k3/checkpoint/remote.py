@@ -3,8 +3,9 @@
 `HttpSource` is the remote `ByteSource`. Opening one fetches the first `first_read` bytes (64 kB), which
 holds the 8-byte header length and, for all but huge shards, the whole header: so opening a remote
 checkpoint costs one request per shard, and a second only when a header is longer. Larger reads are split
-on a grid of `block_size` blocks fetched by a small thread pool; with `cache_dir` the blocks are kept on
-disk, content-addressed by URL, file size and block number, and written atomically.
+on a grid of `block_size` blocks fetched by a small thread pool; with `cache_dir` the blocks (and the
+ranges `read_owned` fetches whole, e.g. the stages of `k3 stream`) are kept on disk, content-addressed by
+URL, file size, offset and length, written atomically, at most `cache_max_bytes` of them.
 
 Every response is checked against the request: status 206, a `Content-Range` for exactly the bytes asked
 (clamped at the end of the file, as RFC 9110 allows) and a body of that length. 5xx, 429, dropped
@@ -20,6 +21,7 @@ import re
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -50,6 +52,7 @@ class RemoteOptions:
     timeout: float = 30.0  # seconds per network operation (connect, read)
     first_read: int = 65536  # bytes fetched when a shard is opened: the header length and, usually, header
     cache_dir: Path | None = None  # keep fetched blocks here (shared between runs)
+    cache_max_bytes: int | None = None  # at most this much in cache_dir (least recently used deleted first)
     max_json_bytes: int = 100_000_000  # largest config.json / index accepted
 
 
@@ -85,6 +88,7 @@ class HttpClient:
     def __init__(self, options: RemoteOptions):
         self.options = options
         self.stats = FetchStats()
+        self.cache = BlockCache(options.cache_dir, options.cache_max_bytes) if options.cache_dir else None
         limits = httpx.Limits(max_connections=max(options.parallel, 1) + 2)
         self._client = httpx.Client(timeout=options.timeout, follow_redirects=True, limits=limits)
 
@@ -184,34 +188,59 @@ class HttpClient:
 
 
 class BlockCache:
-    """Blocks on disk, named by a hash of (URL, file size, block size, block number)."""
+    """Byte ranges of remote files on disk, each in a file named by a hash of (URL, file size, offset,
+    length). Written atomically (a temporary file renamed into place); with `max_bytes`, the least recently
+    used are deleted once the cache holds more (use refreshes a file's mtime, so the order outlives the
+    process). A range larger than the cap is not kept."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, max_bytes: int | None = None):
         self.directory = Path(directory)
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        found = [(p.stat().st_mtime, p) for p in self.directory.glob("*/*") if not p.name.startswith(".")]
+        self._sizes: OrderedDict[Path, int] = OrderedDict((p, p.stat().st_size) for _, p in sorted(found))
+        self.total = sum(self._sizes.values())
 
-    def _path(self, url: str, size: int, block_size: int, index: int) -> Path:
-        key = hashlib.sha256(f"{url}\n{size}\n{block_size}\n{index}".encode()).hexdigest()
+    def _path(self, url: str, size: int, offset: int, length: int) -> Path:
+        key = hashlib.sha256(f"{url}\n{size}\n{offset}\n{length}".encode()).hexdigest()
         return self.directory / key[:2] / key
 
-    def get(self, url: str, size: int, block_size: int, index: int, length: int) -> bytes | None:
-        path = self._path(url, size, block_size, index)
+    def get(self, url: str, size: int, offset: int, length: int) -> bytearray | None:
+        path = self._path(url, size, offset, length)
+        data = bytearray(length)
         try:
-            data = path.read_bytes()
+            with open(path, "rb", buffering=0) as f:
+                n = f.readinto(data)
+                if n != length or f.read(1):
+                    return None  # a damaged entry is fetched again
+            os.utime(path)
         except FileNotFoundError:
             return None
-        return data if len(data) == length else None  # a damaged block is fetched again
+        with self._lock:
+            if path in self._sizes:
+                self._sizes.move_to_end(path)
+        return data
 
-    def put(self, url: str, size: int, block_size: int, index: int, data: bytes) -> None:
-        path = self._path(url, size, block_size, index)
+    def put(self, url: str, size: int, offset: int, data: bytes | bytearray) -> None:
+        if self.max_bytes is not None and len(data) > self.max_bytes:
+            return
+        path = self._path(url, size, offset, len(data))
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
-            os.replace(tmp, path)  # atomic: readers see the old state or the whole block
+            os.replace(tmp, path)  # atomic: readers see the old state or the whole range
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        with self._lock:
+            self.total += len(data) - self._sizes.pop(path, 0)
+            self._sizes[path] = len(data)
+            while self.max_bytes is not None and self.total > self.max_bytes:
+                old, n = self._sizes.popitem(last=False)
+                old.unlink(missing_ok=True)
+                self.total -= n
 
 
 class HttpSource:
@@ -222,8 +251,13 @@ class HttpSource:
         self.url = url
         self._http = http
         self._options = http.options
-        self._cache = BlockCache(self._options.cache_dir) if self._options.cache_dir is not None else None
+        self._cache = http.cache
         self._prefix, self.size = http.get_range(url, 0, self._options.first_read)
+
+    @property
+    def prefix(self) -> bytes | bytearray:
+        """The first bytes of the file, fetched when it was opened."""
+        return self._prefix
 
     def read(self, offset: int, length: int) -> bytearray:
         check_range(self, offset, length)
@@ -251,10 +285,21 @@ class HttpSource:
         return out
 
     def read_owned(self, offset: int, length: int) -> bytearray:
-        """The bytes in one ranged request (retried as usual), whatever their length; no block cache."""
+        """The bytes in one ranged request (retried as usual), whatever their length; with `cache_dir`,
+        from the cache when this very range was fetched before (and kept there after a fetch)."""
         check_range(self, offset, length)
-        body = self._fetch(offset, length) if length else bytearray()
-        return body if isinstance(body, bytearray) else bytearray(body)
+        if not length:
+            return bytearray()
+        if self._cache is not None:
+            cached = self._cache.get(self.url, self.size, offset, length)
+            if cached is not None:
+                self._http.stats.count(cache_hits=1)
+                return cached
+        body = self._fetch(offset, length)
+        body = body if isinstance(body, bytearray) else bytearray(body)
+        if self._cache is not None:
+            self._cache.put(self.url, self.size, offset, body)
+        return body
 
     def _fetch(self, offset: int, length: int) -> bytes | bytearray:
         body, size = self._http.get_range(self.url, offset, length)
@@ -262,16 +307,16 @@ class HttpSource:
             raise CheckpointError(f"{self.url}: file size changed from {self.size} to {size} while reading")
         return body
 
-    def _cached_block(self, index: int) -> bytes:
+    def _cached_block(self, index: int) -> bytes | bytearray:
         assert self._cache is not None
         B = self._options.block_size
         length = min(B, self.size - index * B)
-        block = self._cache.get(self.url, self.size, B, index, length)
+        block = self._cache.get(self.url, self.size, index * B, length)
         if block is not None:
             self._http.stats.count(cache_hits=1)
             return block
         block = self._fetch(index * B, length)
-        self._cache.put(self.url, self.size, B, index, block)
+        self._cache.put(self.url, self.size, index * B, block)
         return block
 
     def close(self) -> None:

@@ -43,6 +43,15 @@ def check_range(source: ByteSource, offset: int, length: int) -> None:
         )
 
 
+PAGE = mmap.PAGESIZE
+_MADV_POPULATE_READ = 22  # Linux 5.14+ (not in Python 3.11's mmap module)
+
+
+def _pages(offset: int, length: int, size: int) -> tuple[int, int]:
+    """[offset, offset + length) rounded out to whole pages, within the file."""
+    return offset // PAGE * PAGE, min(-(-(offset + length) // PAGE) * PAGE, size)
+
+
 class LocalSource:
     """A local file, memory-mapped copy-on-write.
 
@@ -83,6 +92,26 @@ class LocalSource:
         finally:
             os.close(fd)
         return out
+
+    def populate(self, offset: int, length: int) -> memoryview:
+        """The bytes as a view of the mapping, read from disk into the page cache and mapped first
+        (`MADV_POPULATE_READ`: no copy; where the kernel lacks it, one byte a page is touched)."""
+        check_range(self, offset, length)
+        if self._map is not None and length:
+            start, stop = _pages(offset, length, self.size)
+            try:
+                self._map.madvise(_MADV_POPULATE_READ, start, stop - start)
+            except OSError:
+                self._view[start:stop:PAGE].tobytes()  # a read fault on every page
+        return self._view[offset : offset + length]
+
+    def unmap(self, offset: int, length: int) -> None:
+        """Drop this process's pages of the range (`MADV_DONTNEED`): resident memory falls, the page cache
+        keeps the bytes for the kernel to reclaim, and a later read of a view faults them back in."""
+        check_range(self, offset, length)
+        if self._map is not None and length:
+            start, stop = _pages(offset, length, self.size)
+            self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
         """Drop the mapping. Tensors already read keep their pages alive: the mapping is then released

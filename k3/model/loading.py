@@ -2,7 +2,9 @@
 
 The model is built on the meta device (no memory), each tensor is read from the memory-mapped shards
 (`k3.checkpoint`, zero-copy locally) and becomes the parameter itself: resident memory is the checkpoint's
-pages that the model uses, plus conversions when a `dtype` is asked for.
+pages that the model uses, plus conversions when a `dtype` is asked for. From a URL the shards are mirrored
+into sparse local files that the tensors are mapped from (`k3.checkpoint.mirror`): the dense weights are
+fetched at load, each routed expert when a router first chooses it (`k3.model.on_demand`).
 
 Accepted layouts: K3 (`language_model.` prefix), Kimi Linear (no prefix), and what
 `transformers.KimiLinearForCausalLM.save_pretrained` writes (5.23.0: the published names, except that it
@@ -13,6 +15,7 @@ F32 everywhere: floating dtypes may differ from the published ones, packed MXFP4
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,9 +23,11 @@ import torch
 from torch import nn
 
 from k3.checkpoint import open_checkpoint
+from k3.checkpoint.reader import is_url
 from k3.config import FFN, K3Config
 from k3.errors import K3Error
 from k3.layout import TensorSpec, prefixes, published_tensors
+from k3.model.on_demand import ExpertsOnDemand, expert_of
 
 if TYPE_CHECKING:
     from k3.model.model import K3ForCausalLM
@@ -135,8 +140,12 @@ def load_model(
     layers: int | None,
     compute_dtype: torch.dtype | None,
     requires_grad: bool = False,
+    mirror_dir: Path | None = None,
 ) -> K3ForCausalLM:
-    with open_checkpoint(source) as ckpt:
+    remote = is_url(source)
+    mirror = Path(mirror_dir or tempfile.gettempdir()) if remote else None
+    ckpt = open_checkpoint(source, mirror=mirror)
+    try:
         cfg = ckpt.config
         if cfg is None:
             raise ModelLoadError(f"{source}: no usable config.json ({ckpt.config_error})")
@@ -148,14 +157,37 @@ def load_model(
         specs = {s.name: s for s in published_tensors(cfg, layers=n)}
         with torch.device("meta"):
             model = cls(cfg, num_layers=n, compute_dtype=compute_dtype or dtype or torch.float32)
-        for published, name in names.items():
-            tensor = ckpt.read(name)
+
+        def convert(published: str, tensor: torch.Tensor) -> torch.Tensor:
             if dtype is not None and tensor.is_floating_point() and specs[published].dtype != "F32":
-                tensor = tensor.to(dtype)
-            assign_tensor(model, model_name(cfg, published), tensor, requires_grad=requires_grad)
+                return tensor.to(dtype)
+            return tensor
+
+        def assign(path: str, tensor: torch.Tensor) -> None:
+            assign_tensor(model, path, tensor, requires_grad=requires_grad)
+
+        later: dict[tuple[int, int], list[tuple[str, str, str]]] = {}  # routed experts, read on first use
+        now: list[tuple[str, str, str]] = []
+        for published, name in names.items():
+            path = model_name(cfg, published)
+            expert = expert_of(path) if remote else None
+            (later.setdefault(expert, []) if expert is not None else now).append((path, published, name))
+        ckpt.prefetch([name for _, _, name in now])  # a mirrored checkpoint: the dense bytes in one pass
+        for path, published, name in now:
+            assign(path, convert(published, ckpt.read(name)))
+        if later:
+            ExpertsOnDemand(model, ckpt, later, convert, assign)
+    except BaseException:
+        ckpt.close()
+        raise
+    if not later:
+        ckpt.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    left = [k for k, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta]
+    waiting = {path for tensors in later.values() for path, _, _ in tensors}
+    left = [
+        k for k, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta and k not in waiting
+    ]
     if left:
         raise ModelLoadError(
             f"{source}: the model has tensors the layout does not cover: {left[:_LIST_AT_MOST]}"

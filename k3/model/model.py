@@ -214,6 +214,7 @@ class K3ForCausalLM(nn.Module):
         layers: int | None = None,
         compute_dtype: torch.dtype | None = None,
         requires_grad: bool = False,
+        mirror_dir: Path | None = None,
     ) -> K3ForCausalLM:
         """Load a checkpoint directory or URL (K3 or Kimi Linear layout, or transformers' save_pretrained).
 
@@ -223,11 +224,20 @@ class K3ForCausalLM(nn.Module):
         (`k3.model.loading.ModelLoadError` lists what is missing, unexpected or mis-shaped). Weights are
         read in place from the memory-mapped shards: nothing is copied unless converted. Weights need no
         gradient (`model(ids)` keeps no copies of them for autograd) unless `requires_grad=True` (training).
+        From a URL, the weights are mapped from sparse files in `mirror_dir` (default: the temp folder; a
+        local disk, not tmpfs): dense weights fetched at load, routed experts on first use
+        (k3.model.on_demand).
         """
         from k3.model.loading import load_model
 
         return load_model(
-            cls, source, dtype=dtype, layers=layers, compute_dtype=compute_dtype, requires_grad=requires_grad
+            cls,
+            source,
+            dtype=dtype,
+            layers=layers,
+            compute_dtype=compute_dtype,
+            requires_grad=requires_grad,
+            mirror_dir=mirror_dir,
         )
 
     @classmethod

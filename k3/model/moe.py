@@ -12,6 +12,7 @@ Dispatch groups the (token, expert) pairs by expert: one matmul per active exper
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -126,6 +127,7 @@ class MoE(nn.Module):
             (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else None
         )
         self.fast_decode = True  # one token: its k experts directly (dispatch_one); False: the general path
+        self.load_experts: Callable[[torch.Tensor], None] | None = None  # experts read on first use (URLs)
 
     def dispatch(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_e p_e e(z) for every token: z [N, L], weights/indices [N, k] -> [N, L].
@@ -164,6 +166,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])  # [N, hidden]
         weights, indices, _ = self.gate(flat)
+        if self.load_experts is not None:  # k3.model.on_demand: read the chosen experts not read yet
+            self.load_experts(indices)
         z = self.routed_expert_down_proj(flat) if self.latent else flat  # [N, L]
         return self.finish(flat, self.dispatch(z, weights, indices)).view(shape)
 

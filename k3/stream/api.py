@@ -17,7 +17,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from k3.checkpoint import RemoteOptions, open_checkpoint
-from k3.stream.fetch import CheckpointWeights, ResidentWeights
+from k3.stream.fetch import CheckpointWeights, MappedWeights, ResidentWeights
 from k3.stream.plan import StreamPlan
 from k3.stream.runner import StreamOptions, StreamResult, StreamRun, StreamStatus, fingerprint
 from k3.stream.scratch import Scratch
@@ -41,7 +41,10 @@ def stream_logits(
     options = options or StreamOptions()
     with open_checkpoint(source, remote=remote) as ckpt:
         plan = StreamPlan(ckpt)
-        weights = ResidentWeights(ckpt) if resident else CheckpointWeights(ckpt)
+        if resident:
+            weights: ResidentWeights | CheckpointWeights | MappedWeights = ResidentWeights(ckpt)
+        else:  # a local checkpoint is used in place from its memory map; a URL's stages are fetched
+            weights = CheckpointWeights(ckpt) if ckpt.fetch_stats is not None else MappedWeights(ckpt)
         scratch = None
         if scratch_dir is not None:
             scratch = Scratch(scratch_dir, fingerprint(ckpt.location, ckpt.total_bytes, prompts, options))
@@ -53,6 +56,7 @@ def stream_logits(
                 "requests": stats.requests,
                 "bytes": stats.bytes_fetched,
                 "retries": stats.retries,
+                "cache_hits": stats.cache_hits,
             }
     return result
 

@@ -4,21 +4,23 @@
 + expert ring                    `prefetch_bytes` of experts read ahead (at least one) + the one in use
 + state                          residual streams: 4 bytes x tokens x hidden x (AttnRes blocks + 1),
                                  capped by the memory budget (beyond it the scratch files hold it)
-+ activations                    4 bytes x tokens x (16 hidden + (k + 2) latent), + 8 bytes x V per
-                                 logits row kept
++ activations                    4 bytes x tokens x (16 hidden + 3 latent) + 20 bytes x tokens x k (the
+                                 routing and its pairs), + 8 bytes x V per logits row kept, + one expert's
+                                 hidden activations: 4 bytes x min(tokens, EXPERT_ROWS) x 2 m
 """
 
 from __future__ import annotations
 
 import math
 
+from k3.stream.layer import EXPERT_ROWS
 from k3.stream.plan import StreamPlan
 from k3.stream.runner import StreamOptions
 
 
 def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[int]]) -> dict[str, int]:
     cfg = plan.config
-    stages = [plan.embed, plan.head, *plan.mixer, *plan.ffn]
+    stages = [plan.embed_rows(sorted({t for p in prompts for t in p})), plan.head, *plan.mixer, *plan.ffn]
     largest = max(s.nbytes for s in stages)
     expert = max((s.nbytes for layer in plan.experts for s in layer.values()), default=0)
     ring = (max(options.prefetch_bytes // max(expert, 1), 1) + 1) * expert
@@ -27,6 +29,8 @@ def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[in
     state = min(4 * tokens * cfg.hidden_size * (blocks + 1), options.memory_budget)
     rows = tokens if options.all_positions else len(prompts)
     L, k = cfg.expert_input_size, cfg.num_experts_per_token
-    activations = 4 * tokens * (16 * cfg.hidden_size + (k + 2) * L) + 8 * rows * cfg.vocab_size
+    expert_rows = min(tokens, EXPERT_ROWS) * 2 * cfg.moe_intermediate_size
+    activations = 4 * tokens * (16 * cfg.hidden_size + 3 * L) + 20 * tokens * k + 8 * rows * cfg.vocab_size
+    activations += 4 * expert_rows
     parts = {"stages": 2 * largest, "expert_ring": ring, "state": state, "activations": activations}
     return {**parts, "total": sum(parts.values())}

@@ -8,6 +8,10 @@ Per prompt: max and mean |dlogit|, KL(k3 || other) (mean and max over positions)
 (fraction of positions), top-5 agreement (mean overlap of the two top-5 sets / 5), the first position where
 |dlogit| exceeds the tolerance and the first where the top-1 ids differ. When one file has every position
 and the other only the last, the last positions are compared.
+
+llama.cpp's `--kl-divergence-base` files (k3.stream.llama_logits) hold 16-bit log-probabilities of the
+second half of each chunk: those positions are compared, as log-probabilities (k3's log-softmax), and a
+value llama.cpp clamped (at the max - 16 floor) counts as a difference only where k3's is above the floor.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from k3.checkpoint import open_checkpoint
 from k3.errors import K3Error
+from k3.stream.llama_logits import is_kld, read_kld
 
 
 class CompareError(K3Error):
@@ -42,72 +47,138 @@ class PromptComparison:
         return asdict(self)
 
 
-def read_logits(path: Path) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(logits [P, V] or [P, T, V], lengths [P] or None) of a logits file, or of OUT/logits.safetensors."""
+@dataclass
+class Logits:
+    """One file's logits, or log-probabilities, and which positions it has."""
+
+    values: torch.Tensor  # [P, V] (the last position of each prompt) or [P, T, V]
+    lengths: torch.Tensor | None = None  # [P] real positions of each prompt ([P, T, V] only)
+    start: int = 0  # positions before it are absent (llama.cpp stores only the second half of each chunk)
+    stop: int | None = None  # positions from it on are absent (llama.cpp: the last one of each chunk)
+    floor: torch.Tensor | None = None  # [P, T]: values at or below it say only "at most this"
+    logprobs: bool = False  # values are log-probabilities: compared with the other file's log-softmax
+    input_ids: torch.Tensor | None = None  # [P, T], to check that both files saw the same prompts
+
+
+def read_logits(path: Path) -> Logits:
+    """A logits file: k3's format (or OUT/logits.safetensors of a folder), or llama.cpp's
+    --kl-divergence-base file (k3.stream.llama_logits)."""
     path = Path(path)
     if path.is_dir():
         path = path / "logits.safetensors"
     if not path.is_file():
         raise CompareError(f"{path}: no such logits file")
+    if is_kld(path):
+        kld = read_kld(path)
+        P = kld["input_ids"].shape[0]
+        return Logits(
+            kld["logprobs"],
+            torch.full((P,), kld["input_ids"].shape[1]),
+            kld["start"],
+            kld["stop"],
+            kld["floor"],
+            logprobs=True,
+            input_ids=kld["input_ids"],
+        )
     with open_checkpoint(path) as f:
         if "logits" not in f:
             raise CompareError(f"{path}: no tensor 'logits' (tensors: {', '.join(f.names[:8])})")
         logits = f.read("logits").clone()
         lengths = f.read("lengths").clone().long() if "lengths" in f else None
+        input_ids = f.read("input_ids").clone().long() if "input_ids" in f else None
     if logits.dim() not in (2, 3) or not logits.is_floating_point():
         raise CompareError(
             f"{path}: 'logits' must be float [P, V] or [P, T, V], got {logits.dtype} {list(logits.shape)}"
         )
     if lengths is not None and lengths.shape != (logits.shape[0],):
         raise CompareError(f"{path}: 'lengths' must be [P] = [{logits.shape[0]}], got {list(lengths.shape)}")
-    return logits, lengths
+    return Logits(logits, lengths, input_ids=input_ids)
 
 
-def _rows(logits: torch.Tensor, lengths: torch.Tensor | None, p: int, last_only: bool) -> torch.Tensor:
-    """Prompt p's positions [T_p, V] (its last position only when `last_only`)."""
-    if logits.dim() == 2:
-        return logits[p : p + 1]
-    n = int(lengths[p]) if lengths is not None else logits.shape[1]
-    return logits[p, n - 1 : n] if last_only else logits[p, :n]
+def _length(f: Logits, p: int) -> int:
+    """Prompt p's tokens in a 3-D file."""
+    return int(f.lengths[p]) if f.lengths is not None else f.values.shape[1]
 
 
-def compare_logits(
-    ours: tuple[torch.Tensor, torch.Tensor | None],
-    other: tuple[torch.Tensor, torch.Tensor | None],
-    tolerance: float = 1e-3,
-) -> list[PromptComparison]:
-    (a, a_len), (b, b_len) = ours, other
+def _last(f: Logits, p: int) -> torch.Tensor:
+    """Prompt p's last position [1, V]."""
+    return f.values[p, _length(f, p) - 1][None] if f.values.dim() == 3 else f.values[p][None]
+
+
+def _check_prompts(a: Logits, b: Logits, p: int, stop: int) -> None:
+    """The token ids both files name must agree (position 0 aside: llama.cpp puts BOS there)."""
+    if a.input_ids is None or b.input_ids is None or a.values.dim() != 3 or b.values.dim() != 3:
+        return
+    x, y = a.input_ids[p, 1:stop], b.input_ids[p, 1:stop]
+    n = min(len(x), len(y))
+    differ = (x[:n] != y[:n]).nonzero()
+    if len(differ):
+        j = int(differ[0, 0]) + 1
+        raise CompareError(f"prompt {p}: the files' token ids differ at position {j}: not the same prompts")
+
+
+def compare_logits(ours: Logits, other: Logits, tolerance: float = 1e-3) -> list[PromptComparison]:
+    a, b = ours.values, other.values
     if a.shape[0] != b.shape[0]:
         raise CompareError(f"the files hold {a.shape[0]} and {b.shape[0]} prompts")
     if a.shape[-1] != b.shape[-1]:
         raise CompareError(f"the vocabularies differ: {a.shape[-1]} and {b.shape[-1]} logits per position")
-    last_only = a.dim() != b.dim()
+    as_logprobs = ours.logprobs or other.logprobs
+    if as_logprobs and (a.dim() != 3 or b.dim() != 3):
+        raise CompareError(
+            "llama.cpp's file holds the positions n_ctx/2 .. n_ctx-2 of each chunk, not the last one: "
+            "run `k3 stream` with --all-positions"
+        )
     out = []
     for p in range(a.shape[0]):
-        x, y = _rows(a, a_len, p, last_only).double(), _rows(b, b_len, p, last_only).double()
-        if x.shape != y.shape:
-            raise CompareError(f"prompt {p}: {x.shape[0]} positions in one file, {y.shape[0]} in the other")
-        d = (x - y).abs()  # [T, V]
-        lx, ly = x.log_softmax(-1), y.log_softmax(-1)
-        kl = (lx.exp() * (lx - ly)).sum(-1)  # [T]
-        top1 = x.argmax(-1) == y.argmax(-1)  # [T]
-        k = min(5, x.shape[-1])
-        tx, ty = x.topk(k, -1).indices, y.topk(k, -1).indices
-        overlap = (tx[:, :, None] == ty[:, None, :]).any(-1).sum(-1).double() / k  # [T]
-        over = (d.amax(-1) > tolerance).nonzero()
-        parted = (~top1).nonzero()
-        out.append(
-            PromptComparison(
-                prompt=p,
-                positions=x.shape[0],
-                max_abs=float(d.max()),
-                mean_abs=float(d.mean()),
-                kl_mean=float(kl.mean()),
-                kl_max=float(kl.max()),
-                top1=float(top1.double().mean()),
-                top5=float(overlap.mean()),
-                first_over_tolerance=int(over[0, 0]) if len(over) else None,
-                first_top1_mismatch=int(parted[0, 0]) if len(parted) else None,
-            )
-        )
+        if a.dim() == 3 and b.dim() == 3:
+            n = _length(ours, p)
+            if _length(other, p) != n:
+                raise CompareError(f"prompt {p}: {n} positions in one file, {_length(other, p)} in the other")
+            start = max(ours.start, other.start)
+            stop = min([n, *(f.stop for f in (ours, other) if f.stop is not None)])
+            _check_prompts(ours, other, p, stop)
+            x, y = a[p, start:stop].double(), b[p, start:stop].double()
+            floor = other.floor[p, start:stop, None].double() if other.floor is not None else None
+        else:  # one file has the last positions only: compare those
+            start, floor = 0, None
+            x, y = _last(ours, p).double(), _last(other, p).double()
+        out.append(_compare(p, start, x, y, floor, as_logprobs, tolerance))
     return out
+
+
+def _compare(
+    p: int,
+    start: int,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    floor: torch.Tensor | None,
+    as_logprobs: bool,
+    tolerance: float,
+) -> PromptComparison:
+    """Prompt p's positions x, y [T, V] from `start` (float64)."""
+    lx, ly = x.log_softmax(-1), y.log_softmax(-1)
+    if as_logprobs:
+        x, y = lx, y  # the other file holds log-probabilities already (llama.cpp's, quantized)
+    d = (x - y).abs()  # [T, V]
+    if floor is not None:  # where the other says only "at most the floor", ours must not exceed it
+        d = torch.where(y <= floor, (x - floor).clamp(min=0), d)
+    kl = (lx.exp() * (lx - ly)).sum(-1)  # [T]
+    top1 = x.argmax(-1) == y.argmax(-1)  # [T]
+    k = min(5, x.shape[-1])
+    tx, ty = x.topk(k, -1).indices, y.topk(k, -1).indices
+    overlap = (tx[:, :, None] == ty[:, None, :]).any(-1).sum(-1).double() / k  # [T]
+    over = (d.amax(-1) > tolerance).nonzero()
+    parted = (~top1).nonzero()
+    return PromptComparison(
+        prompt=p,
+        positions=x.shape[0],
+        max_abs=float(d.max()),
+        mean_abs=float(d.mean()),
+        kl_mean=float(kl.mean()),
+        kl_max=float(kl.max()),
+        top1=float(top1.double().mean()),
+        top5=float(overlap.mean()),
+        first_over_tolerance=start + int(over[0, 0]) if len(over) else None,
+        first_top1_mismatch=start + int(parted[0, 0]) if len(parted) else None,
+    )

@@ -4,8 +4,8 @@ tensors, run, empty again.
 The arithmetic is `K3DecoderLayer.forward` and `MoE.forward` split where the schedule needs a break: the
 mixer runs prompt by prompt (chunk by chunk through the layer's cache state), the FFN once over the tokens
 of every prompt, and the routed experts one at a time as their weights arrive. `expert_dispatch` is
-`MoE.dispatch` with the experts streamed in: the same sort by expert, the same per-expert matmuls on the
-same rows, the same einsum back.
+`MoE.dispatch` with the experts streamed in: the same sort by expert and per-expert matmuls on the same
+rows, summed expert by expert into one [N, L] result (no [N * k, L] pair buffers: bounded by tokens x L).
 """
 
 from __future__ import annotations
@@ -100,13 +100,20 @@ def route(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
 
 
 Experts = Callable[[list[int]], Iterable[tuple[int, Tensors]]]
+EXPERT_ROWS = 4096  # tokens an expert runs on at once: bounds its hidden activations [rows, 2 x m]
 
 
 def expert_dispatch(
     moe: MoE, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, experts: Experts
 ) -> torch.Tensor:
-    """`MoE.dispatch(z, weights, indices)` [N, L], with `experts(chosen)` yielding (expert, its tensors) for
-    every chosen expert (in any order: the reader's file order); each is filled, run and released."""
+    """sum_e p_e e(z) [N, L], as `MoE.dispatch(z, weights, indices)`, with `experts(chosen)` yielding
+    (expert, its tensors) for every chosen expert (in any order: the reader's file order); each is filled,
+    run on its tokens EXPERT_ROWS at a time, added into the result with its weights, and released.
+
+    Unlike `MoE.dispatch` (which keeps every (token, expert) pair's output, [N * k, L] twice, and sums
+    them per token in the order of the choices), the sum is accumulated expert by expert: memory per token
+    is one [L] row, not 2k; the sums differ from the model's by rounding only (the order of the k terms).
+    """
     N, k = indices.shape
     flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
     order = flat.argsort(stable=True)  # pairs grouped by expert
@@ -114,14 +121,16 @@ def expert_dispatch(
     starts = [0]
     for count in counts:
         starts.append(starts[-1] + count)
-    sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
+    tokens = order // k  # [N * k] the token of each pair, in expert order
+    mix = weights.reshape(-1)[order].to(z.dtype)  # [N * k] its weight
+    r = z.new_zeros(N, z.shape[-1])  # [N, L]
     chosen = [e for e, count in enumerate(counts) if count]
     for e, tensors in experts(chosen):
         expert = moe.experts[e]
         fill(expert, tensors)
-        rows = order[starts[e] : starts[e + 1]]
-        sorted_out[starts[e] : starts[e + 1]] = expert(z[rows // k])
+        for a in range(starts[e], starts[e + 1], EXPERT_ROWS):
+            b = min(a + EXPERT_ROWS, starts[e + 1])
+            rows = tokens[a:b]  # distinct: a token chooses an expert once
+            r.index_add_(0, rows, expert(z[rows]) * mix[a:b, None])
         release(expert, tensors)
-    pair_out = torch.empty_like(sorted_out)
-    pair_out[order] = sorted_out  # back to pair order [N*k, L]
-    return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
+    return r

@@ -6,15 +6,16 @@ Per layer i there are three kinds of stage, read in this order:
 * `ffn`: the dense MLP, or the router, latent projections, latent norm and shared experts of an MoE layer;
 * `expert`: one routed expert (its w1, w3, w2, packed and scales): read only when some token chose it.
 
-Before the layers comes `embed` (the embedding table), after them `head` (the output AttnRes read, the final
-norm, lm_head). A stage's tensors are grouped into spans of contiguous bytes of one shard: a reader fetches
-each span with one read (one HTTP request). Names are module paths relative to what the stage builds
-(`self_attn.q_proj.weight` for a layer, `w1.weight_packed` for an expert, `model.norm.weight` for the head).
+Before the layers comes `embed` (the rows of the embedding table that the pass's tokens use, `embed_rows`),
+after them `head` (the output AttnRes read, the final norm, lm_head). A stage's tensors are grouped into
+spans of contiguous bytes of one shard: a reader fetches each span with one read (one HTTP request). Names
+are module paths relative to what the stage builds (`self_attn.q_proj.weight` for a layer,
+`w1.weight_packed` for an expert, `model.norm.weight` for the head).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from k3.checkpoint import Checkpoint, TensorInfo
 from k3.config import K3Config
@@ -119,15 +120,37 @@ class StreamPlan:
             for i, layer in enumerate(experts)
         ]
 
+    def embed_rows(self, ids: list[int]) -> Stage:
+        """The rows of the embedding that these token ids (ascending, distinct) look up: one tensor a run
+        of consecutive ids, named `rows.{first id}`, [run length, hidden]."""
+        ((_, table),) = self.embed.tensors
+        row = table.nbytes // table.shape[0]
+        runs: list[list[int]] = []
+        for t in ids:
+            if runs and runs[-1][1] == t:
+                runs[-1][1] = t + 1
+            else:
+                runs.append([t, t + 1])
+        return Stage(
+            "embed",
+            None,
+            None,
+            tuple(
+                (f"rows.{a}", replace(table, shape=(b - a, *table.shape[1:]), start=table.start + a * row,
+                                      end=table.start + b * row))
+                for a, b in runs
+            ),
+        )  # fmt: skip
+
     def expert_stages(self, layer: int, chosen: list[int]) -> list[Stage]:
         """The stages of the experts `chosen` in layer `layer`, in file-offset order."""
         return sorted((self.experts[layer][e] for e in chosen), key=lambda s: s.offset)
 
     @property
-    def dense_bytes(self) -> int:
-        """Bytes of every stage but the routed experts: what one pass reads whatever the routing."""
-        stages = [self.embed, *self.mixer, *self.ffn, self.head]
-        return sum(s.nbytes for s in stages)
+    def layer_bytes(self) -> int:
+        """Bytes of the mixer, FFN and head stages: what every pass reads besides the embedding rows of its
+        tokens and the routed experts its tokens choose."""
+        return sum(s.nbytes for s in [*self.mixer, *self.ffn, self.head])
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return self.experts[layer][expert].nbytes

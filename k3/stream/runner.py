@@ -2,7 +2,7 @@
 
 Per pass (the prompts, then one pass per generated token):
 
-    embed                      read the embedding, look up every prompt's tokens, drop it
+    embed                      read the embedding rows of the pass's tokens, look them up, drop them
     for each layer i:
         mixer i                read norms + AttnRes + attention weights; every prompt through the mixer
         ffn i                  read the dense MLP, or router + latent projections + shared experts;
@@ -28,10 +28,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from k3.errors import K3Error
 from k3.model.attn_res import ResidualStream
-from k3.stream.fetch import CheckpointWeights, Reads, ReadStats, ResidentWeights, Tensors
+from k3.stream.fetch import CheckpointWeights, MappedWeights, Reads, ReadStats, ResidentWeights, Tensors
 from k3.stream.layer import (
     LayerState,
     empty_ends,
@@ -117,7 +118,7 @@ class StreamRun:
     def __init__(
         self,
         plan: StreamPlan,
-        weights: CheckpointWeights | ResidentWeights,
+        weights: CheckpointWeights | MappedWeights | ResidentWeights,
         prompts: list[list[int]],
         options: StreamOptions,
         scratch: Scratch | None = None,
@@ -142,6 +143,7 @@ class StreamRun:
         self.outputs: dict[str, torch.Tensor] = {}
         self.experts_touched: list[dict[int, list[int]]] = []  # per pass: layer -> experts read
         self.generated: list[list[int]] = [[] for _ in prompts]  # greedy tokens so far, per prompt
+        self.dense_bytes_per_pass: list[int] = []  # planned: layers + head + the embedding rows of its tokens
         self.spills = 0  # times state left RAM for its scratch file (a layer's caches, or the streams)
 
     # ---- the schedule -------------------------------------------------------------------------------
@@ -202,18 +204,22 @@ class StreamRun:
         return self.reads.take(stage)
 
     def _embed(self, tokens: list[list[int]]) -> list[ResidualStream]:
-        ends = empty_ends(self.cfg)
-        tensors = self._take(self.plan.embed)
+        """Every prompt's embeddings, from the rows of the table its tokens use (the only ones read)."""
+        ids = sorted({t for p in tokens for t in p})
+        stage = self.plan.embed_rows(ids)
+        self.dense_bytes_per_pass.append(self.plan.layer_bytes + stage.nbytes)
+        tensors = self._take(stage)
         self.reads.ahead(self.plan.mixer[0])
-        fill(ends, tensors)
-        streams = [
+        table = torch.cat([tensors[name] for name, _ in stage.tensors])  # [len(ids), H], rows of `ids`
+        self.reads.done(stage)
+        row = {t: i for i, t in enumerate(ids)}
+        return [
             ResidualStream(
-                ends.model.embed_tokens(torch.tensor([t])).to(torch.float32), self.cfg.attn_res_block_size
-            )  # [1, T, H]
-            for t in tokens
+                F.embedding(torch.tensor([[row[t] for t in p]]), table).to(torch.float32),
+                self.cfg.attn_res_block_size,
+            )  # [1, T, H]: nn.Embedding's lookup, on the rows read
+            for p in tokens
         ]
-        release(ends, tensors)
-        return streams
 
     def _layer_states(self, i: int) -> list[LayerState] | list[None]:
         if self.options.passes == 1:
@@ -239,6 +245,7 @@ class StreamRun:
             for s, st in zip(streams, states, strict=True)  # [1, T_p, H] each
         ]
         release(layer, mixer)
+        self.reads.done(plan.mixer[i])
         del mixer
         sizes = [f.shape[1] for f in ffn_inputs]
         x = torch.cat([f.reshape(-1, H) for f in ffn_inputs])  # [N, H], all prompts' tokens
@@ -255,6 +262,7 @@ class StreamRun:
             r = expert_dispatch(moe, z, weights, indices, lambda chosen: self._experts(i, chosen, following))
             out = moe.finish(x, r)
         release(layer, ffn)
+        self.reads.done(plan.ffn[i])
         for s, part in zip(streams, out.split(sizes), strict=True):
             s.add(part.view(1, -1, H))
         if self.pass_index == 0 and i in self.options.dump_hidden:
@@ -283,12 +291,11 @@ class StreamRun:
             tensors = self._take(stage)
             ask_until(j + 1 + ring)
             yield stage.expert, tensors  # type: ignore[misc]
+            self.reads.done(stage)
 
     def _head(self, streams: list[ResidualStream]) -> torch.Tensor:
         ends = empty_ends(self.cfg)
         tensors = self._take(self.plan.head)
-        if self.pass_index + 1 < self.options.passes:
-            self.reads.ahead(self.plan.embed)
         fill(ends, tensors)
         keep_all = self.pass_index == 0 and self.options.all_positions
         logits = []
@@ -296,6 +303,7 @@ class StreamRun:
             h = ends.model.output(s)  # [1, T, H]
             logits.append(ends.lm_head(h[0] if keep_all else h[0, -1:]).float())  # [T or 1, V]
         release(ends, tensors)
+        self.reads.done(self.plan.head)
         if self.pass_index == 0:
             self._first_outputs(logits)
         return torch.stack([row[-1] for row in logits])  # [P, V]
@@ -360,7 +368,7 @@ class StreamRun:
             "bytes_read": s.bytes_read,
             "bytes_dense": s.bytes_dense,
             "bytes_experts": s.bytes_experts,
-            "dense_bytes_per_pass": self.plan.dense_bytes,
+            "dense_bytes_per_pass": self.dense_bytes_per_pass,
             "reads": s.reads,
             "experts_touched": [{str(k): len(v) for k, v in p.items()} for p in self.experts_touched],
             "experts_touched_ids": [{str(k): v for k, v in p.items()} for p in self.experts_touched],

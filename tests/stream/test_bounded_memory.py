@@ -1,7 +1,8 @@
 """Bounded memory, measured by the kernel: a checkpoint several times larger than a memory cgroup's limit,
-streamed inside it (swap off, the checkpoint's page cache dropped first), from disk and over HTTP; the same
-prompts through the ordinary path (`from_pretrained(url)`, which reads every tensor into memory) under the
-same limit are OOM-killed. The limit is the child's own usage after warm-up plus ALLOWANCE."""
+streamed inside it (swap off, the checkpoint's page cache dropped first), from disk and over HTTP; and
+loaded with `from_pretrained(url)` (dense weights at load, experts on first use, mapped from a local mirror
+file) and run. Reading every tensor into anonymous memory, as `from_pretrained(url)` used to, is OOM-killed
+under the same limit. The limit is the child's own usage after warm-up plus ALLOWANCE."""
 
 from __future__ import annotations
 
@@ -56,9 +57,14 @@ except OSError:
     pass
 if mode == "stream":
     logits = stream_logits(source, prompts, options).outputs["logits"]
+elif mode == "eager":  # what from_pretrained(url) did before: every tensor fetched into anonymous memory
+    from k3.checkpoint import open_checkpoint
+    with open_checkpoint(source) as ckpt:
+        tensors = {t.name: ckpt.read(t.name) for t in ckpt.tensors()}
+    logits = torch.zeros(len(prompts), 1)
 else:
     with torch.no_grad():
-        model = K3ForCausalLM.from_pretrained(source)
+        model = K3ForCausalLM.from_pretrained(source, mirror_dir=os.environ["K3_TEST_MIRROR"])
         logits = torch.stack([model(torch.tensor([p]))[0, -1] for p in prompts])
 print(json.dumps({"baseline": baseline, "peak": int(open(path("peak")).read()), "logits": logits.tolist()}))
 """
@@ -117,13 +123,13 @@ def big(tmp_path_factory) -> Path:
 
 
 def run_in_cgroup(
-    mode: str, source: str, warm: Path, prompts: list[list[int]]
+    mode: str, source: str, warm: Path, prompts: list[list[int]], mirror: Path | None = None
 ) -> tuple[int, dict | None, int]:
     cgroup = MemoryCgroup.create()
     if cgroup is None:
         pytest.skip("no memory cgroup can be created here (needs root and the memory controller)")
     try:
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "K3_TEST_MIRROR": str(mirror)}
         args = [
             sys.executable,
             "-c",
@@ -142,7 +148,7 @@ def run_in_cgroup(
         cgroup.remove()
 
 
-def test_streaming_fits_a_limit_the_ordinary_path_does_not(big, checkpoints):
+def test_streaming_and_url_loading_fit_a_limit_eager_reading_does_not(big, checkpoints, tmp_path):
     assert swap_is_off(), "swap would let the ordinary path page out instead of failing"
     total = sum(f.stat().st_size for f in big.iterdir())
     assert total > 2.5 * ALLOWANCE
@@ -161,6 +167,12 @@ def test_streaming_fits_a_limit_the_ordinary_path_does_not(big, checkpoints):
         print(f"checkpoint {total / 2**20:.0f} MiB, limit +{ALLOWANCE / 2**20:.0f} MiB: streamed over HTTP,")
         print(f"peak +{peak / 2**20:.1f} MiB over the warmed-up process; bound (MiB) {mib}")
         assert peak <= bound["total"] + 16 * 2**20  # + allocator slack
-        rc, ordinary, kills = run_in_cgroup("ordinary", server.url, warm, prompts)
-    assert rc != 0 and ordinary is None and kills >= 1  # OOM-killed
+        rc, eager, kills = run_in_cgroup("eager", server.url, warm, prompts)
+        assert rc != 0 and eager is None and kills >= 1  # OOM-killed: the limit binds
+        rc, ordinary, kills = run_in_cgroup("ordinary", server.url, warm, prompts, tmp_path)
+        assert rc == 0 and kills == 0  # experts on demand, mapped from a local mirror: no OOM
+        grown = (ordinary["peak"] - ordinary["baseline"]) / 2**20
+        print(f"from_pretrained(url) + forwards: peak +{grown:.1f} MiB")
     assert local["logits"] == remote["logits"]
+    streamed, loaded = torch.tensor(remote["logits"]), torch.tensor(ordinary["logits"])
+    assert (streamed - loaded).abs().max() <= 2e-5 * streamed.abs().max()

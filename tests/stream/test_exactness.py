@@ -115,10 +115,32 @@ def test_over_http_each_byte_is_read_once(checkpoints, name):
     used = {layer: sorted(set(trace.indices(layer).view(-1).tolist())) for layer in trace.layers}
     assert remote.summary["experts_touched_ids"][0] == {str(k): v for k, v in used.items()}
     expert_bytes = sum(plan.expert_bytes(layer, e) for layer, es in used.items() for e in es)
-    assert sum(b - a for _, a, b in data) == plan.dense_bytes + expert_bytes
+    table, distinct = plan.embed.tensors[0][1], len({t for p in prompts for t in p})
+    embed_rows = table.nbytes // table.shape[0] * distinct  # only the rows the prompts use
+    assert sum(b - a for _, a, b in data) == plan.layer_bytes + embed_rows + expert_bytes
     assert (
         remote.summary["bytes_experts"]
         == expert_bytes
         < sum(plan.expert_bytes(layer, e) for layer in used for e in plan.experts[layer])
         or name == "tiny"
     )  # tiny's 8 experts are all chosen by 51 tokens
+
+
+def test_expert_by_expert_sum_equals_the_model_dispatch(checkpoints, monkeypatch):
+    """The streamed dispatch accumulates expert by expert, EXPERT_ROWS tokens at a time (3 here, so every
+    expert runs in pieces): equal to `MoE.dispatch` (pair buffers, sum in choice order) to rounding."""
+    import k3.stream.layer as layer_module
+
+    monkeypatch.setattr(layer_module, "EXPERT_ROWS", 3)
+    model = K3ForCausalLM.from_pretrained(checkpoints("k3ish"))
+    moe = model.model.layers[1].block_sparse_moe
+    x = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        weights, indices, z = layer_module.route(moe, x)
+        want = moe.dispatch(z, weights, indices)
+        tensors = {e: dict(moe.experts[e].state_dict()) for e in range(len(moe.experts))}
+        empty = layer_module.empty_layer(model.config, 1).block_sparse_moe
+        got = layer_module.expert_dispatch(
+            empty, z, weights, indices, lambda chosen: ((e, tensors[e]) for e in reversed(chosen))
+        )
+    assert (got - want).abs().max() <= 1e-6 * want.abs().max()

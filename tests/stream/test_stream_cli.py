@@ -16,8 +16,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from k3.checkpoint import open_checkpoint
 from k3.cli import app
 from k3.stream.commands import parse_size
+from k3.stream.plan import StreamPlan
 from k3.tokenizer.kimi import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +56,11 @@ def test_stream_writes_logits_and_summary(ckpt, tmp_path):
     assert out["generated"].shape == (2, 2) and out["hidden.3"].shape == (2, len(ids), 64)
     assert torch.equal(out["topk_ids"][:, 0], out["logits"].argmax(-1))
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["bytes_dense"] == 2 * summary["dense_bytes_per_pass"]  # one pass per new token
+    assert summary["bytes_dense"] == sum(summary["dense_bytes_per_pass"])  # one pass per new token
+    with open_checkpoint(ckpt) as c:
+        plan = StreamPlan(c)
+    table, distinct = plan.embed.tensors[0][1], len(set(ids) | {5, 6, 7})
+    assert summary["dense_bytes_per_pass"][0] == plan.layer_bytes + table.nbytes // table.shape[0] * distinct
     for key in ("bytes_experts", "experts_touched", "seconds_reading", "seconds_compute", "peak_rss_bytes"):
         assert key in summary
     assert not (tmp_path / "out" / "scratch").exists()
