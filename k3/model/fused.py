@@ -5,10 +5,11 @@ returns the layer's update (the same value as the general path, to rounding: tes
 or None, and then the general path runs. They apply when no gradient is recorded (the kernels of
 k3.ops.decode have no backward), the kernels are built, and every tensor they read is fp32 on the CPU
 (routed experts fp32 or MXFP4). Modules' forwards are not called, so their hooks do not run, except that
-the MoE takes the general path while its router has hooks (`record_routing`, `route_with`).
+the MoE takes the general path while its router has hooks (`record_routing`, `route_with`) or its
+`dispatch` is replaced on the instance (k3.dist's expert parallelism).
 
-A decode step of `mini` runs 29 native calls this way, where the general path dispatches ~3,000 aten ops
-and the per-module fast paths ~1,100 (benchmarks/decode.py --step-profile).
+A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
+reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor |
     """ffn(norm(y)) for y [B, 1, hidden]; None: take the general path."""
     if isinstance(ffn, MLP):
         return mlp_update(norm, ffn, y)
-    return moe_update(norm, ffn, y)
+    return moe_update(norm, ffn, y) if isinstance(ffn, MoE) else None
 
 
 def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
@@ -191,6 +192,8 @@ def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
 def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     router = moe.gate
     if router._forward_hooks or router._forward_pre_hooks:  # recorded or replayed routing: its own forward
+        return None
+    if "dispatch" in moe.__dict__:  # a dispatch of its own (k3.dist's expert parallelism): the general path
         return None
     down = _weight(moe, "routed_expert_down_proj") if moe.latent else None
     up = _weight(moe, "routed_expert_up_proj") if moe.latent else None

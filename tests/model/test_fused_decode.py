@@ -91,9 +91,10 @@ def fused_vs_general(model: K3ForCausalLM, lengths: list[int], steps: int = 4) -
     return rel(fast, general), general.abs().max().item()
 
 
-@pytest.mark.parametrize("preset", ["tiny", "mini"])
-@pytest.mark.parametrize("quantized", [None, False])
-@pytest.mark.parametrize("lengths", [[9], [5, 12, 3]])
+@pytest.mark.parametrize(
+    "preset,quantized,lengths",
+    [("tiny", None, [9]), ("tiny", False, [5, 12, 3]), ("mini", None, [5, 12, 3])],  # None: MXFP4 experts
+)
 def test_fused_step_equals_general_path(counting, preset, quantized, lengths):
     cfg = K3Config.preset(preset)
     layers = None if preset == "tiny" else 5  # mini: KDA, MLA at 3, a dense and MoE FFNs, an AttnRes block
@@ -175,3 +176,18 @@ def test_general_path_with_gradients_or_recorded_routing(counting):
         model(token, cache)
     assert counting.calls["moe_route"] == 0 and counting.calls["kda_mixer"] > 0  # routers' hooks: general MoE
     assert all(trace.calls(layer) == 1 for layer in trace.layers)
+
+
+def test_a_dispatch_replaced_on_the_instance_is_used(counting):
+    """k3.dist's expert parallelism replaces `MoE.dispatch` on the instance: the fused MoE must use it."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0)
+    cache, token = prefilled(model, [5], seed=3)
+    seen = []
+    for layer in model.model.layers:
+        if layer.is_moe:
+            moe = layer.block_sparse_moe
+            object.__setattr__(moe, "dispatch", lambda *a, _d=moe.dispatch: seen.append(1) or _d(*a))
+    with torch.no_grad():
+        model(token, cache)
+    assert len(seen) == sum(layer.is_moe for layer in model.model.layers)
+    assert counting.calls["moe_route"] == 0 and counting.calls["kda_mixer"] > 0
