@@ -2,7 +2,8 @@
 
     python benchmarks/expert_parallel.py plan       # planned figures: trained mini loads + a skewed router
     python benchmarks/expert_parallel.py project    # K3 scale (896 experts, 16 active): R = 8, 16, 64
-    python benchmarks/expert_parallel.py step       # measured step time, 1 and 2 processes (torchrun)
+    python benchmarks/expert_parallel.py step       # a training step on 1, 2, 4 processes (torchrun): time
+                                                    # (compute, collectives), parameter/optimizer/RSS MB
 
 `plan` replays the per-step, per-layer expert loads a trained mini run wrote (benchmarks/results/
 train_balance_accum32_runs/{none,qb}/loads.csv: 65k tokens per step) and a synthetic Zipf-skewed router
@@ -173,23 +174,37 @@ def write_csv(path: Path, rows: list[dict]) -> None:
 
 
 # ---- measured step time ----------------------------------------------------------------------------------
+def _rss_mb() -> float:
+    """This process's resident set now (MB)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def step_worker(preset: str, batch: int, seq: int, steps: int, policy: str, out: str) -> None:
-    """One rank (or the one process): forward + backward of `preset` on the global batch, timed."""
+    """One rank (or the one process): a training step of `preset` on the global batch (forward, backward,
+    gradient reduction and norm, AdamW), timed; the routed experts sharded over the ranks."""
     import torch
     import torch.nn.functional as F
 
     from k3.config import K3Config
     from k3.dist.data_parallel import DataParallel
     from k3.dist.group import torchrun_env
+    from k3.dist.shard import sharded_model
     from k3.model import K3ForCausalLM
+    from k3.train.optim import build_optimizer
 
     torch.set_num_threads(1)
     cfg = K3Config.preset(preset)
-    model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=False)
     par = DataParallel.start(policy, 1, 120.0) if torchrun_env() else None
-    if par is not None:
+    if par is None:
+        model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=False)
+    else:
+        model = sharded_model(cfg, seed=0, rank=par.rank, world=par.world, quantized_experts=False)
         par.install(model)
         par.ep.keep_stats = True
+    optimizer = build_optimizer(model, "adamw", 1e-4, 0.1, (0.9, 0.95))
     gen = torch.Generator().manual_seed(0)
     times, collectives = [], []
     for step in range(steps + 1):  # the first step warms up
@@ -203,25 +218,34 @@ def step_worker(preset: str, batch: int, seq: int, steps: int, policy: str, out:
         loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / (batch * seq)
         loss.backward()
         comm_s = 0.0
-        if par is not None:
+        if par is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
             t = time.perf_counter()
             par.reduce_gradients(model)
+            par.clip_gradients(model, 1.0)
             comm_s += time.perf_counter() - t
             comm_s += sum(s.collective_s for layer in par.ep.stats.values() for s in layer)
-        model.zero_grad(set_to_none=True)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         if step:
             times.append(time.perf_counter() - began)
             collectives.append(comm_s)
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # peak, this rank
-    row = {"step_s": float(np.median(times)), "collective_s": float(np.median(collectives)), "rss_mb": rss_mb}
-    if par is not None:  # every rank's figures: the slowest step, the largest RSS
-        every = par.comm.all_gather(
-            torch.tensor([row["step_s"], row["collective_s"], rss_mb], dtype=torch.float64)
-        )
-        row = {"step_s": float(every[:, 0].max()), "collective_s": float(every[:, 1].max())}
-        row["rss_mb"] = float(every[:, 2].max())
-    rank = 0 if par is None else par.rank
-    if rank == 0:
+    state = optimizer.state_dict()["state"].values()
+    figures = [
+        float(np.median(times)),
+        float(np.median(collectives)),
+        sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+        sum(t.numel() * t.element_size() for entry in state for t in entry.values()) / 2**20,
+        _rss_mb(),
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # peak, this rank
+    ]
+    names = ["step_s", "collective_s", "param_mb", "optimizer_mb", "rss_mb", "peak_rss_mb"]
+    every = torch.tensor([figures], dtype=torch.float64)
+    if par is not None:  # every rank's figures: the slowest step, the largest memory
+        every = par.comm.all_gather(every[0])
+    row = {name: float(every[:, i].max()) for i, name in enumerate(names)}
+    if par is None or par.rank == 0:
         Path(out).write_text(json.dumps(row))
     if par is not None:
         par.close()
@@ -229,7 +253,7 @@ def step_worker(preset: str, batch: int, seq: int, steps: int, policy: str, out:
 
 def cmd_step(args) -> None:
     rows = []
-    for R in (1, 2):
+    for R in args.ranks:
         out = RESULTS / f".ep_step_R{R}.json"
         worker = [
             str(Path(__file__)),
@@ -251,7 +275,7 @@ def cmd_step(args) -> None:
                     "-m",
                     "torch.distributed.run",
                     "--standalone",
-                    "--nproc-per-node=2",
+                    f"--nproc-per-node={R}",
                     *worker,
                 ],
                 check=True,
@@ -270,7 +294,7 @@ def cmd_step(args) -> None:
                 "load_avg": load,
             }
         )
-    print_table(rows, "measured forward + backward per step (median), 1 thread per process")
+    print_table(rows, "measured training step (median), 1 thread per process; memory: the largest rank")
     write_csv(RESULTS / "expert_parallel_step.csv", rows)
 
 
@@ -291,6 +315,7 @@ def main() -> None:
     step.add_argument("--seq", type=int, default=64)
     step.add_argument("--steps", type=int, default=3)
     step.add_argument("--policy", default="moonep")
+    step.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     args = parser.parse_args()
     {"plan": cmd_plan, "project": cmd_project, "step": cmd_step}[args.command](args)
 

@@ -114,7 +114,8 @@ def _register_rooms() -> None:
     """Each room's commands, imported light (their heavy imports happen when a command runs)."""
     from k3.atlas.commands import atlas_app
     from k3.checkpoint.commands import inspect_command
-    from k3.engine.commands import chat, generate, serve, tokenize
+    from k3.dist.commands import generate  # the engine's `k3 generate`, plus --nproc N (expert parallel)
+    from k3.engine.commands import chat, serve, tokenize
     from k3.export.commands import export_app
     from k3.model.commands import init as write_random_weights
     from k3.ops.commands import doctor

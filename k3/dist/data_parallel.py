@@ -3,16 +3,18 @@ gradients are summed over ranks, and what balance needs is gathered, so every ra
 as one process would on the whole batch.
 
     par = DataParallel.start(policy="moonep", slots_per_rank=1, timeout=60)   # under torchrun
+    model = sharded_model(cfg, seed=0, rank=par.rank, world=par.world)       # k3.dist.shard
     par.install(model)                           # expert-parallel dispatch in every MoE layer
     x = par.shard(inputs)                        # [B / R, T]: rank r's rows r B/R .. (r+1) B/R - 1
     loss = ce_sum(model(x), par.shard(labels)) / counted_in_the_global_batch
     loss.backward(); par.reduce_gradients(model)
+    norm = par.clip_gradients(model, max_norm)   # the norm of the whole model's gradient
     scores = par.gather(trace.scores(layer))     # [B T, E] in global row order, for the routing balance
 
-Dense weights are replicated and their gradients all-reduced (one flat buffer per dtype); expert
-gradients are summed the same way, which gives every rank the home's gradient (only homes hold one).
-A parameter no rank produced a gradient for keeps `grad = None`, as in one process (so AdamW leaves it
-alone).
+The routed experts are sharded (each rank holds its own, k3.dist.shard) and their gradients are complete
+at home (replica gradients come home through the exchange's backward): they are not reduced. Everything
+else is replicated and its gradients all-reduced (one flat buffer per dtype). A parameter no rank
+produced a gradient for keeps `grad = None`, as in one process (so AdamW leaves it alone).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from k3.dist.group import Comm, DistError
 from k3.dist.moe import ExpertParallel
+from k3.dist.shard import is_expert_name
 
 
 @dataclass
@@ -68,11 +71,18 @@ class DataParallel:
         """Every rank's `rows` [n, ...] (the same n everywhere) concatenated in rank order: [R n, ...]."""
         return self.comm.all_gather(rows.to(self.comm.device)).flatten(0, 1).to(rows.device)
 
+    def gather_micro(self, rows: torch.Tensor, micro: int) -> torch.Tensor:
+        """`gather` of rows that hold `micro` micro-batches' shares one after the other ([micro, n, ...]
+        flattened): every rank's, in the order of the one-process batch (micro-batch, then rank)."""
+        every = self.gather(rows).unflatten(0, (self.world, micro, -1))  # [R, micro, n, ...]
+        return every.transpose(0, 1).flatten(0, 2)
+
     def sum(self, value: float) -> float:
         return float(self.comm.all_reduce_(torch.tensor([value], dtype=torch.float64)).item())
 
     def reduce_gradients(self, model: nn.Module) -> None:
-        params = [p for p in model.parameters() if p.requires_grad]
+        """Sum the replicated parameters' gradients over the ranks (the experts' are complete at home)."""
+        params = [p for name, p in model.named_parameters() if p.requires_grad and not is_expert_name(name)]
         has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
         self.comm.all_reduce_(has)
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
@@ -86,6 +96,21 @@ class DataParallel:
             self.comm.all_reduce_(flat)
             for p, g in zip(group, flat.split([p.numel() for p in group]), strict=True):
                 p.grad.copy_(g.view_as(p.grad))
+
+    def clip_gradients(self, model: nn.Module, max_norm: float) -> float:
+        """`torch.nn.utils.clip_grad_norm_` over the whole (sharded) model: the 2-norm of every gradient
+        (replicated ones counted once, by rank 0; experts by their home), every gradient scaled by
+        min(1, max_norm / (norm + 1e-6)) as torch does. Returns the norm."""
+        mine = [
+            p.grad
+            for name, p in model.named_parameters()
+            if p.grad is not None and (is_expert_name(name) or self.rank == 0)
+        ]
+        zero = torch.zeros((), dtype=torch.float64)
+        squares = torch.nn.utils.get_total_norm(mine).double() ** 2 if mine else zero
+        total = self.comm.all_reduce_(squares.reshape(1).to(self.comm.device)).sqrt().float().cpu()[0]
+        torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, total)
+        return float(total)
 
     def barrier(self) -> None:
         self.comm.barrier()

@@ -17,9 +17,9 @@ One layer, one forward (see k3.dist.planner for the plan, k3.dist.transport for 
 
 The experts are the model's own modules; a rank only ever reads the weights of the experts it is home to
 (replicas use the shipped copies), and the gradients of replica weights flow back to the home through the
-exchange's backward, where they accumulate with the home's own. Parameters stay replicated in memory
-(the trainer all-reduces all gradients, so every rank steps the same weights): the sharding is of the
-computation and its traffic, not yet of the memory.
+exchange's backward, where they accumulate with the home's own: a home's expert gradients are complete
+without any reduction. The model may hold every expert or only this rank's (k3.dist.shard: training
+shards them, so a rank holds E / R experts' weights, gradients and optimizer state).
 """
 
 from __future__ import annotations
@@ -136,20 +136,21 @@ def _shipped(expert: RoutedExpert) -> list[torch.Tensor]:
     return tensors
 
 
-def _run_replica(expert: RoutedExpert, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """`w2(act(w1 z, w3 z))` with the weights unpacked from `flat` (shipped from the expert's home)."""
-    shapes = [t.shape for t in _shipped(expert)]
+def _run_replica(template: RoutedExpert, flat: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """`w2(act(w1 z, w3 z))` with the weights unpacked from `flat` (shipped from the expert's home);
+    `template` is an expert of the same layer (shapes, format, activation)."""
+    shapes = [t.shape for t in _shipped(template)]
     parts = iter(t.view(s) for t, s in zip(flat.split([s.numel() for s in shapes]), shapes, strict=True))
     linears = []
     for name in _WEIGHTS:
-        if isinstance(getattr(expert, name), MXFP4Linear):
+        if isinstance(getattr(template, name), MXFP4Linear):
             packed, scale = next(parts), next(parts)
             linears.append(lambda x, packed=packed, scale=scale: mxfp4_matmul(x, packed, scale, None))
         else:
             weight = next(parts)
             linears.append(lambda x, weight=weight: F.linear(x, weight.to(x.dtype)))
     w1, w3, w2 = linears
-    return w2(expert.act(w1(z), w3(z)))
+    return w2(template.act(w1(z), w3(z)))
 
 
 class _LayerDispatch:
@@ -159,11 +160,13 @@ class _LayerDispatch:
         self.ep, self.moe, self.layer = ep, moe, layer
         E, R = len(moe.experts), ep.comm.world
         self.homes = home_of(E, R)
-        shipped = _shipped(moe.experts[0])  # every expert of a layer has the same shapes and format
+        # every expert of a layer has the same shapes and format: a home one stands for them all
+        self.template = moe.experts[int(np.flatnonzero(self.homes == ep.comm.rank)[0])]
+        shipped = _shipped(self.template)
         self.weight_numel = sum(t.numel() for t in shipped)
         self.weight_bytes = sum(t.numel() * t.element_size() for t in shipped)
         self.weight_dtype = shipped[0].dtype
-        self.latent = moe.experts[0].w1.in_features
+        self.latent = self.template.w1.in_features
 
     def plan(self, counts: np.ndarray, elem_bytes: int) -> Plan:
         min_pairs = (
@@ -227,7 +230,7 @@ class _LayerDispatch:
                 if self.homes[e] == s:
                     outputs.append(experts[e](chunk))
                 else:
-                    outputs.append(_run_replica(experts[e], replica_weights[e], chunk))
+                    outputs.append(_run_replica(self.template, replica_weights[e], chunk))
                 start += count
         # rows * 0 keeps an empty host attached to the graph, so it joins every backward collective too
         host_out = torch.cat(outputs) if outputs else rows * 0

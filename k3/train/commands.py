@@ -47,6 +47,13 @@ def train(
         Optimizer,
         typer.Option(help="adamw, or muon (hidden matrices; AdamW for embeddings, head and vectors)."),
     ] = D.optimizer,
+    muon_fp32: Annotated[
+        bool,
+        typer.Option(
+            help="Muon's Newton-Schulz iteration in fp32, not bf16 (then runs on 1 and N processes agree to "
+            "rounding)."
+        ),
+    ] = D.muon_fp32,
     min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of the peak.")] = (
         D.min_lr_ratio
     ),

@@ -62,6 +62,7 @@ class TrainConfig:
     accum: int = 1  # micro-batches per optimizer step
     lr: float = 1e-3
     optimizer: Optimizer = Optimizer.ADAMW  # Muon: hidden matrices; AdamW for the rest
+    muon_fp32: bool = False  # Muon's Newton-Schulz iteration in fp32 (torch.optim.Muon: bf16)
     min_lr_ratio: float = 0.1
     warmup: int = 10
     schedule: Schedule = Schedule.COSINE

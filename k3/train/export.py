@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 
@@ -35,13 +35,16 @@ def mxfp4_config(cfg: K3Config) -> K3Config:
     return out
 
 
-def published_state(model: nn.Module, cfg: K3Config) -> Iterator[tuple[str, torch.Tensor]]:
-    """(published name, tensor) for every tensor of the layout, from a model with plain experts."""
+def published_state(
+    model: nn.Module, cfg: K3Config, state: Mapping[str, torch.Tensor] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(published name, tensor) for every tensor of the layout, from a model with plain experts, or from
+    `state` (its tensors by model name, e.g. a checkpoint that several ranks wrote) when given."""
     from k3.layout import published_tensors
     from k3.model.loading import model_name
     from k3.ops.mxfp4 import quantize_mxfp4
 
-    state = model.state_dict()
+    state = model.state_dict() if state is None else state
     scale = None
     for spec in published_tensors(cfg, layers=len(model.model.layers)):
         if spec.name.endswith(".weight_scale"):
@@ -61,14 +64,19 @@ def published_state(model: nn.Module, cfg: K3Config) -> Iterator[tuple[str, torc
 
 
 def export_checkpoint(
-    model: nn.Module, cfg: K3Config, out_dir: str | Path, tokenizer_dir: str | Path | None = None
+    model: nn.Module,
+    cfg: K3Config,
+    out_dir: str | Path,
+    tokenizer_dir: str | Path | None = None,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write the model to `out_dir` (replacing an earlier export) with experts in MXFP4; returns out_dir."""
+    """Write the model (or `state`, see `published_state`) to `out_dir` (replacing an earlier export) with
+    experts in MXFP4; returns out_dir."""
     from k3.checkpoint import save_checkpoint
 
     out = Path(out_dir)
     cfg = mxfp4_config(cfg)
-    save_checkpoint(published_state(model, cfg), cfg, out, overwrite=True)
+    save_checkpoint(published_state(model, cfg, state), cfg, out, overwrite=True)
     if tokenizer_dir is not None:
         for name in ("tiktoken.model", "tokenizer_config.json"):
             shutil.copyfile(Path(tokenizer_dir) / name, out / name)

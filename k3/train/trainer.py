@@ -19,9 +19,12 @@ optimizer step the balancer turns them into new biases, written to the routers' 
 buffers; so the bias a batch is routed with comes from earlier batches only.
 
 With several processes (`--nproc N`, or started by torchrun) the routed experts are sharded over the ranks
-(`--expert-parallel N`, dispatch as `--ep-policy` plans it, see k3.dist) and everything else is data
-parallel: each rank takes its share of the global `--batch-size`, gradients are summed over ranks and the
-routing balance sees the whole batch, so the run equals one process to rounding. Rank 0 writes the files.
+(`--expert-parallel N`, dispatch as `--ep-policy` plans it, see k3.dist): each rank holds only its own
+experts' weights, gradients and optimizer state. Everything else is data parallel: each rank takes its
+share of the global `--batch-size`, the replicated gradients are summed over ranks, the gradient norm is
+the whole model's and the routing balance sees the whole batch, so the run equals one process to
+rounding. Every rank writes its experts into each checkpoint (k3.train.state), which resumes on any number
+of processes; rank 0 writes the rest of the files, and the export from the final checkpoint.
 
 With `balance_refresh` (QB only) the step's batch is routed once more after the optimizer step, as one
 batch without gradients, and every router fits QB to it just before routing it: the bias then fits the
@@ -54,6 +57,8 @@ from k3.train.optim import build_optimizer
 from k3.train.routing import RoutingBalancer, chosen_loads, max_over_mean
 from k3.train.schedule import learning_rate
 from k3.train.state import (
+    CheckpointTensors,
+    Writers,
     cut_log,
     list_checkpoints,
     load_training_state,
@@ -122,21 +127,25 @@ def evaluate(model: nn.Module, data: Dataset, batches: int, autocast: bool = Fal
 
 
 def refit_on_updated_model(
-    model: nn.Module, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig
+    model: nn.Module, balancer: RoutingBalancer, data: Dataset, step: int, tc: TrainConfig, par=None
 ) -> None:
     """Route step `step`'s micro-batches again, as one batch, with the model as it is now (after the
     optimizer step); each router fits its bias to the batch just before routing it, so layer l sees its
-    input as routed by the refitted biases of the layers below."""
+    input as routed by the refitted biases of the layers below. With several processes (`par`, a
+    k3.dist DataParallel) each rank routes its rows and the fit sees every rank's scores, in the order of
+    the one-process batch."""
 
     def fit_then_route(layer: int) -> Callable:
         def pre_hook(router: nn.Module, args: tuple) -> None:
             with torch.no_grad():
-                balancer.fit(layer, router.scores(args[0]))
+                scores = router.scores(args[0])  # [rows, E]
+                balancer.fit(layer, scores if par is None else par.gather_micro(scores, tc.accum))
             router.e_score_correction_bias.copy_(balancer.biases[layer])
 
         return pre_hook
 
-    inputs = torch.cat([data.batch(step * tc.accum + micro)[0] for micro in range(tc.accum)])  # [accum B, L]
+    shard = (lambda rows: rows) if par is None else par.shard
+    inputs = torch.cat([shard(data.batch(step * tc.accum + micro)[0]) for micro in range(tc.accum)])
     routers = model.routers().items()
     hooks = [router.register_forward_pre_hook(fit_then_route(layer)) for layer, router in routers]
     try:
@@ -160,8 +169,6 @@ def _start_parallel(tc: TrainConfig, cfg: K3Config):
         )
     if tc.batch_size % world:
         raise TrainError(f"--batch-size: {tc.batch_size} sequences do not divide over {world} processes")
-    if tc.balance_refresh:
-        raise TrainError("--balance-refresh: not supported with several processes yet")
     if cfg.num_experts % world:
         raise TrainError(f"--expert-parallel: {cfg.num_experts} experts do not divide over {world} processes")
     par = DataParallel.start(tc.ep_policy, tc.ep_slots, tc.ep_timeout, tc.ep_threshold)
@@ -211,11 +218,19 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
-    model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
-    model.train()
-    if par is not None:
+    writers, elsewhere = None, None
+    if par is None:
+        model = K3ForCausalLM.from_config(cfg, seed=tc.seed, quantized_experts=False)
+    else:
+        from k3.dist.shard import is_expert_name, sharded_model
+
+        model = sharded_model(cfg, seed=tc.seed, rank=par.rank, world=par.world, quantized_experts=False)
         par.install(model)
-    optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, (tc.beta1, tc.beta2))
+        writers = Writers(par.rank, par.world, par.barrier, lambda name: not is_expert_name(name))
+        elsewhere = is_expert_name  # the experts of the other ranks, in a checkpoint
+    model.train()
+    betas = (tc.beta1, tc.beta2)
+    optimizer = build_optimizer(model, tc.optimizer, tc.lr, tc.weight_decay, betas, tc.muon_fp32)
     routers = model.routers()
     moe_layers = sorted(routers)
     balancer = RoutingBalancer(
@@ -234,7 +249,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     start = 0
     checkpoints = list_checkpoints(run)
     if checkpoints:
-        meta = load_training_state(checkpoints[-1][1], model, optimizer)
+        meta = load_training_state(checkpoints[-1][1], model, optimizer, elsewhere)
         start = meta["step"]
     for layer, router in routers.items():  # the bias lives in the router buffer; the balancer reads it
         balancer.biases[layer] = router.e_score_correction_bias.detach().clone()
@@ -301,11 +316,14 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
             if not math.isfinite(loss_sum):
                 raise TrainError(f"step {step + 1}: the loss is {loss_sum}; lower --lr or use --clip")
             # with no clipping the norm is still measured (a max norm of inf scales every gradient by 1)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip or math.inf))
+            if par is None:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip or math.inf))
+            else:
+                grad_norm = par.clip_gradients(model, tc.clip or math.inf)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if tc.balance_refresh:
-                refit_on_updated_model(model, balancer, data, step, tc)
+                refit_on_updated_model(model, balancer, data, step, tc, par)
             row: dict[str, float | int | str] = {
                 "step": step + 1,
                 "loss": repr(loss_sum / tc.accum),
@@ -342,7 +360,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
                 on_step(row)
             if par is not None and writes and tc.progress:
                 print(f"step {step + 1}/{tc.steps}  loss {loss_sum / tc.accum:.4f}", flush=True)
-            if writes and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
+            if (step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps:
                 save_training_state(
                     run,
                     step + 1,
@@ -350,11 +368,14 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
                     optimizer,
                     {"tokens": (step + 1) * tokens_per_step},
                     tc.keep_checkpoints,
+                    writers,
                 )
     if last == tc.steps and tc.export and writes:
         from k3.train.export import export_checkpoint
 
-        export_checkpoint(model, cfg, run / EXPORT_DIR, tokenizer_dir=tc.tokenizer)
+        # with sharded experts, from the final checkpoint: every rank's experts, one tensor at a time
+        state = None if par is None else CheckpointTensors(list_checkpoints(run)[-1][1])
+        export_checkpoint(model, cfg, run / EXPORT_DIR, tokenizer_dir=tc.tokenizer, state=state)
     if par is not None:
         par.barrier()  # nobody leaves before rank 0 has written everything
         par.close()

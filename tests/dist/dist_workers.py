@@ -181,15 +181,19 @@ def train_on_ranks(comm: Comm, config: dict) -> None:
 # ---- the whole model ------------------------------------------------------------------------------------
 def model_logits_match(comm: Comm, preset: str, policy: str, quantized: bool, rows: list[int]) -> None:
     """Logits of K3ForCausalLM with expert-parallel MoE layers, each rank on its `rows[rank]` sequences
-    of a global batch, against the one-process model on the same sequences (1e-6 relative) and on the
-    whole batch (1e-5: one process alone differs by ~1.5e-6 on mini between a batch and its halves, the
-    dense kernels' sums depend on the batch shape)."""
+    of a global batch, against the one-process model on the whole batch and on the same sequences (1e-6
+    relative; bitwise on the whole batch without replicas).
+
+    Sequences of 16 tokens: torch's CPU matmul computes a row differently when the matrix has fewer than
+    16 rows (another kernel), so with shorter sequences a rank's dense layers would not compute its rows
+    as the whole batch does. An expert's matmul sees the same rows in the same order as in one process
+    on the whole batch (sources in rank order), unless a replica splits it."""
     from k3.model import K3ForCausalLM
 
     cfg = K3Config.preset(preset)
     model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=quantized).eval()
     gen = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, cfg.vocab_size, (sum(rows), 12), generator=gen)
+    ids = torch.randint(1, cfg.vocab_size, (sum(rows), 16), generator=gen)
     lo, hi = sum(rows[: comm.rank]), sum(rows[: comm.rank + 1])
     with torch.no_grad():
         whole, mine = model(ids)[lo:hi], model(ids[lo:hi])
@@ -199,10 +203,8 @@ def model_logits_match(comm: Comm, preset: str, policy: str, quantized: bool, ro
     replicas = sum(s.replicas for layer in ep.stats.values() for s in layer)
     if policy == "moonep" and replicas == 0:
         raise AssertionError("moonep planned no replica: the test would not exercise shipping them")
+    check_close(f"{preset} logits ({policy}) vs one process, whole batch", got, whole, bitwise=replicas == 0)
     check_close(f"{preset} logits ({policy}) vs one process, same rows", got, mine, bitwise=False)
-    check_close(
-        f"{preset} logits ({policy}) vs one process, whole batch", got, whole, bitwise=False, rel=1e-5
-    )
 
 
 def generation_matches_one_process(comm: Comm, policy: str) -> None:

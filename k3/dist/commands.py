@@ -1,0 +1,118 @@
+"""`k3 generate --nproc N`: the engine's `k3 generate`, with the routed experts sharded over N processes.
+
+    k3 generate CKPT -p "Once upon" --nproc 2     # launches torchrun: 2 ranks, each holding E/2 experts
+    torchrun --standalone --nproc-per-node 2 -m k3 generate CKPT -p "Once upon"   # the same
+
+With one process (and not under torchrun) this is the engine's command itself. Under torchrun every rank
+loads the checkpoint, keeps only its home experts (k3.dist.shard), installs the expert-parallel dispatch
+and drives the engine on the same prompt with the same sampling parameters (and seed), so every rank
+takes the same steps in lockstep (each forward is a collective); rank 0 prints, as the engine's command
+does. (k3.engine knows nothing of k3.dist: the wiring is here and in k3/cli.py.)
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import typer
+from rich.console import Console
+
+from k3.dist.group import torchrun_env
+from k3.engine.commands import LAYERS, MAX_TOKENS, PENALTY, SEED, TEMPERATURE, TOP_K, TOP_P, _params
+from k3.engine.commands import generate as generate_on_one_process
+from k3.terminal import fail
+
+NPROC = typer.Option(1, "--nproc", help="Processes; > 1: the routed experts sharded over them (torchrun).")
+
+
+def generate(
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
+    max_tokens: int = MAX_TOKENS,
+    temperature: float = TEMPERATURE,
+    top_k: int = TOP_K,
+    top_p: float = TOP_P,
+    repetition_penalty: float = PENALTY,
+    seed: int = SEED,
+    layers: int = LAYERS,
+    nproc: int = NPROC,
+) -> None:
+    """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; with
+    `--nproc N` the routed experts are sharded over N processes."""
+    sampling = (max_tokens, temperature, top_k, top_p, repetition_penalty, seed)
+    if torchrun_env():
+        _generate_on_ranks(checkpoint, prompt, sampling, layers)
+    elif nproc == 1:
+        generate_on_one_process(checkpoint, prompt, *sampling, layers)
+    else:
+        from k3.dist.launch import launch
+        from k3.errors import K3Error
+
+        args = [checkpoint, "-p", prompt, "-n", str(max_tokens), "-t", repr(temperature)]
+        args += [
+            "--top-k",
+            str(top_k),
+            "--top-p",
+            repr(top_p),
+            "--repetition-penalty",
+            repr(repetition_penalty),
+        ]
+        args += [] if seed is None else ["--seed", str(seed)]
+        args += [] if layers is None else ["--layers", str(layers)]
+        try:
+            launch(nproc, ["-m", "k3", "generate", *args])
+        except K3Error as e:
+            fail(str(e))
+
+
+def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: int | None) -> None:
+    import torch
+
+    from k3.dist.data_parallel import cpu_threads
+    from k3.dist.group import Comm
+    from k3.dist.moe import ExpertParallel
+    from k3.dist.shard import shard_experts
+    from k3.engine.generate import Engine
+    from k3.errors import K3Error
+    from k3.model import K3ForCausalLM
+    from k3.tokenizer.kimi import StreamDecoder, Tokenizer
+
+    comm = Comm.from_env(timeout=120.0, backend="gloo")  # the model runs on the CPU
+    torch.set_num_threads(cpu_threads(comm.world))
+    try:
+        tok = Tokenizer.from_dir(checkpoint)
+        model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
+        shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
+        ExpertParallel(comm).install(model)
+    except (K3Error, OSError) as e:
+        fail(str(e))
+    params = _params(*sampling, {tok.special.eos})
+    ids = tok.encode(prompt)
+    if not ids:
+        fail("the prompt is empty")
+    lead = comm.rank == 0
+    out = sys.stdout if lead else None
+    decoder = StreamDecoder(tok)
+    start, count = time.perf_counter(), 0
+    with comm.guard():
+        if out:
+            out.write(prompt)
+        for token in Engine(model).stream(ids, params):
+            text = decoder.push(token)
+            if out:
+                out.write(text)
+                out.flush()
+            count += 1
+    elapsed = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB, this rank
+    peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64))
+    if out:
+        out.write(decoder.flush() + "\n")
+        Console(stderr=True).print(
+            f"[dim]{len(ids)} prompt tokens, {count} generated in {elapsed:.2f} s "
+            f"({count / max(elapsed, 1e-9):.1f} tokens/s) on {comm.world} processes, "
+            f"peak RSS of the largest rank {float(peaks.max()):,.0f} MB[/]"
+        )
+    comm.close()
