@@ -13,11 +13,15 @@ growth 1k -> 64k) and the hybrid cache <= 30 % of the all-MLA cache at 64k. Timi
 are noisy; `--threads 1` (default) avoids torch's thread spinning when other processes hold the cores.
 
     .venv/bin/python benchmarks/decode.py --step-profile --threads 2   # the decode step, fused vs general
+    .venv/bin/python benchmarks/decode.py --step-profile --checkpoint CKPT   # the same on a checkpoint
+    .venv/bin/python benchmarks/decode.py --batch 1,4,8 [--checkpoint CKPT]  # batched decode tokens/s
 
 `--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
 profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for
 the fused decode path and the general one (`K3ForCausalLM.set_fast_decode(False)`), steps of the two
-interleaved in one process so that both see the same machine load; experts MXFP4 and F32.
+interleaved in one process so that both see the same machine load; experts MXFP4 and F32. The fused path
+is k3.model.fused (a layer's mixer and FFN one native call each): its component times are those of its
+functions, `fused calls` how many of them ran in the profiled step (0 on the general path).
 """
 
 from __future__ import annotations
@@ -142,6 +146,32 @@ def label_components(model: K3ForCausalLM) -> None:
         module.forward = labelled
 
 
+FUSED = (("moe", "moe_update"), ("kda", "kda_update"), ("mla", "mla_update"), ("mlp", "mlp_update"))
+
+
+def wrap_fused(clock: ComponentClock) -> None:
+    """Label and time k3.model.fused's per-component functions (the fused step calls no module forward),
+    and count their native calls; nothing in a tree that has no k3.model.fused."""
+    try:
+        from k3.model import fused
+    except ImportError:
+        return
+    from torch.profiler import record_function
+
+    for kind, name in FUSED:
+        function = getattr(fused, name)
+
+        def wrapped(*args, _function=function, _kind=kind, **kwargs):
+            with record_function(f"component:{_kind}"):
+                t = time.perf_counter()
+                out = _function(*args, **kwargs)
+                clock.seconds[_kind] += time.perf_counter() - t
+                clock.native_calls += out is not None
+                return out
+
+        setattr(fused, name, wrapped)
+
+
 def count_ops(events) -> dict[str, int]:
     """Top-level aten ops (not called from another aten op) per component range."""
     counts = dict.fromkeys([k for k, _ in COMPONENTS] + ["rest"], 0)
@@ -159,12 +189,13 @@ def count_ops(events) -> dict[str, int]:
 
 
 @torch.no_grad()
-def step_profile(cfg: K3Config, quantized: bool, context: int, steps: int) -> list[dict]:
+def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -> list[dict]:
     from torch.profiler import profile
 
-    model = K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=None if quantized else False)
+    cfg = model.config
     label_components(model)
     clock = ComponentClock(model)
+    wrap_fused(clock)
     # a tree without set_fast_decode (k3 before the fused paths; PYTHONPATH=that tree) has one path
     paths = {"fused": True, "general": False} if hasattr(model, "set_fast_decode") else {"original": None}
     select = getattr(model, "set_fast_decode", lambda fused: model)
@@ -191,14 +222,17 @@ def step_profile(cfg: K3Config, quantized: bool, context: int, steps: int) -> li
     rows = []
     for path, fused in paths.items():
         select(fused)
+        clock.native_calls = 0
         with profile() as prof:
             model(tokens[path], caches[path])
         ops = count_ops(prof.events())
+        native_calls = clock.native_calls
         ms = 1e3 * statistics.median(times[path])
         rows.append(
             {
                 "path": path,
-                "experts": "mxfp4" if quantized else "f32",
+                "experts": experts,
+                "fused_calls": native_calls,
                 "ms_per_token": ms,
                 "component_ms": {k: 1e3 * v / steps for k, v in parts[path].items()},
                 "aten_ops": sum(ops.values()),
@@ -213,6 +247,7 @@ class ComponentClock:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.seconds = dict.fromkeys([k for k, _ in COMPONENTS], 0.0)
+        self.native_calls = 0  # fused component steps that ran (k3.model.fused)
         self._start: dict[int, float] = {}
         inside_moe = {id(m) for moe in model.modules() if type(moe).__name__ == "MoE" for m in moe.modules()}
         for module in model.modules():
@@ -236,6 +271,7 @@ def print_step_profile(rows: list[dict]) -> None:
         + " ".join(f"{k + ' ms':>8}" for k in kinds)
         + f" {'rest ms':>8} | {'aten ops':>8} "
         + " ".join(f"{k:>5}" for k in [*kinds, "rest"])
+        + " | fused calls"
     )
     for r in rows:
         rest = r["ms_per_token"] - sum(r["component_ms"].values())
@@ -245,7 +281,46 @@ def print_step_profile(rows: list[dict]) -> None:
             + f" {rest:8.2f} | "
             + f"{r['aten_ops']:8d} "
             + " ".join(f"{r['aten_ops_by_component'][k]:5d}" for k in [*kinds, "rest"])
+            + f" | {r['fused_calls']:5d}"
         )
+
+
+# ---- batched decode ------------------------------------------------------------------------------------
+@torch.no_grad()
+def batch_throughput(model: K3ForCausalLM, batches: list[int], context: int, steps: int) -> list[dict]:
+    """Decode tokens/s of B sequences in one step (each prefilled alone to about `context`, lengths
+    differing, then stacked as the engine batches them), fused and general steps interleaved."""
+    from k3.model.cache import ModelCache
+
+    cfg = model.config
+    gen = torch.Generator().manual_seed(1)
+    rows = []
+    for B in batches:
+        caches = {}
+        for path in ("fused", "general"):
+            rows_ = []
+            for b in range(B):
+                rows_.append(model.new_cache(1))
+                ids = torch.randint(0, cfg.vocab_size, (1, context - 7 * b), generator=gen)
+                model(ids, rows_[-1], logits_to_keep=1)
+            caches[path] = ModelCache.stack(rows_)
+        token = torch.ones(B, 1, dtype=torch.long)
+        times: dict[str, list[float]] = {"fused": [], "general": []}
+        for step in range(steps + 2):
+            for path in ("fused", "general"):
+                model.set_fast_decode(path == "fused")
+                t = time.perf_counter()
+                model(token, caches[path])
+                if step >= 2:
+                    times[path].append(time.perf_counter() - t)
+        model.set_fast_decode(True)
+        for path, ts in times.items():
+            ms = 1e3 * statistics.median(ts)
+            rows.append({"batch": B, "path": path, "ms_per_step": ms, "tokens_per_s": B * 1e3 / ms})
+            print(
+                f"[batch] B = {B:>2} {path:>7}: {ms:8.2f} ms/step = {B * 1e3 / ms:7.1f} tokens/s", flush=True
+            )
+    return rows
 
 
 # ---- server throughput -------------------------------------------------------------------------------
@@ -332,17 +407,43 @@ def main() -> None:
     ap.add_argument("--json", help="write all results to this file")
     ap.add_argument("--step-profile", action="store_true", help="only the decode step, fused vs general")
     ap.add_argument("--profile-context", type=int, default=256, help="prompt length before --step-profile")
+    ap.add_argument("--checkpoint", help="--step-profile / --batch on this checkpoint instead of --preset")
+    ap.add_argument("--batch", help="batched decode tokens/s at these batch sizes, e.g. 1,4,8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = K3Config.preset(args.preset)
+
+    def models() -> list[tuple[str, K3ForCausalLM]]:
+        if args.checkpoint:
+            model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+            return [("mxfp4" if model.config.experts_mxfp4 else "f32", model)]
+        return [
+            (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q))
+            for e, q in (("mxfp4", None), ("f32", False))
+        ]
+
+    if args.batch:
+        load = os.getloadavg()
+        print(
+            f"{args.checkpoint or args.preset}, {args.threads} threads, context ~{args.profile_context}; "
+            f"load {load[0]:.2f}"
+        )
+        rows = batch_throughput(
+            models()[0][1], [int(b) for b in args.batch.split(",")], args.profile_context, args.steps
+        )
+        print(f"load average after: {os.getloadavg()[0]:.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"threads": args.threads, "load": load, "rows": rows}, f, indent=2)
+        return
     if args.step_profile:
         load = os.getloadavg()
         print(
-            f"{args.preset}, {args.threads} threads, context {args.profile_context}, {args.steps} steps "
-            "each; "
+            f"{args.checkpoint or args.preset}, {args.threads} threads, context {args.profile_context}, "
+            f"{args.steps} steps each; "
             f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs"
         )
-        rows = [r for q in (True, False) for r in step_profile(cfg, q, args.profile_context, args.steps)]
+        rows = [r for e, model in models() for r in step_profile(model, e, args.profile_context, args.steps)]
         print_step_profile(rows)
         print(f"load average after: {os.getloadavg()[0]:.2f}")
         if args.json:

@@ -26,6 +26,11 @@ def situ(gate: torch.Tensor, up: torch.Tensor, beta: float = 4.0, linear_beta: f
     return beta * torch.tanh(gate / beta) * torch.sigmoid(gate) * (linear_beta * torch.tanh(up / linear_beta))
 
 
+def situ_parameters(cfg: K3Config) -> tuple[float, float] | None:
+    """(beta, linear_beta) of SiTU, or None for SiLU-GLU: the activation as the native kernels take it."""
+    return (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else None
+
+
 def gated_activation(cfg: K3Config) -> GatedActivation:
     """The config's `hidden_act` as a function of (gate, up)."""
     if cfg.hidden_act == "situ":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from k3.model.norm import Linear, RMSNorm, as_dtype
+from k3.ops.decode.native import load_native
 
 
 def attn_res_read(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor:
@@ -47,10 +48,25 @@ def attn_res_read_stacked(values: list[torch.Tensor], norm: RMSNorm, proj: Linea
     return (p[..., None] * stacked).sum(0)
 
 
+def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor | None:
+    """`attn_res_read` in one native call (k3.ops.decode) when no gradient is recorded and everything is
+    fp32 on the CPU; None otherwise."""
+    weights = (norm.weight, proj.weight)
+    if torch.is_grad_enabled() or any(
+        t.dtype != torch.float32 or t.device.type != "cpu" for t in (*values, *weights)
+    ):
+        return None
+    native = load_native()
+    if native is None:
+        return None
+    out = native.attn_res_read([v.contiguous() for v in values], norm.weight, proj.weight.view(-1), norm.eps)
+    return out.view(values[0].shape)
+
+
 class ResidualStream:
     """The residual state of one forward pass: `blocks` (finished) and `partial` (the open block).
 
-    `stacked`: reads through `attn_res_read_stacked` (fewer ops; decode steps)."""
+    `stacked`: reads through `attn_res_read_native` or `attn_res_read_stacked` (fewer ops; decode steps)."""
 
     def __init__(self, embeddings: torch.Tensor, block_size: int | None, stacked: bool = False) -> None:
         self.block_size = block_size
@@ -71,7 +87,10 @@ class ResidualStream:
         if not self.blocks:
             assert self.partial is not None
             return self.partial
-        return (attn_res_read_stacked if self.stacked else attn_res_read)(self._values(), norm, proj)
+        if not self.stacked:
+            return attn_res_read(self._values(), norm, proj)
+        fused = attn_res_read_native(self._values(), norm, proj)
+        return attn_res_read_stacked(self._values(), norm, proj) if fused is None else fused
 
     def mixer_input(self, layer: int, norm: RMSNorm, proj: Linear) -> torch.Tensor:
         """The mixer's input at layer `layer`; closes the open block when a new one starts there."""

@@ -93,16 +93,24 @@ class MLAState:
         if self.latent is None or self.k_rope is None:
             self.latent = latent.new_zeros(B, max(need, 16), latent.shape[-1])
             self.k_rope = k_rope.new_zeros(B, max(need, 16), k_rope.shape[-1])
-        elif need > self.latent.shape[1]:
-            grow = max(need, 2 * self.latent.shape[1]) - self.latent.shape[1]
-            self.latent = torch.cat([self.latent, self.latent.new_zeros(B, grow, self.latent.shape[-1])], 1)
-            self.k_rope = torch.cat([self.k_rope, self.k_rope.new_zeros(B, grow, self.k_rope.shape[-1])], 1)
+        else:
+            self.reserve(T)
         rows = torch.arange(B, device=latent.device)[:, None]  # [B, 1]
         positions = offsets[:, None] + torch.arange(T, device=latent.device)  # [B, T]
         self.latent[rows, positions] = latent.to(self.latent.dtype)
         self.k_rope[rows, positions] = k_rope.to(self.k_rope.dtype)
         self.lengths = offsets + counts
         return offsets
+
+    def reserve(self, tokens: int) -> None:
+        """Room in the (allocated) buffers for `tokens` more positions of every row, growing by doubling."""
+        assert self.latent is not None and self.k_rope is not None
+        B, capacity, _ = self.latent.shape
+        need = int(self.lengths.max()) + tokens
+        if need > capacity:
+            grow = max(need, 2 * capacity) - capacity
+            self.latent = torch.cat([self.latent, self.latent.new_zeros(B, grow, self.latent.shape[-1])], 1)
+            self.k_rope = torch.cat([self.k_rope, self.k_rope.new_zeros(B, grow, self.k_rope.shape[-1])], 1)
 
     def select(self, rows: torch.Tensor) -> MLAState:
         if self.latent is None or self.k_rope is None:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.activations import gated_activation
+from k3.model.activations import gated_activation, situ_parameters
 from k3.model.norm import Linear
 
 
@@ -17,6 +17,7 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden_size, intermediate_size)
         self.down_proj = Linear(intermediate_size, hidden_size)
         self.act = gated_activation(cfg)
+        self.situ = situ_parameters(cfg)  # the activation's parameters for the native kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))

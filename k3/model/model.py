@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from k3.config import FFN, K3Config, Mixer
+from k3.model import fused as fused_step
 from k3.model.attn_res import ResidualStream
 from k3.model.cache import LayerState, ModelCache
 from k3.model.kda import KDAttention
@@ -64,21 +65,33 @@ class K3DecoderLayer(nn.Module):
 
         `state`: this layer's KDAState or MLAState (ModelCache.empty builds them from the same layer plan).
         """
-        stream.add(self.self_attn(self.mixer_input(stream), state, counts))  # type: ignore[arg-type]
-        stream.add(self.ffn(self.ffn_input(stream)))
+        fused = stream.stacked and counts is None and state is not None  # a decode step: try k3.model.fused
+        x = self.mixer_read(stream)
+        update = fused_step.mixer_update(self.input_layernorm, self.self_attn, x, state) if fused else None
+        if update is None:
+            update = self.self_attn(self.input_layernorm(x), state, counts)  # type: ignore[arg-type]
+        stream.add(update)
+        y = self.ffn_read(stream)
+        update = fused_step.ffn_update(self.post_attention_layernorm, self.ffn, y) if fused else None
+        stream.add(self.ffn(self.post_attention_layernorm(y)) if update is None else update)
+
+    def mixer_read(self, stream: ResidualStream) -> torch.Tensor:
+        """The mixer's input [B, T, H] before its norm (closing an AttnRes block where a new one starts)."""
+        if self.uses_attn_res:
+            return stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
+        return stream.plain()
+
+    def ffn_read(self, stream: ResidualStream) -> torch.Tensor:
+        """The FFN's input [B, T, H] before its norm, read after the mixer's update."""
+        return stream.read(self.mlp_res_norm, self.mlp_res_proj) if self.uses_attn_res else stream.plain()
 
     def mixer_input(self, stream: ResidualStream) -> torch.Tensor:
-        """The mixer's normalised input [B, T, H] (closing an AttnRes block where a new one starts)."""
-        if self.uses_attn_res:
-            x = stream.mixer_input(self.index, self.self_attention_res_norm, self.self_attention_res_proj)
-        else:
-            x = stream.plain()
-        return self.input_layernorm(x)
+        """The mixer's normalised input [B, T, H]."""
+        return self.input_layernorm(self.mixer_read(stream))
 
     def ffn_input(self, stream: ResidualStream) -> torch.Tensor:
-        """The FFN's normalised input [B, T, H], read after the mixer's update."""
-        y = stream.read(self.mlp_res_norm, self.mlp_res_proj) if self.uses_attn_res else stream.plain()
-        return self.post_attention_layernorm(y)
+        """The FFN's normalised input [B, T, H]."""
+        return self.post_attention_layernorm(self.ffn_read(stream))
 
 
 class K3Model(nn.Module):
@@ -180,7 +193,10 @@ class K3ForCausalLM(nn.Module):
         h = self.model(input_ids, cache, lengths, self.compute_dtype)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
-        return self.lm_head(h)
+        logits = (
+            fused_step.lm_head_logits(self.lm_head, h) if h.shape[1] == 1 and self.model.fast_decode else None
+        )
+        return self.lm_head(h) if logits is None else logits
 
     def routers(self) -> dict[int, Router]:
         """{layer index: its router}, for every MoE layer kept (see k3.model.routing to record or replay)."""

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.activations import GatedActivation, gated_activation
+from k3.model.activations import GatedActivation, gated_activation, situ_parameters
 from k3.model.mlp import MLP
 from k3.model.norm import Linear, RMSNorm, as_dtype
 from k3.ops.mxfp4 import MXFP4Linear, experts_one_token
@@ -123,9 +123,7 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(RoutedExpert(L, m, act, quantized) for _ in range(cfg.num_experts))
         if self.shared:
             self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m)
-        self.situ = (
-            (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else None
-        )
+        self.situ = situ_parameters(cfg)  # the activation's parameters for the native kernels
         self.fast_decode = True  # one token: its k experts directly (dispatch_one); False: the general path
         self.load_experts: Callable[[torch.Tensor], None] | None = None  # experts read on first use (URLs)
 

@@ -1,7 +1,7 @@
 """Compile every native extension into the user cache now: ``python -m k3.ops.build`` (``make native``).
 
 k3 compiles each extension on first use anyway (see :mod:`k3.ops.extension`); this only does it ahead of
-time, both at once (one process each), and says for each whether it is in use.
+time, all at once (one process each), and says for each whether it is in use.
 """
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ from __future__ import annotations
 import argparse
 from concurrent.futures import ProcessPoolExecutor
 
+from k3.ops.decode.native import DECODE_EXTENSION
 from k3.ops.extension import NativeExtension, native_status
 from k3.ops.kda.native import KDA_EXTENSION
 from k3.ops.mxfp4.native import MXFP4_EXTENSION
 
-EXTENSIONS = (MXFP4_EXTENSION, KDA_EXTENSION)
+EXTENSIONS = (MXFP4_EXTENSION, KDA_EXTENSION, DECODE_EXTENSION)
 
 
 def warm(extension: NativeExtension) -> str:

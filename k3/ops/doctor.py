@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from k3.ops.decode.native import DECODE_EXTENSION
 from k3.ops.extension import NativeExtension, cache_root, native_status
 from k3.ops.kda.native import KDA_EXTENSION
 from k3.ops.mxfp4.native import MXFP4_EXTENSION
@@ -30,6 +31,11 @@ KERNELS: tuple[tuple[NativeExtension, str, str], ...] = (
         KDA_EXTENSION,
         "chunked KDA forward/backward (prefill, training), the one-token KDA decode step",
         "the same loops in torch",
+    ),
+    (
+        DECODE_EXTENSION,
+        "the fused decode step: each layer's mixer and FFN, AttnRes reads and lm_head in one call each",
+        "the per-module decode paths (torch ops around the two kernels above)",
     ),
 )
 # /proc/cpuinfo flag -> the name __builtin_cpu_supports uses

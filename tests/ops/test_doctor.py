@@ -11,6 +11,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from k3.cli import app
+from k3.ops.decode.native import DECODE_EXTENSION
 from k3.ops.doctor import cpu_info
 from k3.ops.extension import native_status
 from k3.ops.kda.native import KDA_EXTENSION
@@ -23,7 +24,9 @@ def test_doctor_reports_the_kernels_in_use():
     result = CliRunner().invoke(app, ["doctor", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
-    for kernel, ext in zip(report["kernels"], (MXFP4_EXTENSION, KDA_EXTENSION), strict=True):
+    for kernel, ext in zip(
+        report["kernels"], (MXFP4_EXTENSION, KDA_EXTENSION, DECODE_EXTENSION), strict=True
+    ):
         status = native_status(ext)
         assert kernel["name"] == ext.name
         assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
@@ -40,7 +43,7 @@ def test_doctor_says_why_a_kernel_is_not_in_use():
         [sys.executable, "-m", "k3", "doctor"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.count("torch fallback; turned off by K3_NATIVE=0") == 2
+    assert done.stdout.count("torch fallback; turned off by K3_NATIVE=0") == 3  # MXFP4, KDA, decode
     assert "CPU features (/proc/cpuinfo)" in done.stdout  # no native module to ask
 
 

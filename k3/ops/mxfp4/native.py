@@ -12,7 +12,8 @@ from types import ModuleType
 
 from k3.ops.extension import NativeExtension, native_status
 
-MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", Path(__file__).resolve().parent / "_native.cpp")
+HERE = Path(__file__).resolve().parent
+MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", HERE / "_native.cpp", (HERE / "_native_rows.h",))
 
 
 @functools.cache

@@ -1,0 +1,276 @@
+"""The fused decode step: one token per sequence, each mixer and each FFN of a layer in one native call.
+
+`K3DecoderLayer.forward` asks these functions first on one-token forwards that continue a cache; each
+returns the layer's update (the same value as the general path, to rounding: tests/model/test_fused_decode.py)
+or None, and then the general path runs. They apply when no gradient is recorded (the kernels of
+k3.ops.decode have no backward), the kernels are built, and every tensor they read is fp32 on the CPU
+(routed experts fp32 or MXFP4). Modules' forwards are not called, so their hooks do not run, except that
+the MoE takes the general path while its router has hooks (`record_routing`, `route_with`) or its
+`dispatch` is replaced on the instance (k3.dist's expert parallelism).
+
+A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
+reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from k3.model.cache import KDAState, LayerState, MLAState
+from k3.model.kda import KDAttention
+from k3.model.mla import MLAttention
+from k3.model.mlp import MLP
+from k3.model.moe import MoE
+from k3.model.norm import Linear, RMSNorm
+from k3.ops.decode.native import load_native
+from k3.ops.mxfp4 import MXFP4Linear
+
+
+def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>` for a parameter or buffer, read from its dicts: a decode step reads ~500 weights, and
+    nn.Module.__getattr__ costs ~1 us each (as much as a layer's native call takes to dispatch)."""
+    found = module.__dict__["_parameters"].get(name)
+    return module.__dict__["_buffers"][name] if found is None else found
+
+
+def _weight(module: torch.nn.Module, child: str) -> torch.Tensor:
+    """`module.<child>.weight`, the same way."""
+    return _tensor(module.__dict__["_modules"][child], "weight")
+
+
+def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType | None:
+    """The kernels, if they may run on x [B, 1, H] and these tensors (None entries are absent weights)."""
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if any(t is not None and t.dtype != torch.float32 for t in tensors):
+        return None
+    return load_native()
+
+
+def _act(situ: tuple[float, float] | None) -> tuple[int, float, float]:
+    return (0, 0.0, 0.0) if situ is None else (1, *situ)
+
+
+def mixer_update(
+    norm: RMSNorm, mixer: KDAttention | MLAttention, x: torch.Tensor, state: LayerState
+) -> torch.Tensor | None:
+    """mixer(norm(x), state) for x [B, 1, hidden], updating `state`; None: take the general path."""
+    if isinstance(mixer, KDAttention) and isinstance(state, KDAState):
+        return kda_update(norm, mixer, x, state)
+    if isinstance(mixer, MLAttention) and isinstance(state, MLAState):
+        return mla_update(norm, mixer, x, state)
+    return None
+
+
+def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState) -> torch.Tensor | None:
+    if state.recurrent is None or state.conv_q is None or state.conv_k is None or state.conv_v is None:
+        return None  # nothing prefilled: the general path starts the state
+    low_rank = not kda.full_rank_gate
+    w_gate = _weight(kda, "g_a_proj") if low_rank else _weight(kda, "g_proj")
+    w_gate_b = _weight(kda, "g_b_proj") if low_rank else None
+    convs = (_weight(kda, "q_conv1d"), _weight(kda, "k_conv1d"), _weight(kda, "v_conv1d"))
+    weights = [
+        _tensor(norm, "weight"),
+        _weight(kda, "q_proj"),
+        _weight(kda, "k_proj"),
+        _weight(kda, "v_proj"),
+        *convs,
+    ]
+    weights += [
+        _weight(kda, "f_a_proj"),
+        _weight(kda, "f_b_proj"),
+        _tensor(kda, "A_log"),
+        _tensor(kda, "dt_bias"),
+        _weight(kda, "b_proj"),
+        w_gate,
+    ]
+    weights += [w_gate_b, _weight(kda, "o_norm"), _weight(kda, "o_proj")]
+    native = _native(x, weights)
+    if native is None:
+        return None
+    B = x.shape[0]
+    update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
+        x.reshape(B, -1),
+        _tensor(norm, "weight"),
+        norm.eps,
+        _weight(kda, "q_proj"),
+        _weight(kda, "k_proj"),
+        _weight(kda, "v_proj"),
+        *(w.view(w.shape[0], -1) for w in convs),  # [P, ks]
+        _weight(kda, "f_a_proj"),
+        _weight(kda, "f_b_proj"),
+        _tensor(kda, "A_log"),
+        _tensor(kda, "dt_bias"),
+        kda.lower_bound,  # None: Kimi Linear's softplus gate
+        _weight(kda, "b_proj"),
+        w_gate,
+        w_gate_b,
+        _weight(kda, "o_norm"),
+        kda.o_norm.eps,
+        _weight(kda, "o_proj"),
+        state.conv_q.contiguous(),
+        state.conv_k.contiguous(),
+        state.conv_v.contiguous(),
+        state.recurrent.contiguous(),
+        kda.l2norm_eps,
+        kda.head_dim**-0.5,
+    )
+    return update.view(B, 1, -1)
+
+
+def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> torch.Tensor | None:
+    w_q = _weight(mla, "q_a_proj") if mla.q_lora else _weight(mla, "q_proj")
+    q_norm = _weight(mla, "q_a_layernorm") if mla.q_lora else None
+    w_q_b = _weight(mla, "q_b_proj") if mla.q_lora else None
+    w_g = _weight(mla, "g_proj") if mla.output_gate else None
+    weights = [
+        _tensor(norm, "weight"),
+        w_q,
+        q_norm,
+        w_q_b,
+        _weight(mla, "kv_a_proj_with_mqa"),
+        _weight(mla, "kv_a_layernorm"),
+    ]
+    weights += [_weight(mla, "kv_b_proj"), w_g, _weight(mla, "o_proj")]
+    if state.latent is None or state.k_rope is None or state.latent.dtype != torch.float32:
+        return None  # nothing prefilled (the general path allocates the cache) or another cache dtype
+    native = _native(x, weights)
+    if native is None:
+        return None
+    B = x.shape[0]
+    state.reserve(1)
+    update = native.mla_mixer(
+        x.reshape(B, -1),
+        _tensor(norm, "weight"),
+        norm.eps,
+        w_q,
+        q_norm,
+        w_q_b,
+        mla.kv_a_layernorm.eps,
+        _weight(mla, "kv_a_proj_with_mqa"),
+        _weight(mla, "kv_a_layernorm"),
+        _weight(mla, "kv_b_proj"),
+        w_g,
+        _weight(mla, "o_proj"),
+        state.latent,
+        state.k_rope,
+        state.lengths,
+        mla.num_heads,
+        mla.nope,
+        mla.rope,
+        mla.v_dim,
+        mla.scale,
+    )  # wrote each row's latent at its position lengths[b]
+    state.lengths = state.lengths + 1
+    return update.view(B, 1, -1)
+
+
+def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
+    """ffn(norm(y)) for y [B, 1, hidden]; None: take the general path."""
+    if isinstance(ffn, MLP):
+        return mlp_update(norm, ffn, y)
+    return moe_update(norm, ffn, y) if isinstance(ffn, MoE) else None
+
+
+def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
+    weights = [
+        _tensor(norm, "weight"),
+        _weight(mlp, "gate_proj"),
+        _weight(mlp, "up_proj"),
+        _weight(mlp, "down_proj"),
+    ]
+    native = _native(y, weights)
+    if native is None:
+        return None
+    B = y.shape[0]
+    out = native.mlp(y.reshape(B, -1), _tensor(norm, "weight"), norm.eps, *weights[1:], *_act(mlp.situ))
+    return out.view(B, 1, -1)
+
+
+def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
+    router = moe.gate
+    if router._forward_hooks or router._forward_pre_hooks:  # recorded or replayed routing: its own forward
+        return None
+    if "dispatch" in moe.__dict__:  # a dispatch of its own (k3.dist's expert parallelism): the general path
+        return None
+    down = _weight(moe, "routed_expert_down_proj") if moe.latent else None
+    up = _weight(moe, "routed_expert_up_proj") if moe.latent else None
+    latent_norm = moe.routed_expert_norm if moe.latent_norm else None
+    shared = (
+        [
+            _weight(moe.shared_experts, "gate_proj"),
+            _weight(moe.shared_experts, "up_proj"),
+            _weight(moe.shared_experts, "down_proj"),
+        ]
+        if moe.shared
+        else [None, None, None]
+    )
+    weights = [
+        _tensor(norm, "weight"),
+        _tensor(router, "weight"),
+        _tensor(router, "e_score_correction_bias"),
+        down,
+        up,
+        *shared,
+    ]
+    weights.append(None if latent_norm is None else _tensor(latent_norm, "weight"))
+    native = _native(y, weights)
+    if native is None:
+        return None
+    B = y.shape[0]
+    xn, z, mixing, indices = native.moe_route(
+        y.reshape(B, -1),
+        _tensor(norm, "weight"),
+        norm.eps,
+        _tensor(router, "weight"),
+        _tensor(router, "e_score_correction_bias"),
+        router.num_groups,
+        router.topk_groups,
+        router.top_k,
+        router.renormalize,
+        router.scaling,
+        down,
+    )
+    chosen = indices.view(-1).tolist()
+    distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
+    slot = {e: i for i, e in enumerate(distinct)}
+    experts = moe.experts._modules  # {"0": RoutedExpert, ...}: ModuleList indexing costs more than the call
+    matrices = [experts[str(e)].__dict__["_modules"][w] for e in distinct for w in ("w1", "w3", "w2")]  # type: ignore[union-attr]
+    dense: list[torch.Tensor] = []
+    packed: list[torch.Tensor] = []
+    scale: list[torch.Tensor] = []
+    if all(isinstance(m, MXFP4Linear) for m in matrices):
+        packed = [_tensor(m, "weight_packed") for m in matrices]
+        scale = [_tensor(m, "weight_scale") for m in matrices]
+    elif all(isinstance(m, Linear) for m in matrices):
+        dense = [_tensor(m, "weight") for m in matrices]
+        if any(w.dtype != torch.float32 for w in dense):
+            return None
+    else:
+        return None
+    out = native.moe_experts(
+        xn,
+        z,
+        mixing,
+        [slot[e] for e in chosen],  # row-major [B, k]: each pair's position in `distinct`
+        dense,
+        packed,
+        scale,
+        *_act(moe.situ),
+        None if latent_norm is None else _tensor(latent_norm, "weight"),
+        0.0 if latent_norm is None else latent_norm.eps,
+        up,
+        *shared,
+    )
+    return out.view(B, 1, -1)
+
+
+def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:
+    """lm_head(h) for h [B, 1, hidden] in one native call (its rows split across threads); None: general."""
+    native = _native(h, [_tensor(lm_head, "weight")])
+    if native is None:
+        return None
+    B = h.shape[0]
+    return native.project(h.reshape(B, -1), None, 0.0, [_tensor(lm_head, "weight")])[0].view(B, 1, -1)

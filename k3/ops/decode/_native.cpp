@@ -1,0 +1,265 @@
+// Fused one-token decode kernels: each piece of a decoder layer in one call, for B sequences of one token
+// (k3/model/fused.py calls them; the model's general path is the reference they are tested against).
+//
+//   kda_mixer, mla_mixer      the token mixers, input norm included (_native_mixers.h)
+//   mlp                       a dense gated MLP, its input norm optional (the first layer, shared experts)
+//   moe_route                 the FFN norm, the router (sigmoid scores, biased grouped top-k, renormalised
+//                             weights) and the latent down-projection
+//   moe_experts               the chosen experts (fp32 or MXFP4; each distinct expert once for the rows that
+//                             chose it), their weighted sum, latent norm, up-projection and shared experts
+//   attn_res_read             an AttnRes read over the stream's values
+//   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
+//
+// Matrices are multiplied by at most a few vectors here: every group of matrices reading the same input
+// is one parallel region over their rows (_native_gemv.h), so the work splits across threads.
+
+#include <torch/extension.h>
+
+#include "_native_common.h"
+#include "_native_gemv.h"
+#include "_native_mixers.h"
+
+namespace decode_native {
+
+// down(act(gate(xn), up(xn))) with xn = x, or rms(x) w when a norm weight is given: [B, D] -> [B, D]
+Tensor mlp(const Tensor& x, const Optional& norm_w, double norm_eps, const Tensor& w_gate, const Tensor& w_up,
+           const Tensor& w_down, int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
+  const int64_t B = x.size(0), D = x.size(1);
+  check_rows(x, B, D, "x");
+  const Activation f = activation(act, beta, linear_beta);
+  const Weight gate = dense_weight(w_gate, D, "gate_proj"), up = dense_weight(w_up, D, "up_proj");
+  const Weight down = dense_weight(w_down, gate.N, "down_proj");
+  TORCH_CHECK(up.N == gate.N && down.N == D, "MLP shapes");
+  const float* xn = x.data_ptr<float>();
+  Buffer normed;
+  if (norm_w.has_value()) {
+    check_vector(*norm_w, D, "the norm's weight");
+    normed.resize(B * D);
+    for (int64_t r = 0; r < B; ++r)
+      rms_norm(xn + r * D, norm_w->data_ptr<float>(), static_cast<float>(norm_eps), D, normed.data() + r * D);
+    xn = normed.data();
+  }
+  Buffer g(B * gate.N), u(B * up.N);
+  Tensor out = rows_like(x, D);
+  project(xn, B, {{gate, g.data()}, {up, u.data()}});
+  float* gp = g.data();
+  const float* upp = u.data();
+  for (int64_t i = 0; i < B * gate.N; ++i) gp[i] = f(gp[i], upp[i]);
+  project(gp, B, {{down, out.data_ptr<float>()}});
+  return out;
+}
+
+// The k largest of values[0..n) (descending; ties to the lower index), as torch.topk picks them.
+std::vector<int64_t> top_k(const float* values, int64_t n, int64_t k) {
+  std::vector<int64_t> order(n);
+  for (int64_t i = 0; i < n; ++i) order[i] = i;
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&](int64_t a, int64_t b) { return values[a] > values[b] || (values[a] == values[b] && a < b); });
+  order.resize(k);
+  return order;
+}
+
+// Returns {xn [B, D], z [B, L] (xn without a down-projection), weights [B, k], indices [B, k] int64}.
+std::vector<Tensor> moe_route(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_router,
+                              const Tensor& bias, int64_t groups, int64_t topk_groups, int64_t k, bool renormalize,
+                              double scaling, const Optional& w_down) {
+  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
+  const int64_t B = x.size(0), D = x.size(1);
+  check_rows(x, B, D, "x");
+  check_vector(norm_w, D, "the norm's weight");
+  const Weight router = dense_weight(w_router, D, "the router's weight");
+  const int64_t E = router.N;
+  check_vector(bias, E, "e_score_correction_bias");
+  TORCH_CHECK(groups >= 1 && E % groups == 0 && 1 <= topk_groups && topk_groups <= groups && 1 <= k &&
+                  k <= E / groups * topk_groups,
+              "router: bad groups / top-k");
+  Tensor xn = rows_like(x, D);
+  Buffer scores_(B * E);
+  for (int64_t r = 0; r < B; ++r)
+    rms_norm(x.data_ptr<float>() + r * D, norm_w.data_ptr<float>(), static_cast<float>(norm_eps), D, xn.data_ptr<float>() + r * D);
+  std::vector<Job> jobs = {{router, scores_.data()}};
+  Tensor z = xn;
+  if (w_down.has_value()) {
+    const Weight down = dense_weight(*w_down, D, "routed_expert_down_proj");
+    z = rows_like(x, down.N);
+    jobs.push_back({down, z.data_ptr<float>()});
+  }
+  project(xn.data_ptr<float>(), B, jobs);
+  Tensor weights = torch::empty({B, k}, x.options()), indices = torch::empty({B, k}, x.options().dtype(torch::kInt64));
+  const int64_t per_group = E / groups;
+  std::vector<float> choice(E), group_score(groups);
+  for (int64_t r = 0; r < B; ++r) {
+    float* s = scores_.data() + r * E;
+    for (int64_t e = 0; e < E; ++e) choice[e] = (s[e] = sigmoid(s[e])) + bias.data_ptr<float>()[e];
+    if (groups > 1) {  // keep the best topk_groups groups, ranked by the sum of their top-2 choice scores
+      for (int64_t gi = 0; gi < groups; ++gi) {
+        const auto best = top_k(choice.data() + gi * per_group, per_group, 2);
+        group_score[gi] = choice[gi * per_group + best[0]] + choice[gi * per_group + best[1]];
+      }
+      std::vector<bool> keep(groups, false);
+      for (int64_t gi : top_k(group_score.data(), groups, topk_groups)) keep[gi] = true;
+      for (int64_t e = 0; e < E; ++e)
+        if (!keep[e / per_group]) choice[e] = -INFINITY;
+    }
+    const auto chosen = top_k(choice.data(), E, k);
+    float* w = weights.data_ptr<float>() + r * k;
+    float total = 0.0f;
+    for (int64_t j = 0; j < k; ++j) total += (w[j] = s[chosen[j]]);
+    for (int64_t j = 0; j < k; ++j) {
+      if (renormalize) w[j] = w[j] / (total + 1e-20f);
+      w[j] *= static_cast<float>(scaling);
+      indices.data_ptr<int64_t>()[r * k + j] = chosen[j];
+    }
+  }
+  return {xn, z, weights, indices};
+}
+
+// Row r's routed mixture sum_j weights[r, j] expert_{slots[r, j]}(z[r]) over the distinct experts given
+// (w1, w3 [m, L] and w2 [L, m] each: `dense` fp32, or `packed` + `scale` MXFP4), then the latent norm and
+// up-projection when given, plus the shared experts' MLP of xn when given: [B, D].
+Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, const std::vector<int64_t>& slots,
+                   const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
+                   const std::vector<Tensor>& scale, int64_t act, double beta, double linear_beta,
+                   const Optional& latent_norm_w, double latent_eps, const Optional& w_up,
+                   const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down) {
+  const int64_t B = z.size(0), L = z.size(1), k = weights.size(1);
+  check_rows(z, B, L, "z");
+  check_rows(weights, B, k, "weights");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B * k, "slots must hold B * k expert positions");
+  const bool is_packed = dense.empty();
+  const int64_t U = static_cast<int64_t>(is_packed ? packed.size() : dense.size()) / 3;
+  TORCH_CHECK(U >= 1 && (is_packed ? packed.size() == 3 * U && scale.size() == packed.size() : dense.size() == 3 * U),
+              "experts: (w1, w3, w2) of each distinct expert, fp32 in `dense` or MXFP4 in `packed` + `scale`");
+  std::vector<Weight> w(3 * U);
+  for (int64_t i = 0; i < 3 * U; ++i) {
+    const int64_t K = i % 3 == 2 ? (is_packed ? packed[i - 2].size(0) : dense[i - 2].size(0)) : L;
+    w[i] = is_packed ? packed_weight(packed[i], scale[i], K, "an expert's matrix") : dense_weight(dense[i], K, "an expert's matrix");
+    TORCH_CHECK(w[i].N == (i % 3 == 2 ? L : w[i - i % 3].N), "expert ", i / 3, ": w1/w3 must be [m, L], w2 [L, m]");
+  }
+  const int64_t* slot = slots.data();
+  std::vector<std::vector<int64_t>> pairs(U);  // per distinct expert, the pairs r * k + j that chose it
+  for (int64_t i = 0; i < B * k; ++i) {
+    TORCH_CHECK(0 <= slot[i] && slot[i] < U, "slots must index the experts given");
+    pairs[slot[i]].push_back(i);
+  }
+  const Activation f = activation(act, beta, linear_beta);
+  std::vector<float> per_pair(B * k * L);
+  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+    std::vector<float> rows, gate, up, down;
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t M = static_cast<int64_t>(pairs[u].size()), m = w[3 * u].N;
+      if (M == 0) continue;
+      rows.resize(M * L), gate.resize(M * m), up.resize(M * m), down.resize(M * L);
+      for (int64_t i = 0; i < M; ++i) std::copy_n(z.data_ptr<float>() + pairs[u][i] / k * L, L, rows.data() + i * L);
+      w[3 * u].rows(rows.data(), M, gate.data(), m, 0, m);
+      w[3 * u + 1].rows(rows.data(), M, up.data(), m, 0, m);
+      for (int64_t i = 0; i < M * m; ++i) gate[i] = f(gate[i], up[i]);
+      w[3 * u + 2].rows(gate.data(), M, down.data(), L, 0, L);
+      for (int64_t i = 0; i < M; ++i) std::copy_n(down.data() + i * L, L, per_pair.data() + pairs[u][i] * L);
+    }
+  });
+  Tensor mixed = torch::zeros({B, L}, z.options());
+  for (int64_t r = 0; r < B; ++r)
+    for (int64_t j = 0; j < k; ++j)
+      axpy(weights.data_ptr<float>()[r * k + j], per_pair.data() + (r * k + j) * L, L, mixed.data_ptr<float>() + r * L);
+  if (latent_norm_w.has_value()) {
+    check_vector(*latent_norm_w, L, "routed_expert_norm's weight");
+    float* mp = mixed.data_ptr<float>();
+    for (int64_t r = 0; r < B; ++r) rms_norm(mp + r * L, latent_norm_w->data_ptr<float>(), static_cast<float>(latent_eps), L, mp + r * L);
+  }
+  Tensor out = mixed;
+  if (w_up.has_value()) {
+    const Weight up = dense_weight(*w_up, L, "routed_expert_up_proj");
+    out = torch::empty({B, up.N}, z.options());
+    project(mixed.data_ptr<float>(), B, {{up, out.data_ptr<float>()}});
+  }
+  if (shared_gate.has_value()) {
+    TORCH_CHECK(shared_up.has_value() && shared_down.has_value(), "the shared experts need gate, up and down");
+    out = out + mlp(xn, std::nullopt, 0.0, *shared_gate, *shared_up, *shared_down, act, beta, linear_beta);
+  }
+  return out;
+}
+
+// sum_i p_i v_i over values [B, D] each, p = softmax_i(<v_i, w> / sqrt(mean(v_i^2) + eps)), w = norm_w * proj_w
+// (k3.model.attn_res.attn_res_read).
+Tensor attn_res_read(const std::vector<Tensor>& values, const Tensor& norm_w, const Tensor& proj_w, double eps) {
+  TORCH_CHECK(!values.empty(), "attn_res_read needs at least one value");
+  const int64_t D = values[0].size(-1), B = values[0].numel() / D, N = static_cast<int64_t>(values.size());
+  for (const Tensor& v : values) check_rows(v, B, D, "an AttnRes value");
+  check_vector(norm_w, D, "the AttnRes norm's weight");
+  check_vector(proj_w, D, "the AttnRes projection's weight");
+  std::vector<float> w(D), logits(N);
+  for (int64_t i = 0; i < D; ++i) w[i] = norm_w.data_ptr<float>()[i] * proj_w.data_ptr<float>()[i];
+  Tensor out = torch::zeros({B, D}, values[0].options());
+  for (int64_t r = 0; r < B; ++r) {
+    float top = -INFINITY, total = 0.0f;
+    for (int64_t n = 0; n < N; ++n) {
+      const float* v = values[n].data_ptr<float>() + r * D;
+      const float along = dot(v, w.data(), D), squares = dot(v, v, D);
+      logits[n] = along / std::sqrt(squares / static_cast<float>(D) + static_cast<float>(eps));
+      top = std::max(top, logits[n]);
+    }
+    for (int64_t n = 0; n < N; ++n) total += (logits[n] = std::exp(logits[n] - top));
+    for (int64_t n = 0; n < N; ++n) axpy(logits[n] / total, values[n].data_ptr<float>() + r * D, D, out.data_ptr<float>() + r * D);
+  }
+  return out;
+}
+
+// x [B, K] (rms-normalised first when a norm weight is given) times each fp32 matrix [N_i, K]: [B, N_i] each.
+std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double norm_eps,
+                                const std::vector<Tensor>& matrices) {
+  TORCH_CHECK(x.dim() == 2 && !matrices.empty(), "x must be [B, K], with at least one matrix");
+  const int64_t B = x.size(0), K = x.size(1);
+  check_rows(x, B, K, "x");
+  Tensor xn = x;
+  if (norm_w.has_value()) {
+    check_vector(*norm_w, K, "the norm's weight");
+    xn = rows_like(x, K);
+    for (int64_t r = 0; r < B; ++r)
+      rms_norm(x.data_ptr<float>() + r * K, norm_w->data_ptr<float>(), static_cast<float>(norm_eps), K, xn.data_ptr<float>() + r * K);
+  }
+  std::vector<Job> jobs;
+  std::vector<Tensor> outs;
+  for (const Tensor& m : matrices) {
+    const Weight w = dense_weight(m, K, "a matrix");
+    outs.push_back(rows_like(x, w.N));
+    jobs.push_back({w, outs.back().data_ptr<float>()});
+  }
+  project(xn.data_ptr<float>(), B, jobs);
+  return outs;
+}
+
+}  // namespace decode_native
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace decode_native;
+  namespace py = pybind11;
+  m.doc() = "k3 fused one-token decode kernels: a decoder layer's mixer, FFN, router and experts per call";
+  m.def("kda_mixer", &kda_mixer, "a KDA layer's update for one token per row, input norm included",
+        py::arg("x"), py::arg("norm_w"), py::arg("norm_eps"), py::arg("w_q"), py::arg("w_k"), py::arg("w_v"),
+        py::arg("conv_q"), py::arg("conv_k"), py::arg("conv_v"), py::arg("w_fa"), py::arg("w_fb"), py::arg("a_log"),
+        py::arg("dt_bias"), py::arg("lower_bound"), py::arg("w_b"), py::arg("w_gate"), py::arg("w_gate_b"),
+        py::arg("o_norm_w"), py::arg("o_norm_eps"), py::arg("w_o"), py::arg("tail_q"), py::arg("tail_k"),
+        py::arg("tail_v"), py::arg("state"), py::arg("l2_eps"), py::arg("scale"));
+  m.def("mla_mixer", &mla_mixer, "an MLA layer's update for one token per row (absorbed), writing its cache",
+        py::arg("x"), py::arg("norm_w"), py::arg("norm_eps"), py::arg("w_q"), py::arg("q_norm_w"), py::arg("w_q_b"),
+        py::arg("latent_eps"), py::arg("w_kv_a"), py::arg("kv_norm_w"), py::arg("w_kv_b"), py::arg("w_g"),
+        py::arg("w_o"), py::arg("latent"), py::arg("k_rope"), py::arg("lengths"), py::arg("heads"), py::arg("nope"),
+        py::arg("rope"), py::arg("v_dim"), py::arg("scale"));
+  m.def("mlp", &mlp, "down(act(gate(xn), up(xn))), xn = rms(x) norm_w if given", py::arg("x"), py::arg("norm_w"),
+        py::arg("norm_eps"), py::arg("w_gate"), py::arg("w_up"), py::arg("w_down"), py::arg("act"), py::arg("beta"),
+        py::arg("linear_beta"));
+  m.def("moe_route", &moe_route, "FFN norm, router and latent down-projection: (xn, z, weights, indices)",
+        py::arg("x"), py::arg("norm_w"), py::arg("norm_eps"), py::arg("w_router"), py::arg("bias"), py::arg("groups"),
+        py::arg("topk_groups"), py::arg("k"), py::arg("renormalize"), py::arg("scaling"), py::arg("w_down"));
+  m.def("moe_experts", &moe_experts, "the chosen experts, their mixture, latent norm, up-projection, shared experts",
+        py::arg("xn"), py::arg("z"), py::arg("weights"), py::arg("slots"), py::arg("dense"), py::arg("packed"),
+        py::arg("scale"), py::arg("act"), py::arg("beta"), py::arg("linear_beta"), py::arg("latent_norm_w"),
+        py::arg("latent_eps"), py::arg("w_up"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"));
+  m.def("attn_res_read", &attn_res_read, "an AttnRes read over the values [B, D] each", py::arg("values"),
+        py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));
+  m.def("project", &project_all, "x [B, K] (normalised if norm_w is given) times each matrix", py::arg("x"),
+        py::arg("norm_w"), py::arg("norm_eps"), py::arg("matrices"));
+  K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
+}

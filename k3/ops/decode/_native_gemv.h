@@ -1,0 +1,187 @@
+// What the fused decode-layer kernels (_native.cpp) are built from: weight matrices times a few vectors,
+// several matrices in one parallel region, and the small elementwise functions of a decoder layer.
+//
+// A decode step multiplies every weight matrix of the model by one vector per sequence: memory-bound work
+// that torch dispatches as hundreds of small `mm` calls. Here all the matrices that read the same input
+// (a KDA layer's q, k, v, f_a, beta and gate projections, say) share one `at::parallel_for` over their
+// rows, so a second thread halves the time of each group instead of waiting on tiny ops.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "mxfp4/_native_rows.h"
+
+namespace decode_native {
+
+using Tensor = torch::Tensor;
+using Optional = std::optional<Tensor>;
+using Buffer = std::vector<float>;  // a kernel's scratch (no aten op, unlike a Tensor)
+
+constexpr int64_t kRowBlock = 16;  // weight rows kept in cache while every vector of the batch reads them
+
+__attribute__((target("avx2,fma"))) inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += a[i] * b[i];
+  return mxfp4_rows::horizontal_sum(acc) + tail;
+}
+
+// y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1): four rows of W at a time (four memory streams
+// in flight, where one row at a time leaves the core waiting on one), each group read once for all B.
+__attribute__((target("avx2,fma"))) inline void dense_rows(const float* W, int64_t K, const float* x, int64_t B,
+                                                           float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t body = K - K % 8;
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const float* r0 = W + n * K;
+    const float* r1 = r0 + K;
+    const float* r2 = r1 + K;
+    const float* r3 = r2 + K;
+    for (int64_t b = 0; b < B; ++b) {
+      const float* xb = x + b * K;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < body; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(xb + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + i), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + i), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + i), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + i), xv, a3);
+      }
+      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
+      for (int64_t i = body; i < K; ++i) t0 += r0[i] * xb[i], t1 += r1[i] * xb[i], t2 += r2[i] * xb[i], t3 += r3[i] * xb[i];
+      float* yb = y + b * ldy + n;
+      yb[0] = mxfp4_rows::horizontal_sum(a0) + t0;
+      yb[1] = mxfp4_rows::horizontal_sum(a1) + t1;
+      yb[2] = mxfp4_rows::horizontal_sum(a2) + t2;
+      yb[3] = mxfp4_rows::horizontal_sum(a3) + t3;
+    }
+  }
+  for (; n < n1; ++n)
+    for (int64_t b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * K, K);
+}
+
+// A [N, K] matrix: fp32 (`dense`) or MXFP4 (`packed` [N, K/2] uint8 + `scale` [N, K/32] E8M0).
+struct Weight {
+  const float* dense = nullptr;
+  const uint8_t* packed = nullptr;
+  const uint8_t* scale = nullptr;
+  int64_t N = 0, K = 0;
+
+  // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
+  void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
+    if (dense != nullptr) {
+      dense_rows(dense, K, x, B, y, ldy, n0, n1);
+      return;
+    }
+    for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
+      const int64_t ne = std::min(n1, nb + kRowBlock);
+      for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
+        const int64_t r = std::min<int64_t>(mxfp4_rows::kMaxRows, B - r0);
+        mxfp4_rows::kGemvRows[r](x + r0 * K, packed, scale, K, ldy, y + r0 * ldy, nb, ne);
+      }
+    }
+  }
+};
+
+inline void check_vector(const Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu() && t.numel() == n,
+              name, " must be a contiguous float32 CPU tensor of ", n, " values, got ", t.sizes());
+}
+
+inline void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.device().is_cpu() && t.dim() >= 2 &&
+                  t.numel() == rows * cols && t.size(-1) == cols,
+              name, " must be a contiguous float32 CPU tensor of ", rows, " rows of ", cols, ", got ", t.sizes());
+}
+
+inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 2 &&
+                  w.size(1) == K,
+              name, " must be a contiguous float32 [N, ", K, "] CPU matrix, got ", w.sizes(), " ", w.scalar_type());
+  return {w.data_ptr<float>(), nullptr, nullptr, w.size(0), K};
+}
+
+inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kUInt8 &&
+                  packed.is_contiguous() && scale.is_contiguous() && packed.dim() == 2 && scale.dim() == 2 &&
+                  K % mxfp4_rows::kBlock == 0 && packed.size(1) * 2 == K && scale.size(0) == packed.size(0) &&
+                  scale.size(1) * mxfp4_rows::kBlock == K,
+              name, " must be MXFP4 [N, ", K / 2, "] + scales [N, ", K / mxfp4_rows::kBlock, "], got ",
+              packed.sizes(), " + ", scale.sizes());
+  return {nullptr, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), packed.size(0), K};
+}
+
+// y [B, W.N] = x [B, K] W^T for each job; the jobs share x.
+struct Job {
+  Weight w;
+  float* y;
+};
+
+// Every job's rows in one parallel region, split evenly (rows of one input cost the same). Tasks of at
+// least ~128 KiB of fp32 weights, so that small groups are not split.
+inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
+  int64_t total = 0;
+  for (const Job& job : jobs) total += job.w.N;
+  const int64_t K = jobs.front().w.K;
+  const int64_t grain = std::max<int64_t>(kRowBlock, 32768 / std::max<int64_t>(1, K));
+  at::parallel_for(0, total, grain, [&](int64_t r0, int64_t r1) {
+    int64_t base = 0;
+    for (const Job& job : jobs) {
+      const int64_t lo = std::max(r0, base), hi = std::min(r1, base + job.w.N);
+      if (lo < hi) job.w.rows(x, B, job.y, job.w.N, lo - base, hi - base);
+      base += job.w.N;
+    }
+  });
+}
+
+// y[i] += a * x[i]
+__attribute__((target("avx2,fma"))) inline void axpy(float a, const float* x, int64_t n, float* y) {
+  const __m256 va = _mm256_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w over n values (w null: no weight), as k3.model.norm.rms_norm.
+inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
+  float squares = 0.0f;
+  for (int64_t i = 0; i < n; ++i) squares += x[i] * x[i];
+  const float r = 1.0f / std::sqrt(squares / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = w != nullptr ? (x[i] * r) * w[i] : x[i] * r;
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
+
+// The gated activations of k3.model.activations: 0 SiLU-GLU silu(g) u, 1 SiTU b tanh(g/b) sigmoid(g) c tanh(u/c).
+struct Activation {
+  int64_t kind;
+  float beta, linear_beta;
+  float operator()(float g, float u) const {
+    const float s = sigmoid(g);
+    return kind == 0 ? g * s * u : beta * std::tanh(g / beta) * s * (linear_beta * std::tanh(u / linear_beta));
+  }
+};
+
+inline Activation activation(int64_t kind, double beta, double linear_beta) {
+  TORCH_CHECK(kind == 0 || kind == 1, "act must be 0 (SiLU-GLU) or 1 (SiTU)");
+  return {kind, static_cast<float>(beta), static_cast<float>(linear_beta)};
+}
+
+// [B, n] fp32 scratch of the batch's rows
+inline Tensor rows_like(const Tensor& x, int64_t n) { return torch::empty({x.size(0), n}, x.options()); }
+
+inline const float* ptr(const Optional& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
+
+}  // namespace decode_native

@@ -1,0 +1,212 @@
+// The two token mixers of a decoder layer for one token per sequence, each in one call, from the layer's
+// un-normalised input x [B, hidden] to its update [B, hidden] (k3/model/kda.py and k3/model/mla.py hold the
+// general forms these must equal).
+//
+// KDA:  xn = rms(x) w_in;  q, k, v, f_a, b, gate(_a) = projections of xn (one parallel region)
+//       f = f_b(f_a), gate = g_b(g_a) (low rank) or g_proj(xn);  q, k, v = silu(shortconv([tail; .]))
+//       g = lb sigmoid(e^A (f + dt)) (bounded) or -e^A softplus(f + dt);  beta = sigmoid(b)
+//       o, S' = delta-rule step of l2(q) scale, l2(k), v (k3/ops/kda/_native_decode.h), per head
+//       update = o_proj(rms_head(o) w_o * sigmoid(gate))
+// MLA (weight-absorbed):  xn = rms(x) w_in;  q = q_proj(xn) or q_b(rms(q_a(xn)));  c, k_r = kv_a(xn), c = rms(c)
+//       (c, k_r) written at position lengths[b] of the cache; per head over positions <= lengths[b]:
+//       p = softmax(((q_n W_k) c^T + q_r k_r^T) scale);  o = (p c) W_v^T (* sigmoid(g_proj xn));  o_proj(o)
+#pragma once
+
+#include "_native_gemv.h"
+#include "kda/_native_decode.h"
+
+namespace decode_native {
+
+inline float inverse_l2(const float* x, int64_t n, float eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  return 1.0f / std::sqrt(sum + eps);
+}
+
+// Returns {update [B, hidden], new tail_q, new tail_k, new tail_v, new state}; the inputs are not modified.
+inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_q,
+                                     const Tensor& w_k, const Tensor& w_v, const Tensor& conv_q,
+                                     const Tensor& conv_k, const Tensor& conv_v, const Tensor& w_fa,
+                                     const Tensor& w_fb, const Tensor& a_log, const Tensor& dt_bias,
+                                     std::optional<double> lower_bound, const Tensor& w_b, const Tensor& w_gate,
+                                     const Optional& w_gate_b, const Tensor& o_norm_w, double o_norm_eps,
+                                     const Tensor& w_o, const Tensor& tail_q, const Tensor& tail_k,
+                                     const Tensor& tail_v, const Tensor& state, double l2_eps, double scale) {
+  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
+  TORCH_CHECK(state.dim() == 4, "state must be [B, heads, K, V]");
+  const int64_t B = x.size(0), D = x.size(1);
+  const int64_t H = state.size(1), K = state.size(2), V = state.size(3), P = H * K, Pv = H * V;
+  const int64_t width = conv_q.size(-1) - 1, d = w_fa.size(0);
+  check_rows(x, B, D, "x");
+  check_vector(norm_w, D, "the input norm's weight");
+  check_rows(state, B * H * K, V, "state");
+  check_rows(conv_q, P, width + 1, "conv_q");
+  check_rows(conv_k, P, width + 1, "conv_k");
+  check_rows(conv_v, Pv, width + 1, "conv_v");
+  check_rows(tail_q, B * width, P, "tail_q");
+  check_rows(tail_k, B * width, P, "tail_k");
+  check_rows(tail_v, B * width, Pv, "tail_v");
+  check_vector(dt_bias, P, "dt_bias");
+  check_vector(o_norm_w, K, "o_norm's weight");
+  TORCH_CHECK(a_log.scalar_type() == torch::kFloat32 && a_log.is_contiguous() && a_log.numel() >= H,
+              "A_log must hold at least one float32 per head");
+  TORCH_CHECK(K == V, "the KDA kernel needs head_dim K == V");
+  const Weight q = dense_weight(w_q, D, "q_proj"), k = dense_weight(w_k, D, "k_proj");
+  const Weight v = dense_weight(w_v, D, "v_proj"), fa = dense_weight(w_fa, D, "f_a_proj");
+  const Weight fb = dense_weight(w_fb, d, "f_b_proj"), b = dense_weight(w_b, D, "b_proj");
+  const Weight ga = dense_weight(w_gate, D, "g_proj / g_a_proj");
+  const Weight o_proj = dense_weight(w_o, Pv, "o_proj");
+  TORCH_CHECK(q.N == P && k.N == P && v.N == Pv && fb.N == P && b.N == H && o_proj.N == D,
+              "projection shapes do not match the state's heads and head size");
+  const float eps = static_cast<float>(norm_eps);
+
+  Buffer xn(B * D);
+  for (int64_t r = 0; r < B; ++r) rms_norm(x.data_ptr<float>() + r * D, norm_w.data_ptr<float>(), eps, D, xn.data() + r * D);
+  Buffer yq(B * P), yk(B * P), yv(B * Pv), yfa(B * d);
+  Buffer yb(B * H), yga(B * ga.N), f(B * P), gb_out;
+  project(xn.data(), B, {{q, yq.data()}, {k, yk.data()}, {v, yv.data()},
+                                    {fa, yfa.data()}, {b, yb.data()}, {ga, yga.data()}});
+  project(yfa.data(), B, {{fb, f.data()}});
+  const float* gate = yga.data();  // [B, heads * V]
+  if (w_gate_b.has_value()) {
+    const Weight gb = dense_weight(*w_gate_b, ga.N, "g_b_proj");
+    TORCH_CHECK(gb.N == Pv, "g_b_proj must have heads * V rows");
+    gb_out.resize(B * Pv);
+    project(yga.data(), B, {{gb, gb_out.data()}});
+    gate = gb_out.data();
+  } else {
+    TORCH_CHECK(ga.N == Pv, "g_proj must have heads * V rows");
+  }
+
+  Buffer cq(B * P), ck(B * P), cv(B * Pv);
+  Tensor new_q = torch::empty_like(tail_q), new_k = torch::empty_like(tail_k), new_v = torch::empty_like(tail_v);
+  for (int64_t r = 0; r < B; ++r) {
+    kda_decode::short_conv(yq.data() + r * P, tail_q.data_ptr<float>() + r * width * P, conv_q.data_ptr<float>(),
+                           width, P, cq.data() + r * P, new_q.data_ptr<float>() + r * width * P);
+    kda_decode::short_conv(yk.data() + r * P, tail_k.data_ptr<float>() + r * width * P, conv_k.data_ptr<float>(),
+                           width, P, ck.data() + r * P, new_k.data_ptr<float>() + r * width * P);
+    kda_decode::short_conv(yv.data() + r * Pv, tail_v.data_ptr<float>() + r * width * Pv,
+                           conv_v.data_ptr<float>(), width, Pv, cv.data() + r * Pv,
+                           new_v.data_ptr<float>() + r * width * Pv);
+  }
+  Buffer o(B * Pv);
+  Tensor new_state = torch::empty_like(state);
+  const float* alog = a_log.data_ptr<float>();
+  const float* dt = dt_bias.data_ptr<float>();
+  const float l2 = static_cast<float>(l2_eps), s = static_cast<float>(scale), oeps = static_cast<float>(o_norm_eps);
+  at::parallel_for(0, B * H, 2, [&](int64_t z0, int64_t z1) {
+    std::vector<float> qn(K), kn(K), decay(K), kS(V), oh(V);
+    for (int64_t z = z0; z < z1; ++z) {
+      const int64_t r = z / H, h = z % H;
+      const float* cqz = cq.data() + r * P + h * K;
+      const float* ckz = ck.data() + r * P + h * K;
+      const float nq = inverse_l2(cqz, K, l2), nk = inverse_l2(ckz, K, l2);
+      const float rate = std::exp(alog[h]);
+      for (int64_t i = 0; i < K; ++i) {
+        qn[i] = cqz[i] * nq * s;
+        kn[i] = ckz[i] * nk;
+        const float fi = f.data()[r * P + h * K + i] + dt[h * K + i];
+        const float g = lower_bound.has_value() ? static_cast<float>(*lower_bound) * sigmoid(rate * fi)
+                                                : -rate * softplus(fi);
+        decay[i] = std::exp(g);
+      }
+      const float beta = sigmoid(yb.data()[r * H + h]);
+      kda_decode::delta_step(qn.data(), kn.data(), cv.data() + r * Pv + h * V, decay.data(), beta,
+                             state.data_ptr<float>() + z * K * V, K, V, oh.data(),
+                             new_state.data_ptr<float>() + z * K * V, kS.data());
+      float* out = o.data() + r * Pv + h * V;
+      rms_norm(oh.data(), o_norm_w.data_ptr<float>(), oeps, V, out);
+      const float* gz = gate + r * Pv + h * V;
+      for (int64_t j = 0; j < V; ++j) out[j] *= sigmoid(gz[j]);
+    }
+  });
+  Tensor update = rows_like(x, D);
+  project(o.data(), B, {{o_proj, update.data_ptr<float>()}});
+  return {update, new_q, new_k, new_v, new_state};
+}
+
+// Writes row b's latent and k_rope at position lengths[b] of the cache buffers (which must have room) and
+// returns the update [B, hidden]; the caller advances lengths.
+inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_q,
+                        const Optional& q_norm_w, const Optional& w_q_b, double latent_eps, const Tensor& w_kv_a,
+                        const Tensor& kv_norm_w, const Tensor& w_kv_b, const Optional& w_g, const Tensor& w_o,
+                        const Tensor& latent, const Tensor& k_rope, const Tensor& lengths, int64_t heads,
+                        int64_t nope, int64_t rope, int64_t v_dim, double scale) {
+  TORCH_CHECK(x.dim() == 2 && latent.dim() == 3 && k_rope.dim() == 3, "x must be [B, hidden], the cache [B, capacity, .]");
+  const int64_t B = x.size(0), D = x.size(1), cap = latent.size(1), L = latent.size(2), dq = nope + rope;
+  check_rows(x, B, D, "x");
+  check_vector(norm_w, D, "the input norm's weight");
+  check_vector(kv_norm_w, L, "kv_a_layernorm's weight");
+  check_rows(latent, B * cap, L, "the latent cache");
+  check_rows(k_rope, B * cap, rope, "the k_rope cache");
+  TORCH_CHECK(lengths.scalar_type() == torch::kInt64 && lengths.is_contiguous() && lengths.numel() == B,
+              "lengths must be [B] int64");
+  const int64_t* len = lengths.data_ptr<int64_t>();
+  for (int64_t r = 0; r < B; ++r) TORCH_CHECK(0 <= len[r] && len[r] < cap, "the cache has no room at position ", len[r]);
+  const Weight q = dense_weight(w_q, D, "q_proj / q_a_proj"), kv_a = dense_weight(w_kv_a, D, "kv_a_proj_with_mqa");
+  const Weight kv_b = dense_weight(w_kv_b, L, "kv_b_proj"), o_proj = dense_weight(w_o, heads * v_dim, "o_proj");
+  TORCH_CHECK(kv_a.N == L + rope && kv_b.N == heads * (nope + v_dim) && o_proj.N == D, "MLA projection shapes");
+  const float eps = static_cast<float>(norm_eps), leps = static_cast<float>(latent_eps);
+
+  Buffer xn(B * D);
+  for (int64_t r = 0; r < B; ++r) rms_norm(x.data_ptr<float>() + r * D, norm_w.data_ptr<float>(), eps, D, xn.data() + r * D);
+  Buffer yq(B * q.N), ykv(B * kv_a.N), yg;
+  std::vector<Job> jobs = {{q, yq.data()}, {kv_a, ykv.data()}};
+  if (w_g.has_value()) {
+    const Weight g = dense_weight(*w_g, D, "g_proj");
+    TORCH_CHECK(g.N == heads * v_dim, "g_proj must have heads * v_dim rows");
+    yg.resize(B * g.N);
+    jobs.push_back({g, yg.data()});
+  }
+  project(xn.data(), B, jobs);
+  if (w_q_b.has_value()) {  // low-rank queries: q_b(rms(q_a(xn)))
+    TORCH_CHECK(q_norm_w.has_value(), "q_a_layernorm's weight is needed with q_b_proj");
+    check_vector(*q_norm_w, q.N, "q_a_layernorm's weight");
+    const Weight qb = dense_weight(*w_q_b, q.N, "q_b_proj");
+    for (int64_t r = 0; r < B; ++r) rms_norm(yq.data() + r * q.N, q_norm_w->data_ptr<float>(), leps, q.N, yq.data() + r * q.N);
+    Buffer full(B * qb.N);
+    project(yq.data(), B, {{qb, full.data()}});
+    yq.swap(full);
+  }
+  TORCH_CHECK(static_cast<int64_t>(yq.size()) == B * heads * dq, "the queries must have heads * (nope + rope) values");
+  for (int64_t r = 0; r < B; ++r) {
+    const float* kv = ykv.data() + r * kv_a.N;
+    rms_norm(kv, kv_norm_w.data_ptr<float>(), leps, L, latent.data_ptr<float>() + (r * cap + len[r]) * L);
+    std::copy(kv + L, kv + L + rope, k_rope.data_ptr<float>() + (r * cap + len[r]) * rope);
+  }
+  Buffer o(B * heads * v_dim);
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * heads, 1, [&](int64_t z0, int64_t z1) {
+    std::vector<float> q_latent(L), o_latent(L), p, rope_scores;
+    for (int64_t z = z0; z < z1; ++z) {
+      const int64_t r = z / heads, h = z % heads, S = len[r] + 1;
+      const float* qz = yq.data() + r * heads * dq + h * dq;  // [nope | rope]
+      const float* wk = kv_b.dense + h * (nope + v_dim) * L;               // W_k [nope, L], then W_v [v_dim, L]
+      std::fill(q_latent.begin(), q_latent.end(), 0.0f);
+      for (int64_t i = 0; i < nope; ++i) axpy(qz[i], wk + i * L, L, q_latent.data());
+      const float* c = latent.data_ptr<float>() + r * cap * L;
+      const float* kr = k_rope.data_ptr<float>() + r * cap * rope;
+      p.resize(S);
+      rope_scores.resize(S);
+      dense_rows(c, L, q_latent.data(), 1, p.data(), S, 0, S);                    // (q_n W_k) . c_t
+      dense_rows(kr, rope, qz + nope, 1, rope_scores.data(), S, 0, S);            // q_r . k_r,t
+      float top = -INFINITY;
+      for (int64_t t = 0; t < S; ++t) top = std::max(top, p[t] = (p[t] + rope_scores[t]) * sc);
+      float total = 0.0f;
+      for (int64_t t = 0; t < S; ++t) total += (p[t] = std::exp(p[t] - top));
+      std::fill(o_latent.begin(), o_latent.end(), 0.0f);
+      for (int64_t t = 0; t < S; ++t) axpy(p[t] / total, c + t * L, L, o_latent.data());
+      float* oz = o.data() + r * heads * v_dim + h * v_dim;
+      dense_rows(wk + nope * L, L, o_latent.data(), 1, oz, v_dim, 0, v_dim);
+      if (w_g.has_value()) {
+        const float* gz = yg.data() + r * heads * v_dim + h * v_dim;
+        for (int64_t j = 0; j < v_dim; ++j) oz[j] *= sigmoid(gz[j]);
+      }
+    }
+  });
+  Tensor update = rows_like(x, D);
+  project(o.data(), B, {{o_proj, update.data_ptr<float>()}});
+  return update;
+}
+
+}  // namespace decode_native

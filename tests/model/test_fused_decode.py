@@ -1,0 +1,193 @@
+"""The fused decode step (k3.model.fused: each mixer and FFN of a layer in one native call, k3.ops.decode)
+equals the general path.
+
+References: the model's own modules run the general way (torch ops: KDAttention / MLAttention forward with
+a cache, the MoE's sorted dispatch, MLP, attn_res_read, F.linear), the whole model with
+`set_fast_decode(False)`, and transformers' Kimi Linear through it (tests/model/test_kimi_linear_parity.py
+ties k3 to it). Counters on the native module show that the fused kernels really ran (a silent fallback
+to the general path would pass every equality). 1e-5 relative to the largest value.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+
+import pytest
+import torch
+from kimi_linear_oracle import tiny_kimi_linear
+
+import k3.model.attn_res as attn_res_module
+import k3.model.fused as fused
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.attn_res import attn_res_read, attn_res_read_native
+from k3.model.cache import ModelCache
+from k3.model.routing import record_routing
+from k3.ops.decode.native import load_native
+
+needs_native = pytest.mark.skipif(
+    load_native() is None and os.environ.get("CI") != "true", reason="native kernels unavailable (k3 doctor)"
+)
+pytestmark = needs_native
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+class Counting:
+    """The native module, counting its calls by name."""
+
+    def __init__(self) -> None:
+        self.native, self.calls = load_native(), collections.Counter()
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            return getattr(self.native, name)(*args, **kwargs)
+
+        return call
+
+
+@pytest.fixture
+def counting(monkeypatch) -> Counting:
+    counter = Counting()
+    monkeypatch.setattr(fused, "load_native", lambda: counter)
+    monkeypatch.setattr(attn_res_module, "load_native", lambda: counter)
+    return counter
+
+
+def prefilled(model: K3ForCausalLM, lengths: list[int], seed: int) -> tuple[ModelCache, torch.Tensor]:
+    """Sequences of these lengths prefilled one by one and stacked (as the engine batches them), and the
+    next token of each [B, 1]."""
+    vocab = model.config.vocab_size
+    caches = []
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            caches.append(model.new_cache(1))
+            model(torch.randint(0, vocab, (1, n), generator=gen(seed + i)), caches[-1])
+    return ModelCache.stack(caches), torch.randint(0, vocab, (len(lengths), 1), generator=gen(seed + 99))
+
+
+@torch.no_grad()
+def decode(model: K3ForCausalLM, cache: ModelCache, token: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy-free decode: the logits of `steps` steps fed fixed tokens (token + step)."""
+    out = [model(token + t, cache) for t in range(steps)]
+    return torch.cat(out, dim=1)  # [B, steps, V]
+
+
+def fused_vs_general(model: K3ForCausalLM, lengths: list[int], steps: int = 4) -> tuple[float, float]:
+    cache, token = prefilled(model, lengths, seed=7)
+    general_cache, _ = prefilled(model, lengths, seed=7)
+    fast = decode(model.set_fast_decode(True), cache, token, steps)
+    general = decode(model.set_fast_decode(False), general_cache, token, steps)
+    model.set_fast_decode(True)
+    return rel(fast, general), general.abs().max().item()
+
+
+@pytest.mark.parametrize(
+    "preset,quantized,lengths",
+    [("tiny", None, [9]), ("tiny", False, [5, 12, 3]), ("mini", None, [5, 12, 3])],  # None: MXFP4 experts
+)
+def test_fused_step_equals_general_path(counting, preset, quantized, lengths):
+    cfg = K3Config.preset(preset)
+    layers = None if preset == "tiny" else 5  # mini: KDA, MLA at 3, a dense and MoE FFNs, an AttnRes block
+    model = K3ForCausalLM.from_config(cfg, seed=3, quantized_experts=quantized, num_layers=layers)
+    error, scale = fused_vs_general(model, lengths)
+    assert error <= 1e-5 and scale > 0.1
+    n = model.num_layers
+    kda = sum(1 for layer in model.model.layers if layer.self_attn.__class__.__name__ == "KDAttention")
+    moe = sum(1 for layer in model.model.layers if layer.is_moe)
+    per_step = {"kda_mixer": kda, "mla_mixer": n - kda, "moe_route": moe, "moe_experts": moe}
+    per_step |= {"mlp": n - moe, "project": 1}
+    steps = 4
+    assert {name: counting.calls[name] for name in per_step} == {k: v * steps for k, v in per_step.items()}
+    assert counting.calls["attn_res_read"] > 0  # K3's AttnRes reads, natively too
+
+
+@pytest.mark.parametrize("q_lora_rank,n_group", [(None, 1), (16, 2)])
+def test_fused_step_on_kimi_linear(tmp_path, counting, q_lora_rank, n_group):
+    """Kimi Linear: softplus gate, low-rank output gate, plain experts of the hidden state, no AttnRes, v
+    head 12 != qk head 24, grouped routing; loaded from transformers' save_pretrained."""
+    tiny_kimi_linear(q_lora_rank, n_group).save_pretrained(tmp_path)
+    model = K3ForCausalLM.from_pretrained(tmp_path)
+    error, scale = fused_vs_general(model, [10, 4])
+    assert error <= 1e-5 and scale > 0.1
+    assert counting.calls["kda_mixer"] == 3 * 4 and counting.calls["mla_mixer"] == 2 * 4
+    assert counting.calls["moe_experts"] == 4 * 4 and counting.calls["attn_res_read"] == 0
+
+
+def test_grouped_routing_and_a_non_default_l2_eps(counting):
+    cfg = dataclasses.replace(K3Config.preset("tiny"), num_expert_group=4, topk_group=2, kda_l2norm_eps=1e-2)
+    model = K3ForCausalLM.from_config(cfg, seed=5, quantized_experts=False)
+    error, _ = fused_vs_general(model, [6, 11])
+    assert error <= 1e-5
+    assert counting.calls["moe_route"] > 0 and counting.calls["kda_mixer"] > 0
+
+
+def test_fused_kernels_each_equal_their_module(counting):
+    """Layer by layer on one decode step: each fused update against the module's own general forward."""
+    cfg = K3Config.preset("tiny")
+    model = K3ForCausalLM.from_config(cfg, seed=11).set_fast_decode(False)
+    cache, _ = prefilled(model, [7, 3], seed=1)
+    reference, _ = prefilled(model, [7, 3], seed=1)
+    x = torch.randn(2, 1, cfg.hidden_size, generator=gen(2))
+    with torch.no_grad():
+        for layer, state, ref_state in zip(model.model.layers, cache.layers, reference.layers, strict=True):
+            got = fused.mixer_update(layer.input_layernorm, layer.self_attn, x, state)
+            want = layer.self_attn(layer.input_layernorm(x), ref_state)
+            assert got is not None and rel(got, want) <= 1e-5
+            got = fused.ffn_update(layer.post_attention_layernorm, layer.ffn, x)
+            want = layer.ffn(layer.post_attention_layernorm(x))
+            assert got is not None and rel(got, want) <= 1e-5
+        for fused_state, ref_state in zip(
+            cache.layers, reference.layers, strict=True
+        ):  # states advanced alike
+            if hasattr(ref_state, "lengths"):
+                assert torch.equal(fused_state.lengths, ref_state.lengths)
+                n = int(ref_state.lengths.max())
+                assert rel(fused_state.latent[:, :n], ref_state.latent[:, :n]) <= 1e-5
+                assert rel(fused_state.k_rope[:, :n], ref_state.k_rope[:, :n]) <= 1e-5
+            else:
+                assert rel(fused_state.recurrent, ref_state.recurrent) <= 1e-5
+                assert rel(fused_state.conv_v, ref_state.conv_v) <= 1e-5  # the last one: this step's v_proj
+        values = [torch.randn(2, 1, cfg.hidden_size, generator=gen(i)) for i in range(3)]
+        norm, proj = (
+            model.model.layers[2].self_attention_res_norm,
+            model.model.layers[2].self_attention_res_proj,
+        )
+        assert rel(attn_res_read_native(values, norm, proj), attn_res_read(values, norm, proj)) <= 1e-5
+        logits = fused.lm_head_logits(model.lm_head, x)
+        assert logits is not None and rel(logits, torch.nn.functional.linear(x, model.lm_head.weight)) <= 1e-5
+
+
+def test_general_path_with_gradients_or_recorded_routing(counting):
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0, quantized_experts=False)
+    cache, token = prefilled(model, [5], seed=3)
+    model(token, cache)  # grad enabled: no native call at all (the kernels have no backward)
+    assert sum(counting.calls.values()) == 0
+    with torch.no_grad(), record_routing(model) as trace:
+        model(token, cache)
+    assert counting.calls["moe_route"] == 0 and counting.calls["kda_mixer"] > 0  # routers' hooks: general MoE
+    assert all(trace.calls(layer) == 1 for layer in trace.layers)
+
+
+def test_a_dispatch_replaced_on_the_instance_is_used(counting):
+    """k3.dist's expert parallelism replaces `MoE.dispatch` on the instance: the fused MoE must use it."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0)
+    cache, token = prefilled(model, [5], seed=3)
+    seen = []
+    for layer in model.model.layers:
+        if layer.is_moe:
+            moe = layer.block_sparse_moe
+            object.__setattr__(moe, "dispatch", lambda *a, _d=moe.dispatch: seen.append(1) or _d(*a))
+    with torch.no_grad():
+        model(token, cache)
+    assert len(seen) == sum(layer.is_moe for layer in model.model.layers)
+    assert counting.calls["moe_route"] == 0 and counting.calls["kda_mixer"] > 0
