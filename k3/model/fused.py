@@ -233,6 +233,8 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         router.scaling,
         down,
     )
+    if moe.load_experts is not None:  # k3.model.on_demand: read the chosen experts not read yet
+        moe.load_experts(indices)
     chosen = indices.view(-1).tolist()
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}

@@ -7,13 +7,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 from k3.checkpoint import open_checkpoint
 from k3.checkpoint.mirror import PAGE, Ranges
 from k3.checkpoint.remote import RemoteOptions
 from k3.checkpoint.serve import RangeServer
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, fused
 from k3.model.loading import match_layout, model_name
 from k3.model.on_demand import expert_of, experts_on_demand
 from k3.model.routing import record_routing
@@ -118,12 +119,17 @@ def test_url_load_reads_dense_bytes_then_exactly_the_chosen_experts(checkpoints,
         assert server.bytes_served == 0
 
 
-def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path):
-    """Prefill, then one-token steps (the fused one-token expert path) with experts arriving as chosen."""
+@pytest.mark.parametrize("dtype", [None, torch.float32])
+def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path, monkeypatch, dtype):
+    """Prefill, then one-token steps with experts arriving as chosen: the one-token expert path (stored
+    dtype) and the fused layer step (fp32, k3.model.fused), which must fetch its chosen experts too."""
+    fused_moe = []
+    general = fused.moe_update
+    monkeypatch.setattr(fused, "moe_update", lambda *a: fused_moe.append(out := general(*a)) or out)
     ckpt_dir = checkpoints("k3ish")
-    local = K3ForCausalLM.from_pretrained(ckpt_dir)
+    local = K3ForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
     with RangeServer(ckpt_dir) as server, torch.no_grad():
-        remote = K3ForCausalLM.from_pretrained(server.url, mirror_dir=tmp_path)
+        remote = K3ForCausalLM.from_pretrained(server.url, mirror_dir=tmp_path, dtype=dtype)
         caches = local.new_cache(), remote.new_cache()
         ids = torch.tensor([[3, 1, 4, 1, 5]])
         for _ in range(4):
@@ -131,3 +137,5 @@ def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path):
             assert torch.equal(a, b)
             ids = a[:, -1:].argmax(-1)
     assert not list(tmp_path.iterdir())  # the mirror files are unnamed: nothing left in the folder
+    if dtype is torch.float32:
+        assert fused_moe and all(out is not None for out in fused_moe)  # the fused step ran every time
