@@ -275,4 +275,5 @@ def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:
     if native is None:
         return None
     B = h.shape[0]
-    return native.project(h.reshape(B, -1), None, 0.0, [_tensor(lm_head, "weight")])[0].view(B, 1, -1)
+    x = h.reshape(B, -1).contiguous()  # [B, hidden]; h may be the last position of a longer prefill
+    return native.project(x, None, 0.0, [_tensor(lm_head, "weight")])[0].view(B, 1, -1)
