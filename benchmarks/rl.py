@@ -23,9 +23,9 @@ RESULTS = Path(__file__).parent / "results"
 RUNS = RESULTS / "_rl_runs"
 
 
-def method_args(method: str) -> list[str]:
+def method_args(method: str, partial_budget: int) -> list[str]:
     if method == "k2_partial":
-        return ["--loss", "k2", "--partial-budget", "2"]
+        return ["--loss", "k2", "--partial-budget", str(partial_budget)]
     return ["--loss", method]
 
 
@@ -42,7 +42,7 @@ def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
         "--init",
         a.base,
         "--task",
-        "arithmetic",
+        a.task,
         "--digits",
         str(a.digits),
     ]
@@ -58,7 +58,7 @@ def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
     ]
     cmd += ["--max-batch", str(a.prompts * a.samples)]
     cmd += ["--eval-every", str(a.eval_every), "--held-out", str(a.held_out), "--threads", "1", "--quiet"]
-    cmd += method_args(method)
+    cmd += method_args(method, a.partial_budget)
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return out
 
@@ -71,7 +71,9 @@ def read(path: Path) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="policy folder from `k3 rl sft`")
+    p.add_argument("--task", default="arithmetic", help="a `k3 rl --task`, e.g. arithmetic@long")
     p.add_argument("--digits", type=int, default=2)
+    p.add_argument("--partial-budget", type=int, default=2, help="tokens per iteration of k2_partial")
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=16)
