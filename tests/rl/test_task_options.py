@@ -32,3 +32,23 @@ def test_digits_reach_arithmetic_in_a_mixture_and_other_parts_ignore_them():
 def test_plain_tasks_unchanged():
     assert operand_lengths([p.prompt for p in task_of(RLConfig(digits=2, held_out=20)).held_out(0)]) == {2}
     assert task_of(RLConfig(task="sort", digits=2, held_out=20)).max_tokens == 5 + 4
+
+
+def test_sft_command_passes_each_option_to_its_field(monkeypatch, tmp_path):
+    """`k3 rl sft --threads 1` once set the held-out set to 1 problem (positional arguments out of step
+    with SFTConfig), so its eval_acc column read 0 or 1."""
+    from typer.testing import CliRunner
+
+    import k3.rl.sft
+    from k3.rl.commands import rl_app
+
+    seen = []
+    monkeypatch.setattr(k3.rl.sft, "sft", lambda sc, on_step=None: seen.append(sc) or tmp_path)
+    args = ["sft", "--task", "arithmetic@long", "--out", str(tmp_path), "--steps", "7", "--batch-size", "5"]
+    args += ["--lr", "0.25", "--digits", "2", "--seed", "3", "--eval-every", "4", "--threads", "1"]
+    result = CliRunner().invoke(rl_app, args)
+    assert result.exit_code == 0, result.output
+    sc = seen[0]
+    assert (sc.task, sc.out, sc.steps, sc.batch_size, sc.lr) == ("arithmetic@long", str(tmp_path), 7, 5, 0.25)
+    assert (sc.warmup, sc.digits, sc.seed, sc.eval_every, sc.threads) == (7, 2, 3, 4, 1)
+    assert sc.held_out == k3.rl.sft.SFTConfig().held_out
