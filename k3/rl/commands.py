@@ -127,8 +127,19 @@ def sft(
     from k3.rl.sft import SFTConfig
     from k3.rl.sft import sft as run_sft
 
-    sc = SFTConfig(init=init, task=task, out=str(out), steps=steps, batch_size=batch_size, lr=lr,
-                   warmup=min(20, steps), digits=digits, seed=seed, eval_every=eval_every, threads=threads)  # fmt: skip
+    sc = SFTConfig(
+        init=init,
+        task=task,
+        out=str(out),
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup=min(20, steps),
+        digits=digits,
+        seed=seed,
+        eval_every=eval_every,
+        threads=threads,
+    )
     try:
         run = run_sft(sc, on_step=lambda row: print(row) if row.get("eval_acc") else None)
     except K3Error as e:
