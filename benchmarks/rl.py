@@ -23,9 +23,9 @@ RESULTS = Path(__file__).parent / "results"
 RUNS = RESULTS / "_rl_runs"
 
 
-def method_args(method: str) -> list[str]:
+def method_args(method: str, partial_budget: int) -> list[str]:
     if method == "k2_partial":
-        return ["--loss", "k2", "--partial-budget", "2"]
+        return ["--loss", "k2", "--partial-budget", str(partial_budget)]
     return ["--loss", method]
 
 
@@ -42,7 +42,7 @@ def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
         "--init",
         a.base,
         "--task",
-        "arithmetic",
+        a.task,
         "--digits",
         str(a.digits),
     ]
@@ -58,20 +58,23 @@ def run(name: str, method: str, seed: int, a: argparse.Namespace) -> Path:
     ]
     cmd += ["--max-batch", str(a.prompts * a.samples)]
     cmd += ["--eval-every", str(a.eval_every), "--held-out", str(a.held_out), "--threads", "1", "--quiet"]
-    cmd += method_args(method)
+    cmd += method_args(method, a.partial_budget)
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return out
 
 
-def read(path: Path) -> list[dict]:
+def read(path: Path, at: int = 0) -> list[dict]:
+    """A run's log rows (iteration 0, the base, first), up to iteration `at` (0: all)."""
     with (path / "log.csv").open(newline="") as f:
-        return list(csv.DictReader(f))
+        return [r for r in csv.DictReader(f) if not at or int(r["step"]) <= at]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--base", required=True, help="policy folder from `k3 rl sft`")
+    p.add_argument("--task", default="arithmetic", help="a `k3 rl --task`, e.g. arithmetic@long")
     p.add_argument("--digits", type=int, default=2)
+    p.add_argument("--partial-budget", type=int, default=2, help="tokens per iteration of k2_partial")
     p.add_argument("--iterations", type=int, default=16)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--samples", type=int, default=16)
@@ -87,23 +90,37 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=3)
     p.add_argument("--name", default="rl", help="results: NAME.csv, NAME.png, _rl_runs/NAME/")
     p.add_argument("--replot", action="store_true", help="only redraw NAME.png from the run folders")
+    p.add_argument("--summary", action="store_true", help="only rewrite NAME.csv and NAME.png (no runs)")
+    p.add_argument("--at", type=int, default=0, help="with --summary: each log up to this iteration")
+    p.add_argument("--load", default="", help="with --summary: the load column's text")
     a = p.parse_args()
     jobs = [(f"{m}_s{s}", m, int(s)) for s in a.seeds.split(",") for m in a.methods.split(",")]
-    if a.replot:
-        plot(jobs, [RUNS / a.name / name for name, _, _ in jobs], RESULTS / f"{a.name}.png")
+    if a.replot or a.summary:
+        outs = [RUNS / a.name / name for name, _, _ in jobs]
+        if a.summary:
+            summarise(jobs, outs, a.name, a.load, a.at)
+        plot(jobs, outs, RESULTS / f"{a.name}.png", a.at)
         return
     load_before = os.getloadavg()
     with ThreadPoolExecutor(a.jobs) as pool:
         outs = list(pool.map(lambda j: run(*j, a), jobs))
     after = os.getloadavg()
     load = f"{load_before[0]:.1f}/{load_before[1]:.1f} -> {after[0]:.1f}/{after[1]:.1f}"
+    summarise(jobs, outs, a.name, load)
+    plot(jobs, outs, RESULTS / f"{a.name}.png")
+
+
+def summarise(jobs, outs, name: str, load: str, at: int = 0) -> None:
+    """NAME.csv: one row per run (held-out accuracy before and after, samples, time, reward per second)
+    of its log up to iteration `at` (0: all of it)."""
     rows = []
-    for (name, method, seed), out in zip(jobs, outs, strict=True):
-        log = read(out)
+    for (name_, method, seed), out in zip(jobs, outs, strict=True):
+        log = read(out, at)
+        last5 = log[1:][-5:]
         evals = [r for r in log if r["eval_acc"]]
         rows.append(
             {
-                "run": name,
+                "run": name_,
                 "method": method,
                 "seed": seed,
                 "eval_acc_before": evals[0]["eval_acc"],
@@ -114,18 +131,17 @@ def main() -> None:
                 "train_score_first3": sum(float(r["score"] or 0) for r in log[1:4]) / 3,
                 "samples": log[-1]["samples"],
                 "elapsed_s": log[-1]["elapsed_s"],
-                "mean_train_score_last5": sum(float(r["score"] or 0) for r in log[-5:]) / len(log[-5:]),
+                "mean_train_score_last5": sum(float(r["score"] or 0) for r in last5) / len(last5),
                 "max_logprob_diff": max(float(r["logprob_diff_max"] or 0) for r in log[1:]),
                 "mean_expert_flips": sum(float(r["expert_flips"] or 0) for r in log[1:]) / (len(log) - 1),
                 "reward_per_s": reward_sum(log) / float(log[-1]["elapsed_s"]),
                 "load_1m_5m": load,
             }
         )
-    with (RESULTS / f"{a.name}.csv").open("w", newline="") as f:
+    with (RESULTS / f"{name}.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    plot(jobs, outs, RESULTS / f"{a.name}.png")
     for r in rows:
         print(r)
 
@@ -139,7 +155,7 @@ def reward_sum(log: list[dict]) -> float:
     return total
 
 
-def plot(jobs, outs, path: Path) -> None:
+def plot(jobs, outs, path: Path, at: int = 0) -> None:
     """Held-out accuracy, greedy and sampled, per iteration (mean over seeds, thin lines: each seed); the
     reward of the samples trained on, summed, against wall-clock seconds (each run)."""
     from k3.train.plot import _pyplot
@@ -148,7 +164,7 @@ def plot(jobs, outs, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     methods = list(dict.fromkeys(m for _, m, _ in jobs))
     colors = dict(zip(methods, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
-    logs = {name: read(out) for (name, _, _), out in zip(jobs, outs, strict=True)}
+    logs = {name: read(out, at) for (name, _, _), out in zip(jobs, outs, strict=True)}
     for column, ax in (("eval_acc", axes[0]), ("eval_sampled", axes[1])):
         for m in methods:
             runs = [

@@ -128,7 +128,17 @@ def sft(
     from k3.rl.sft import sft as run_sft
 
     sc = SFTConfig(
-        init, task, str(out), steps, batch_size, lr, min(20, steps), digits, seed, eval_every, threads
+        init=init,
+        task=task,
+        out=str(out),
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        warmup=min(20, steps),
+        digits=digits,
+        seed=seed,
+        eval_every=eval_every,
+        threads=threads,
     )
     try:
         run = run_sft(sc, on_step=lambda row: print(row) if row.get("eval_acc") else None)
