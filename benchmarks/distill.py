@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--prompts", type=int, default=16, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--warmup", type=int, default=DistillConfig.warmup, help="optimizer steps of lr warm-up")
+    ap.add_argument("--divergence", default="reverse", help="on-policy GKD: reverse (beta 1) or forward KL")
     ap.add_argument("--sampled", action="store_true", help="on-policy with the sampled-token estimate")
     ap.add_argument("--held-out", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
@@ -104,11 +106,14 @@ def main() -> None:
     )  # fmt: skip
     base = str(out / "teachers" / "base" / "policy")
     common = dict(
-        student=base, teachers=specs, iterations=args.iterations, lr=args.lr, held_out=args.held_out,
-        eval_every=args.eval_every, eval_samples=16, digits=args.digits, threads=args.threads,
+        student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
+        held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
+        threads=args.threads,
     )  # fmt: skip
     per_method = {
-        "on-policy": dict(prompts=args.prompts, samples=1, full_vocab=not args.sampled),
+        "on-policy": dict(
+            prompts=args.prompts, samples=1, full_vocab=not args.sampled, divergence=args.divergence
+        ),
         "off-policy": dict(prompts=args.prompts, samples=1),
         "rl": dict(prompts=args.prompts // 2, samples=2),
         "average": dict(prompts=args.prompts, samples=1),
