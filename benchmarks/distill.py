@@ -90,6 +90,8 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=60)
     ap.add_argument("--prompts", type=int, default=16, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--cosine", action="store_true", help="cosine decay of the lr after the warm-up")
+    ap.add_argument("--minibatches", type=int, default=1, help="optimizer steps per iteration")
     ap.add_argument("--warmup", type=int, default=DistillConfig.warmup, help="optimizer steps of lr warm-up")
     ap.add_argument("--divergence", default="reverse", help="on-policy GKD: reverse (beta 1) or forward KL")
     ap.add_argument("--sampled", action="store_true", help="on-policy with the sampled-token estimate")
@@ -107,6 +109,7 @@ def main() -> None:
     base = str(out / "teachers" / "base" / "policy")
     common = dict(
         student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
+        minibatches=args.minibatches, cosine=args.cosine,
         held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
         threads=args.threads,
     )  # fmt: skip

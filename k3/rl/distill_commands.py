@@ -48,6 +48,9 @@ def distill(
     warmup: Annotated[
         int, typer.Option(help="Optimizer steps of linear learning-rate warm-up (0: none).")
     ] = D.warmup,
+    cosine: Annotated[
+        bool, typer.Option(help="After the warm-up, a cosine decay of the rate to 0 at the last iteration.")
+    ] = D.cosine,
     optimizer: Annotated[str, typer.Option(help="adamw or sgd.")] = D.optimizer,
     minibatches: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = D.minibatches,
     grad_clip: Annotated[float, typer.Option(help="Max gradient norm (0: no clipping).")] = D.grad_clip,

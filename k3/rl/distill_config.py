@@ -26,6 +26,7 @@ class DistillConfig:
     samples: int = 4  # K per prompt
     lr: float = 1e-3
     warmup: int = 10  # optimizer steps of linear learning-rate warm-up (0: none), as `k3 rl`'s
+    cosine: bool = False  # after the warm-up, decay to 0 over the run's iterations x minibatches steps
     optimizer: str = "adamw"  # adamw | sgd
     minibatches: int = 1
     grad_clip: float = 1.0
