@@ -3,7 +3,7 @@ fine-tuned on the mixture of all tasks, then one specialist per task and effort)
 distilled from all of them on-policy, against off-policy distillation (SFT on the teachers' samples) at
 about equal teacher tokens, RL on all tasks at once at equal samples, and the teachers' averaged weights.
 
-    nice -n 10 python benchmarks/distill.py --out runs/distill-exp [--iterations 60 ...]
+    nice -n 10 python benchmarks/distill.py --out runs/distill-exp [--only M] [--iterations 200 ...]
 
 Writes OUT/teachers/ (base + specialists), OUT/{on-policy,off-policy,rl,average}/ (run folders),
 benchmarks/results/distill.csv (one row per model: held-out accuracy per task, teacher tokens, elapsed
@@ -87,12 +87,17 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="SFT steps per specialist, from the base")
     ap.add_argument("--sft-lr", type=float, default=1e-2)
     ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--iterations", type=int, default=60)
-    ap.add_argument("--prompts", type=int, default=16, help="per domain per iteration (rl: half, K = 2)")
+    ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=64, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--rl-lr", type=float, default=1e-3, help="--method rl's (at 1e-2 it collapsed)")
+    ap.add_argument("--constant", action="store_true", help="no cosine decay of the lr after the warm-up")
+    ap.add_argument("--minibatches", type=int, default=4, help="optimizer steps per iteration")
+    ap.add_argument("--warmup", type=int, default=DistillConfig.warmup, help="optimizer steps of lr warm-up")
+    ap.add_argument("--divergence", default="forward", help="on-policy GKD: reverse (beta 1) or forward KL")
     ap.add_argument("--sampled", action="store_true", help="on-policy with the sampled-token estimate")
     ap.add_argument("--held-out", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--only", default="", help="one of teachers, on-policy, off-policy, rl, average, table")
@@ -104,19 +109,23 @@ def main() -> None:
     )  # fmt: skip
     base = str(out / "teachers" / "base" / "policy")
     common = dict(
-        student=base, teachers=specs, iterations=args.iterations, lr=args.lr, held_out=args.held_out,
-        eval_every=args.eval_every, eval_samples=16, digits=args.digits, threads=args.threads,
+        student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
+        minibatches=args.minibatches, cosine=not args.constant,
+        held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
+        threads=args.threads,
     )  # fmt: skip
     per_method = {
-        "on-policy": dict(prompts=args.prompts, samples=1, full_vocab=not args.sampled),
+        "on-policy": dict(
+            prompts=args.prompts, samples=1, full_vocab=not args.sampled, divergence=args.divergence
+        ),
         "off-policy": dict(prompts=args.prompts, samples=1),
-        "rl": dict(prompts=args.prompts // 2, samples=2),
+        "rl": dict(prompts=args.prompts // 2, samples=2, lr=args.rl_lr),
         "average": dict(prompts=args.prompts, samples=1),
     }
     for method in METHODS:
         if args.only in ("", method):
             began = time.time()
-            dc = DistillConfig(method=method, out=str(out / method), **common, **per_method[method])
+            dc = DistillConfig(method=method, out=str(out / method), **{**common, **per_method[method]})
             train_distill(dc, on_iteration=lambda r, m=method: print(m, r, flush=True))
             print(f"{method}: {time.time() - began:.0f} s wall, load {os.getloadavg()}", flush=True)
     if args.only not in ("", "table"):

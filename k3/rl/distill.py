@@ -17,7 +17,9 @@ so grad L = -(1 / n) sum_t w_t A_t grad log pi_theta(x_t), n the number of sampl
 the task's verifiable reward, minus its mean over the K samples of the prompt, is added to every token's
 advantage. For small vocabularies `reverse_kl_full` is the exact alternative (GKD with beta = 1): the
 full-vocabulary KL(pi_student || pi_teacher) at every sampled context, differentiated through the
-student's whole distribution.
+student's whole distribution; `forward_kl_full` (GKD with beta = 0) is KL(pi_teacher || pi_student) at the
+same student-sampled contexts: its gradient q - p pulls up every token the teacher likes, also those the
+student gives almost no mass (where the reverse KL's gradient, q (log q - log p - KL), vanishes).
 
 Scoring is one batched teacher-forced forward per teacher over the student's own tokens (k3.rl.policy's
 packing), each sample scored by exactly its domain's teacher. Teachers are loaded once, in eval mode,
@@ -293,9 +295,19 @@ def reverse_kl_full(student_dist: torch.Tensor, teacher_dist: torch.Tensor) -> t
     return (student_dist.exp() * (student_dist - teacher_dist)).sum(-1)
 
 
-def gkd_loss(student_dist: torch.Tensor, teacher_dist: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """GKD with beta = 1: the full-vocabulary reverse KL averaged over the sampled contexts."""
-    kl = reverse_kl_full(student_dist, teacher_dist.detach())
+def forward_kl_full(student_dist: torch.Tensor, teacher_dist: torch.Tensor) -> torch.Tensor:
+    """[N, T, V] log-distributions -> [N, T] KL(teacher || student), i.e.
+    sum_v p_t(v) (log p_t(v) - log p_s(v))."""
+    return (teacher_dist.exp() * (teacher_dist - student_dist)).sum(-1)
+
+
+def gkd_loss(
+    student_dist: torch.Tensor, teacher_dist: torch.Tensor, mask: torch.Tensor, divergence: str = "reverse"
+) -> torch.Tensor:
+    """GKD: the full-vocabulary reverse KL (beta = 1) or forward KL (`divergence="forward"`, beta = 0)
+    averaged over the sampled contexts; the teacher is a constant."""
+    kl_full = reverse_kl_full if divergence == "reverse" else forward_kl_full
+    kl = kl_full(student_dist, teacher_dist.detach())
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 

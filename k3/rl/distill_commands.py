@@ -45,6 +45,12 @@ def distill(
     prompts: Annotated[int, typer.Option(help="New prompts per domain per iteration.")] = D.prompts,
     samples: Annotated[int, typer.Option(help="Samples per prompt (K).")] = D.samples,
     lr: Annotated[float, typer.Option(help="Learning rate (0 allowed: checks).")] = D.lr,
+    warmup: Annotated[
+        int, typer.Option(help="Optimizer steps of linear learning-rate warm-up (0: none).")
+    ] = D.warmup,
+    cosine: Annotated[
+        bool, typer.Option(help="After the warm-up, a cosine decay of the rate to 0 at the last iteration.")
+    ] = D.cosine,
     optimizer: Annotated[str, typer.Option(help="adamw or sgd.")] = D.optimizer,
     minibatches: Annotated[int, typer.Option(help="Optimizer steps per iteration.")] = D.minibatches,
     grad_clip: Annotated[float, typer.Option(help="Max gradient norm (0: no clipping).")] = D.grad_clip,
@@ -61,6 +67,9 @@ def distill(
     full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
         D.full_vocab
     ),
+    divergence: Annotated[
+        str, typer.Option(help="With --full-vocab: reverse (GKD beta = 1) or forward KL (beta = 0).")
+    ] = D.divergence,
     eval_every: Annotated[int, typer.Option(help="Iterations between held-out evaluations.")] = D.eval_every,
     held_out: Annotated[int, typer.Option(help="Held-out problems per task (greedy accuracy).")] = D.held_out,
     eval_samples: Annotated[

@@ -25,6 +25,8 @@ class DistillConfig:
     prompts: int = 8  # new prompts per domain per iteration
     samples: int = 4  # K per prompt
     lr: float = 1e-3
+    warmup: int = 10  # optimizer steps of linear learning-rate warm-up (0: none), as `k3 rl`'s
+    cosine: bool = False  # after the warm-up, decay to 0 over the run's iterations x minibatches steps
     optimizer: str = "adamw"  # adamw | sgd
     minibatches: int = 1
     grad_clip: float = 1.0
@@ -33,6 +35,7 @@ class DistillConfig:
     is_high: float = 2.0
     alpha_reward: float = 0.0
     full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
+    divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
     eval_every: int = 5
     held_out: int = 100
     eval_samples: int = 16  # held-out prompts per domain sampled for eval_rkl_<teacher>
@@ -61,12 +64,17 @@ class DistillConfig:
             bad("temperature", f"must be > 0, got {self.temperature}")
         if not 0 <= self.is_low <= 1 <= self.is_high:
             bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
-        if self.lr < 0:
-            bad("lr", f"must be >= 0, got {self.lr}")
+        for name in ("lr", "warmup"):
+            if getattr(self, name) < 0:
+                bad(name, f"must be >= 0, got {getattr(self, name)}")
         if self.minibatches > self.prompts * self.samples:
             bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
+        if self.divergence not in ("reverse", "forward"):
+            bad("divergence", f"reverse or forward, got {self.divergence!r}")
+        if self.divergence == "forward" and not self.full_vocab:
+            bad("divergence", "forward needs --full-vocab (the teacher's whole distribution)")
         if self.method == "rl" and self.full_vocab:
             bad("full_vocab", "not with --method rl (no teacher scores its samples)")
         if self.method == "rl" and self.samples < 2:

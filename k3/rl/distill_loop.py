@@ -118,6 +118,20 @@ def _optimizer(model, dc: DistillConfig):
     return build_optimizer(model, "adamw", dc.lr, 0.0, (0.9, 0.95))
 
 
+def learning_rate(dc: DistillConfig, step: int) -> float:
+    """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps,
+    as `k3 rl`'s (k3.rl.trainer.learning_rate: a fresh AdamW's first update moves every weight by the full
+    learning rate, whatever the gradient); then constant, or with `cosine` a half cosine from `lr` at the
+    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists)."""
+    if step < dc.warmup:
+        return dc.lr * (step + 1) / dc.warmup
+    if not dc.cosine:
+        return dc.lr
+    total = dc.iterations * dc.minibatches
+    progress = min(1.0, (step - dc.warmup + 1) / max(1, total - dc.warmup))
+    return dc.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], list, list[str]]:
     """(trajectories, their problems, their domains): `prompts` per domain, K samples each."""
     trajs, problems, domain_of = [], [], []
@@ -165,7 +179,10 @@ def _evaluate(engine, setup: Setup, dc: DistillConfig) -> dict:
     return row
 
 
-def _step(model, optimizer, dc: DistillConfig, loss: torch.Tensor) -> float:
+def _step(model, optimizer, dc: DistillConfig, loss: torch.Tensor, step: int) -> float:
+    """One update, the optimizer's `step`-th (0-based; its learning rate from the warm-up)."""
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate(dc, step)
     loss.backward()
     norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), dc.grad_clip or math.inf))
     optimizer.step()
@@ -173,8 +190,9 @@ def _step(model, optimizer, dc: DistillConfig, loss: torch.Tensor) -> float:
     return norm
 
 
-def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, domain_of) -> dict:
-    """Score, then `minibatches` updates (rows m, m + M, ... so each mixes the domains); the log figures."""
+def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, problems, domain_of) -> dict:
+    """Score, then `minibatches` updates (rows m, m + M, ... so each mixes the domains; the optimizer's
+    (it x minibatches)-th update first); the log figures."""
     model, codec = setup.model, setup.codec
     teacher_of = [setup.domains[d] for d in domain_of]
     rewards = torch.zeros(len(trajs))
@@ -203,11 +221,11 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, doma
         n = packed.mask.shape[1]
         if dc.full_vocab:
             student_dist = log_distributions(model, packed, dc.temperature)
-            loss = gkd_loss(student_dist, scores.teacher_dist[rows, :n], packed.mask)
+            loss = gkd_loss(student_dist, scores.teacher_dist[rows, :n], packed.mask, dc.divergence)
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)
-        norm = _step(model, optimizer, dc, loss)
+        norm = _step(model, optimizer, dc, loss, it * dc.minibatches + m)
         losses.append(float(loss.detach()))
     row.update(loss=repr(sum(losses) / len(losses)), grad_norm=f"{norm:.6g}")
     for name in setup.tasks:
@@ -216,8 +234,8 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, doma
     return row
 
 
-def _off_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, domain_of) -> dict:
-    """Fine-tune on the teachers' samples: cross-entropy over their answer tokens."""
+def _off_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, problems, domain_of) -> dict:
+    """Fine-tune on the teachers' samples: cross-entropy over their answer tokens (`minibatches` updates)."""
     model, codec = setup.model, setup.codec
     losses, norm = [], 0.0
     for m in range(dc.minibatches):
@@ -225,7 +243,7 @@ def _off_policy(setup: Setup, optimizer, dc: DistillConfig, trajs, problems, dom
         packed = pack([trajs[i] for i in rows])
         logp = token_logprobs(model, packed, 1.0)
         loss = -(logp * packed.mask).sum() / packed.mask.sum().clamp(min=1)
-        norm = _step(model, optimizer, dc, loss)
+        norm = _step(model, optimizer, dc, loss, it * dc.minibatches + m)
         losses.append(float(loss.detach()))
     row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
     for name, task in setup.tasks.items():
@@ -287,12 +305,12 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
             trajs, problems, domain_of = _batch(dc, setup, it)
             if dc.method in ("on-policy", "rl"):
                 tokens = _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
-                row = _on_policy(setup, optimizer, dc, trajs, problems, domain_of)
+                row = _on_policy(setup, optimizer, dc, it, trajs, problems, domain_of)
                 counters["student_tokens"] += tokens
                 counters["teacher_tokens"] += tokens if dc.method == "on-policy" else 0
             else:
                 tokens = _generate(teacher_engines, setup, trajs, domain_of, dc)
-                row = _off_policy(setup, optimizer, dc, trajs, problems, domain_of)
+                row = _off_policy(setup, optimizer, dc, it, trajs, problems, domain_of)
                 counters["teacher_tokens"] += tokens
             counters["samples"] += len(trajs)
             engine.load_weights(model.state_dict(), it + 1)
@@ -300,7 +318,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
                 row.update(_evaluate(engine, setup, dc))
             spent = time.perf_counter() - began
             elapsed += spent
-            row.update(step=it + 1, lr=repr(dc.lr), **counters)
+            row.update(step=it + 1, lr=repr(learning_rate(dc, (it + 1) * dc.minibatches - 1)), **counters)
             row.update(tokens_per_s=f"{tokens / spent:.1f}", elapsed_s=f"{elapsed:.3f}")
             writer.writerow(row)
             log_file.flush()

@@ -19,6 +19,7 @@ from k3.rl.distill import (
     average_weights,
     check_vocabularies,
     distill_loss,
+    forward_kl_full,
     gkd_loss,
     parse_teacher,
     reverse_kl_full,
@@ -123,6 +124,22 @@ def test_full_vocabulary_reverse_kl_brute_force():
     q = torch.softmax(z.detach(), -1)
     kl = float((q * (q.log() - teacher.log())).sum())
     assert torch.allclose(z.grad, q * (q.log() - teacher.log() - kl), atol=1e-14, rtol=0)
+
+
+def test_full_vocabulary_forward_kl_brute_force():
+    """GKD beta = 0: KL(teacher || student) vs the sum over the vocabulary; its gradient in the student's
+    logits is q - p (q = softmax(z), p the teacher), also where the student gives a token almost no mass."""
+    student = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    teacher = torch.tensor([0.1, 0.2, 0.3, 0.4], dtype=torch.float64)
+    brute = sum(float(p) * math.log(float(p) / float(q)) for q, p in zip(student, teacher, strict=True))
+    got = forward_kl_full(student.log()[None, None], teacher.log()[None, None])
+    assert abs(float(got[0, 0]) - brute) < 1e-15
+    z = torch.tensor([0.3, -1.0, 2.0, -30.0], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 1, dtype=torch.float64)
+    gkd_loss(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], mask, "forward").backward()
+    q = torch.softmax(z.detach(), -1)
+    assert torch.allclose(z.grad, q - teacher, atol=1e-14, rtol=0)
+    assert float(z.grad[3]) < -0.39  # the token the student nearly never samples is pulled up by ~p
 
 
 class _Counting(torch.nn.Module):
