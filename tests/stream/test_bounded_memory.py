@@ -190,10 +190,11 @@ def test_streaming_and_url_loading_fit_a_limit_eager_reading_does_not(big, check
 
 
 def wide_config() -> K3Config:
-    """3 KDA layers (the 2nd and 3rd MoE) of hidden size 64, with 2 routed experts of 1,024 hidden units,
-    both chosen by every token, and no shared expert: a checkpoint of < 1 MB whose ordinary forward on a
-    long prompt runs each expert on every token at once ([T, 1024] activations, several of them), where
-    the streamed one runs it EXPERT_ROWS tokens at a time."""
+    """KDA, KDA, MLA (the 2nd and 3rd layer MoE) of hidden size 64, with 2 routed experts of 1,024 hidden
+    units, both chosen by every token, and no shared expert: a checkpoint of < 1 MB whose ordinary forward
+    on a long prompt runs each expert on every token at once ([T, 1024] activations, several of them),
+    where the streamed one runs it EXPERT_ROWS tokens at a time. The MLA layer checks that the streamed
+    mixer keeps no [chunk, T] attention masks (they took it to +379 MiB at 32,768 tokens)."""
     raw = json.loads(json.dumps(K3Config.preset("tiny").to_dict()))
     text = raw["text_config"]
     text.update(
@@ -204,13 +205,13 @@ def wide_config() -> K3Config:
         moe_intermediate_size=1024,
         max_position_embeddings=65536,
     )
-    text["linear_attn_config"].update(kda_layers=[1, 2, 3], full_attn_layers=[])
+    text["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
     return K3Config.from_dict(raw)
 
 
 def test_long_prompt_activations_fit_a_limit_the_ordinary_forward_does_not(checkpoints, tmp_path):
     """From a local disk: one 32,768-token prompt whose ordinary forward needs over 3x the limit (measured
-    outside a cgroup: +703 MiB over the warmed-up process) is OOM-killed; streamed (+123 MiB measured) it
+    outside a cgroup: +703 MiB over the warmed-up process) is OOM-killed; streamed (+124 MiB measured) it
     fits, within the bound, with the ordinary forward's logits (computed here, outside the cgroup)."""
     assert swap_is_off(), "swap would let the ordinary path page out instead of failing"
     wide = tmp_path / "wide"
