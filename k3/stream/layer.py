@@ -76,12 +76,15 @@ def run_mixer(
 
     Without a state and within one chunk this is exactly the first half of `K3DecoderLayer.forward`
     (`mixer_input`, `self_attn`, `ffn_input`);
-    longer prompts go through the mixer `chunk_tokens` at a time, carrying a state from chunk to chunk.
+    longer prompts go through the mixer `chunk_tokens` at a time, carrying a state from chunk to chunk:
+    KDA always, MLA only with a state (generating). Chunk by chunk, MLA's attention takes a [chunk, S]
+    mask, which grows with the prompt; without a cache one causal pass keeps it out (torch's fused kernel,
+    memory linear in T, as the ordinary forward).
     """
     h = layer.mixer_input(stream)  # [1, T, H]
     T = h.shape[1]
-    if state is None and T > chunk_tokens:
-        state = new_state(cfg, layer.index)
+    if state is None and T > chunk_tokens and cfg.layer_plan[layer.index].mixer is Mixer.KDA:
+        state = new_state(cfg, layer.index)  # MLA without a cache: one causal pass, no [chunk, S] masks
     if state is None:
         mixed = layer.self_attn(h)
     else:

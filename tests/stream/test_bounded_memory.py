@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ from k3.checkpoint import open_checkpoint, save_checkpoint
 from k3.checkpoint.serve import RangeServer
 from k3.config import K3Config
 from k3.layout import published_tensors
-from k3.model.init import _generator, draw
+from k3.model import K3ForCausalLM
+from k3.model.init import _generator, draw, init_checkpoint
 from k3.stream.bound import memory_bound
 from k3.stream.cgroup import MemoryCgroup, drop_page_cache, swap_is_off
 from k3.stream.plan import StreamPlan
@@ -42,7 +45,7 @@ assert return_freed_memory()  # as `k3 stream` does
 from k3.model import K3ForCausalLM
 from k3.stream.api import stream_logits
 from k3.stream.runner import StreamOptions
-prompts, options = json.loads(prompts), StreamOptions(**json.loads(options))
+prompts, options = json.load(open(prompts)), StreamOptions(**json.loads(options))  # prompts: a file
 stream_logits(warm, [[1, 2, 3]], options)  # warm both paths up: kernels, allocator, imports
 with torch.no_grad():
     K3ForCausalLM.from_pretrained(warm)(torch.tensor([[1, 2, 3]]))
@@ -123,11 +126,18 @@ def big(tmp_path_factory) -> Path:
 
 
 def run_in_cgroup(
-    mode: str, source: str, warm: Path, prompts: list[list[int]], mirror: Path | None = None
+    mode: str,
+    source: str,
+    warm: Path,
+    prompts: list[list[int]],
+    mirror: Path | None = None,
+    allowance: int = ALLOWANCE,
 ) -> tuple[int, dict | None, int]:
     cgroup = MemoryCgroup.create()
     if cgroup is None:
         pytest.skip("no memory cgroup can be created here (needs root and the memory controller)")
+    prompts_file = Path(tempfile.mkdtemp()) / "prompts.json"  # a long prompt exceeds one argument's limit
+    prompts_file.write_text(json.dumps(prompts))
     try:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "K3_TEST_MIRROR": str(mirror)}
         args = [
@@ -138,14 +148,15 @@ def run_in_cgroup(
             source,
             str(cgroup.path),
             json.dumps(cgroup.files),
-            str(ALLOWANCE),
+            str(allowance),
         ]
-        args += [str(warm), json.dumps(prompts), json.dumps(OPTIONS)]
+        args += [str(warm), str(prompts_file), json.dumps(OPTIONS)]
         done = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
         result = json.loads(done.stdout.splitlines()[-1]) if done.returncode == 0 else None
         return done.returncode, result, cgroup.oom_kills()
     finally:
         cgroup.remove()
+        shutil.rmtree(prompts_file.parent)
 
 
 def test_streaming_and_url_loading_fit_a_limit_eager_reading_does_not(big, checkpoints, tmp_path):
@@ -176,3 +187,51 @@ def test_streaming_and_url_loading_fit_a_limit_eager_reading_does_not(big, check
     assert local["logits"] == remote["logits"]
     streamed, loaded = torch.tensor(remote["logits"]), torch.tensor(ordinary["logits"])
     assert (streamed - loaded).abs().max() <= 2e-5 * streamed.abs().max()
+
+
+def wide_config() -> K3Config:
+    """KDA, KDA, MLA (the 2nd and 3rd layer MoE) of hidden size 64, with 2 routed experts of 1,024 hidden
+    units, both chosen by every token, and no shared expert: a checkpoint of < 1 MB whose ordinary forward
+    on a long prompt runs each expert on every token at once ([T, 1024] activations, several of them),
+    where the streamed one runs it EXPERT_ROWS tokens at a time. The MLA layer checks that the streamed
+    mixer keeps no [chunk, T] attention masks (they took it to +379 MiB at 32,768 tokens)."""
+    raw = json.loads(json.dumps(K3Config.preset("tiny").to_dict()))
+    text = raw["text_config"]
+    text.update(
+        num_hidden_layers=3,
+        num_experts=2,
+        num_experts_per_token=2,
+        num_shared_experts=0,
+        moe_intermediate_size=1024,
+        max_position_embeddings=65536,
+    )
+    text["linear_attn_config"].update(kda_layers=[1, 2], full_attn_layers=[3])
+    return K3Config.from_dict(raw)
+
+
+def test_long_prompt_activations_fit_a_limit_the_ordinary_forward_does_not(checkpoints, tmp_path):
+    """From a local disk: one 32,768-token prompt whose ordinary forward needs over 3x the limit (measured
+    outside a cgroup: +703 MiB over the warmed-up process) is OOM-killed; streamed (+124 MiB measured) it
+    fits, within the bound, with the ordinary forward's logits (computed here, outside the cgroup)."""
+    assert swap_is_off(), "swap would let the ordinary path page out instead of failing"
+    wide = tmp_path / "wide"
+    init_checkpoint(wide_config(), wide, seed=0)
+    allowance = 208 * 2**20
+    prompt = torch.randint(0, 1000, (32768,), generator=torch.Generator().manual_seed(0)).tolist()
+    with open_checkpoint(wide) as ckpt:
+        bound = memory_bound(StreamPlan(ckpt), StreamOptions(**OPTIONS), [prompt])
+    assert bound["total"] + 16 * 2**20 <= allowance
+    warm = checkpoints("tiny")
+    drop_page_cache(wide)
+    rc, streamed, kills = run_in_cgroup("stream", str(wide), warm, [prompt], allowance=allowance)
+    assert rc == 0 and kills == 0
+    peak = streamed["peak"] - streamed["baseline"]
+    print(f"limit +{allowance / 2**20:.0f} MiB: streamed peak +{peak / 2**20:.1f} MiB,")
+    print(f"bound (MiB) { {k: round(v / 2**20, 1) for k, v in bound.items()} }")
+    assert peak <= bound["total"] + 16 * 2**20  # + allocator slack
+    rc, ordinary, kills = run_in_cgroup("ordinary", str(wide), warm, [prompt], tmp_path, allowance)
+    assert rc != 0 and ordinary is None and kills >= 1  # OOM-killed: the limit binds
+    with torch.no_grad():
+        reference = K3ForCausalLM.from_pretrained(wide)(torch.tensor([prompt]))[0, -1]
+    logits = torch.tensor(streamed["logits"])[0]
+    assert (logits - reference).abs().max() <= 2e-5 * reference.abs().max()
