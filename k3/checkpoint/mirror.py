@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from k3.checkpoint.remote import HttpSource
-from k3.checkpoint.source import check_range
+from k3.checkpoint.source import check_range, release_mapping
 
 PAGE = mmap.PAGESIZE
 PIECE = 2 * 2**20  # bytes per request: at most `parallel` pieces are in anonymous memory at once
@@ -120,12 +120,7 @@ class MirroredSource:
         return self._remote.read_owned(offset, length)
 
     def close(self) -> None:
-        """Drop the mapping and the file; tensors read keep the mapping alive until they go."""
-        self._view.release()
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # tensors still point into the mapping
-                pass
-            self._map = None
+        """Drop the mapping (see `release_mapping`) and the file."""
+        release_mapping(self._view, self._map)
+        self._map = None
         self._file.close()

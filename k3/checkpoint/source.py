@@ -47,6 +47,17 @@ PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14+ (not in Python 3.11's mmap module)
 
 
+def release_mapping(view: memoryview, mapping: mmap.mmap | None) -> None:
+    """Release a source's view and close its mapping. Tensors already read keep their pages alive: the
+    mapping is then released by the garbage collector when the last of them goes, instead of here."""
+    view.release()
+    if mapping is not None:
+        try:
+            mapping.close()
+        except BufferError:  # tensors still point into the mapping
+            pass
+
+
 def _pages(offset: int, length: int, size: int) -> tuple[int, int]:
     """[offset, offset + length) rounded out to whole pages, within the file."""
     return offset // PAGE * PAGE, min(-(-(offset + length) // PAGE) * PAGE, size)
@@ -114,12 +125,6 @@ class LocalSource:
             self._map.madvise(mmap.MADV_DONTNEED, start, stop - start)
 
     def close(self) -> None:
-        """Drop the mapping. Tensors already read keep their pages alive: the mapping is then released
-        by the garbage collector when the last of them goes, instead of here."""
-        self._view.release()
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # tensors still point into the mapping
-                pass
-            self._map = None
+        """Drop the mapping (see `release_mapping`)."""
+        release_mapping(self._view, self._map)
+        self._map = None
