@@ -25,10 +25,10 @@ PTX_STREAM = 10**6  # random streams PTX_STREAM + step: far from the iterations'
 PTX_WINDOW = 64  # characters per text window
 
 
-def ptx_batch(rc: RLConfig, task: Task, codec: CharCodec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) [B, L] of optimizer step `step`; labels IGNORE where no loss is taken."""
+def ptx_text(rc: RLConfig, codec: CharCodec) -> list[int] | None:
+    """The ids of the `ptx_data` text file, read and checked once per run; None for the task's answers."""
     if rc.ptx_data == "task":
-        return sft_batch(task.problems(rc.seed, PTX_STREAM + step, rc.ptx_batch), codec)
+        return None
     path = Path(rc.ptx_data)
     try:
         ids = codec.encode(path.read_text())
@@ -38,9 +38,19 @@ def ptx_batch(rc: RLConfig, task: Task, codec: CharCodec, step: int) -> tuple[to
         raise RLError(
             f"--ptx-data {rc.ptx_data}: {len(ids)} characters, fewer than a window of {PTX_WINDOW + 1}"
         )
+    return ids
+
+
+def ptx_batch(
+    rc: RLConfig, task: Task, codec: CharCodec, step: int, text: list[int] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) [B, L] of optimizer step `step`; labels IGNORE where no loss is taken. `text`:
+    `ptx_text`'s ids, or None for the task's reference answers."""
+    if text is None:
+        return sft_batch(task.problems(rc.seed, PTX_STREAM + step, rc.ptx_batch), codec)
     rng = np.random.default_rng([rc.seed, PTX_STREAM + step])
-    starts = rng.integers(0, len(ids) - PTX_WINDOW, size=rc.ptx_batch)
-    rows = torch.tensor([ids[s : s + PTX_WINDOW + 1] for s in starts])  # [B, W + 1]
+    starts = rng.integers(0, len(text) - PTX_WINDOW, size=rc.ptx_batch)
+    rows = torch.tensor([text[s : s + PTX_WINDOW + 1] for s in starts])  # [B, W + 1]
     return rows[:, :-1], rows[:, 1:]
 
 

@@ -201,6 +201,11 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
     if not model.routers() and rc.routing_replay:
         raise RLError("--routing-replay: the model has no MoE layers")
     codec = CharCodec(model.config.vocab_size)
+    ptx_ids = None  # the PTX text file's ids, read once
+    if rc.ptx_coef:
+        from k3.rl.ptx import ptx_text
+
+        ptx_ids = ptx_text(rc, codec)
     model.config.save(run / "config.json")
     optimizer = _optimizer(model, rc)
     start, pool, problems, samples_done, elapsed = 0, [], {}, 0, 0.0
@@ -249,7 +254,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
                 "buffered": len(pool),
             }
             if groups:
-                row.update(_train_on(model, optimizer, rc, task, codec, groups, problems, version))
+                row.update(_train_on(model, optimizer, rc, task, codec, groups, problems, version, ptx_ids))
                 samples_done += len(groups) * rc.samples
                 for g in groups:
                     problems.pop(g[0].group)
@@ -279,7 +284,7 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
 
 
 def _train_on(
-    model, optimizer, rc: RLConfig, task: Task, codec: CharCodec, groups, problems, version
+    model, optimizer, rc: RLConfig, task: Task, codec: CharCodec, groups, problems, version, ptx_ids
 ) -> dict:
     """Grade, check consistency, update; the log row's figures."""
     trajs = [t for g in groups for t in g]
@@ -300,7 +305,8 @@ def _train_on(
         from k3.rl.ptx import ptx_batch, ptx_loss
 
         def ptx(n: int) -> torch.Tensor:
-            return rc.ptx_coef * ptx_loss(model, *ptx_batch(rc, task, codec, version * rc.minibatches + n))
+            step = version * rc.minibatches + n
+            return rc.ptx_coef * ptx_loss(model, *ptx_batch(rc, task, codec, step, ptx_ids))
 
     loss, norm = update(
         model, optimizer, rc, groups, rewards, scores, version, old_logp.detach(), first_step, ptx

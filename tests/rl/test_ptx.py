@@ -11,7 +11,7 @@ from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.rl.codec import CharCodec
 from k3.rl.config import RLConfig, RLError
-from k3.rl.ptx import PTX_STREAM, PTX_WINDOW, ptx_batch
+from k3.rl.ptx import PTX_STREAM, PTX_WINDOW, ptx_batch, ptx_text
 from k3.rl.rollout import Trajectory
 from k3.rl.tasks import Problem, make_task
 from k3.rl.trainer import _train_on
@@ -26,7 +26,7 @@ def _step(model, rc: RLConfig, task, codec: CharCodec) -> dict[str, torch.Tensor
                           [-1.0] * 3, [0] * 3, "stop", 1) for k in range(2)] for g in range(2)]  # fmt: skip
     before = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    row = _train_on(model, optimizer, rc, task, codec, groups, problems, 0)
+    row = _train_on(model, optimizer, rc, task, codec, groups, problems, 0, None)  # PTX from the task
     assert row["score"] == "0.500000"
     return {k: v - before[k] for k, v in model.state_dict().items()}
 
@@ -65,19 +65,14 @@ def test_ptx_text_windows_and_bad_data(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 5)
     rc = RLConfig(ptx_data=str(text), ptx_batch=4, seed=1)
-    inputs, labels = ptx_batch(rc, task, codec, 7)
+    inputs, labels = ptx_batch(rc, task, codec, 7, ptx_text(rc, codec))
     assert inputs.shape == labels.shape == (4, PTX_WINDOW)
     assert torch.equal(inputs[:, 1:], labels[:, :-1])  # next character
     ids = codec.encode(text.read_text())
     row = inputs[0].tolist()
     assert any(ids[i : i + PTX_WINDOW] == row for i in range(len(ids)))  # a window of the file
-    assert torch.equal(ptx_batch(rc, task, codec, 7)[0], inputs)  # a pure function of the step
+    assert torch.equal(ptx_batch(rc, task, codec, 7, ptx_text(rc, codec))[0], inputs)  # pure in the step
     for bad in (str(tmp_path / "missing.txt"), "short"):
         (tmp_path / "short").write_text("abc")
         with pytest.raises(RLError, match="--ptx-data"):
-            ptx_batch(
-                dataclasses.replace(rc, ptx_data=str(tmp_path / bad) if bad == "short" else bad),
-                task,
-                codec,
-                0,
-            )
+            ptx_text(dataclasses.replace(rc, ptx_data=str(tmp_path / bad) if bad == "short" else bad), codec)
