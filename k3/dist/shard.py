@@ -14,8 +14,6 @@ only, under their global names (`experts.<id>.`). Calling one is a bug: the expe
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -23,8 +21,7 @@ from k3.config import K3Config
 from k3.dist.planner import home_of
 from k3.model import K3ForCausalLM
 from k3.model.moe import MoE, RoutedExpert
-
-_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.")
+from k3.model.on_demand import expert_of as layer_expert_of
 
 
 class RemoteExpert(nn.Module):
@@ -40,13 +37,13 @@ class RemoteExpert(nn.Module):
 
 def is_expert_name(name: str) -> bool:
     """Whether a model tensor name is a routed expert's (sharded) rather than a replicated one's."""
-    return _EXPERT.search(name) is not None
+    return layer_expert_of(name) is not None
 
 
 def expert_of(name: str) -> int | None:
     """The expert id in a routed expert's tensor name, else None."""
-    m = _EXPERT.search(name)
-    return int(m.group(1)) if m else None
+    found = layer_expert_of(name)
+    return None if found is None else found[1]
 
 
 def moe_layers(model: nn.Module) -> list[MoE]:
