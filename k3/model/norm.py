@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.ops.decode.native import load_native
+
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`x.to(dtype)` without the op when x already has it (the same tensor either way; saves a dispatch)."""
@@ -38,7 +40,44 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-CONVERT_ROWS_ELEMENTS = 1 << 24  # weights above 16 M elements are converted to the compute dtype in slices
+CONVERT_ROWS_ELEMENTS = 1 << 24  # with autograd, weights above 16 M elements are converted in slices
+CONVERT_BLOCK_ELEMENTS = 1 << 21  # without: weights pass through one 8 MB fp32 block, refilled slice by slice
+# Up to this many rows of fp32 input, a BF16 weight is multiplied in place by the native kernel (read as fp32
+# in registers: 2 bytes a weight from memory, no converted copy); above, converting blocks + torch's GEMM win.
+NATIVE_BF16_ROWS = 64
+
+
+def _native_bf16(x: torch.Tensor, w: torch.Tensor):
+    """The native module when it can multiply x [..., K] fp32 by the BF16 weight w in place; else None."""
+    if w.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if x.numel() > NATIVE_BF16_ROWS * w.shape[1] or not w.is_contiguous():
+        return None
+    return load_native()
+
+
+def _converted_in_slices(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T with W converted to x's dtype by torch ops (differentiable): whole, or a slice of output rows
+    at a time for a big weight (a BF16 lm_head, say), so that the converted copy never exists whole."""
+    if w.numel() <= CONVERT_ROWS_ELEMENTS:
+        return F.linear(x, w.to(x.dtype))
+    rows = max(1, CONVERT_ROWS_ELEMENTS // w.shape[1])
+    return torch.cat([F.linear(x, w[i : i + rows].to(x.dtype)) for i in range(0, w.shape[0], rows)], dim=-1)
+
+
+def _converted_in_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x W^T without autograd: slices of W converted into one reused block (a new converted copy per call
+    would be a fresh allocation, which the kernel hands over page by page, each time), each block's GEMM
+    written into its columns of the output."""
+    N, K = w.shape
+    rows = max(1, min(N, CONVERT_BLOCK_ELEMENTS // K))
+    block = torch.empty(rows, K, dtype=x.dtype)  # [rows, K]
+    out = x.new_empty(*x.shape[:-1], N)  # [..., N]
+    for i in range(0, N, rows):
+        part = block[: min(rows, N - i)]
+        part.copy_(w[i : i + rows])
+        out[..., i : i + part.shape[0]] = F.linear(x, part)
+    return out
 
 
 class Linear(nn.Linear):
@@ -55,11 +94,9 @@ class Linear(nn.Linear):
         w = self.weight
         if w.dtype == x.dtype:
             return F.linear(x, w)
-        if w.numel() <= CONVERT_ROWS_ELEMENTS:
-            return F.linear(x, w.to(x.dtype))
-        # a big weight in another dtype (a BF16 lm_head with fp32 compute, say): convert it a slice of
-        # output rows at a time, so the converted copy never exists whole
-        rows = max(1, CONVERT_ROWS_ELEMENTS // w.shape[1])
-        return torch.cat(
-            [F.linear(x, w[i : i + rows].to(x.dtype)) for i in range(0, w.shape[0], rows)], dim=-1
-        )
+        if torch.is_grad_enabled():
+            return _converted_in_slices(x, w)
+        if (native := _native_bf16(x, w)) is not None:
+            rows = x.reshape(-1, w.shape[1]).contiguous()  # [B, K]
+            return native.project(rows, None, 0.0, [w])[0].view(*x.shape[:-1], w.shape[0])
+        return _converted_in_blocks(x, w)

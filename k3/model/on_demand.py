@@ -53,8 +53,10 @@ class ExpertsOnDemand:
         self._tensors = tensors
         self._lock = threading.Lock()
         layers = {layer for layer, _ in tensors}
+        self._moes = {}  # layer -> its MoE, while some of its experts are not read
         for layer in model.model.layers:  # type: ignore[union-attr]
             if layer.index in layers:
+                self._moes[layer.index] = layer.block_sparse_moe
                 layer.block_sparse_moe.load_experts = lambda indices, i=layer.index: self.load(i, indices)
         model.experts_on_demand = self  # type: ignore[assignment]
 
@@ -74,6 +76,8 @@ class ExpertsOnDemand:
                 for path, published, name in self._tensors[key]:
                     self.assign(path, self.convert(published, self.ckpt.read(name)))
                 del self._tensors[key]
+            if layer in self._moes and not any(key[0] == layer for key in self._tensors):
+                self._moes.pop(layer).load_experts = None  # all read: the MoE stops asking
 
 
 def experts_on_demand(model: nn.Module) -> ExpertsOnDemand | None:

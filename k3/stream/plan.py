@@ -20,8 +20,7 @@ from dataclasses import dataclass, replace
 from k3.checkpoint import Checkpoint, TensorInfo
 from k3.config import K3Config
 from k3.model.loading import ModelLoadError, match_layout, model_name
-
-_EXPERTS = "block_sparse_moe.experts."
+from k3.model.on_demand import expert_of
 
 
 @dataclass(frozen=True)
@@ -95,13 +94,14 @@ class StreamPlan:
         experts: list[dict[int, list[tuple[str, TensorInfo]]]] = [{} for _ in range(n)]
         for published, name in names.items():
             info, path = ckpt.info(name), model_name(cfg, published)  # `model.layers.3.self_attn....`
-            if path.startswith("model.layers."):
+            if (expert := expert_of(path)) is not None:
+                i, e = expert
+                within = path.split(f".experts.{e}.", 1)[1]  # `w1.weight_packed`
+                experts[i].setdefault(e, []).append((within, info))
+            elif path.startswith("model.layers."):
                 index, rel = path[len("model.layers.") :].split(".", 1)
                 i = int(index)
-                if rel.startswith(_EXPERTS):
-                    e, within = rel[len(_EXPERTS) :].split(".", 1)  # `w1.weight_packed`
-                    experts[i].setdefault(int(e), []).append((within, info))
-                elif rel.startswith(("mlp.", "block_sparse_moe.")):
+                if rel.startswith(("mlp.", "block_sparse_moe.")):
                     ffn[i].append((rel, info))
                 else:
                     mixer[i].append((rel, info))

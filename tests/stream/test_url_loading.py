@@ -118,6 +118,15 @@ def test_url_load_reads_dense_bytes_then_exactly_the_chosen_experts(checkpoints,
             assert torch.equal(model(ids), reference)  # the same experts again: nothing fetched
         assert server.bytes_served == 0
 
+        moes = {i: model.model.layers[i].block_sparse_moe for i in trace.layers}
+        for index, moe in moes.items():  # a layer asks for experts while some are missing, not after
+            assert (moe.load_experts is None) == all(layer != index for layer, _ in on_demand.missing)
+        for index in moes:
+            on_demand.load(index, torch.arange(16))  # every expert of every layer
+        assert not on_demand.missing and all(moe.load_experts is None for moe in moes.values())
+        with torch.no_grad():
+            assert torch.equal(model(ids), reference)
+
 
 @pytest.mark.parametrize("dtype", [None, torch.float32])
 def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path, monkeypatch, dtype):

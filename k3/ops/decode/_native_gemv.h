@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <vector>
 
@@ -37,51 +38,88 @@ __attribute__((target("avx2,fma"))) inline float dot(const float* a, const float
   return mxfp4_rows::horizontal_sum(acc) + tail;
 }
 
-// y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1): four rows of W at a time (four memory streams
-// in flight, where one row at a time leaves the core waiting on one), each group read once for all B.
-__attribute__((target("avx2,fma"))) inline void dense_rows(const float* W, int64_t K, const float* x, int64_t B,
-                                                           float* y, int64_t ldy, int64_t n0, int64_t n1) {
+// Weights are fp32, or BF16 read as fp32 in registers: a BF16 value is the high half of its float, so the
+// conversion is exact and the arithmetic is fp32's; only 2 bytes a weight cross the memory bus.
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+__attribute__((target("avx2,fma"))) inline float dot(const T* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc);
+  float tail = 0.0f;
+  for (; i < n; ++i) tail += to_float(a[i]) * b[i];
+  return mxfp4_rows::horizontal_sum(acc) + tail;
+}
+
+// y[b * ldy + n] for n in [n, n + 4) and the vectors b in [b0, b0 + V): a tile of 4 rows x V vectors, each
+// weight loaded (and converted) once for the V vectors and each vector once for the 4 rows. Every value is
+// one accumulator of 8 lanes over i in order, then their sum and the tail: the same arithmetic whatever V
+// is, so a row's result does not depend on the size of its batch.
+template <int V, typename T>
+__attribute__((target("avx2,fma"))) inline void tile4(const T* r0, int64_t K, const float* x, int64_t b0,
+                                                      float* y, int64_t ldy, int64_t n) {
+  const T* rows[4] = {r0, r0 + K, r0 + 2 * K, r0 + 3 * K};
   const int64_t body = K - K % 8;
+  __m256 acc[4][V];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < body; i += 8) {
+    __m256 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 w = load8(rows[r] + i);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, xv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < V; ++v) {
+      const float* xb = x + (b0 + v) * K;
+      float tail = 0.0f;
+      for (int64_t i = body; i < K; ++i) tail += to_float(rows[r][i]) * xb[i];
+      y[(b0 + v) * ldy + n + r] = mxfp4_rows::horizontal_sum(acc[r][v]) + tail;
+    }
+}
+
+// y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1): four rows of W at a time (four memory streams
+// in flight, where one row at a time leaves the core waiting on one), two vectors at a time, each group of
+// rows read once for all B.
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
+                                                           float* y, int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + 4 <= n1; n += 4) {
-    const float* r0 = W + n * K;
-    const float* r1 = r0 + K;
-    const float* r2 = r1 + K;
-    const float* r3 = r2 + K;
-    for (int64_t b = 0; b < B; ++b) {
-      const float* xb = x + b * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t i = 0; i < body; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(xb + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(r0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(r1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(r2 + i), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(r3 + i), xv, a3);
-      }
-      float t0 = 0.0f, t1 = 0.0f, t2 = 0.0f, t3 = 0.0f;
-      for (int64_t i = body; i < K; ++i) t0 += r0[i] * xb[i], t1 += r1[i] * xb[i], t2 += r2[i] * xb[i], t3 += r3[i] * xb[i];
-      float* yb = y + b * ldy + n;
-      yb[0] = mxfp4_rows::horizontal_sum(a0) + t0;
-      yb[1] = mxfp4_rows::horizontal_sum(a1) + t1;
-      yb[2] = mxfp4_rows::horizontal_sum(a2) + t2;
-      yb[3] = mxfp4_rows::horizontal_sum(a3) + t3;
-    }
+    int64_t b = 0;
+    for (; b + 2 <= B; b += 2) tile4<2>(W + n * K, K, x, b, y, ldy, n);
+    if (b < B) tile4<1>(W + n * K, K, x, b, y, ldy, n);
   }
   for (; n < n1; ++n)
     for (int64_t b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * K, K);
 }
 
-// A [N, K] matrix: fp32 (`dense`) or MXFP4 (`packed` [N, K/2] uint8 + `scale` [N, K/32] E8M0).
+// A [N, K] matrix: fp32 (`dense`), BF16 (`bf16`) or MXFP4 (`packed` [N, K/2] uint8 + `scale` [N, K/32] E8M0).
 struct Weight {
   const float* dense = nullptr;
+  const uint16_t* bf16 = nullptr;
   const uint8_t* packed = nullptr;
   const uint8_t* scale = nullptr;
   int64_t N = 0, K = 0;
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
-    if (dense != nullptr) {
-      dense_rows(dense, K, x, B, y, ldy, n0, n1);
+    if (dense != nullptr || bf16 != nullptr) {
+      dense != nullptr ? dense_rows(dense, K, x, B, y, ldy, n0, n1) : dense_rows(bf16, K, x, B, y, ldy, n0, n1);
       return;
     }
     for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
@@ -106,10 +144,13 @@ inline void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* 
 }
 
 inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
-  TORCH_CHECK(w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu() && w.dim() == 2 &&
-                  w.size(1) == K,
-              name, " must be a contiguous float32 [N, ", K, "] CPU matrix, got ", w.sizes(), " ", w.scalar_type());
-  return {w.data_ptr<float>(), nullptr, nullptr, w.size(0), K};
+  const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || w.scalar_type() == torch::kFloat32) && w.is_contiguous() && w.device().is_cpu() &&
+                  w.dim() == 2 && w.size(1) == K,
+              name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix, got ", w.sizes(), " ",
+              w.scalar_type());
+  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), K};
+  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, w.size(0), K};
 }
 
 inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {
@@ -119,7 +160,7 @@ inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K
                   scale.size(1) * mxfp4_rows::kBlock == K,
               name, " must be MXFP4 [N, ", K / 2, "] + scales [N, ", K / mxfp4_rows::kBlock, "], got ",
               packed.sizes(), " + ", scale.sizes());
-  return {nullptr, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), packed.size(0), K};
+  return {nullptr, nullptr, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), packed.size(0), K};
 }
 
 // y [B, W.N] = x [B, K] W^T for each job; the jobs share x.
