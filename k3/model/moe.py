@@ -103,6 +103,18 @@ class RoutedExpert(nn.Module):
                 setattr(self, name, plain)
 
 
+def pairs_by_expert(indices: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The N*k (token, expert) pairs of indices [N, k] (pair j = token j // k, expert indices.flat[j]) grouped
+    by expert: their order [N*k] (stable: by token within an expert), and where each expert's pairs start
+    (expert e's are order[starts[e] : starts[e + 1]])."""
+    flat = indices.reshape(-1)
+    order = flat.argsort(stable=True)
+    starts = [0]
+    for count in torch.bincount(flat, minlength=num_experts).tolist():
+        starts.append(starts[-1] + count)
+    return order, starts
+
+
 class MoE(nn.Module):
     """Latent MoE (K3) or plain MoE (Kimi Linear, `routed_expert_hidden_size` unset)."""
 
@@ -137,16 +149,12 @@ class MoE(nn.Module):
         N, k = indices.shape
         if N == 1 and self.fast_decode and not torch.is_grad_enabled():  # the one-token path has no backward
             return self.dispatch_one(z, weights[0], indices[0])
-        flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
-        order = flat.argsort(stable=True)  # pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        order, starts = pairs_by_expert(indices, len(self.experts))
         sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
-        start = 0
-        for e, count in enumerate(counts):
-            if count:
-                rows = order[start : start + count]
-                sorted_out[start : start + count] = self.experts[e](z[rows // k])
-                start += count
+        for e in range(len(self.experts)):
+            a, b = starts[e], starts[e + 1]
+            if a < b:
+                sorted_out[a:b] = self.experts[e](z[order[a:b] // k])
         pair_out = torch.empty_like(sorted_out)
         pair_out[order] = sorted_out  # back to pair order [N*k, L]
         return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))

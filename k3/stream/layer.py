@@ -20,7 +20,7 @@ from k3.model.attn_res import ResidualStream
 from k3.model.cache import KDAState, MLAState
 from k3.model.loading import assign_tensor
 from k3.model.model import K3DecoderLayer, K3Model
-from k3.model.moe import MoE
+from k3.model.moe import MoE, pairs_by_expert
 from k3.model.norm import Linear
 
 Tensors = dict[str, torch.Tensor]
@@ -118,16 +118,11 @@ def expert_dispatch(
     is one [L] row, not 2k; the sums differ from the model's by rounding only (the order of the k terms).
     """
     N, k = indices.shape
-    flat = indices.reshape(-1)  # pair j = (token j // k, expert flat[j])
-    order = flat.argsort(stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat, minlength=len(moe.experts)).tolist()
-    starts = [0]
-    for count in counts:
-        starts.append(starts[-1] + count)
+    order, starts = pairs_by_expert(indices, len(moe.experts))
     tokens = order // k  # [N * k] the token of each pair, in expert order
     mix = weights.reshape(-1)[order].to(z.dtype)  # [N * k] its weight
     r = z.new_zeros(N, z.shape[-1])  # [N, L]
-    chosen = [e for e, count in enumerate(counts) if count]
+    chosen = [e for e in range(len(moe.experts)) if starts[e] < starts[e + 1]]
     for e, tensors in experts(chosen):
         expert = moe.experts[e]
         fill(expert, tensors)
