@@ -8,10 +8,14 @@ past the end is a `CheckpointError` naming the file, never a silent truncation.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import mmap
 import os
 from pathlib import Path
 from typing import Protocol
+
+import numpy as np
 
 from k3.errors import K3Error
 
@@ -45,6 +49,26 @@ def check_range(source: ByteSource, offset: int, length: int) -> None:
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14+ (not in Python 3.11's mmap module)
+
+
+@functools.cache
+def _libc_madvise():
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
+def populate_read(mapping: mmap.mmap, start: int, length: int) -> None:
+    """Read [start, start + length) (page-aligned) of a file mapping into the page cache and map it:
+    `MADV_POPULATE_READ` called through ctypes, which lets go of the GIL for the call. `mmap.madvise` holds
+    it, so a thread reading ahead this way would stop every other thread's Python for the whole read (the
+    streamed runner's computation waited on its reader). OSError where the kernel lacks the advice."""
+    exported = np.frombuffer(mapping, dtype=np.uint8)  # only for the mapping's address
+    address = exported.ctypes.data + start
+    del exported  # no buffer left exported: the mapping can still be closed
+    if _libc_madvise()(address, length, _MADV_POPULATE_READ) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
 
 
 def release_mapping(view: memoryview, mapping: mmap.mmap | None) -> None:
@@ -111,7 +135,7 @@ class LocalSource:
         if self._map is not None and length:
             start, stop = _pages(offset, length, self.size)
             try:
-                self._map.madvise(_MADV_POPULATE_READ, start, stop - start)
+                populate_read(self._map, start, stop - start)
             except OSError:
                 self._view[start:stop:PAGE].tobytes()  # a read fault on every page
         return self._view[offset : offset + length]
