@@ -49,6 +49,14 @@ def check_range(source: ByteSource, offset: int, length: int) -> None:
 
 PAGE = mmap.PAGESIZE
 _MADV_POPULATE_READ = 22  # Linux 5.14+ (not in Python 3.11's mmap module)
+READ_AHEAD = 16 * 2**20  # bytes a populating read keeps requested ahead of the pages it maps
+ADVICE_STEP = 4 * 2**20  # one WILLNEED advice: the kernel reads at most max(io_pages, ra_pages) of it
+
+
+def _advise_willneed(fd: int, start: int, stop: int) -> None:
+    """Start reading [start, stop) of the file into the page cache without waiting (GIL released)."""
+    for a in range(start, stop, ADVICE_STEP):
+        os.posix_fadvise(fd, a, min(ADVICE_STEP, stop - a), os.POSIX_FADV_WILLNEED)
 
 
 @functools.cache
@@ -130,14 +138,28 @@ class LocalSource:
 
     def populate(self, offset: int, length: int) -> memoryview:
         """The bytes as a view of the mapping, read from disk into the page cache and mapped first
-        (`MADV_POPULATE_READ`: no copy; where the kernel lacks it, one byte a page is touched)."""
+        (`MADV_POPULATE_READ`: no copy; where the kernel lacks it, one byte a page is touched).
+
+        `POPULATE_READ` alone reads one readahead window at a time, synchronously: 0.07 GB/s where the
+        device's window is 128 kB (a common default), against 1.3 GB/s with 8 MB (measured on this
+        project's machine, `/sys/block/*/queue/read_ahead_kb`). So the reads of the next READ_AHEAD bytes
+        are started first (`POSIX_FADV_WILLNEED`, asynchronous; the kernel starts at most a few MB per
+        advice, hence ADVICE_STEP) and the population follows them one chunk behind: 1.0-1.2 GB/s with
+        either window."""
         check_range(self, offset, length)
         if self._map is not None and length:
             start, stop = _pages(offset, length, self.size)
+            fd = os.open(self.path, os.O_RDONLY)
             try:
-                populate_read(self._map, start, stop - start)
+                _advise_willneed(fd, start, min(start + READ_AHEAD, stop))
+                for a in range(start, stop, READ_AHEAD):
+                    b = min(a + READ_AHEAD, stop)
+                    _advise_willneed(fd, b, min(b + READ_AHEAD, stop))
+                    populate_read(self._map, a, b - a)
             except OSError:
                 self._view[start:stop:PAGE].tobytes()  # a read fault on every page
+            finally:
+                os.close(fd)
         return self._view[offset : offset + length]
 
     def unmap(self, offset: int, length: int) -> None:
