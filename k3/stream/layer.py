@@ -76,23 +76,32 @@ def run_mixer(
 
     Without a state and within one chunk this is exactly the first half of `K3DecoderLayer.forward`
     (`mixer_input`, `self_attn`, `ffn_input`);
-    longer prompts go through the mixer `chunk_tokens` at a time, carrying a state from chunk to chunk:
-    KDA always, MLA only with a state (generating). Chunk by chunk, MLA's attention takes a [chunk, S]
-    mask, which grows with the prompt; without a cache one causal pass keeps it out (torch's fused kernel,
-    memory linear in T, as the ordinary forward).
+    longer prompts go through KDA `chunk_tokens` at a time, carrying its state from chunk to chunk. MLA
+    takes a long prompt in one causal pass (torch's fused kernel, memory linear in T, as the ordinary
+    forward) and, when generating, then writes the prompt's latents into its empty cache: chunk by chunk
+    every chunk would take a [chunk, S] mask and expand the keys and values of the whole context so far.
     """
     h = layer.mixer_input(stream)  # [1, T, H]
     T = h.shape[1]
-    if state is None and T > chunk_tokens and cfg.layer_plan[layer.index].mixer is Mixer.KDA:
-        state = new_state(cfg, layer.index)  # MLA without a cache: one causal pass, no [chunk, S] masks
-    if state is None:
+    long = T > chunk_tokens
+    if cfg.layer_plan[layer.index].mixer is Mixer.MLA and (state is None or (long and _empty(state))):
+        mixed = layer.self_attn(h)  # [1, T, H]: one causal pass
+        if state is not None:  # the cache a chunked pass would have written: every position's latents
+            c, k_rope = layer.self_attn.latents(h)
+            state.append(c, k_rope, torch.full((1,), T, dtype=torch.long))  # type: ignore[union-attr]
+    elif state is None and not long:
         mixed = layer.self_attn(h)
     else:
+        state = state if state is not None else new_state(cfg, layer.index)  # KDA: carried chunk to chunk
         mixed = torch.cat(
             [layer.self_attn(h[:, a : a + chunk_tokens], state) for a in range(0, T, chunk_tokens)], dim=1
         )  # type: ignore[arg-type]
     stream.add(mixed)
     return layer.ffn_input(stream)
+
+
+def _empty(state: LayerState) -> bool:
+    return isinstance(state, MLAState) and int(state.lengths.max()) == 0
 
 
 def route(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from stream_testing import prompts_for
 from k3.checkpoint import RemoteOptions, open_checkpoint
 from k3.checkpoint.serve import RangeServer
 from k3.model import K3ForCausalLM
+from k3.model.mla import MLAttention
 from k3.model.routing import record_routing
 from k3.stream.api import stream_logits
 from k3.stream.plan import StreamPlan
@@ -80,6 +81,32 @@ def test_long_prompts_stream_chunk_by_chunk(checkpoints):
     chunked = stream_logits(path, prompts, StreamOptions(all_positions=True, chunk_tokens=8))
     a, b = whole.outputs["logits"], chunked.outputs["logits"]
     assert not torch.equal(a, b)  # the chunked path really ran (KDA's chunk boundaries round differently)
+    assert (a - b).abs().max() <= MODEL_BOUND * a.abs().max()
+
+
+def test_generating_after_long_prompts_takes_mla_in_one_pass(checkpoints, monkeypatch):
+    """With --max-new-tokens, a prompt longer than a chunk goes through MLA in one causal pass and fills the
+    cache with its latents (no chunk of queries against a growing [chunk, S] context); the continuations
+    equal the model's own cached generation and the logits the unchunked stream's."""
+    path = checkpoints("k3ish")
+    prompts = prompts_for(1024, lengths=(45, 9))
+    calls: list[tuple[int, bool]] = []  # (queries, with a cache) per MLA call
+    forward = MLAttention.forward
+
+    def counted(self, x, state=None, *args, **kwargs):
+        calls.append((x.shape[1], state is not None))
+        return forward(self, x, state, *args, **kwargs)
+
+    monkeypatch.setattr(MLAttention, "forward", counted)
+    chunked = stream_logits(path, prompts, StreamOptions(chunk_tokens=8, max_new_tokens=3))
+    assert calls and all(T == 1 for T, cached in calls if cached)  # cached calls: the 1-token passes only
+    assert any(T == 45 for T, _ in calls)
+    whole = stream_logits(path, prompts, StreamOptions(max_new_tokens=3))
+    model = K3ForCausalLM.from_pretrained(path)
+    with torch.no_grad():
+        expected = [greedy(model, p, 3) for p in prompts]
+    assert chunked.outputs["generated"].tolist() == whole.outputs["generated"].tolist() == expected
+    a, b = whole.outputs["logits"], chunked.outputs["logits"]
     assert (a - b).abs().max() <= MODEL_BOUND * a.abs().max()
 
 
