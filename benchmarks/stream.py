@@ -124,13 +124,13 @@ def compute_params(ckpt: Path) -> dict[str, int]:
         )
         expert = next(iter(plan.experts[-1].values()))
         expert_params = sum(2 * t.nbytes for name, t in expert.tensors if name.endswith("weight_packed"))
-        head = next(t for name, t in plan.head.tensors if name == "lm_head.weight")
+        head_rows = sum(t.shape[0] for stage in plan.lm_head for _, t in stage.tensors)
         cfg = plan.config
         return {
             "dense": dense,
             "expert": expert_params,
             "pairs_per_token": cfg.num_experts_per_token * sum(1 for e in plan.experts if e),
-            "lm_head": head.shape[0] * head.shape[1],
+            "lm_head": head_rows * cfg.hidden_size,
             "layer_bytes": plan.layer_bytes,
             "embedding_row_bytes": plan.embed.nbytes // cfg.vocab_size,
             "expert_bytes": expert.nbytes,

@@ -28,12 +28,19 @@ LayerState = KDAState | MLAState
 
 
 class Ends(nn.Module):
-    """The parts outside the layers: embedding, output AttnRes read, final norm, lm_head."""
+    """The parts outside the layers: embedding, output AttnRes read, final norm (lm_head: `head_block`)."""
 
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.model = K3Model(cfg, num_layers=0)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+
+
+def head_block(weight: torch.Tensor) -> Linear:
+    """lm_head over a block of its vocabulary rows, weight [rows, hidden] (the stage's tensor, in place)."""
+    with torch.device("meta"):
+        block = Linear(weight.shape[1], weight.shape[0])
+    fill(block, {"weight": weight})
+    return block
 
 
 def empty_layer(cfg: K3Config, index: int) -> K3DecoderLayer:

@@ -38,7 +38,7 @@ class Span:
 
 @dataclass(frozen=True)
 class Stage:
-    kind: str  # "embed" | "mixer" | "ffn" | "expert" | "head"
+    kind: str  # "embed" | "mixer" | "ffn" | "expert" | "head" | "lm_head"
     layer: int | None
     expert: int | None
     tensors: tuple[tuple[str, TensorInfo], ...]  # (module-relative name, where it lives), in file order
@@ -72,6 +72,15 @@ class Stage:
         return spans
 
 
+HEAD_BLOCK_BYTES = 256 * 2**20  # one stage of lm_head rows
+
+
+def _rows(t: TensorInfo, a: int, b: int) -> TensorInfo:
+    """Rows [a, b) of a 2-D tensor: where they lie in its shard."""
+    row = t.nbytes // t.shape[0]
+    return replace(t, shape=(b - a, *t.shape[1:]), start=t.start + a * row, end=t.start + b * row)
+
+
 def _sorted(items: list[tuple[str, TensorInfo]]) -> tuple[tuple[str, TensorInfo], ...]:
     return tuple(sorted(items, key=lambda item: (item[1].shard, item[1].start)))
 
@@ -89,6 +98,7 @@ class StreamPlan:
         names = match_layout(cfg, found, n, ckpt.location)  # {published: checkpoint name}
         embed: list[tuple[str, TensorInfo]] = []
         head: list[tuple[str, TensorInfo]] = []
+        lm_head: TensorInfo | None = None
         mixer: list[list[tuple[str, TensorInfo]]] = [[] for _ in range(n)]
         ffn: list[list[tuple[str, TensorInfo]]] = [[] for _ in range(n)]
         experts: list[dict[int, list[tuple[str, TensorInfo]]]] = [{} for _ in range(n)]
@@ -108,11 +118,21 @@ class StreamPlan:
             elif path == "model.embed_tokens.weight":
                 embed.append((path, info))
                 if cfg.tie_word_embeddings:  # lm_head is the embedding: read again for the head
-                    head.append(("lm_head.weight", info))
+                    lm_head = info
+            elif path == "lm_head.weight":
+                lm_head = info
             else:
                 head.append((path, info))
         self.embed = Stage("embed", None, None, _sorted(embed))
-        self.head = Stage("head", None, None, _sorted(head))
+        self.head = Stage("head", None, None, _sorted(head))  # the output AttnRes read and the final norm
+        # lm_head in blocks of vocabulary rows, each one read: the largest stage of K3 otherwise (2.35 GB)
+        assert lm_head is not None  # match_layout requires it
+        per_row = lm_head.nbytes // lm_head.shape[0]
+        rows = max(1, HEAD_BLOCK_BYTES // per_row)
+        self.lm_head = [
+            Stage("lm_head", None, None, ((f"rows.{a}", _rows(lm_head, a, min(a + rows, lm_head.shape[0]))),))
+            for a in range(0, lm_head.shape[0], rows)
+        ]
         self.mixer = [Stage("mixer", i, None, _sorted(m)) for i, m in enumerate(mixer)]
         self.ffn = [Stage("ffn", i, None, _sorted(f)) for i, f in enumerate(ffn)]
         self.experts = [
@@ -124,23 +144,13 @@ class StreamPlan:
         """The rows of the embedding that these token ids (ascending, distinct) look up: one tensor a run
         of consecutive ids, named `rows.{first id}`, [run length, hidden]."""
         ((_, table),) = self.embed.tensors
-        row = table.nbytes // table.shape[0]
         runs: list[list[int]] = []
         for t in ids:
             if runs and runs[-1][1] == t:
                 runs[-1][1] = t + 1
             else:
                 runs.append([t, t + 1])
-        return Stage(
-            "embed",
-            None,
-            None,
-            tuple(
-                (f"rows.{a}", replace(table, shape=(b - a, *table.shape[1:]), start=table.start + a * row,
-                                      end=table.start + b * row))
-                for a, b in runs
-            ),
-        )  # fmt: skip
+        return Stage("embed", None, None, tuple((f"rows.{a}", _rows(table, a, b)) for a, b in runs))
 
     def expert_stages(self, layer: int, chosen: list[int]) -> list[Stage]:
         """The stages of the experts `chosen` in layer `layer`, in file-offset order."""
@@ -150,7 +160,7 @@ class StreamPlan:
     def layer_bytes(self) -> int:
         """Bytes of the mixer, FFN and head stages: what every pass reads besides the embedding rows of its
         tokens and the routed experts its tokens choose."""
-        return sum(s.nbytes for s in [*self.mixer, *self.ffn, self.head])
+        return sum(s.nbytes for s in [*self.mixer, *self.ffn, self.head, *self.lm_head])
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return self.experts[layer][expert].nbytes

@@ -39,6 +39,7 @@ from k3.stream.layer import (
     empty_layer,
     expert_dispatch,
     fill,
+    head_block,
     new_state,
     release,
     route,
@@ -296,14 +297,26 @@ class StreamRun:
     def _head(self, streams: list[ResidualStream]) -> torch.Tensor:
         ends = empty_ends(self.cfg)
         tensors = self._take(self.plan.head)
+        self.reads.ahead(self.plan.lm_head[0])
         fill(ends, tensors)
         keep_all = self.pass_index == 0 and self.options.all_positions
-        logits = []
-        for s in streams:
-            h = ends.model.output(s)  # [1, T, H]
-            logits.append(ends.lm_head(h[0] if keep_all else h[0, -1:]).float())  # [T or 1, V]
+        h = [ends.model.output(s)[0] for s in streams]  # [T, H] per prompt
+        h = h if keep_all else [x[-1:] for x in h]  # [T or 1, H]
         release(ends, tensors)
         self.reads.done(self.plan.head)
+        sizes = [x.shape[0] for x in h]
+        x = torch.cat(h)  # [rows, H]: every prompt's rows at once, for each block of lm_head
+        columns = []
+        for j, stage in enumerate(self.plan.lm_head):  # vocabulary rows a block at a time, the next one read
+            block = self._take(stage)
+            if j + 1 < len(self.plan.lm_head):
+                self.reads.ahead(self.plan.lm_head[j + 1])
+            ((_, weight),) = block.items()  # [rows of the block, H]
+            head = head_block(weight)
+            columns.append(head(x).float())  # [rows, block]
+            del head, block, weight
+            self.reads.done(stage)
+        logits = list(torch.cat(columns, dim=-1).split(sizes))  # per prompt [T or 1, V]
         if self.pass_index == 0:
             self._first_outputs(logits)
         return torch.stack([row[-1] for row in logits])  # [P, V]

@@ -10,6 +10,7 @@ import pytest
 import torch
 from stream_testing import prompts_for
 
+import k3.stream.plan as plan_module
 from k3.checkpoint import RemoteOptions, open_checkpoint
 from k3.checkpoint.serve import RangeServer
 from k3.model import K3ForCausalLM
@@ -72,6 +73,24 @@ def test_streamed_matches_the_ordinary_forward(checkpoints, name):
     print(f"{name}: max |dlogit| / max |logit| = {worst:.2e}")
     assert worst <= MODEL_BOUND
     assert (result.outputs["logits"][1, 3:] == 0).all()  # rows padded after the prompt's end
+
+
+def test_lm_head_read_in_blocks_of_rows(checkpoints, monkeypatch):
+    """lm_head as many stages of vocabulary rows (as K3's 2.35 GB one is): the same bytes, the resident
+    schedule's logits bit for bit and the ordinary forward's to rounding."""
+    path = checkpoints("k3ish")
+    whole = stream_logits(path, prompts_for(1024), StreamOptions(all_positions=True))
+    monkeypatch.setattr(plan_module, "HEAD_BLOCK_BYTES", 10_000)
+    with open_checkpoint(path) as ckpt:
+        blocks = StreamPlan(ckpt).lm_head
+    assert len(blocks) > 5 and len({t.shape[0] for s in blocks[:-1] for _, t in s.tensors}) == 1
+    options = StreamOptions(all_positions=True, max_new_tokens=2)
+    streamed = stream_logits(path, prompts_for(1024), options)
+    resident = stream_logits(path, prompts_for(1024), options, resident=True)
+    assert same(streamed.outputs["logits"], resident.outputs["logits"])
+    a, b = whole.outputs["logits"], streamed.outputs["logits"]
+    assert (a - b).abs().max() <= MODEL_BOUND * a.abs().max()
+    assert streamed.summary["dense_bytes_per_pass"][0] == whole.summary["dense_bytes_per_pass"][0]
 
 
 def test_long_prompts_stream_chunk_by_chunk(checkpoints):
