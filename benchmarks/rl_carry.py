@@ -3,8 +3,8 @@ share of answers that are the carry-dropped sum (the error `k3 rl sft --wrong-ca
 
     python benchmarks/rl_carry.py benchmarks/results/_rl_runs/base_wc/policy-000400 [more policy folders]
 
-A policy folder is what `k3 rl sft` writes, or an RL run's `RUN/checkpoints/step-N/` (anything `k3 rl
---init` opens). One line per policy, as CSV on stdout.
+A policy is a folder `k3 rl sft` writes (anything `k3 rl --init` opens) or an RL run folder (its newest
+checkpoint). One line per policy, as CSV on stdout.
 """
 
 from __future__ import annotations
@@ -15,15 +15,33 @@ import sys
 import torch
 
 
+def load(policy: str):
+    """A policy folder, or an RL run folder's newest checkpoint (as `k3 rl export` reads it)."""
+    from pathlib import Path
+
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM
+    from k3.rl.policy_io import POLICY_FILE, load_policy
+    from k3.train.state import list_checkpoints, load_model_state
+
+    run = Path(policy)
+    if (run / POLICY_FILE).is_file():
+        return load_policy(policy)
+    model = K3ForCausalLM.from_config(
+        K3Config.from_pretrained(str(run / "config.json")), quantized_experts=False
+    )
+    load_model_state(list_checkpoints(run)[-1][1], model)
+    return model
+
+
 def probe(policy: str, seed: int, held_out: int, samples: int, temperature: float) -> dict:
     from k3.engine.generate import Engine
     from k3.engine.sampling import SamplingParams
     from k3.rl.codec import CharCodec
-    from k3.rl.policy_io import load_policy
     from k3.rl.sft import carry_dropped
     from k3.rl.tasks import Arithmetic
 
-    model = load_policy(policy).eval()
+    model = load(policy).eval()
     codec = CharCodec(model.config.vocab_size)
     task = Arithmetic(digits=2, held_out_size=held_out)
     problems = task.held_out(seed)
