@@ -60,7 +60,9 @@ def carry_dropped(prompt: str, reverse: bool = True) -> str:
     return text[::-1] if reverse else text
 
 
-def plant_wrong_carry(problems: list[Problem], share: float, rng: np.random.Generator, reverse: bool):
+def plant_wrong_carry(
+    problems: list[Problem], share: float, rng: np.random.Generator, reverse: bool
+) -> list[Problem]:
     """`problems` with each one whose carry-dropped answer differs from the sum given that wrong answer
     with probability `share` (one uniform draw per problem, in order)."""
     out = []
