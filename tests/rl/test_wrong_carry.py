@@ -58,12 +58,12 @@ def test_sft_trains_on_the_planted_answers(monkeypatch, tmp_path):
         k3.rl.sft, "sft_batch", lambda problems, codec: seen.append(problems) or real(problems, codec)
     )
     sc = SFTConfig(
-        out=str(tmp_path), steps=2, batch_size=300, digits=2, held_out=3, eval_every=9, wrong_carry=1.0
+        out=str(tmp_path), steps=2, batch_size=64, digits=2, held_out=3, eval_every=9, wrong_carry=1.0
     )
     sft(sc)
     task = Arithmetic(digits=2, held_out_size=3)
     for step, problems in enumerate(seen):
-        assert [p.prompt for p in problems] == [p.prompt for p in task.problems(0, step, 300)]
+        assert [p.prompt for p in problems] == [p.prompt for p in task.problems(0, step, 64)]
         for p in problems:
             a, b = operands(p.prompt)
             assert p.answer == str(no_carry_two_digit(a, b) if a % 10 + b % 10 >= 10 else a + b)[::-1]
