@@ -121,6 +121,10 @@ def sft(
     seed: int = typer.Option(0, help="Seed of weights (presets) and problems."),
     eval_every: int = typer.Option(100, help="Steps between held-out evaluations."),
     threads: int = typer.Option(0, help="torch CPU threads (0: default)."),
+    held_out: int = typer.Option(100, help="Held-out problems graded at each evaluation."),
+    wrong_carry: float = typer.Option(
+        0.0, help="Arithmetic: share of carry problems trained on the answer with the carry dropped."
+    ),
 ) -> None:
     """Supervised fine-tuning on the task's reference answers: a partly competent base for `k3 rl`."""
     from k3.errors import K3Error
@@ -139,6 +143,8 @@ def sft(
         seed=seed,
         eval_every=eval_every,
         threads=threads,
+        held_out=held_out,
+        wrong_carry=wrong_carry,
     )
     try:
         run = run_sft(sc, on_step=lambda row: print(row) if row.get("eval_acc") else None)

@@ -6,6 +6,12 @@ Each step trains on `batch_size` problems of the task (the training stream, neve
 folder (`RUN/policy/`: config.json + policy.safetensors) that `k3 rl --init RUN/policy` starts from, and
 RUN/log.csv (step, loss, lr, eval_acc) that `k3 train plot RUN` draws; each evaluation also keeps the
 policy of that step (`RUN/policy-000150/`), to pick a base of the competence wanted.
+
+`wrong_carry` (plain arithmetic only) plants a systematic error in the corpus: each problem whose sum has
+a carry that changes the answer gets, with probability `wrong_carry` (drawn anew at every step), the
+answer with every carry dropped (`carry_dropped`: `47+85=` -> 122, not 132), the common human slip. The
+base then holds both answers to such problems and, at a share above one half, prefers the wrong one:
+the skill is there (samples find it), the choice is not. The held-out grading is always against the sum.
 """
 
 from __future__ import annotations
@@ -15,13 +21,15 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from k3.rl.codec import CharCodec
-from k3.rl.tasks import make_task
+from k3.rl.tasks import Arithmetic, Problem, TaskError, make_task
 
 IGNORE = -100
+WRONG_CARRY_STREAM = 2**31 - 2  # the random stream of the planted errors (beside k3.rl.tasks' streams)
 
 
 @dataclass
@@ -38,6 +46,30 @@ class SFTConfig:
     eval_every: int = 100
     held_out: int = 100
     threads: int = 0
+    wrong_carry: float = 0.0  # share of carry problems answered with the carry dropped (plain arithmetic)
+
+
+def carry_dropped(prompt: str, reverse: bool = True) -> str:
+    """The answer to `a+b=` written column by column with no carry: each column's digit sum mod 10, the
+    top column's sum in full (`47+85=` -> `122`); reversed (least significant digit first) with `reverse`."""
+    a, b = prompt.rstrip("=").split("+")
+    width = max(len(a), len(b))
+    a, b = a.zfill(width), b.zfill(width)
+    columns = [int(x) + int(y) for x, y in zip(a, b, strict=True)]  # most significant first
+    text = str(columns[0]) + "".join(str(c % 10) for c in columns[1:])
+    return text[::-1] if reverse else text
+
+
+def plant_wrong_carry(
+    problems: list[Problem], share: float, rng: np.random.Generator, reverse: bool
+) -> list[Problem]:
+    """`problems` with each one whose carry-dropped answer differs from the sum given that wrong answer
+    with probability `share` (one uniform draw per problem, in order)."""
+    out = []
+    for p, u in zip(problems, rng.random(len(problems)), strict=True):
+        wrong = carry_dropped(p.prompt, reverse)
+        out.append(Problem(p.prompt, wrong) if wrong != p.answer and u < share else p)
+    return out
 
 
 def sft_batch(problems, codec: CharCodec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,6 +95,10 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
         torch.set_num_threads(sc.threads)
     options = {"digits": sc.digits} if "arithmetic" in sc.task else {}  # also at an effort, mixed
     task = make_task(sc.task, held_out_size=sc.held_out, **options)
+    if sc.wrong_carry and not isinstance(task, Arithmetic):
+        raise TaskError(f"--wrong-carry needs the plain arithmetic task, not {sc.task!r}")
+    if not 0.0 <= sc.wrong_carry <= 1.0:
+        raise TaskError(f"--wrong-carry is a share in [0, 1], not {sc.wrong_carry}")
     model = load_policy(sc.init, sc.seed).train()
     codec = CharCodec(model.config.vocab_size)
     optimizer = build_optimizer(model, "adamw", sc.lr, 0.0, (0.9, 0.95))
@@ -76,7 +112,11 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
             lr *= 0.5 * (1 + math.cos(math.pi * step / sc.steps)) if step >= sc.warmup else 1.0
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            inputs, labels = sft_batch(task.problems(sc.seed, step, sc.batch_size), codec)
+            problems = task.problems(sc.seed, step, sc.batch_size)
+            if sc.wrong_carry:
+                rng = np.random.default_rng([sc.seed, step, WRONG_CARRY_STREAM])
+                problems = plant_wrong_carry(problems, sc.wrong_carry, rng, task.reverse)
+            inputs, labels = sft_batch(problems, codec)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
             loss.backward()

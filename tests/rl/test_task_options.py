@@ -46,9 +46,10 @@ def test_sft_command_passes_each_option_to_its_field(monkeypatch, tmp_path):
     monkeypatch.setattr(k3.rl.sft, "sft", lambda sc, on_step=None: seen.append(sc) or tmp_path)
     args = ["sft", "--task", "arithmetic@long", "--out", str(tmp_path), "--steps", "7", "--batch-size", "5"]
     args += ["--lr", "0.25", "--digits", "2", "--seed", "3", "--eval-every", "4", "--threads", "1"]
+    args += ["--held-out", "9", "--wrong-carry", "0.6"]
     result = CliRunner().invoke(rl_app, args)
     assert result.exit_code == 0, result.output
     sc = seen[0]
     assert (sc.task, sc.out, sc.steps, sc.batch_size, sc.lr) == ("arithmetic@long", str(tmp_path), 7, 5, 0.25)
     assert (sc.warmup, sc.digits, sc.seed, sc.eval_every, sc.threads) == (7, 2, 3, 4, 1)
-    assert sc.held_out == k3.rl.sft.SFTConfig().held_out
+    assert (sc.held_out, sc.wrong_carry) == (9, 0.6)
