@@ -118,7 +118,7 @@ def compute_params(ckpt: Path) -> dict[str, int]:
         plan = StreamPlan(c)
         dense = sum(
             t.nbytes // (2 if t.dtype == "BF16" else 4)
-            for stage in (*plan.mixer, *plan.ffn)
+            for stage in (*plan.mixer, *plan.ffn_stages)
             for _, t in stage.tensors
             if len(t.shape) == 2 and t.dtype in ("BF16", "F32")
         )

@@ -21,7 +21,7 @@ from k3.stream.runner import StreamOptions
 def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[int]]) -> dict[str, int]:
     cfg = plan.config
     stages = [plan.embed_rows(sorted({t for p in prompts for t in p})), plan.head, *plan.lm_head]
-    stages += [*plan.mixer, *plan.ffn]
+    stages += [*plan.mixer, *plan.ffn_stages]
     largest = max(s.nbytes for s in stages)
     expert = max((s.nbytes for layer in plan.experts for s in layer.values()), default=0)
     ring = (max(options.prefetch_bytes // max(expert, 1), 1) + 1) * expert

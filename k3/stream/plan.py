@@ -81,6 +81,16 @@ def _rows(t: TensorInfo, a: int, b: int) -> TensorInfo:
     return replace(t, shape=(b - a, *t.shape[1:]), start=t.start + a * row, end=t.start + b * row)
 
 
+MLP_ORDER = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+
+def _ffn_stages(layer: int, tensors: list[tuple[str, TensorInfo]]) -> tuple[Stage, ...]:
+    if sorted(name for name, _ in tensors) == sorted(MLP_ORDER):
+        found = dict(tensors)
+        return tuple(Stage("ffn", layer, None, ((name, found[name]),)) for name in MLP_ORDER)
+    return (Stage("ffn", layer, None, _sorted(tensors)),)
+
+
 def _sorted(items: list[tuple[str, TensorInfo]]) -> tuple[tuple[str, TensorInfo], ...]:
     return tuple(sorted(items, key=lambda item: (item[1].shard, item[1].start)))
 
@@ -134,7 +144,10 @@ class StreamPlan:
             for a in range(0, lm_head.shape[0], rows)
         ]
         self.mixer = [Stage("mixer", i, None, _sorted(m)) for i, m in enumerate(mixer)]
-        self.ffn = [Stage("ffn", i, None, _sorted(f)) for i, f in enumerate(ffn)]
+        # a layer's FFN stages, in the order they are computed: one for a MoE layer (router, latent
+        # projections, shared experts); gate, up, down for a dense MLP, each its own (layer 0's dense MLP is
+        # K3's largest stage otherwise: 1.45 GB)
+        self.ffn = [_ffn_stages(i, f) for i, f in enumerate(ffn)]
         self.experts = [
             {e: Stage("expert", i, e, _sorted(ts)) for e, ts in sorted(layer.items())}
             for i, layer in enumerate(experts)
@@ -160,7 +173,11 @@ class StreamPlan:
     def layer_bytes(self) -> int:
         """Bytes of the mixer, FFN and head stages: what every pass reads besides the embedding rows of its
         tokens and the routed experts its tokens choose."""
-        return sum(s.nbytes for s in [*self.mixer, *self.ffn, self.head, *self.lm_head])
+        return sum(s.nbytes for s in [*self.mixer, *self.ffn_stages, self.head, *self.lm_head])
+
+    @property
+    def ffn_stages(self) -> list[Stage]:
+        return [stage for layer in self.ffn for stage in layer]
 
     def expert_bytes(self, layer: int, expert: int) -> int:
         return self.experts[layer][expert].nbytes

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from k3.errors import K3Error
 from k3.model.attn_res import ResidualStream
+from k3.model.model import K3DecoderLayer
 from k3.stream.fetch import CheckpointWeights, MappedWeights, Reads, ReadStats, ResidentWeights, Tensors
 from k3.stream.layer import (
     LayerState,
@@ -238,7 +239,7 @@ class StreamRun:
         plan, cfg, H = self.plan, self.cfg, self.cfg.hidden_size
         layer = empty_layer(cfg, i)
         mixer = self._take(plan.mixer[i])
-        self.reads.ahead(plan.ffn[i])
+        self.reads.ahead(plan.ffn[i][0])
         fill(layer, mixer)
         states = self._layer_states(i)
         ffn_inputs = [
@@ -251,19 +252,19 @@ class StreamRun:
         sizes = [f.shape[1] for f in ffn_inputs]
         x = torch.cat([f.reshape(-1, H) for f in ffn_inputs])  # [N, H], all prompts' tokens
         del ffn_inputs
-        ffn = self._take(plan.ffn[i])
-        fill(layer, ffn)
         following = plan.mixer[i + 1] if i + 1 < plan.num_layers else plan.head
         if not layer.is_moe:
-            self.reads.ahead(following)
-            out = layer.mlp(x)
+            out = self._mlp(layer, x, plan.ffn[i], following)
         else:
+            (stage,) = plan.ffn[i]
+            ffn = self._take(stage)
+            fill(layer, ffn)
             moe = layer.block_sparse_moe
             weights, indices, z = route(moe, x)
             r = expert_dispatch(moe, z, weights, indices, lambda chosen: self._experts(i, chosen, following))
             out = moe.finish(x, r)
-        release(layer, ffn)
-        self.reads.done(plan.ffn[i])
+            release(layer, ffn)
+            self.reads.done(stage)
         for s, part in zip(streams, out.split(sizes), strict=True):
             s.add(part.view(1, -1, H))
         if self.pass_index == 0 and i in self.options.dump_hidden:
@@ -271,6 +272,27 @@ class StreamRun:
         if states[0] is not None:
             self.caches[i] = states  # type: ignore[assignment]
         return self._commit(i, streams)
+
+    def _mlp(
+        self, layer: K3DecoderLayer, x: torch.Tensor, stages: tuple[Stage, ...], following: Stage
+    ) -> torch.Tensor:
+        """`MLP.forward` of x [N, H], down(act(gate(x), up(x))), with gate, up and down each its own stage
+        (the next one read while this one computes; one stage for an MLP of other tensors)."""
+        mlp, out = layer.mlp, {}
+        for j, stage in enumerate(stages):  # gate, up, down (k3.stream.plan.MLP_ORDER)
+            tensors = self._take(stage)
+            self.reads.ahead(stages[j + 1] if j + 1 < len(stages) else following)
+            fill(layer, tensors)
+            part = stage.tensors[0][0].split(".")[1] if len(stages) > 1 else "whole"
+            if part == "whole":
+                out["down_proj"] = mlp(x)
+            elif part == "down_proj":
+                out[part] = mlp.down_proj(mlp.act(out.pop("gate_proj"), out.pop("up_proj")))  # [N, H]
+            else:
+                out[part] = getattr(mlp, part)(x)  # [N, m]
+            release(layer, tensors)
+            self.reads.done(stage)
+        return out["down_proj"]
 
     def _experts(self, i: int, chosen: list[int], following: Stage) -> Iterator[tuple[int, Tensors]]:
         """(expert, tensors) in file order, reading `prefetch_bytes` ahead, then the next stage."""

@@ -75,15 +75,19 @@ def test_streamed_matches_the_ordinary_forward(checkpoints, name):
     assert (result.outputs["logits"][1, 3:] == 0).all()  # rows padded after the prompt's end
 
 
-def test_lm_head_read_in_blocks_of_rows(checkpoints, monkeypatch):
-    """lm_head as many stages of vocabulary rows (as K3's 2.35 GB one is): the same bytes, the resident
-    schedule's logits bit for bit and the ordinary forward's to rounding."""
+def test_largest_stages_read_in_parts(checkpoints, monkeypatch):
+    """lm_head as many stages of vocabulary rows (as K3's 2.35 GB one is) and the dense MLP as one stage per
+    matrix: the same bytes, the resident schedule's logits bit for bit, the ordinary forward's to rounding
+    (test_streamed_matches_the_ordinary_forward runs the same plan with one lm_head block)."""
     path = checkpoints("k3ish")
     whole = stream_logits(path, prompts_for(1024), StreamOptions(all_positions=True))
     monkeypatch.setattr(plan_module, "HEAD_BLOCK_BYTES", 10_000)
     with open_checkpoint(path) as ckpt:
-        blocks = StreamPlan(ckpt).lm_head
+        plan = StreamPlan(ckpt)
+    blocks = plan.lm_head
     assert len(blocks) > 5 and len({t.shape[0] for s in blocks[:-1] for _, t in s.tensors}) == 1
+    assert [s.tensors[0][0] for s in plan.ffn[0]] == list(plan_module.MLP_ORDER)  # layer 0: dense
+    assert all(len(stages) == 1 for stages in plan.ffn[1:])  # MoE layers: router, projections, shared
     options = StreamOptions(all_positions=True, max_new_tokens=2)
     streamed = stream_logits(path, prompts_for(1024), options)
     resident = stream_logits(path, prompts_for(1024), options, resident=True)
