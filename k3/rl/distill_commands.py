@@ -64,6 +64,9 @@ def distill(
     alpha_reward: Annotated[
         float, typer.Option(help="Add A x (task reward - group mean) to every advantage.")
     ] = D.alpha_reward,
+    warm_start: Annotated[
+        int, typer.Option(help="On-policy, rl: the first N iterations off-policy (SFT on teacher samples).")
+    ] = D.warm_start,
     full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
         D.full_vocab
     ),

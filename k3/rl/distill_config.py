@@ -34,6 +34,7 @@ class DistillConfig:
     is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
     is_high: float = 2.0
     alpha_reward: float = 0.0
+    warm_start: int = 0  # on-policy, rl: the first N iterations off-policy (SFT on the teachers' samples)
     full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
     divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
     eval_every: int = 5
@@ -71,6 +72,10 @@ class DistillConfig:
             bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
+        if self.warm_start < 0 or self.warm_start > self.iterations:
+            bad("warm_start", f"between 0 and --iterations ({self.iterations}), got {self.warm_start}")
+        if self.warm_start and self.method not in ("on-policy", "rl"):
+            bad("warm_start", "only with --method on-policy or rl (off-policy iterations before the rest)")
         if self.divergence not in ("reverse", "forward"):
             bad("divergence", f"reverse or forward, got {self.divergence!r}")
         if self.divergence == "forward" and not self.full_vocab:

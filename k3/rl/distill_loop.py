@@ -7,6 +7,9 @@ Methods (`--method`):
   `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
   student is fine-tuned on them (cross-entropy over the answer tokens).
+- `--warm-start N` (on-policy, rl): iterations 0 .. N - 1 are off-policy ones, the same as an off-policy run's
+  (the on-policy recipe's SFT'd start: the reverse KL's gradient vanishes on tokens the student rarely
+  samples, so a student far from its teachers learns slowly from it); the schedule and optimizer go on.
 - `average`: no training; the student is the mean of the teachers' weights (shapes must match), evaluated.
 - `rl`: the on-policy loop without teachers in the update: the advantage is the task's reward minus the
   mean over the prompt's K samples (RL on all the tasks at once, the baseline at equal samples); the
@@ -285,7 +288,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
     engine = Engine(copy.deepcopy(model).eval(), max_batch=dc.max_batch)
     engine.policy_version = start
     teacher_engines = {}
-    if dc.method == "off-policy":
+    if dc.method == "off-policy" or dc.warm_start:
         engines = {t: Engine(m, max_batch=dc.max_batch) for t, m in setup.teachers.items()}
         teacher_engines = {d: engines[t] for d, t in setup.domains.items()}
     cols = columns(setup.domains)
@@ -303,7 +306,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
         for it in range(start, last):
             began = time.perf_counter()
             trajs, problems, domain_of = _batch(dc, setup, it)
-            if dc.method in ("on-policy", "rl"):
+            if dc.method in ("on-policy", "rl") and it >= dc.warm_start:
                 tokens = _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
                 row = _on_policy(setup, optimizer, dc, it, trajs, problems, domain_of)
                 counters["student_tokens"] += tokens
