@@ -119,7 +119,15 @@ RUNS = {
     ),
     "sampled": (
         "on-policy reverse KL, sampled-token policy gradient, warm start",
-        lambda a: dict(warm_start=a.warm_start),
+        lambda a: dict(warm_start=a.warm_start, lr=a.sampled_lr, warm_lr=a.lr),
+    ),
+    "reverse-late": (
+        "on-policy reverse KL, full vocabulary, late warm start",
+        lambda a: dict(full_vocab=True, divergence="reverse", warm_start=a.late_warm_start),
+    ),
+    "sampled-late": (
+        "on-policy reverse KL, sampled tokens, late warm start",
+        lambda a: dict(warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr),
     ),
     "forward": (
         "on-policy forward KL (GKD beta 0), warm start",
@@ -147,9 +155,11 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--warm-start", type=int, default=40, help="off-policy iterations the arms share first")
+    ap.add_argument("--late-warm-start", type=int, default=100, help="the *-late runs' warm start")
     ap.add_argument("--cold-iterations", type=int, default=400, help="reverse-cold's (no warm start)")
     ap.add_argument("--prompts", type=int, default=64, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--sampled-lr", type=float, default=3e-3, help="sampled-token runs' (1e-2 collapsed)")
     ap.add_argument("--rl-lr", type=float, default=1e-3, help="--method rl's (at 1e-2 it collapsed)")
     ap.add_argument("--constant", action="store_true", help="no cosine decay of the lr after the warm-up")
     ap.add_argument("--minibatches", type=int, default=4, help="optimizer steps per iteration")
@@ -210,7 +220,11 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     plot(out, RESULTS / "distill.png", done, teachers)
-    arms = [run for run in ("off-policy", "reverse", "sampled", "forward") if run in done]
+    arms = [
+        r
+        for r in ("off-policy", "reverse", "sampled", "reverse-late", "sampled-late", "forward")
+        if r in done
+    ]
     equal_tokens(out, arms, RESULTS / "distill_equal_tokens.csv")
     for r in rows:
         print(r)

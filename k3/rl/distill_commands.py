@@ -67,6 +67,9 @@ def distill(
     warm_start: Annotated[
         int, typer.Option(help="On-policy, rl: the first N iterations off-policy (SFT on teacher samples).")
     ] = D.warm_start,
+    warm_lr: Annotated[
+        float | None, typer.Option(help="The warm-start iterations' peak learning rate (default: --lr).")
+    ] = D.warm_lr,
     full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
         D.full_vocab
     ),

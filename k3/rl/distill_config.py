@@ -35,6 +35,7 @@ class DistillConfig:
     is_high: float = 2.0
     alpha_reward: float = 0.0
     warm_start: int = 0  # on-policy, rl: the first N iterations off-policy (SFT on the teachers' samples)
+    warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
     full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
     divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
     eval_every: int = 5
@@ -65,8 +66,8 @@ class DistillConfig:
             bad("temperature", f"must be > 0, got {self.temperature}")
         if not 0 <= self.is_low <= 1 <= self.is_high:
             bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
-        for name in ("lr", "warmup"):
-            if getattr(self, name) < 0:
+        for name in ("lr", "warmup", "warm_lr"):
+            if (getattr(self, name) or 0) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
         if self.minibatches > self.prompts * self.samples:
             bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")

@@ -125,14 +125,17 @@ def learning_rate(dc: DistillConfig, step: int) -> float:
     """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps,
     as `k3 rl`'s (k3.rl.trainer.learning_rate: a fresh AdamW's first update moves every weight by the full
     learning rate, whatever the gradient); then constant, or with `cosine` a half cosine from `lr` at the
-    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists)."""
+    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists).
+    The peak is `warm_lr` during the `warm_start` iterations where given, else `lr`."""
+    warm = dc.warm_lr is not None and step < dc.warm_start * dc.minibatches
+    peak = dc.warm_lr if warm else dc.lr
     if step < dc.warmup:
-        return dc.lr * (step + 1) / dc.warmup
+        return peak * (step + 1) / dc.warmup
     if not dc.cosine:
-        return dc.lr
+        return peak
     total = dc.iterations * dc.minibatches
     progress = min(1.0, (step - dc.warmup + 1) / max(1, total - dc.warmup))
-    return dc.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], list, list[str]]:

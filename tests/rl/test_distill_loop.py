@@ -231,6 +231,9 @@ def test_learning_rate_warms_up_linearly(tmp_path, policies, monkeypatch):
     each iteration's last; `--warmup` reaches the config from the command line."""
     assert [learning_rate(DistillConfig(lr=1.0, warmup=4), s) for s in range(6)] == [0.25, 0.5, 0.75, 1, 1, 1]
     assert learning_rate(DistillConfig(lr=0.3, warmup=0), 0) == 0.3
+    # warm_lr: the peak of the warm-start iterations' steps (1 iteration x 2 minibatches), then lr
+    dc = DistillConfig(lr=0.1, warm_lr=1.0, warmup=2, warm_start=1, minibatches=2, iterations=3)
+    assert [learning_rate(dc, s) for s in range(5)] == [0.5, 1.0, 0.1, 0.1, 0.1]
     # cosine: 2 warm-up steps, then 0.5 (1 + cos(pi k / 4)) for k = 1..4 over the 3 x 2 - 2 remaining steps
     dc = DistillConfig(lr=1.0, warmup=2, cosine=True, iterations=3, minibatches=2)
     got = [learning_rate(dc, s) for s in range(6)]
