@@ -129,6 +129,16 @@ RUNS = {
         "on-policy reverse KL, sampled tokens, late warm start",
         lambda a: dict(warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr),
     ),
+    "reverse-slow": (
+        "on-policy reverse KL, full vocabulary, warm start, then lr 3e-3",
+        lambda a: dict(
+            full_vocab=True, divergence="reverse", warm_start=a.warm_start, lr=a.slow_lr, warm_lr=a.lr
+        ),
+    ),
+    "off-policy-slow": (
+        "off-policy, after the warm start lr 3e-3",
+        lambda a: dict(method="off-policy", warm_start=a.warm_start, lr=a.slow_lr, warm_lr=a.lr),
+    ),
     "forward": (
         "on-policy forward KL (GKD beta 0), warm start",
         lambda a: dict(full_vocab=True, divergence="forward", warm_start=a.warm_start),
@@ -139,7 +149,9 @@ RUNS = {
     ),
     "rl": (
         "RL on all tasks (reward only), warm start",
-        lambda a: dict(method="rl", prompts=a.prompts // 2, samples=2, lr=a.rl_lr, warm_start=a.warm_start),
+        lambda a: dict(
+            method="rl", prompts=a.prompts // 2, samples=2, lr=a.rl_lr, warm_lr=a.lr, warm_start=a.warm_start
+        ),
     ),
     "average": ("teachers' weights averaged", lambda a: dict(method="average")),
 }
@@ -160,6 +172,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--sampled-lr", type=float, default=3e-3, help="sampled-token runs' (1e-2 collapsed)")
+    ap.add_argument("--slow-lr", type=float, default=3e-3, help="the *-slow runs' after the warm start")
     ap.add_argument("--rl-lr", type=float, default=1e-3, help="--method rl's (at 1e-2 it collapsed)")
     ap.add_argument("--constant", action="store_true", help="no cosine decay of the lr after the warm-up")
     ap.add_argument("--minibatches", type=int, default=4, help="optimizer steps per iteration")
@@ -222,7 +235,16 @@ def main() -> None:
     plot(out, RESULTS / "distill.png", done, teachers)
     arms = [
         r
-        for r in ("off-policy", "reverse", "sampled", "reverse-late", "sampled-late", "forward")
+        for r in (
+            "off-policy",
+            "reverse",
+            "sampled",
+            "reverse-late",
+            "sampled-late",
+            "reverse-slow",
+            "off-policy-slow",
+            "forward",
+        )
         if r in done
     ]
     equal_tokens(out, arms, RESULTS / "distill_equal_tokens.csv")

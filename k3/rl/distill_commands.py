@@ -65,7 +65,7 @@ def distill(
         float, typer.Option(help="Add A x (task reward - group mean) to every advantage.")
     ] = D.alpha_reward,
     warm_start: Annotated[
-        int, typer.Option(help="On-policy, rl: the first N iterations off-policy (SFT on teacher samples).")
+        int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")
     ] = D.warm_start,
     warm_lr: Annotated[
         float | None, typer.Option(help="The warm-start iterations' peak learning rate (default: --lr).")

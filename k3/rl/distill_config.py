@@ -34,7 +34,7 @@ class DistillConfig:
     is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
     is_high: float = 2.0
     alpha_reward: float = 0.0
-    warm_start: int = 0  # on-policy, rl: the first N iterations off-policy (SFT on the teachers' samples)
+    warm_start: int = 0  # the first N iterations off-policy (SFT on the teachers' samples), at warm_lr
     warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
     full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
     divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
@@ -75,8 +75,8 @@ class DistillConfig:
             bad("alpha_reward", "only with --method on-policy")
         if self.warm_start < 0 or self.warm_start > self.iterations:
             bad("warm_start", f"between 0 and --iterations ({self.iterations}), got {self.warm_start}")
-        if self.warm_start and self.method not in ("on-policy", "rl"):
-            bad("warm_start", "only with --method on-policy or rl (off-policy iterations before the rest)")
+        if self.warm_start and self.method == "average":
+            bad("warm_start", "not with --method average (no training)")
         if self.divergence not in ("reverse", "forward"):
             bad("divergence", f"reverse or forward, got {self.divergence!r}")
         if self.divergence == "forward" and not self.full_vocab:

@@ -7,9 +7,10 @@ Methods (`--method`):
   `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
   student is fine-tuned on them (cross-entropy over the answer tokens).
-- `--warm-start N` (on-policy, rl): iterations 0 .. N - 1 are off-policy ones, the same as an off-policy run's
-  (the on-policy recipe's SFT'd start: the reverse KL's gradient vanishes on tokens the student rarely
-  samples, so a student far from its teachers learns slowly from it); the schedule and optimizer go on.
+- `--warm-start N`: iterations 0 .. N - 1 are off-policy ones, the same as an off-policy run's, at the peak
+  rate `--warm-lr` (default `--lr`); then the method (the on-policy recipe's SFT'd start: the reverse KL's
+  gradient vanishes on tokens the student rarely samples, so a student far from its teachers learns slowly
+  from it); the schedule and optimizer go on. With `off-policy` it only marks where `--warm-lr` ends.
 - `average`: no training; the student is the mean of the teachers' weights (shapes must match), evaluated.
 - `rl`: the on-policy loop without teachers in the update: the advantage is the task's reward minus the
   mean over the prompt's K samples (RL on all the tasks at once, the baseline at equal samples); the

@@ -277,4 +277,4 @@ def test_warm_start_is_the_off_policy_run_then_on_policy(tmp_path, policies):
     with pytest.raises(DistillError, match="--warm-start"):
         DistillConfig(teachers=["a=x"], iterations=3, warm_start=4).check()
     with pytest.raises(DistillError, match="--warm-start"):
-        DistillConfig(teachers=["a=x"], method="off-policy", warm_start=1).check()
+        DistillConfig(teachers=["a=x"], method="average", warm_start=1).check()
