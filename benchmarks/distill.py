@@ -75,38 +75,46 @@ def equal_tokens(out: Path, runs: list[str], path: Path) -> None:
 
 
 def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
+    """2 x 2 panels: the reverse-KL student's reverse KL to each teacher; mean held-out accuracy against
+    teacher tokens for the runs branching at the warm start, and for the late warm start and the run
+    without one; accuracy against training seconds for every run."""
     from k3.rl.distill_plot import _points
     from k3.train.plot import _pyplot, read_log
 
-    def line(ax, log, x, y, **style):
-        pts = _points(log, x, y)
+    def line(ax, run, x, y, **style):
+        pts = _points(read_log(out / run), x, y)
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", ms=3, **style)
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=2.5, **style)
 
     plt = _pyplot()
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(16, 4.8))
-    rev = read_log(out / "reverse")
+
+    def color(run: str):  # one colour per run in every panel: tab20's dark shades, then its light ones
+        i = list(RUNS).index(run)
+        return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20)
+
+    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(15, 10))
     for t in teachers:
-        line(a, rev, "step", f"eval_rkl_{t}", label=t)
-    a.set(
-        title="reverse-KL student: reverse KL to each teacher",
-        xlabel="iteration",
-        ylabel="nats / token (held out)",
-    )
+        line(a, "reverse", "step", f"eval_rkl_{t}", label=t)
+    a.set(title="reverse-KL student (warm start 40): reverse KL to each teacher", xlabel="iteration",
+          ylabel="nats / token (held out)")  # fmt: skip
+    early = ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")
+    late = ("off-policy", "reverse-late", "sampled-late", "sampled-long", "reverse-cold", "reverse-cold-slow")
+    for ax, group in ((b, early), (c, late)):
+        for run in group:
+            if run in runs:
+                line(ax, run, "teacher_tokens", "acc_mean", label=RUNS[run][0], color=color(run))
+        ax.set(xlabel="teacher tokens", ylabel="mean held-out accuracy")
+    b.set(title="branching at the warm start (iteration 40)")
+    c.set(title="late warm start (iteration 100), and no warm start")
     for run in runs:
-        if run == "average":
-            continue
-        log = read_log(out / run)
-        if run != "rl":  # RL spends teacher tokens only in its warm start
-            line(b, log, "teacher_tokens", "acc_mean", label=RUNS[run][0])
-        line(c, log, "elapsed_s", "acc_mean", label=RUNS[run][0])
-    b.set(title="mean held-out accuracy vs teacher tokens", xlabel="teacher tokens", ylabel="accuracy")
-    c.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores)")
-    for ax in (a, b, c):
+        if run != "average":
+            line(d, run, "elapsed_s", "acc_mean", label=RUNS[run][0], color=color(run))
+    d.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores, loaded)")
+    for ax in (a, b, c, d):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
@@ -147,6 +155,18 @@ RUNS = {
         "on-policy reverse KL, full vocabulary, from the base",
         lambda a: dict(full_vocab=True, divergence="reverse", iterations=a.cold_iterations, eval_every=20),
     ),
+    "sampled-long": (
+        "on-policy reverse KL, sampled tokens, late warm start, 300 iterations",
+        lambda a: dict(
+            warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr, iterations=a.long_iterations
+        ),
+    ),
+    "reverse-cold-slow": (
+        "on-policy reverse KL, full vocabulary, from the base, lr 3e-3",
+        lambda a: dict(
+            full_vocab=True, divergence="reverse", iterations=a.cold_iterations, eval_every=20, lr=a.slow_lr
+        ),
+    ),
     "rl": (
         "RL on all tasks (reward only), warm start",
         lambda a: dict(
@@ -168,6 +188,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--warm-start", type=int, default=40, help="off-policy iterations the arms share first")
     ap.add_argument("--late-warm-start", type=int, default=100, help="the *-late runs' warm start")
+    ap.add_argument("--long-iterations", type=int, default=300, help="sampled-long's")
     ap.add_argument("--cold-iterations", type=int, default=400, help="reverse-cold's (no warm start)")
     ap.add_argument("--prompts", type=int, default=64, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
