@@ -11,9 +11,9 @@ at equal samples, and the teachers' averaged weights.
 
 Writes OUT/teachers/ (base + specialists), OUT/<run>/ (run folders), benchmarks/results/distill.csv (one
 row per model: held-out accuracy per task, teacher tokens, elapsed seconds, final reverse KL per
-teacher), distill_<run>_log.csv (each run's log), distill_equal_tokens.csv (the arms' accuracy at each
-shared evaluation, with their teacher tokens) and distill.png. Everything is resumable: a rerun reuses
-finished teachers and resumes runs.
+teacher), distill_<run>_log.csv (each run's log), distill_equal_tokens.csv and
+distill_equal_tokens_long.csv (the arms' accuracy at each shared evaluation, with their teacher tokens)
+and distill.png. Everything is resumable: a rerun reuses finished teachers and resumes runs.
 """
 
 from __future__ import annotations
@@ -75,9 +75,9 @@ def equal_tokens(out: Path, runs: list[str], path: Path) -> None:
 
 
 def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
-    """2 x 2 panels: the reverse-KL student's reverse KL to each teacher; mean held-out accuracy against
-    teacher tokens for the runs branching at the warm start, and for the late warm start and the run
-    without one; accuracy against training seconds for every run."""
+    """The reverse-KL student's reverse KL to each teacher; mean held-out accuracy against teacher tokens
+    for the runs branching at the warm start, at the late one (and without one), and the 300-iteration
+    runs; accuracy against training seconds for every run."""
     from k3.rl.distill_plot import _points
     from k3.train.plot import _pyplot, read_log
 
@@ -92,25 +92,30 @@ def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
         i = list(RUNS).index(run)
         return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20)
 
-    fig, ((a, b), (c, d)) = plt.subplots(2, 2, figsize=(15, 10))
+    fig, ((a, b, c), (d, e, f)) = plt.subplots(2, 3, figsize=(20, 10))
     for t in teachers:
         line(a, "reverse", "step", f"eval_rkl_{t}", label=t)
     a.set(title="reverse-KL student (warm start 40): reverse KL to each teacher", xlabel="iteration",
           ylabel="nats / token (held out)")  # fmt: skip
-    early = ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")
-    late = ("off-policy", "reverse-late", "sampled-late", "sampled-long", "reverse-cold", "reverse-cold-slow")
-    for ax, group in ((b, early), (c, late)):
+    groups = {
+        b: ("branching at the warm start (iteration 40)",
+            ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")),
+        c: ("late warm start (iteration 100), and no warm start",
+            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow")),
+        d: ("300 iterations, branching at 100, lr 3e-3 after it",
+            ("off-policy-long", "sampled-long", "reverse-long")),
+    }  # fmt: skip
+    for ax, (title, group) in groups.items():
         for run in group:
             if run in runs:
                 line(ax, run, "teacher_tokens", "acc_mean", label=RUNS[run][0], color=color(run))
-        ax.set(xlabel="teacher tokens", ylabel="mean held-out accuracy")
-    b.set(title="branching at the warm start (iteration 40)")
-    c.set(title="late warm start (iteration 100), and no warm start")
+        ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy")
     for run in runs:
         if run != "average":
-            line(d, run, "elapsed_s", "acc_mean", label=RUNS[run][0], color=color(run))
-    d.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores, loaded)")
-    for ax in (a, b, c, d):
+            line(e, run, "elapsed_s", "acc_mean", label=RUNS[run][0], color=color(run))
+    e.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores, loaded)")
+    f.axis("off")
+    for ax in (a, b, c, d, e):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -160,6 +165,27 @@ RUNS = {
         lambda a: dict(
             warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr, iterations=a.long_iterations
         ),
+    ),
+    "reverse-long": (
+        "on-policy reverse KL, full vocabulary, late warm start, 300 iterations",
+        lambda a: dict(
+            full_vocab=True,
+            divergence="reverse",
+            warm_start=a.late_warm_start,
+            lr=a.sampled_lr,
+            warm_lr=a.lr,
+            iterations=a.long_iterations,
+        ),  # fmt: skip
+    ),
+    "off-policy-long": (
+        "off-policy, 300 iterations, lr 3e-3 after iteration 100",
+        lambda a: dict(
+            method="off-policy",
+            warm_start=a.late_warm_start,
+            lr=a.sampled_lr,
+            warm_lr=a.lr,
+            iterations=a.long_iterations,
+        ),  # fmt: skip
     ),
     "reverse-cold-slow": (
         "on-policy reverse KL, full vocabulary, from the base, lr 3e-3",
@@ -269,6 +295,9 @@ def main() -> None:
         if r in done
     ]
     equal_tokens(out, arms, RESULTS / "distill_equal_tokens.csv")
+    long = [r for r in ("off-policy-long", "sampled-long", "reverse-long") if r in done]
+    if len(long) > 1:
+        equal_tokens(out, long, RESULTS / "distill_equal_tokens_long.csv")
     for r in rows:
         print(r)
     print("load:", os.getloadavg())
