@@ -1,14 +1,19 @@
 """Multi-teacher distillation experiment on tiny: specialists built with k3 (`k3 distill teachers`: a base
 fine-tuned on the mixture of all tasks, then one specialist per task and effort), one student (the base)
-distilled from all of them on-policy, against off-policy distillation (SFT on the teachers' samples) at
-about equal teacher tokens, RL on all tasks at once at equal samples, and the teachers' averaged weights.
+distilled from all of them. The arms share a short off-policy warm start (`--warm-start` iterations of
+SFT on the teachers' samples: the on-policy recipe's SFT'd start), then go on off-policy, or on-policy with
+the reverse KL (full vocabulary, GKD beta = 1; or the sampled-token policy gradient), or the forward KL;
+beside them the reverse KL from the base without a warm start (`reverse-cold`), RL on all tasks at once
+at equal samples, and the teachers' averaged weights.
 
-    nice -n 10 python benchmarks/distill.py --out runs/distill-exp [--only M] [--iterations 200 ...]
+    PYTHONPATH=. nice -n 10 python benchmarks/distill.py --out runs/distill-exp --only RUN   # each RUN
+    PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp --only table
 
-Writes OUT/teachers/ (base + specialists), OUT/{on-policy,off-policy,rl,average}/ (run folders),
-benchmarks/results/distill.csv (one row per model: held-out accuracy per task, teacher tokens, elapsed
-seconds, final reverse KL per teacher), distill_<method>_log.csv (each run's log) and distill.png.
-Everything is resumable: a rerun reuses finished teachers and resumes runs.
+Writes OUT/teachers/ (base + specialists), OUT/<run>/ (run folders), benchmarks/results/distill.csv (one
+row per model: held-out accuracy per task, teacher tokens, elapsed seconds, final reverse KL per
+teacher), distill_<run>_log.csv (each run's log), distill_equal_tokens.csv and
+distill_equal_tokens_long.csv (the arms' accuracy at each shared evaluation, with their teacher tokens)
+and distill.png. Everything is resumable: a rerun reuses finished teachers and resumes runs.
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ from k3.rl.distill_loop import train_distill
 from k3.rl.distill_teachers import make_teachers
 
 RESULTS = Path(__file__).parent / "results"
-METHODS = ("on-policy", "off-policy", "rl", "average")
 
 
 def accuracy(source: str, tasks: list[str], held_out: int, digits: int) -> dict:
@@ -44,39 +48,159 @@ def accuracy(source: str, tasks: list[str], held_out: int, digits: int) -> dict:
     }
 
 
-def last_eval(run: Path) -> dict:
+def evals(run: Path) -> list[dict]:
+    """The log rows that hold a held-out evaluation."""
     with (run / "log.csv").open(newline="") as f:
-        return [r for r in csv.DictReader(f) if r["acc_mean"]][-1]
+        return [r for r in csv.DictReader(f) if r["acc_mean"]]
 
 
-def plot(out: Path, png: Path, teachers: list[str]) -> None:
+def equal_tokens(out: Path, runs: list[str], path: Path) -> None:
+    """One row per evaluated iteration that every run shares: each run's teacher tokens so far and its
+    mean and per-task held-out accuracy (the runs draw the same prompts, so their teacher tokens agree to
+    within the answers' lengths)."""
+    logs = {run: {r["step"]: r for r in evals(out / run)} for run in runs}
+    steps = [s for s in logs[runs[0]] if all(s in log for log in logs.values())]
+    rows = []
+    for step in steps:
+        row = {"iteration": step}
+        for run in runs:
+            r = logs[run][step]
+            row[f"{run}_teacher_tokens"] = r["teacher_tokens"]
+            row.update({f"{run}_{k}": r[k] for k in r if k.startswith("acc_")})
+        rows.append(row)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
+    """The reverse-KL student's reverse KL to each teacher; mean held-out accuracy against teacher tokens
+    for the runs branching at the warm start, at the late one (and without one), and the 300-iteration
+    runs; accuracy against training seconds for every run."""
     from k3.rl.distill_plot import _points
     from k3.train.plot import _pyplot, read_log
 
-    def line(ax, log, x, y, **style):
-        pts = _points(log, x, y)
+    def line(ax, run, x, y, **style):
+        pts = _points(read_log(out / run), x, y)
         if pts:
-            ax.plot(*zip(*pts, strict=True), marker="o", ms=3, **style)
+            ax.plot(*zip(*pts, strict=True), marker="o", ms=2.5, **style)
 
     plt = _pyplot()
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.5))
-    on = read_log(out / "on-policy")
+
+    def color(run: str):  # one colour per run in every panel: tab20's dark shades, then its light ones
+        i = list(RUNS).index(run)
+        return plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20)
+
+    fig, ((a, b, c), (d, e, f)) = plt.subplots(2, 3, figsize=(20, 10))
     for t in teachers:
-        line(a, on, "step", f"eval_rkl_{t}", label=t)
-    a.set(title="on-policy: reverse KL to each teacher", xlabel="iteration", ylabel="nats / token (held out)")
-    for method, ls in (("on-policy", "-"), ("off-policy", "--"), ("rl", ":")):
-        log = read_log(out / method)
-        if method != "rl":  # RL spends no teacher tokens
-            line(b, log, "teacher_tokens", "acc_mean", ls=ls, label=method)
-        line(c, log, "elapsed_s", "acc_mean", ls=ls, label=method)
-    b.set(title="mean held-out accuracy vs teacher tokens", xlabel="teacher tokens", ylabel="accuracy")
-    c.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores)")
-    for ax in (a, b, c):
+        line(a, "reverse", "step", f"eval_rkl_{t}", label=t)
+    a.set(title="reverse-KL student (warm start 40): reverse KL to each teacher", xlabel="iteration",
+          ylabel="nats / token (held out)")  # fmt: skip
+    groups = {
+        b: ("branching at the warm start (iteration 40)",
+            ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")),
+        c: ("late warm start (iteration 100), and no warm start",
+            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow")),
+        d: ("300 iterations, branching at 100, lr 3e-3 after it",
+            ("off-policy-long", "sampled-long", "reverse-long")),
+    }  # fmt: skip
+    for ax, (title, group) in groups.items():
+        for run in group:
+            if run in runs:
+                line(ax, run, "teacher_tokens", "acc_mean", label=RUNS[run][0], color=color(run))
+        ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy")
+    for run in runs:
+        if run != "average":
+            line(e, run, "elapsed_s", "acc_mean", label=RUNS[run][0], color=color(run))
+    e.set(title="mean held-out accuracy vs compute", xlabel="training seconds (2 shared cores, loaded)")
+    f.axis("off")
+    for ax in (a, b, c, d, e):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     plt.close(fig)
+
+
+# run name -> (label, its settings beyond the common ones); W: the shared off-policy warm start
+RUNS = {
+    "off-policy": ("off-policy (SFT on teacher samples)", lambda a: dict(method="off-policy")),
+    "reverse": (
+        "on-policy reverse KL, full vocabulary (GKD beta 1), warm start",
+        lambda a: dict(full_vocab=True, divergence="reverse", warm_start=a.warm_start),
+    ),
+    "sampled": (
+        "on-policy reverse KL, sampled-token policy gradient, warm start",
+        lambda a: dict(warm_start=a.warm_start, lr=a.sampled_lr, warm_lr=a.lr),
+    ),
+    "reverse-late": (
+        "on-policy reverse KL, full vocabulary, late warm start",
+        lambda a: dict(full_vocab=True, divergence="reverse", warm_start=a.late_warm_start),
+    ),
+    "sampled-late": (
+        "on-policy reverse KL, sampled tokens, late warm start",
+        lambda a: dict(warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr),
+    ),
+    "reverse-slow": (
+        "on-policy reverse KL, full vocabulary, warm start, then lr 3e-3",
+        lambda a: dict(
+            full_vocab=True, divergence="reverse", warm_start=a.warm_start, lr=a.slow_lr, warm_lr=a.lr
+        ),
+    ),
+    "off-policy-slow": (
+        "off-policy, after the warm start lr 3e-3",
+        lambda a: dict(method="off-policy", warm_start=a.warm_start, lr=a.slow_lr, warm_lr=a.lr),
+    ),
+    "forward": (
+        "on-policy forward KL (GKD beta 0), warm start",
+        lambda a: dict(full_vocab=True, divergence="forward", warm_start=a.warm_start),
+    ),
+    "reverse-cold": (
+        "on-policy reverse KL, full vocabulary, from the base",
+        lambda a: dict(full_vocab=True, divergence="reverse", iterations=a.cold_iterations, eval_every=20),
+    ),
+    "sampled-long": (
+        "on-policy reverse KL, sampled tokens, late warm start, 300 iterations",
+        lambda a: dict(
+            warm_start=a.late_warm_start, lr=a.sampled_lr, warm_lr=a.lr, iterations=a.long_iterations
+        ),
+    ),
+    "reverse-long": (
+        "on-policy reverse KL, full vocabulary, late warm start, 300 iterations",
+        lambda a: dict(
+            full_vocab=True,
+            divergence="reverse",
+            warm_start=a.late_warm_start,
+            lr=a.sampled_lr,
+            warm_lr=a.lr,
+            iterations=a.long_iterations,
+        ),  # fmt: skip
+    ),
+    "off-policy-long": (
+        "off-policy, 300 iterations, lr 3e-3 after iteration 100",
+        lambda a: dict(
+            method="off-policy",
+            warm_start=a.late_warm_start,
+            lr=a.sampled_lr,
+            warm_lr=a.lr,
+            iterations=a.long_iterations,
+        ),  # fmt: skip
+    ),
+    "reverse-cold-slow": (
+        "on-policy reverse KL, full vocabulary, from the base, lr 3e-3",
+        lambda a: dict(
+            full_vocab=True, divergence="reverse", iterations=a.cold_iterations, eval_every=20, lr=a.slow_lr
+        ),
+    ),
+    "rl": (
+        "RL on all tasks (reward only), warm start",
+        lambda a: dict(
+            method="rl", prompts=a.prompts // 2, samples=2, lr=a.rl_lr, warm_lr=a.lr, warm_start=a.warm_start
+        ),
+    ),
+    "average": ("teachers' weights averaged", lambda a: dict(method="average")),
+}
 
 
 def main() -> None:
@@ -88,19 +212,23 @@ def main() -> None:
     ap.add_argument("--sft-lr", type=float, default=1e-2)
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--iterations", type=int, default=200)
+    ap.add_argument("--warm-start", type=int, default=40, help="off-policy iterations the arms share first")
+    ap.add_argument("--late-warm-start", type=int, default=100, help="the *-late runs' warm start")
+    ap.add_argument("--long-iterations", type=int, default=300, help="sampled-long's")
+    ap.add_argument("--cold-iterations", type=int, default=400, help="reverse-cold's (no warm start)")
     ap.add_argument("--prompts", type=int, default=64, help="per domain per iteration (rl: half, K = 2)")
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--sampled-lr", type=float, default=3e-3, help="sampled-token runs' (1e-2 collapsed)")
+    ap.add_argument("--slow-lr", type=float, default=3e-3, help="the *-slow runs' after the warm start")
     ap.add_argument("--rl-lr", type=float, default=1e-3, help="--method rl's (at 1e-2 it collapsed)")
     ap.add_argument("--constant", action="store_true", help="no cosine decay of the lr after the warm-up")
     ap.add_argument("--minibatches", type=int, default=4, help="optimizer steps per iteration")
     ap.add_argument("--warmup", type=int, default=DistillConfig.warmup, help="optimizer steps of lr warm-up")
-    ap.add_argument("--divergence", default="forward", help="on-policy GKD: reverse (beta 1) or forward KL")
-    ap.add_argument("--sampled", action="store_true", help="on-policy with the sampled-token estimate")
     ap.add_argument("--held-out", type=int, default=100)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default="", help="one of teachers, on-policy, off-policy, rl, average, table")
+    ap.add_argument("--only", default="", help=f"teachers, table or a run: {', '.join(RUNS)}")
     args = ap.parse_args()
     out, tasks = Path(args.out), args.tasks.split(",")
     specs = make_teachers(
@@ -110,37 +238,32 @@ def main() -> None:
     base = str(out / "teachers" / "base" / "policy")
     common = dict(
         student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
-        minibatches=args.minibatches, cosine=not args.constant,
+        minibatches=args.minibatches, cosine=not args.constant, prompts=args.prompts, samples=1,
         held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
         threads=args.threads,
     )  # fmt: skip
-    per_method = {
-        "on-policy": dict(
-            prompts=args.prompts, samples=1, full_vocab=not args.sampled, divergence=args.divergence
-        ),
-        "off-policy": dict(prompts=args.prompts, samples=1),
-        "rl": dict(prompts=args.prompts // 2, samples=2, lr=args.rl_lr),
-        "average": dict(prompts=args.prompts, samples=1),
-    }
-    for method in METHODS:
-        if args.only in ("", method):
+    for run, (_, settings) in RUNS.items():
+        if args.only == run:
             began = time.time()
-            dc = DistillConfig(method=method, out=str(out / method), **{**common, **per_method[method]})
-            train_distill(dc, on_iteration=lambda r, m=method: print(m, r, flush=True))
-            print(f"{method}: {time.time() - began:.0f} s wall, load {os.getloadavg()}", flush=True)
-    if args.only not in ("", "table"):
+            dc = DistillConfig(out=str(out / run), **{**common, **settings(args)})
+            train_distill(dc, on_iteration=lambda r, m=run: print(m, r, flush=True))
+            print(f"{run}: {time.time() - began:.0f} s wall, load {os.getloadavg()}", flush=True)
+    if args.only != "table":
         return
     teachers = [s.split("=")[0] for s in specs]
-    rows = [{"model": "base (the student at step 0)", **accuracy(base, tasks, args.held_out, args.digits)}]
+    rows = [
+        {"model": "base (the student at iteration 0)", **accuracy(base, tasks, args.held_out, args.digits)}
+    ]
     for spec in specs:
         name, source = spec.split("=")[0], spec.split("=", 1)[1].rsplit(":", 1)[0]
         rows.append({"model": f"specialist {name}", **accuracy(source, tasks, args.held_out, args.digits)})
     RESULTS.mkdir(exist_ok=True)
-    for method in METHODS:
-        last = last_eval(out / method)
+    done = [run for run in RUNS if (out / run / "log.csv").is_file()]
+    for run in done:
+        last = evals(out / run)[-1]
         rows.append(
             {
-                "model": f"student {method}" if method != "average" else "teachers' weights averaged",
+                "model": RUNS[run][0],
                 **{k: last[k] for k in last if k.startswith("acc_") and k != "acc_mean"},
                 "acc_mean": last["acc_mean"],
                 "iterations": last["step"],
@@ -150,13 +273,31 @@ def main() -> None:
                 **{k: last[k] for k in last if k.startswith("eval_rkl_")},
             }
         )
-        shutil.copy(out / method / "log.csv", RESULTS / f"distill_{method.replace('-', '_')}_log.csv")
+        shutil.copy(out / run / "log.csv", RESULTS / f"distill_{run.replace('-', '_')}_log.csv")
     fields = list(dict.fromkeys(k for r in rows for k in r))
     with (RESULTS / "distill.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields)
         writer.writeheader()
         writer.writerows(rows)
-    plot(out, RESULTS / "distill.png", teachers)
+    plot(out, RESULTS / "distill.png", done, teachers)
+    arms = [
+        r
+        for r in (
+            "off-policy",
+            "reverse",
+            "sampled",
+            "reverse-late",
+            "sampled-late",
+            "reverse-slow",
+            "off-policy-slow",
+            "forward",
+        )
+        if r in done
+    ]
+    equal_tokens(out, arms, RESULTS / "distill_equal_tokens.csv")
+    long = [r for r in ("off-policy-long", "sampled-long", "reverse-long") if r in done]
+    if len(long) > 1:
+        equal_tokens(out, long, RESULTS / "distill_equal_tokens_long.csv")
     for r in rows:
         print(r)
     print("load:", os.getloadavg())

@@ -64,6 +64,12 @@ def distill(
     alpha_reward: Annotated[
         float, typer.Option(help="Add A x (task reward - group mean) to every advantage.")
     ] = D.alpha_reward,
+    warm_start: Annotated[
+        int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")
+    ] = D.warm_start,
+    warm_lr: Annotated[
+        float | None, typer.Option(help="The warm-start iterations' peak learning rate (default: --lr).")
+    ] = D.warm_lr,
     full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
         D.full_vocab
     ),

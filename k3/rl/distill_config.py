@@ -34,6 +34,8 @@ class DistillConfig:
     is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
     is_high: float = 2.0
     alpha_reward: float = 0.0
+    warm_start: int = 0  # the first N iterations off-policy (SFT on the teachers' samples), at warm_lr
+    warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
     full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
     divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
     eval_every: int = 5
@@ -64,13 +66,17 @@ class DistillConfig:
             bad("temperature", f"must be > 0, got {self.temperature}")
         if not 0 <= self.is_low <= 1 <= self.is_high:
             bad("is_low", f"the interval [{self.is_low}, {self.is_high}] must hold 1 and start at >= 0")
-        for name in ("lr", "warmup"):
-            if getattr(self, name) < 0:
+        for name in ("lr", "warmup", "warm_lr"):
+            if (getattr(self, name) or 0) < 0:
                 bad(name, f"must be >= 0, got {getattr(self, name)}")
         if self.minibatches > self.prompts * self.samples:
             bad("minibatches", f"at most --prompts x --samples ({self.prompts * self.samples})")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
+        if self.warm_start < 0 or self.warm_start > self.iterations:
+            bad("warm_start", f"between 0 and --iterations ({self.iterations}), got {self.warm_start}")
+        if self.warm_start and self.method == "average":
+            bad("warm_start", "not with --method average (no training)")
         if self.divergence not in ("reverse", "forward"):
             bad("divergence", f"reverse or forward, got {self.divergence!r}")
         if self.divergence == "forward" and not self.full_vocab:

@@ -7,6 +7,10 @@ Methods (`--method`):
   `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
   student is fine-tuned on them (cross-entropy over the answer tokens).
+- `--warm-start N`: iterations 0 .. N - 1 are off-policy ones, the same as an off-policy run's, at the peak
+  rate `--warm-lr` (default `--lr`); then the method (the on-policy recipe's SFT'd start: the reverse KL's
+  gradient vanishes on tokens the student rarely samples, so a student far from its teachers learns slowly
+  from it); the schedule and optimizer go on. With `off-policy` it only marks where `--warm-lr` ends.
 - `average`: no training; the student is the mean of the teachers' weights (shapes must match), evaluated.
 - `rl`: the on-policy loop without teachers in the update: the advantage is the task's reward minus the
   mean over the prompt's K samples (RL on all the tasks at once, the baseline at equal samples); the
@@ -122,14 +126,17 @@ def learning_rate(dc: DistillConfig, step: int) -> float:
     """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps,
     as `k3 rl`'s (k3.rl.trainer.learning_rate: a fresh AdamW's first update moves every weight by the full
     learning rate, whatever the gradient); then constant, or with `cosine` a half cosine from `lr` at the
-    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists)."""
+    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists).
+    The peak is `warm_lr` during the `warm_start` iterations where given, else `lr`."""
+    warm = dc.warm_lr is not None and step < dc.warm_start * dc.minibatches
+    peak = dc.warm_lr if warm else dc.lr
     if step < dc.warmup:
-        return dc.lr * (step + 1) / dc.warmup
+        return peak * (step + 1) / dc.warmup
     if not dc.cosine:
-        return dc.lr
+        return peak
     total = dc.iterations * dc.minibatches
     progress = min(1.0, (step - dc.warmup + 1) / max(1, total - dc.warmup))
-    return dc.lr * 0.5 * (1 + math.cos(math.pi * progress))
+    return peak * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], list, list[str]]:
@@ -285,7 +292,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
     engine = Engine(copy.deepcopy(model).eval(), max_batch=dc.max_batch)
     engine.policy_version = start
     teacher_engines = {}
-    if dc.method == "off-policy":
+    if dc.method == "off-policy" or dc.warm_start:
         engines = {t: Engine(m, max_batch=dc.max_batch) for t, m in setup.teachers.items()}
         teacher_engines = {d: engines[t] for d, t in setup.domains.items()}
     cols = columns(setup.domains)
@@ -303,7 +310,7 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
         for it in range(start, last):
             began = time.perf_counter()
             trajs, problems, domain_of = _batch(dc, setup, it)
-            if dc.method in ("on-policy", "rl"):
+            if dc.method in ("on-policy", "rl") and it >= dc.warm_start:
                 tokens = _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
                 row = _on_policy(setup, optimizer, dc, it, trajs, problems, domain_of)
                 counters["student_tokens"] += tokens

@@ -231,6 +231,9 @@ def test_learning_rate_warms_up_linearly(tmp_path, policies, monkeypatch):
     each iteration's last; `--warmup` reaches the config from the command line."""
     assert [learning_rate(DistillConfig(lr=1.0, warmup=4), s) for s in range(6)] == [0.25, 0.5, 0.75, 1, 1, 1]
     assert learning_rate(DistillConfig(lr=0.3, warmup=0), 0) == 0.3
+    # warm_lr: the peak of the warm-start iterations' steps (1 iteration x 2 minibatches), then lr
+    dc = DistillConfig(lr=0.1, warm_lr=1.0, warmup=2, warm_start=1, minibatches=2, iterations=3)
+    assert [learning_rate(dc, s) for s in range(5)] == [0.5, 1.0, 0.1, 0.1, 0.1]
     # cosine: 2 warm-up steps, then 0.5 (1 + cos(pi k / 4)) for k = 1..4 over the 3 x 2 - 2 remaining steps
     dc = DistillConfig(lr=1.0, warmup=2, cosine=True, iterations=3, minibatches=2)
     got = [learning_rate(dc, s) for s in range(6)]
@@ -254,3 +257,24 @@ def test_learning_rate_warms_up_linearly(tmp_path, policies, monkeypatch):
         _cli(tmp_path / "bad", policies, "--warmup", "-1"), capture_output=True, text=True, timeout=120
     )
     assert out.returncode != 0 and "--warmup: must be >= 0" in out.stdout + out.stderr
+
+
+def test_warm_start_is_the_off_policy_run_then_on_policy(tmp_path, policies):
+    """`warm_start=1`: iteration 1 of an on-policy run is an off-policy run's first iteration (same log row
+    apart from timing, same weights bit for bit); iteration 2 is on-policy (the teacher scores the
+    student's samples: reverse KL logged, student tokens counted as teacher tokens)."""
+    common = dict(student=str(policies[0]), teachers=[f"a={policies[1]}:arithmetic"], iterations=2, **SMALL)
+    off = train_distill(DistillConfig(method="off-policy", out=str(tmp_path / "off"), **common))
+    warm = train_distill(DistillConfig(full_vocab=True, warm_start=1, out=str(tmp_path / "warm"), **common))
+    r_off, r_warm = _rows(off), _rows(warm)
+    assert r_warm[:2] == r_off[:2] and r_warm[1]["rkl_a"] == "" and int(r_warm[1]["student_tokens"]) == 0
+    step1 = [dict(list_checkpoints(run))[1] / "model.safetensors" for run in (off, warm)]
+    w_off, w_warm = (load_file(str(p)) for p in step1)
+    assert all(torch.equal(w_off[k], w_warm[k]) for k in w_off)
+    assert r_off[2]["rkl_a"] == "" and math.isfinite(float(r_warm[2]["rkl_a"]))
+    spent = int(r_warm[2]["student_tokens"])
+    assert spent > 0 and int(r_warm[2]["teacher_tokens"]) == int(r_warm[1]["teacher_tokens"]) + spent
+    with pytest.raises(DistillError, match="--warm-start"):
+        DistillConfig(teachers=["a=x"], iterations=3, warm_start=4).check()
+    with pytest.raises(DistillError, match="--warm-start"):
+        DistillConfig(teachers=["a=x"], method="average", warm_start=1).check()
