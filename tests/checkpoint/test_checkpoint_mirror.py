@@ -4,15 +4,18 @@ file, each page fetched once (the Range server's log), and copy-on-write views t
 from __future__ import annotations
 
 import mmap
+import os
 import random
 
 import torch
 from safetensors.torch import save_file
 
+import k3.checkpoint.source as source_module
 from k3.checkpoint import open_checkpoint
 from k3.checkpoint.mirror import PAGE, MirroredSource, Ranges
 from k3.checkpoint.remote import HttpClient, HttpSource, RemoteOptions
 from k3.checkpoint.serve import RangeServer
+from k3.checkpoint.source import LocalSource, device_readahead
 
 
 def test_ranges_match_a_set_of_bytes():
@@ -87,3 +90,36 @@ def test_map_span_faults_pages_in_and_unmap_span_gives_them_back(tmp_path):
         ckpt.unmap_span(t.shard, t.start, t.end)
         assert _rss() - before < 4 * 2**20
         assert torch.equal(torch.frombuffer(view, dtype=torch.uint8)[-5:], data[-5:])  # faults back in
+
+
+def test_populate_reads_the_bytes_with_and_without_advice(tmp_path):
+    """Both ways of faulting a span in (population alone on a wide readahead window, WILLNEED advice
+    ahead of it on a narrow one) give the file's bytes, over spans longer than READ_AHEAD and ragged."""
+    data = random.Random(0).randbytes(3 * source_module.READ_AHEAD + 12345)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    for wide in (True, False):
+        source = LocalSource(path)
+        source._wide_readahead = wide
+        for offset, length in [(0, len(data)), (7, source_module.READ_AHEAD + 1), (len(data) - 100, 100)]:
+            assert bytes(source.populate(offset, length)) == data[offset : offset + length]
+        source.close()
+
+
+def test_device_readahead_from_sysfs(tmp_path):
+    """The window of the file's device from sysfs: its own queue, its disk's for a partition, else None."""
+    st = os.stat(tmp_path)
+    name = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    disk = tmp_path / "sys" / "disk"
+    (disk / "queue").mkdir(parents=True)
+    (disk / "queue" / "read_ahead_kb").write_text("128\n")
+    (disk / "part").mkdir()
+    sysfs = tmp_path / "sysfs"
+    sysfs.mkdir()
+    (sysfs / name).symlink_to(disk / "part")  # a partition: no queue of its own
+    assert device_readahead(tmp_path, sysfs) == 128 * 1024
+    (sysfs / name).unlink()
+    (sysfs / name).symlink_to(disk)
+    (disk / "queue" / "read_ahead_kb").write_text("8192\n")
+    assert device_readahead(tmp_path, sysfs) == 8192 * 1024
+    assert device_readahead(tmp_path, tmp_path / "nowhere") is None
