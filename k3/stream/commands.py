@@ -92,9 +92,7 @@ def run(
     ),
     out: Path = typer.Option(..., "--out", help="Output folder: logits.safetensors, summary.json."),
     memory_budget: str = typer.Option("4GB", help="Prompt state kept in RAM; beyond it, in scratch files."),
-    threads: int | None = typer.Option(
-        None, help="torch threads for the computation (default: every CPU)."
-    ),
+    threads: int | None = typer.Option(None, help="torch threads for the computation (default: every CPU)."),
     max_new_tokens: int = typer.Option(0, help="Greedy continuation: one more pass over all weights each."),
     all_positions: bool = typer.Option(False, "--all-positions", help="Logits of every position."),
     dump_hidden: str | None = typer.Option(None, help="Layers whose output to keep, e.g. 0,46,92."),
