@@ -119,7 +119,6 @@ class LocalSource:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
-        self._wide_readahead: bool | None = None  # the device streams a populating read alone (on first use)
         self.name = str(self.path)
         with open(self.path, "rb") as f:
             self.size = f.seek(0, 2)
@@ -164,22 +163,33 @@ class LocalSource:
         check_range(self, offset, length)
         if self._map is not None and length:
             start, stop = _pages(offset, length, self.size)
-            if self._wide_readahead is None:
-                window = device_readahead(self.path)
-                self._wide_readahead = window is not None and window >= WIDE_READAHEAD
-            fd = os.open(self.path, os.O_RDONLY)
             try:
-                ahead = 0 if self._wide_readahead else READ_AHEAD
-                _advise_willneed(fd, start, min(start + ahead, stop))
-                for a in range(start, stop, READ_AHEAD):
-                    b = min(a + READ_AHEAD, stop)
-                    _advise_willneed(fd, b, min(b + ahead, stop))
-                    populate_read(self._map, a, b - a)
+                if self._wide_readahead:
+                    populate_read(self._map, start, stop - start)
+                else:
+                    self._populate_advised(start, stop)
             except OSError:
                 self._view[start:stop:PAGE].tobytes()  # a read fault on every page
-            finally:
-                os.close(fd)
         return self._view[offset : offset + length]
+
+    @functools.cached_property
+    def _wide_readahead(self) -> bool:
+        """The device's readahead window lets a populating read stream alone (sysfs, looked up once)."""
+        window = device_readahead(self.path)
+        return window is not None and window >= WIDE_READAHEAD
+
+    def _populate_advised(self, start: int, stop: int) -> None:
+        """Populate [start, stop) a READ_AHEAD chunk at a time, the reads of the next chunk started first."""
+        assert self._map is not None
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            _advise_willneed(fd, start, min(start + READ_AHEAD, stop))
+            for a in range(start, stop, READ_AHEAD):
+                b = min(a + READ_AHEAD, stop)
+                _advise_willneed(fd, b, min(b + READ_AHEAD, stop))
+                populate_read(self._map, a, b - a)
+        finally:
+            os.close(fd)
 
     def unmap(self, offset: int, length: int) -> None:
         """Drop this process's pages of the range (`MADV_DONTNEED`): resident memory falls, the page cache

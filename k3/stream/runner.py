@@ -277,22 +277,22 @@ class StreamRun:
         self, layer: K3DecoderLayer, x: torch.Tensor, stages: tuple[Stage, ...], following: Stage
     ) -> torch.Tensor:
         """`MLP.forward` of x [N, H], down(act(gate(x), up(x))), with gate, up and down each its own stage
-        (the next one read while this one computes; one stage for an MLP of other tensors)."""
-        mlp, out = layer.mlp, {}
-        for j, stage in enumerate(stages):  # gate, up, down (k3.stream.plan.MLP_ORDER)
-            tensors = self._take(stage)
-            self.reads.ahead(stages[j + 1] if j + 1 < len(stages) else following)
-            fill(layer, tensors)
-            part = stage.tensors[0][0].split(".")[1] if len(stages) > 1 else "whole"
-            if part == "whole":
-                out["down_proj"] = mlp(x)
-            elif part == "down_proj":
-                out[part] = mlp.down_proj(mlp.act(out.pop("gate_proj"), out.pop("up_proj")))  # [N, H]
-            else:
-                out[part] = getattr(mlp, part)(x)  # [N, m]
-            release(layer, tensors)
-            self.reads.done(stage)
-        return out["down_proj"]
+        (k3.stream.plan.MLP_ORDER), the next one read while this one computes."""
+        gate, up, down = stages
+        g = self._project(layer, gate, up, x)  # [N, m]
+        u = self._project(layer, up, down, x)  # [N, m]
+        return self._project(layer, down, following, layer.mlp.act(g, u))  # [N, H]
+
+    def _project(self, layer: K3DecoderLayer, stage: Stage, then: Stage, x: torch.Tensor) -> torch.Tensor:
+        """x times the one matrix of `stage` (a Linear of `layer`), with `then` read meanwhile."""
+        tensors = self._take(stage)
+        self.reads.ahead(then)
+        fill(layer, tensors)
+        ((name, _),) = stage.tensors  # `mlp.gate_proj.weight`
+        y = layer.get_submodule(name.rsplit(".", 1)[0])(x)
+        release(layer, tensors)
+        self.reads.done(stage)
+        return y
 
     def _experts(self, i: int, chosen: list[int], following: Stage) -> Iterator[tuple[int, Tensors]]:
         """(expert, tensors) in file order, reading `prefetch_bytes` ahead, then the next stage."""
