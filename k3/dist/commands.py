@@ -12,15 +12,27 @@ does. (k3.engine knows nothing of k3.dist: the wiring is here and in k3/cli.py.)
 
 from __future__ import annotations
 
+import io
 import resource
 import sys
-import time
 
 import typer
 from rich.console import Console
 
 from k3.dist.group import torchrun_env
-from k3.engine.commands import LAYERS, MAX_TOKENS, PENALTY, SEED, TEMPERATURE, TOP_K, TOP_P, _params
+from k3.engine.commands import (
+    LAYERS,
+    MAX_TOKENS,
+    PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    complete_to,
+    load,
+    rate_line,
+    sampling_params,
+)
 from k3.engine.commands import generate as generate_on_one_process
 from k3.terminal import fail
 
@@ -28,6 +40,7 @@ NPROC = typer.Option(1, "--nproc", help="Processes; > 1: the routed experts shar
 
 
 def generate(
+    ctx: typer.Context,
     checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
     max_tokens: int = MAX_TOKENS,
@@ -50,21 +63,23 @@ def generate(
         from k3.dist.launch import launch
         from k3.errors import K3Error
 
-        args = [checkpoint, "-p", prompt, "-n", str(max_tokens), "-t", repr(temperature)]
-        args += [
-            "--top-k",
-            str(top_k),
-            "--top-p",
-            repr(top_p),
-            "--repetition-penalty",
-            repr(repetition_penalty),
-        ]
-        args += [] if seed is None else ["--seed", str(seed)]
-        args += [] if layers is None else ["--layers", str(layers)]
         try:
-            launch(nproc, ["-m", "k3", "generate", *args])
+            launch(nproc, ["-m", "k3", "generate", *_command_line(ctx, drop="nproc")])
         except K3Error as e:
             fail(str(e))
+
+
+def _command_line(ctx: typer.Context, drop: str) -> list[str]:
+    """This command's parsed arguments written back as a command line, without the option `drop` and
+    without options left unset: what every rank runs under torchrun."""
+    args: list[str] = []
+    for param in ctx.command.params:
+        value = ctx.params[param.name]
+        if param.name == drop or value is None:
+            continue
+        text = repr(value) if isinstance(value, float) else str(value)  # repr: a float's every digit
+        args += [text] if param.param_type_name == "argument" else [param.opts[0], text]
+    return args
 
 
 def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: int | None) -> None:
@@ -74,45 +89,23 @@ def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: in
     from k3.dist.group import Comm
     from k3.dist.moe import ExpertParallel
     from k3.dist.shard import shard_experts
-    from k3.engine.generate import Engine
-    from k3.errors import K3Error
-    from k3.model import K3ForCausalLM
-    from k3.tokenizer.kimi import StreamDecoder, Tokenizer
 
     comm = Comm.from_env(timeout=120.0, backend="gloo")  # the model runs on the CPU
     torch.set_num_threads(cpu_threads(comm.world))
-    try:
-        tok = Tokenizer.from_dir(checkpoint)
-        model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
-        shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
-        ExpertParallel(comm).install(model)
-    except (K3Error, OSError) as e:
-        fail(str(e))
-    params = _params(*sampling, {tok.special.eos})
-    ids = tok.encode(prompt)
-    if not ids:
-        fail("the prompt is empty")
+    model, tok = load(checkpoint, layers)
+    shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
+    ExpertParallel(comm).install(model)
+    params = sampling_params(*sampling, {tok.special.eos})
     lead = comm.rank == 0
-    out = sys.stdout if lead else None
-    decoder = StreamDecoder(tok)
-    start, count = time.perf_counter(), 0
-    with comm.guard():
-        if out:
-            out.write(prompt)
-        for token in Engine(model).stream(ids, params):
-            text = decoder.push(token)
-            if out:
-                out.write(text)
-                out.flush()
-            count += 1
-    elapsed = time.perf_counter() - start
+    with comm.guard():  # every rank takes the same steps: rank 0 prints them
+        prompt_tokens, count, elapsed = complete_to(
+            sys.stdout if lead else io.StringIO(), model, tok, prompt, params
+        )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MB, this rank
     peaks = comm.all_gather(torch.tensor([peak], dtype=torch.float64))
-    if out:
-        out.write(decoder.flush() + "\n")
+    if lead:
         Console(stderr=True).print(
-            f"[dim]{len(ids)} prompt tokens, {count} generated in {elapsed:.2f} s "
-            f"({count / max(elapsed, 1e-9):.1f} tokens/s) on {comm.world} processes, "
+            f"[dim]{rate_line(prompt_tokens, count, elapsed)} on {comm.world} processes, "
             f"peak RSS of the largest rank {float(peaks.max()):,.0f} MB[/]"
         )
     comm.close()

@@ -4,6 +4,7 @@ imports happen inside them so `k3 --help` stays fast)."""
 from __future__ import annotations
 
 import sys
+from typing import TextIO
 
 import typer
 from rich.console import Console
@@ -66,7 +67,7 @@ def tokenize(
     console.print(Text(" · ".join(_show_bytes(p) for _, p in pieces)))
 
 
-def _load(checkpoint: str, layers: int | None):
+def load(checkpoint: str, layers: int | None):
     """Model + tokenizer of a checkpoint directory, or a one-line error."""
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM
@@ -85,7 +86,7 @@ def _load(checkpoint: str, layers: int | None):
     return model, tokenizer
 
 
-def _params(
+def sampling_params(
     max_tokens: int, temperature: float, top_k: int, top_p: float, penalty: float, seed: int | None, stop
 ):
     from k3.engine.sampling import SamplingParams
@@ -126,28 +127,40 @@ def generate(
     layers: int = LAYERS,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal."""
+    model, tok = load(checkpoint, layers)
+    params = sampling_params(
+        max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos}
+    )
+    prompt_tokens, count, elapsed = complete_to(sys.stdout, model, tok, prompt, params)
+    Console(stderr=True).print(f"[dim]{rate_line(prompt_tokens, count, elapsed)}[/]")
+
+
+def complete_to(out: TextIO, model, tok, prompt: str, params) -> tuple[int, int, float]:
+    """Write the prompt and its continuation to `out` as the tokens come; returns (prompt tokens,
+    generated tokens, seconds)."""
     import time
 
     from k3.engine.generate import Engine
     from k3.tokenizer.kimi import StreamDecoder
 
-    model, tok = _load(checkpoint, layers)
-    params = _params(max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos})
     ids = tok.encode(prompt)
     if not ids:
         fail("the prompt is empty")
     decoder = StreamDecoder(tok)
-    sys.stdout.write(prompt)
+    out.write(prompt)
     start, count = time.perf_counter(), 0
     for token in Engine(model).stream(ids, params):
-        sys.stdout.write(decoder.push(token))
-        sys.stdout.flush()
+        out.write(decoder.push(token))
+        out.flush()
         count += 1
-    sys.stdout.write(decoder.flush() + "\n")
-    elapsed = time.perf_counter() - start
-    Console(stderr=True).print(
-        f"[dim]{len(ids)} prompt tokens, {count} generated in {elapsed:.2f} s "
-        f"({count / max(elapsed, 1e-9):.1f} tokens/s)[/]"
+    out.write(decoder.flush() + "\n")
+    return len(ids), count, time.perf_counter() - start
+
+
+def rate_line(prompt_tokens: int, count: int, elapsed: float) -> str:
+    return (
+        f"{prompt_tokens} prompt tokens, {count} generated in {elapsed:.2f} s "
+        f"({count / max(elapsed, 1e-9):.1f} tokens/s)"
     )
 
 
@@ -167,8 +180,8 @@ def chat(
     from k3.engine.chat import Message, ReplyStream, encode_chat
     from k3.engine.generate import Engine
 
-    model, tok = _load(checkpoint, layers)
-    params = _params(
+    model, tok = load(checkpoint, layers)
+    params = sampling_params(
         max_tokens,
         temperature,
         top_k,
@@ -238,7 +251,7 @@ def serve(
     from k3.engine.generate import Engine
     from k3.engine.server import create_app
 
-    model, tok = _load(checkpoint, layers)
+    model, tok = load(checkpoint, layers)
     name = model_name or Path(checkpoint).resolve().name
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")

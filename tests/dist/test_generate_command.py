@@ -34,3 +34,37 @@ def test_generate_on_two_processes_prints_what_one_process_prints(tmp_path):
     assert "on 2 processes" in two.stderr  # it did run expert-parallel
     assert one.stdout.startswith("Hola mundo") and len(one.stdout) > len("Hola mundo\n")
     assert two.stdout == one.stdout
+
+
+def test_launch_passes_every_parsed_option_but_nproc_to_the_ranks(tmp_path, monkeypatch):
+    """The torchrun command line is the parsed arguments written back: parsed again, the same values."""
+    import k3.dist.commands as commands
+    import k3.dist.launch as launch
+
+    launched, ran = [], []
+    monkeypatch.setattr(launch, "launch", lambda nproc, args: launched.append((nproc, args)))
+    monkeypatch.setattr(commands, "generate_on_one_process", lambda *values: ran.append(values))
+    user = [
+        "generate",
+        "ckpt dir",
+        "-p",
+        "Hola  mundo",
+        "-n",
+        "5",
+        "-t",
+        "0.1",
+        "--top-p",
+        "0.3",
+        "--layers",
+        "2",
+    ]
+    result = CliRunner().invoke(app, [*user, "--nproc", "3"])
+    assert result.exit_code == 0, result.output
+    ((nproc, args),) = launched
+    assert nproc == 3 and args[:3] == ["-m", "k3", "generate"] and "--nproc" not in args
+    assert "--seed" not in args  # left unset: the ranks get the default, as the user did
+    assert (
+        CliRunner().invoke(app, args[2:]).exit_code == 0
+    )  # each rank's parse (outside torchrun: one process)
+    assert CliRunner().invoke(app, user).exit_code == 0  # what the user typed, on one process
+    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2)
