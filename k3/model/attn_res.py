@@ -49,17 +49,20 @@ def attn_res_read_stacked(values: list[torch.Tensor], norm: RMSNorm, proj: Linea
 
 
 def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor | None:
-    """`attn_res_read` in one native call (k3.ops.decode) when no gradient is recorded and everything is
-    fp32 on the CPU; None otherwise."""
+    """`attn_res_read` in one native call (k3.ops.decode) when no gradient is recorded and the values are
+    fp32 on the CPU (the two weight vectors fp32 or BF16, as a checkpoint stores them); None otherwise."""
     weights = (norm.weight, proj.weight)
-    if torch.is_grad_enabled() or any(
-        t.dtype != torch.float32 or t.device.type != "cpu" for t in (*values, *weights)
+    if (
+        torch.is_grad_enabled()
+        or any(v.dtype != torch.float32 or v.device.type != "cpu" for v in values)
+        or any(w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" for w in weights)
     ):
         return None
     native = load_native()
     if native is None:
         return None
-    out = native.attn_res_read([v.contiguous() for v in values], norm.weight, proj.weight.view(-1), norm.eps)
+    norm_w, proj_w = (as_dtype(w, torch.float32) for w in weights)  # [H] each: a few kB
+    out = native.attn_res_read([v.contiguous() for v in values], norm_w, proj_w.view(-1), norm.eps)
     return out.view(values[0].shape)
 
 

@@ -3,8 +3,10 @@
 `K3DecoderLayer.forward` asks these functions first on one-token forwards that continue a cache; each
 returns the layer's update (the same value as the general path, to rounding: tests/model/test_fused_decode.py)
 or None, and then the general path runs. They apply when no gradient is recorded (the kernels of
-k3.ops.decode have no backward), the kernels are built, and every tensor they read is fp32 on the CPU
-(routed experts fp32 or MXFP4). Modules' forwards are not called, so their hooks do not run, except that
+k3.ops.decode have no backward), the kernels are built, the activations are fp32 on the CPU and the
+weights fp32 or BF16 (as the published checkpoint stores every non-expert weight: the kernels read a BF16
+matrix as fp32 in registers; a norm's or gate's small vectors are converted per call), routed experts fp32,
+BF16 or MXFP4. Modules' forwards are not called, so their hooks do not run, except that
 the MoE takes the general path while its router has hooks (`record_routing`, `route_with`) or its
 `dispatch` is replaced on the instance (k3.dist's expert parallelism).
 
@@ -40,13 +42,21 @@ def _weight(module: torch.nn.Module, child: str) -> torch.Tensor:
     return _tensor(module.__dict__["_modules"][child], "weight")
 
 
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType | None:
-    """The kernels, if they may run on x [B, 1, H] and these tensors (None entries are absent weights)."""
+    """The kernels, if they may run on x [B, 1, H] and these weights (None entries are absent ones)."""
     if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    if any(t is not None and t.dtype != torch.float32 for t in tensors):
+    if any(t is not None and t.dtype not in WEIGHT_DTYPES for t in tensors):
         return None
     return load_native()
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A small weight (a norm's, a gate's constants, a short convolution) as the kernels take it: fp32."""
+    return t if t is None or t.dtype == torch.float32 else t.float()
 
 
 def _act(situ: tuple[float, float] | None) -> tuple[int, float, float]:
@@ -93,21 +103,21 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
     B = x.shape[0]
     update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
         x.reshape(B, -1),
-        _tensor(norm, "weight"),
+        _f32(_tensor(norm, "weight")),
         norm.eps,
         _weight(kda, "q_proj"),
         _weight(kda, "k_proj"),
         _weight(kda, "v_proj"),
-        *(w.view(w.shape[0], -1) for w in convs),  # [P, ks]
+        *(_f32(w).view(w.shape[0], -1) for w in convs),  # [P, ks]
         _weight(kda, "f_a_proj"),
         _weight(kda, "f_b_proj"),
-        _tensor(kda, "A_log"),
-        _tensor(kda, "dt_bias"),
+        _f32(_tensor(kda, "A_log")),
+        _f32(_tensor(kda, "dt_bias")),
         kda.lower_bound,  # None: Kimi Linear's softplus gate
         _weight(kda, "b_proj"),
         w_gate,
         w_gate_b,
-        _weight(kda, "o_norm"),
+        _f32(_weight(kda, "o_norm")),
         kda.o_norm.eps,
         _weight(kda, "o_proj"),
         state.conv_q.contiguous(),
@@ -143,14 +153,14 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
     state.reserve(1)
     update = native.mla_mixer(
         x.reshape(B, -1),
-        _tensor(norm, "weight"),
+        _f32(_tensor(norm, "weight")),
         norm.eps,
         w_q,
-        q_norm,
+        _f32(q_norm),
         w_q_b,
         mla.kv_a_layernorm.eps,
         _weight(mla, "kv_a_proj_with_mqa"),
-        _weight(mla, "kv_a_layernorm"),
+        _f32(_weight(mla, "kv_a_layernorm")),
         _weight(mla, "kv_b_proj"),
         w_g,
         _weight(mla, "o_proj"),
@@ -185,7 +195,7 @@ def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
     if native is None:
         return None
     B = y.shape[0]
-    out = native.mlp(y.reshape(B, -1), _tensor(norm, "weight"), norm.eps, *weights[1:], *_act(mlp.situ))
+    out = native.mlp(y.reshape(B, -1), _f32(weights[0]), norm.eps, *weights[1:], *_act(mlp.situ))
     return out.view(B, 1, -1)
 
 
@@ -222,10 +232,10 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     B = y.shape[0]
     xn, z, mixing, indices = native.moe_route(
         y.reshape(B, -1),
-        _tensor(norm, "weight"),
+        _f32(_tensor(norm, "weight")),
         norm.eps,
         _tensor(router, "weight"),
-        _tensor(router, "e_score_correction_bias"),
+        _f32(_tensor(router, "e_score_correction_bias")),
         router.num_groups,
         router.topk_groups,
         router.top_k,
@@ -248,7 +258,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         scale = [_tensor(m, "weight_scale") for m in matrices]
     elif all(isinstance(m, Linear) for m in matrices):
         dense = [_tensor(m, "weight") for m in matrices]
-        if any(w.dtype != torch.float32 for w in dense):
+        if any(w.dtype not in WEIGHT_DTYPES for w in dense):
             return None
     else:
         return None
@@ -261,7 +271,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         packed,
         scale,
         *_act(moe.situ),
-        None if latent_norm is None else _tensor(latent_norm, "weight"),
+        None if latent_norm is None else _f32(_tensor(latent_norm, "weight")),
         0.0 if latent_norm is None else latent_norm.eps,
         up,
         *shared,

@@ -111,6 +111,28 @@ def test_fused_step_equals_general_path(counting, preset, quantized, lengths):
     assert counting.calls["attn_res_read"] > 0  # K3's AttnRes reads, natively too
 
 
+def with_bf16_weights(model: K3ForCausalLM) -> K3ForCausalLM:
+    """Every floating parameter stored as BF16 (matrices, norms, gate constants, convolutions; MXFP4 stays
+    packed): the published checkpoint's non-expert weights, and stricter (it keeps a few F32)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.bfloat16()
+    return model
+
+
+@pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
+def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
+    cfg = K3Config.preset("tiny")
+    model = with_bf16_weights(K3ForCausalLM.from_config(cfg, seed=4, quantized_experts=quantized))
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    error, scale = fused_vs_general(model, [6, 10])
+    assert error <= 1e-5 and scale > 0.1
+    n, moe = model.num_layers, sum(1 for layer in model.model.layers if layer.is_moe)
+    assert counting.calls["kda_mixer"] + counting.calls["mla_mixer"] == n * 4  # every mixer fused
+    assert counting.calls["moe_experts"] == moe * 4 and counting.calls["mlp"] == (n - moe) * 4
+    assert counting.calls["project"] == 4 and counting.calls["attn_res_read"] > 0
+
+
 @pytest.mark.parametrize("q_lora_rank,n_group", [(None, 1), (16, 2)])
 def test_fused_step_on_kimi_linear(tmp_path, counting, q_lora_rank, n_group):
     """Kimi Linear: softplus gate, low-rank output gate, plain experts of the hidden state, no AttnRes, v

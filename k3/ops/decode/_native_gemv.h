@@ -186,12 +186,13 @@ inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
   });
 }
 
-// y[i] += a * x[i]
-__attribute__((target("avx2,fma"))) inline void axpy(float a, const float* x, int64_t n, float* y) {
+// y[i] += a * x[i], x fp32 or BF16
+template <typename T>
+__attribute__((target("avx2,fma"))) inline void axpy(float a, const T* x, int64_t n, float* y) {
   const __m256 va = _mm256_set1_ps(a);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += a * x[i];
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, load8(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * to_float(x[i]);
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w over n values (w null: no weight), as k3.model.norm.rms_norm.

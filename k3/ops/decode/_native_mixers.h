@@ -176,12 +176,13 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
   }
   Buffer o(B * heads * v_dim);
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, B * heads, 1, [&](int64_t z0, int64_t z1) {
+  // kv_b's rows are read in place (absorbed into the query and the output), fp32 or BF16 alike
+  const auto attend = [&](const auto* w_kv_b, int64_t z0, int64_t z1) {
     std::vector<float> q_latent(L), o_latent(L), p, rope_scores;
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t r = z / heads, h = z % heads, S = len[r] + 1;
       const float* qz = yq.data() + r * heads * dq + h * dq;  // [nope | rope]
-      const float* wk = kv_b.dense + h * (nope + v_dim) * L;               // W_k [nope, L], then W_v [v_dim, L]
+      const auto* wk = w_kv_b + h * (nope + v_dim) * L;                     // W_k [nope, L], then W_v [v_dim, L]
       std::fill(q_latent.begin(), q_latent.end(), 0.0f);
       for (int64_t i = 0; i < nope; ++i) axpy(qz[i], wk + i * L, L, q_latent.data());
       const float* c = latent.data_ptr<float>() + r * cap * L;
@@ -203,6 +204,9 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
         for (int64_t j = 0; j < v_dim; ++j) oz[j] *= sigmoid(gz[j]);
       }
     }
+  };
+  at::parallel_for(0, B * heads, 1, [&](int64_t z0, int64_t z1) {
+    kv_b.dense != nullptr ? attend(kv_b.dense, z0, z1) : attend(kv_b.bf16, z0, z1);
   });
   Tensor update = rows_like(x, D);
   project(o.data(), B, {{o_proj, update.data_ptr<float>()}});
