@@ -3,7 +3,12 @@ files, and against the ordinary memory-mapped forward under the same memory limi
 full K3 per batch from the measured rates and the published layout.
 
     python benchmarks/stream.py CKPT [--tokens 1,16,256] [--limit 2GB] [--repeats 2] [--threads N]
-                                     [--out benchmarks/results/stream.json]
+                                     [--http] [--out benchmarks/results/stream.json]
+
+`--http`: both paths read the checkpoint over HTTP from a Range server (k3.checkpoint.serve) that this
+process runs on 127.0.0.1 over CKPT, outside the children's memory limit; the ordinary forward is then
+`from_pretrained(URL)` (lazy: each tensor fetched when first used), the plain read k3's HTTP client
+fetching every file in 256 MB ranges, and the bytes each child read are the server's count.
 
 Also measured in the same run: the multiply-add rates of the model's BF16 `Linear` and of one MXFP4
 expert matrix at the checkpoint's shapes, per batch size, and from them the compute a pass should take
@@ -36,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from k3.census import census_of  # noqa: E402
+from k3.checkpoint.remote import HttpClient, RemoteOptions  # noqa: E402
+from k3.checkpoint.serve import RangeServer  # noqa: E402
 from k3.ops.doctor import cpu_info  # noqa: E402
 from k3.stream.cgroup import MemoryCgroup, drop_page_cache  # noqa: E402
 from k3.stream.commands import compute_threads, parse_size  # noqa: E402
@@ -87,11 +94,33 @@ def sequential_read(ckpt: Path) -> dict:
     return {"bytes": n, "seconds": seconds, "GBps": n / seconds / 1e9}
 
 
-def child(mode: str, ckpt: Path, tokens: int, limit: int, threads: int) -> dict:
+def http_sequential_read(ckpt: Path, url: str) -> dict:
+    """Every file of the checkpoint through k3's HTTP client, 256 MB a request."""
     drop_page_cache(ckpt)
+    http, piece = HttpClient(RemoteOptions()), 256 * 2**20
+    start, n = time.perf_counter(), 0
+    try:
+        for file in sorted(ckpt.glob("*.safetensors")):
+            size = file.stat().st_size
+            for offset in range(0, size, piece):
+                body, _ = http.get_range(f"{url}/{file.name}", offset, min(piece, size - offset))
+                n += len(body)
+    finally:
+        http.close()
+    seconds = time.perf_counter() - start
+    return {"bytes": n, "seconds": seconds, "GBps": n / seconds / 1e9, "over": "http"}
+
+
+def child(
+    mode: str, ckpt: Path, tokens: int, limit: int, threads: int, server: RangeServer | None = None
+) -> dict:
+    """One run of `mode` on a cold page cache, from CKPT or (with `server`) its URL."""
+    drop_page_cache(ckpt)
+    if server is not None:
+        server.reset_counters()
     cgroup = MemoryCgroup.create()
     try:
-        args = [sys.executable, "-c", CHILD, mode, str(ckpt)]
+        args = [sys.executable, "-c", CHILD, mode, server.url if server is not None else str(ckpt)]
         args += [str(cgroup.path), json.dumps(cgroup.files)] if cgroup else ["", "{}"]
         args += [str(limit), str(tokens)]
         done = subprocess.run(
@@ -103,7 +132,10 @@ def child(mode: str, ckpt: Path, tokens: int, limit: int, threads: int) -> dict:
         )
         if done.returncode != 0:
             return {"failed": done.returncode, "oom_kills": cgroup.oom_kills() if cgroup else None}
-        return json.loads(done.stdout.splitlines()[-1])
+        result = json.loads(done.stdout.splitlines()[-1])
+        if server is not None:
+            result["served_bytes"] = server.bytes_served  # the child's own disk reads are ~0 over HTTP
+        return result
     finally:
         if cgroup:
             cgroup.remove()
@@ -246,8 +278,17 @@ def main() -> None:
     parser.add_argument("--limit", default="2GB")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path, alternating; best counts")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: k3 stream's)")
+    parser.add_argument("--http", action="store_true", help="both paths over HTTP from a local Range server")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream.json")
     args = parser.parse_args()
+    if args.http:
+        with RangeServer(args.ckpt) as server:
+            run_benchmark(args, server)
+    else:
+        run_benchmark(args, None)
+
+
+def run_benchmark(args: argparse.Namespace, server: RangeServer | None) -> None:
     limit, tokens = parse_size(args.limit), [int(t) for t in args.tokens.split(",")]
     threads = args.threads or compute_threads()
     from k3.config import K3Config
@@ -261,6 +302,7 @@ def main() -> None:
         "uptime": os.popen("uptime").read().strip(),
         "limit": limit,
         "ckpt": str(args.ckpt),
+        "source": server.url if server is not None else "local",
     }
     print(f"CPU: {report['cpu']} ({report['cpus']} CPUs), torch threads {threads}, {report['uptime']}")
     params = compute_params(args.ckpt)
@@ -269,7 +311,9 @@ def main() -> None:
         tokens, cfg.hidden_size, cfg.expert_input_size, cfg.moe_intermediate_size
     )
     print("multiply-adds per second", report["kernel_rates"], flush=True)
-    report["sequential_read"] = sequential_read(args.ckpt)
+    report["sequential_read"] = (
+        sequential_read(args.ckpt) if server is None else http_sequential_read(args.ckpt, server.url)
+    )
     print("sequential read", report["sequential_read"], flush=True)
     report["stream"], report["ordinary"] = {}, {}
     for n in tokens:
@@ -277,7 +321,8 @@ def main() -> None:
         for r in range(args.repeats):  # ABBA: whichever runs second may find the bytes in the host's cache
             first, second = ("stream", "ordinary") if r % 2 == 0 else ("ordinary", "stream")
             for mode in (first, second):
-                (streamed if mode == "stream" else ordinary).append(child(mode, args.ckpt, n, limit, threads))
+                run = child(mode, args.ckpt, n, limit, threads, server)
+                (streamed if mode == "stream" else ordinary).append(run)
         run = best(streamed)
         if "summary" in run:
             describe_stream(run, params, report, n)
