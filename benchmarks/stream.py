@@ -5,6 +5,8 @@ full K3 per batch from the measured rates and the published layout.
     python benchmarks/stream.py CKPT [--tokens 1,16,256] [--limit 2GB] [--repeats 2] [--threads N]
                                      [--http] [--out benchmarks/results/stream.json]
 
+Also the device's own rate: the files read with O_DIRECT, 1 and 4 reads in flight (no page cache).
+
 `--http`: both paths read the checkpoint over HTTP from a Range server (k3.checkpoint.serve) that this
 process runs on 127.0.0.1 over CKPT, outside the children's memory limit; the ordinary forward is then
 `from_pretrained(URL)` (lazy: each tensor fetched when first used), the plain read k3's HTTP client
@@ -92,6 +94,33 @@ def sequential_read(ckpt: Path) -> dict:
                 n += len(chunk)
     seconds = time.perf_counter() - start
     return {"bytes": n, "seconds": seconds, "GBps": n / seconds / 1e9}
+
+
+def direct_read(ckpt: Path, threads: int, piece: int = 16 * 2**20) -> dict:
+    """The device's own rate: every file read with O_DIRECT (no page cache, no readahead) in `piece`
+    reads, `threads` of them in flight: what no schedule reading through the page cache can beat."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = [(f, o) for f in sorted(ckpt.glob("*.safetensors")) for o in range(0, f.stat().st_size, piece)]
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in {f for f, _ in jobs}}
+    buffers = [mmap.mmap(-1, piece) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+
+    def read(worker: int) -> int:
+        n = 0
+        for f, offset in jobs[worker::threads]:
+            n += os.preadv(fds[f], [buffers[worker]], offset)
+        return n
+
+    start = time.perf_counter()
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            n = sum(pool.map(read, range(threads)))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    seconds = time.perf_counter() - start
+    return {"threads": threads, "bytes": n, "seconds": seconds, "GBps": n / seconds / 1e9}
 
 
 def http_sequential_read(ckpt: Path, url: str) -> dict:
@@ -315,6 +344,9 @@ def run_benchmark(args: argparse.Namespace, server: RangeServer | None) -> None:
         sequential_read(args.ckpt) if server is None else http_sequential_read(args.ckpt, server.url)
     )
     print("sequential read", report["sequential_read"], flush=True)
+    if server is None:
+        report["direct_read"] = [direct_read(args.ckpt, threads) for threads in (1, 4)]
+        print("O_DIRECT read, 1 and 4 in flight", report["direct_read"], flush=True)
     report["stream"], report["ordinary"] = {}, {}
     for n in tokens:
         streamed, ordinary = [], []
