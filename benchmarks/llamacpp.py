@@ -17,7 +17,8 @@ weights F32 in both.
    first tensor whose max |d| / max |value| exceeds --threshold is printed.
 3. Greedy continuations of --greedy tokens after a 16-token prompt, each engine with its own cache.
 4. --speed: prefill tokens/s at 512 and 2,048 tokens and decode ms/token after a 512-token prefill, at each
-   of --threads, k3 and llama.cpp (MXFP4 experts, its default cache) alternated, best of --repeats.
+   of --threads, k3 and llama.cpp (MXFP4 experts, its default cache) alternated, best of --repeats;
+   `--weights bf16`: every other weight matrix BF16 in both (k3 computes in fp32 on them; GGUF `bf16`).
 The CPU's model and SIMD flags and the load average are printed: timings on a shared machine are noisy.
 """
 
@@ -231,12 +232,19 @@ def timed(fn, repeats: int) -> float:
 
 
 def speed(
-    ckpt: Path, gguf_path: Path, vocab: int, threads: list[int], repeats: int, decode_steps: int
+    ckpt: Path,
+    gguf_path: Path,
+    vocab: int,
+    threads: list[int],
+    repeats: int,
+    decode_steps: int,
+    weights: torch.dtype = torch.float32,
 ) -> None:
+    """`weights`: both engines' weight matrices (experts MXFP4 in both); k3 computes in fp32."""
     rng = np.random.default_rng(7)
-    print(f"\nspeed (best of {repeats}; engines alternated per setting)")
+    print(f"\nspeed (best of {repeats}; engines alternated per setting; weights {weights})")
     print(f"  {'threads':>7} {'measure':>24} {'k3':>12} {'llama.cpp':>12}")
-    model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    model = K3ForCausalLM.from_pretrained(ckpt, dtype=weights, compute_dtype=torch.float32).eval()
     for n in threads:
         torch.set_num_threads(n)
         ll = llama(gguf_path, 2048 + decode_steps + 8, n, GGML_F16)
@@ -303,6 +311,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--agreement-threads", type=int, default=2)
+    ap.add_argument(
+        "--weights", choices=("f32", "bf16"), default="f32", help="--speed: both engines' weight matrices"
+    )
     args = ap.parse_args()
     print(cpu_line())
     with tempfile.TemporaryDirectory() as tmp:
@@ -350,8 +361,12 @@ def main() -> None:
                 print(f"  {experts} experts: identical for the first {same} of {args.greedy} tokens")
         if args.speed:
             threads = [int(x) for x in args.threads.split(",")]
-            speed(ckpt, exports.get("mxfp4", exports["f32"]), cfg.vocab_size - 256, threads, args.repeats,
-                  args.decode_steps)  # fmt: skip
+            gguf = exports.get("mxfp4", exports["f32"])
+            if args.weights == "bf16":  # the published checkpoint's dtype for every non-expert matrix
+                gguf = work / "bf16.gguf"
+                export_gguf(ckpt, gguf, outtype="bf16", experts="mxfp4" if cfg.experts_mxfp4 else None)
+            dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
+            speed(ckpt, gguf, cfg.vocab_size - 256, threads, args.repeats, args.decode_steps, dtype)
         print(cpu_line())
 
 
