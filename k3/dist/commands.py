@@ -41,7 +41,7 @@ NPROC = typer.Option(1, "--nproc", help="Processes; > 1: the routed experts shar
 
 def generate(
     ctx: typer.Context,
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
 
     torch.set_num_threads(1)
     model = K3ForCausalLM.from_pretrained(args.checkpoint).eval()
-    tok = Tokenizer.from_dir(args.checkpoint)
+    tok = Tokenizer.from_source(args.checkpoint)
     prompts = [tok.encode(p) for p in args.prompt]
     if torchrun_env():
         comm = Comm.from_env(timeout=args.timeout, backend="gloo")  # the model runs on the CPU

@@ -206,6 +206,9 @@ class _LayerDispatch:
         # replica weights: home -> host, in (host, expert) order on both sides
         outgoing = [(e, h) for e, h in p.replicas if self.homes[e] == s]
         incoming = [(e, h) for e, h in p.replicas if h == s]
+        if self.moe.load_experts is not None:  # loaded from a URL: read the home experts used here first
+            used = {e for e, c in enumerate(route[:, :, s].sum(0).tolist()) if c and self.homes[e] == s}
+            self.moe.load_experts(torch.tensor(sorted(used | {e for e, _ in outgoing}), dtype=torch.long))
         n = self.weight_numel
         w_send = [n * sum(1 for _, h in outgoing if h == r) for r in range(R)]
         w_recv = [n * sum(1 for e, _ in incoming if self.homes[e] == r) for r in range(R)]

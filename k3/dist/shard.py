@@ -22,6 +22,7 @@ from k3.dist.planner import home_of
 from k3.model import K3ForCausalLM
 from k3.model.moe import MoE, RoutedExpert
 from k3.model.on_demand import expert_of as layer_expert_of
+from k3.model.on_demand import experts_on_demand
 
 
 class RemoteExpert(nn.Module):
@@ -50,13 +51,22 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]  # type: ignore[union-attr]
 
 
+def moe_layer_indices(model: nn.Module) -> list[int]:
+    return [layer.index for layer in model.model.layers if layer.is_moe]  # type: ignore[union-attr]
+
+
 def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
-    """Keep only the routed experts whose home is `rank` (of `world`); returns `model`."""
-    for moe in moe_layers(model):
+    """Keep only the routed experts whose home is `rank` (of `world`); returns `model`. A model loaded
+    from a URL forgets the others' on-demand reads too (its home experts are read when pairs need them:
+    k3.dist.moe)."""
+    on_demand = experts_on_demand(model)
+    for layer, moe in zip(moe_layer_indices(model), moe_layers(model), strict=True):
         homes = home_of(len(moe.experts), world)
         for e, home in enumerate(homes.tolist()):
             if home != rank:
                 moe.experts[e] = RemoteExpert(e, home)
+                if on_demand is not None:
+                    on_demand.forget(layer, e)
     return model
 
 

@@ -48,7 +48,7 @@ def tokenize(
     from k3.tokenizer.kimi import Tokenizer
 
     try:
-        tok = Tokenizer.from_dir(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
+        tok = Tokenizer.from_source(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
         pieces = tok.pieces(text, allowed_special="all" if special else frozenset())
     except K3Error as e:
         fail(str(e))
@@ -74,7 +74,7 @@ def load(checkpoint: str, layers: int | None):
     from k3.tokenizer.kimi import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_dir(checkpoint)
+        tokenizer = Tokenizer.from_source(checkpoint)
         model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
     except (K3Error, OSError) as e:
         fail(f"{e}")
@@ -116,7 +116,7 @@ LAYERS = typer.Option(None, "--layers", help="Run only the first N layers (a dep
 
 
 def generate(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
@@ -165,7 +165,7 @@ def rate_line(prompt_tokens: int, count: int, elapsed: float) -> str:
 
 
 def chat(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
     system: str = typer.Option(None, "--system", help="A system message to start the conversation."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
@@ -221,7 +221,7 @@ def chat(
 
 
 def serve(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
     model_name: str = typer.Option(

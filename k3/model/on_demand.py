@@ -79,6 +79,13 @@ class ExpertsOnDemand:
             if layer in self._moes and not any(key[0] == layer for key in self._tensors):
                 self._moes.pop(layer).load_experts = None  # all read: the MoE stops asking
 
+    def forget(self, layer: int, expert: int) -> None:
+        """Never read expert `expert` of `layer` (k3.dist: another rank holds it)."""
+        with self._lock:
+            self._tensors.pop((layer, expert), None)
+            if layer in self._moes and not any(key[0] == layer for key in self._tensors):
+                self._moes.pop(layer).load_experts = None
+
 
 def experts_on_demand(model: nn.Module) -> ExpertsOnDemand | None:
     """The on-demand reader of a model loaded from a URL; None when every weight was read at load."""

@@ -51,8 +51,9 @@ def compute_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def read_prompts(path: Path, tokenizer_dir: Path | None) -> list[list[int]]:
-    """One prompt a line: {"input_ids": [...]} or {"text": "..."} (encoded by the checkpoint's tokenizer)."""
+def read_prompts(path: Path, tokenizer_source: str | Path) -> list[list[int]]:
+    """One prompt a line: {"input_ids": [...]} or {"text": "..."} (encoded by the tokenizer of
+    `tokenizer_source`, a checkpoint folder or URL, loaded on the first text prompt)."""
     if not path.is_file():
         raise K3Error(f"{path}: no such prompts file")
     prompts: list[list[int]] = []
@@ -71,11 +72,9 @@ def read_prompts(path: Path, tokenizer_dir: Path | None) -> list[list[int]]:
             prompts.append(ids)
         elif isinstance(row, dict) and isinstance(row.get("text"), str):
             if tokenizer is None:
-                if tokenizer_dir is None:
-                    raise K3Error(f"{path}:{n}: a text prompt needs a tokenizer: pass --tokenizer DIR")
                 from k3.tokenizer.kimi import Tokenizer
 
-                tokenizer = Tokenizer.from_dir(tokenizer_dir)
+                tokenizer = Tokenizer.from_source(tokenizer_source)
             prompts.append(tokenizer.encode(row["text"]))
         else:
             raise K3Error(f'{path}:{n}: expected {{"input_ids": [...]}} or {{"text": "..."}}')
@@ -99,7 +98,9 @@ def run(
     top_k: int = typer.Option(5, help="Top-k ids and logprobs kept per position."),
     chunk_tokens: int = typer.Option(2048, help="Tokens per mixer chunk for long prompts."),
     prefetch: str = typer.Option("256MB", help="Routed experts read ahead of the one computing."),
-    tokenizer: Path | None = typer.Option(None, help="Tokenizer folder for text prompts (default: SOURCE)."),
+    tokenizer: str | None = typer.Option(
+        None, help="Tokenizer folder or URL for text prompts (default: SOURCE)."
+    ),
     scratch: Path | None = typer.Option(None, help="Scratch folder (default OUT/scratch; resume from it)."),
     cache_dir: Path | None = typer.Option(None, help="URLs: keep fetched ranges here for later passes/runs."),
     cache_size: str | None = typer.Option(None, help="At most this much in --cache-dir (e.g. 20GB; LRU)."),
@@ -117,7 +118,7 @@ def run(
         budget, ahead = parse_size(memory_budget), parse_size(prefetch)
         cap = parse_size(cache_size) if cache_size is not None else None
         layers = tuple(int(x) for x in dump_hidden.split(",")) if dump_hidden else ()
-        ids = read_prompts(prompts, tokenizer or (None if is_url(source) else Path(source)))
+        ids = read_prompts(prompts, tokenizer or source)  # a URL's tokenizer is fetched from it
     except ValueError as e:
         fail(str(e) if isinstance(e, K3Error) else f"--dump-hidden: {e}")
     if max_new_tokens < 0 or top_k < 1 or chunk_tokens < 1 or (threads is not None and threads < 1):

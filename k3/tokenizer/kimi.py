@@ -76,26 +76,31 @@ def special_tokens_for(n_ranks: int) -> dict[str, int]:
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     """Parse a `tiktoken.model` file; ranks must be exactly 0..n-1 with no repeated token."""
-    ranks: dict[bytes, int] = {}
     try:
-        lines = path.read_text(encoding="ascii").splitlines()
+        text = path.read_text(encoding="ascii")
     except (OSError, UnicodeDecodeError) as e:
         raise TokenizerError(f"{path}: cannot read ({e})") from e
-    for line_no, line in enumerate(lines, 1):
+    return parse_tiktoken_ranks(text, str(path))
+
+
+def parse_tiktoken_ranks(text: str, where: str) -> dict[bytes, int]:
+    """The ranks of a `tiktoken.model` text (`where` names it in errors)."""
+    ranks: dict[bytes, int] = {}
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
         if len(parts) != 2:
-            raise TokenizerError(f"{path}:{line_no}: expected 'base64token rank', got {line[:60]!r}")
+            raise TokenizerError(f"{where}:{line_no}: expected 'base64token rank', got {line[:60]!r}")
         try:
             token, rank = base64.b64decode(parts[0], validate=True), int(parts[1])
         except ValueError as e:
-            raise TokenizerError(f"{path}:{line_no}: {e}") from e
+            raise TokenizerError(f"{where}:{line_no}: {e}") from e
         if token in ranks:
-            raise TokenizerError(f"{path}:{line_no}: token {token!r} listed twice")
+            raise TokenizerError(f"{where}:{line_no}: token {token!r} listed twice")
         ranks[token] = rank
     if sorted(ranks.values()) != list(range(len(ranks))):
-        raise TokenizerError(f"{path}: ranks are not exactly 0..{len(ranks) - 1}")
+        raise TokenizerError(f"{where}: ranks are not exactly 0..{len(ranks) - 1}")
     return ranks
 
 
@@ -188,15 +193,51 @@ class Tokenizer:
                 f"{d}: no {TIKTOKEN_FILE} (is this a checkpoint directory with a tokenizer?)"
             )
         ranks = read_tiktoken_ranks(d / TIKTOKEN_FILE)
+        config = d / CONFIG_FILE
+        return cls.from_files(ranks, config.read_bytes() if config.is_file() else None, str(config), d.name)
+
+    @classmethod
+    def from_url(cls, url: str) -> Tokenizer:
+        """The same two files of a checkpoint served over HTTP (`url` names its folder)."""
+        from k3.checkpoint.remote import HttpClient, RemoteOptions
+
+        base = url.rstrip("/") + "/"
+        http = HttpClient(RemoteOptions())
+        try:
+            model, config = http.get(base + TIKTOKEN_FILE), http.get(base + CONFIG_FILE)
+        except K3Error as e:
+            raise TokenizerError(f"{base}: cannot fetch the tokenizer ({e})") from e
+        finally:
+            http.close()
+        if model is None:
+            raise TokenizerError(f"{base}: no {TIKTOKEN_FILE} there (HTTP 404)")
+        try:
+            text = bytes(model).decode("ascii")
+        except UnicodeDecodeError as e:
+            raise TokenizerError(f"{base + TIKTOKEN_FILE}: not ASCII ({e})") from e
+        ranks = parse_tiktoken_ranks(text, base + TIKTOKEN_FILE)
+        return cls.from_files(ranks, config, base + CONFIG_FILE, base.rstrip("/").rsplit("/", 1)[-1])
+
+    @classmethod
+    def from_source(cls, source: str | Path) -> Tokenizer:
+        """`from_url` for an http(s) URL, else `from_dir`: a checkpoint's tokenizer wherever it lives."""
+        from k3.checkpoint.reader import is_url
+
+        return cls.from_url(str(source)) if is_url(source) else cls.from_dir(source)
+
+    @classmethod
+    def from_files(
+        cls, ranks: dict[bytes, int], config: bytes | bytearray | None, where: str, name: str
+    ) -> Tokenizer:
+        """The tokenizer of these ranks and `tokenizer_config.json` bytes (None: the default specials)."""
         specials = special_tokens_for(len(ranks))
-        if (d / CONFIG_FILE).is_file():
+        if config is not None:
             try:
-                config = json.loads((d / CONFIG_FILE).read_text(encoding="utf-8"))
-                decoder = config.get("added_tokens_decoder", {})
+                decoder = json.loads(bytes(config).decode("utf-8")).get("added_tokens_decoder", {})
                 specials = {entry["content"]: int(token_id) for token_id, entry in decoder.items()}
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise TokenizerError(f"{d / CONFIG_FILE}: malformed added_tokens_decoder ({e})") from e
-        return cls(ranks, specials, name=d.name or "k3")
+                raise TokenizerError(f"{where}: malformed added_tokens_decoder ({e})") from e
+        return cls(ranks, specials, name=name or "k3")
 
     def encode(self, text: str, allowed_special: set[str] | str = frozenset()) -> list[int]:
         """BPE ids of `text`. Special-token text (e.g. "<|open|>") is encoded as plain text unless named

@@ -89,3 +89,16 @@ def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPat
     assert result.exit_code != 0 and "--request-timeout" in result.output
     result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "-1"])
     assert result.exit_code != 0 and "--max-queue" in result.output
+
+
+def test_generate_from_a_url_prints_what_the_folder_gives(checkpoint: Path) -> None:
+    """`k3 generate URL`: tokenizer and weights over HTTP (experts on first use), the same continuation."""
+    from k3.checkpoint.serve import RangeServer
+
+    args = ["--prompt", "Hola", "-n", "8", "-t", "0"]
+    local = runner.invoke(app, ["generate", str(checkpoint), *args])
+    with RangeServer(checkpoint) as server:
+        remote = runner.invoke(app, ["generate", server.url, *args])
+        assert server.bytes_served > 0
+    assert local.exit_code == 0 and remote.exit_code == 0, remote.output
+    assert remote.stdout == local.stdout and len(local.stdout) > len("Hola\n")

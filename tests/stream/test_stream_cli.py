@@ -128,20 +128,24 @@ def test_bad_prompts_are_one_line_errors(ckpt, tmp_path, line, message):
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
 
 
-def test_text_over_http_needs_a_tokenizer_and_sizes_parse(tmp_path):
-    write_prompts(tmp_path / "p.jsonl", [{"text": "hi"}])
-    args = [
-        "stream",
-        "http://127.0.0.1:9/x",
-        "--prompts",
-        str(tmp_path / "p.jsonl"),
-        "--out",
-        str(tmp_path / "o"),
-    ]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 1 and "--tokenizer" in result.output
-    assert parse_size("4GB") == 4 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("10") == 10
-    result = CliRunner().invoke(
-        app, [*args[:2], "--prompts", str(tmp_path / "p.jsonl"), "--out", "o", "--memory-budget", "lots"]
+def test_text_over_http_takes_the_url_s_tokenizer_and_sizes_parse(ckpt, tmp_path):
+    """Text prompts of a URL source are encoded by the tokenizer served beside its weights (the same ids as
+    the folder's); an unreachable URL is a one-line error naming it."""
+    from k3.checkpoint.serve import RangeServer
+
+    write_prompts(tmp_path / "p.jsonl", [{"text": "hola streaming"}])
+    with RangeServer(ckpt) as server:
+        args = ["stream", server.url, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")]
+        result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    ids = load_file(tmp_path / "o" / "logits.safetensors")["input_ids"][0].tolist()
+    assert ids == Tokenizer.from_dir(ckpt).encode("hola streaming")
+    result = CliRunner().invoke(app, ["stream", "http://127.0.0.1:9/x", *args[2:]])
+    assert (
+        result.exit_code == 1
+        and "http://127.0.0.1:9/x/" in result.output
+        and "Traceback" not in result.output
     )
+    assert parse_size("4GB") == 4 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("10") == 10
+    result = CliRunner().invoke(app, [*args[:4], "--out", "o", "--memory-budget", "lots"])
     assert result.exit_code == 1 and "not a size" in result.output

@@ -180,3 +180,24 @@ def test_bad_files(tmp_path: Path) -> None:
     tok = builtin_tokenizer(1024)
     with pytest.raises(TokenizerError, match="outside the vocabulary"):
         tok.decode([5000])
+
+
+def test_a_tokenizer_over_http_is_the_folder_s(tmp_path: Path) -> None:
+    """`Tokenizer.from_source(URL)`: the same files through k3's Range server, the same tokenizer; a folder
+    without the model file, or a malformed one, is an error naming the URL."""
+    from k3.checkpoint.serve import RangeServer
+
+    folder = write_tokenizer(tmp_path / "ckpt", 1024)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tiktoken.model").write_text("QQ==\n")
+    local = Tokenizer.from_source(folder)
+    with RangeServer(tmp_path) as server:
+        remote = Tokenizer.from_source(f"{server.url}/ckpt")
+        with pytest.raises(TokenizerError, match=r"empty/: no tiktoken.model there \(HTTP 404\)"):
+            Tokenizer.from_source(f"{server.url}/empty/")
+        with pytest.raises(TokenizerError, match=r"bad/tiktoken.model:1: expected"):
+            Tokenizer.from_source(f"{server.url}/bad")
+    text = MIXED + CHINESE + EMOJI
+    assert remote.encode(text) == local.encode(text) and remote.vocab_size == local.vocab_size
+    assert remote.special_tokens == local.special_tokens and remote.special == local.special
