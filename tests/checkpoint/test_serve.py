@@ -8,14 +8,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from k3.checkpoint.serve import PIECE, RangeServer, main
+from k3.checkpoint.serve import RangeServer, main
 
 
 @pytest.fixture
 def served(tmp_path: Path):
     root = tmp_path / "ckpt"
     root.mkdir()
-    data = bytes(range(256)) * (PIECE // 256 * 2 + 3)  # more than two streamed pieces
+    data = bytes(range(256)) * (2 * 2**20 // 256 + 3)  # 2 MiB and a bit: more than one socket buffer
     (root / "model.safetensors").write_bytes(data)
     (root / "sub").mkdir()
     (root / "with space.json").write_text("{}")
