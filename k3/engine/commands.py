@@ -68,7 +68,7 @@ def tokenize(
 
 
 def load(checkpoint: str, layers: int | None):
-    """Model + tokenizer of a checkpoint directory, or a one-line error."""
+    """Model + tokenizer of a checkpoint directory or URL, or a one-line error."""
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM
     from k3.tokenizer.kimi import Tokenizer
@@ -252,7 +252,9 @@ def serve(
     from k3.engine.server import create_app
 
     model, tok = load(checkpoint, layers)
-    name = model_name or Path(checkpoint).resolve().name
+    name = model_name or (
+        checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
+    )
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
     if max_batch < 1 or max_queue < 0:
