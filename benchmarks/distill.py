@@ -54,6 +54,16 @@ def evals(run: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r["acc_mean"]]
 
 
+def keep_and_print(run: Path, row: dict, keep: set[int]) -> None:
+    """Print the log row; copy the checkpoint of an iteration in `keep` to RUN/keep (the run keeps only
+    its newest two: at iteration N + 1's row, N's is the older one)."""
+    print(run.name, row, flush=True)
+    step = int(row["step"]) - 1
+    src, dst = run / "checkpoints" / f"step-{step:08d}", run / "keep" / f"step-{step:08d}"
+    if step in keep and src.is_dir() and not dst.exists():
+        shutil.copytree(src, dst)
+
+
 def equal_tokens(out: Path, runs: list[str], path: Path) -> None:
     """One row per evaluated iteration that every run shares: each run's teacher tokens so far and its
     mean and per-task held-out accuracy (the runs draw the same prompts, so their teacher tokens agree to
@@ -200,6 +210,15 @@ RUNS = {
         ),
     ),
     "average": ("teachers' weights averaged", lambda a: dict(method="average")),
+    # round 4: contexts (teacher's samples / student's) x target (one-hot / the teacher's distribution)
+    "forward-cold": (
+        "on-policy forward KL (GKD beta 0), from the base",
+        lambda a: dict(full_vocab=True, divergence="forward"),
+    ),
+    "kd": (
+        "off-policy forward KL to the teacher's distribution (supervised KD), from the base",
+        lambda a: dict(method="off-policy", full_vocab=True, divergence="forward"),
+    ),
 }
 
 
@@ -228,6 +247,8 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0, help="problems, held-out set, sampling; run folder RUN-sN")
+    ap.add_argument("--keep", default="", help="iterations whose checkpoints to keep (RUN/keep/step-N)")
     ap.add_argument("--only", default="", help=f"teachers, table or a run: {', '.join(RUNS)}")
     args = ap.parse_args()
     out, tasks = Path(args.out), args.tasks.split(",")
@@ -240,13 +261,15 @@ def main() -> None:
         student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
         minibatches=args.minibatches, cosine=not args.constant, prompts=args.prompts, samples=1,
         held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
-        threads=args.threads,
+        threads=args.threads, seed=args.seed,
     )  # fmt: skip
+    keep = {int(k) for k in args.keep.split(",") if k}
     for run, (_, settings) in RUNS.items():
         if args.only == run:
             began = time.time()
-            dc = DistillConfig(out=str(out / run), **{**common, **settings(args)})
-            train_distill(dc, on_iteration=lambda r, m=run: print(m, r, flush=True))
+            folder = out / (run + (f"-s{args.seed}" if args.seed else ""))
+            dc = DistillConfig(out=str(folder), **{**common, **settings(args)})
+            train_distill(dc, on_iteration=lambda r, f=folder: keep_and_print(f, r, keep))
             print(f"{run}: {time.time() - began:.0f} s wall, load {os.getloadavg()}", flush=True)
     if args.only != "table":
         return
