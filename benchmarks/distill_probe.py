@@ -16,6 +16,10 @@ iteration trains on), and the greedy answer (what is graded):
   graded answer itself); `recover_pad`: the same over deviations in the scratchpad only;
 - `self_recover_pad`: of the student's own samples that deviate inside the scratchpad, the share graded
   right (the student recovering by itself);
+- `greedy_pad_dev`, `greedy_self_recover_pad`: the same for the greedy answers (share deviating inside
+  the scratchpad; of those, the share graded right);
+- `consistent` (arithmetic@long, sort@long): share of the student's samples whose answer is the one
+  their own scratchpad implies, right or wrong (the readout step: `implied_answer`);
 - `teacher_right_at_dev`: share of deviations where the teacher's greedy token at that (on-path) context
   is the reference token (so the teacher's signal there points to the right token).
 
@@ -52,6 +56,22 @@ def load_checkpoint(run: Path, step: int):
     )
     model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
     return model.eval().requires_grad_(False)
+
+
+def implied_answer(task, text: str) -> str | None:
+    """The answer a response's own scratchpad implies (arithmetic@long: each column total's last digit,
+    then the top carry; sort@long: each digit as often as counted); None: no scratchpad to read."""
+    pad, sep, _ = text.partition(";")
+    if not sep:
+        return None
+    if task.name == "arithmetic@long":
+        totals = pad.split(" ")
+        if not all(len(t) == 2 and t.isdigit() for t in totals):
+            return None
+        return "".join(t[1] for t in totals) + (totals[-1][0] if totals[-1][0] != "0" else "")
+    if task.name == "sort@long" and len(pad) == 10 and pad.isdigit():
+        return "".join(str(d) * int(c) for d, c in enumerate(pad))
+    return None
 
 
 def _complete(
@@ -105,7 +125,20 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         at_dev = _complete(t_engine, [prompts[rows[r]] + outs[r][:d] for r, d in devs], [1] * len(devs), 0.0,
                            codec.eos, seed)  # fmt: skip
         teacher_right = [c[:1] == refs[rows[r]][d : d + 1] for (r, d), c in zip(devs, at_dev, strict=True)]
+    consistent = []  # the student's answer is what its own scratchpad implies
+    for o in outs:
+        text = codec.decode(o)
+        implied = implied_answer(task, text)
+        if implied is not None:
+            consistent.append(text.rpartition(";")[2] == implied)
     greedy = _complete(s_engine, prompts, [task.max_tokens] * len(prompts), 0.0, codec.eos, seed)
+    greedy_right = task.grade(problems, [codec.decode(o) for o in greedy])
+    greedy_pad_dev = [  # greedy answers whose first deviation is inside the scratchpad: right or not
+        r
+        for o, ref, r in zip(greedy, refs, greedy_right, strict=True)
+        if (d := next((k for k, tok in enumerate(o) if k >= len(ref) or tok != ref[k]), None)) is not None
+        and SEPARATOR in codec.decode(ref[d:])
+    ]
 
     def share(xs) -> str:
         return f"{sum(xs) / len(xs):.4f}" if len(xs) else ""
@@ -113,7 +146,9 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
     pad_rec = [x for x, p in zip(recovered, in_pad, strict=True) if p]
     self_rec = [right[r] for (r, _), p in zip(devs, in_pad, strict=True) if p]
     return {
-        "greedy_acc": share(task.grade(problems, [codec.decode(o) for o in greedy])),
+        "greedy_acc": share(greedy_right),
+        "greedy_pad_dev": share([1] * len(greedy_pad_dev) + [0] * (len(problems) - len(greedy_pad_dev))),
+        "greedy_self_recover_pad": share(greedy_pad_dev),
         "acc": share(right),
         "teacher_acc": f"{teacher_acc:.4f}",
         "on_path": f"{on / max(1, on + off):.4f}",
@@ -125,6 +160,7 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         "recover_pad": share(pad_rec),
         "self_recover_pad": share(self_rec),
         "teacher_right_at_dev": share(teacher_right),
+        "consistent": share(consistent),
         "answer_tokens": f"{(on + off) / len(rows):.2f}",
     }
 
@@ -145,7 +181,7 @@ def main() -> None:
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="the runs' seed (their held-out set)")
     ap.add_argument("--teacher", action="append", default=[], help="TASK=CKPT: another teacher (a label)")
-    ap.add_argument("--label", default="", help="the teacher column's value (default: OUT/teachers)")
+    ap.add_argument("--setting", default="four", help="the setting column's value (four, plain, robust)")
     ap.add_argument("--csv", default=str(RESULTS / "distill_probe.csv"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -154,7 +190,6 @@ def main() -> None:
     sources = {t: str(out / "teachers" / t / "checkpoint") for t in tasks}
     sources.update(dict(spec.split("=", 1) for spec in args.teacher))
     teachers = {t: load_teacher(sources[t]) for t in tasks}
-    label = args.label or "plain"
     domains = make_tasks(dc, tasks)
     path, rows = Path(args.csv), []
     if path.is_file():
@@ -165,11 +200,19 @@ def main() -> None:
             student = load_checkpoint(out / run, step)
             codec = CharCodec(student.config.vocab_size)
             for name, task in domains.items():
-                row = {"run": run, "iteration": step, "seed": args.seed, "domain": name, "teacher": label}
+                row = {
+                    "run": run,
+                    "iteration": step,
+                    "seed": args.seed,
+                    "domain": name,
+                    "setting": args.setting,
+                }
                 row.update(probe(student, teachers[name], task, codec, args.seed, args.samples))
                 print(row, flush=True)
-                key = (run, str(step), name, label)
-                rows = [r for r in rows if (r["run"], str(r["iteration"]), r["domain"], r["teacher"]) != key]
+                key = (args.setting, run, str(step), str(args.seed), name)
+                rows = [
+                    r for r in rows if (r["setting"], r["run"], r["iteration"], r["seed"], r["domain"]) != key
+                ]
                 rows.append(row)
     fields = list(dict.fromkeys(k for r in rows for k in r))
     path.parent.mkdir(exist_ok=True)
