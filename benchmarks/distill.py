@@ -138,8 +138,9 @@ def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
     groups = {
         b: ("branching at the warm start (iteration 40)",
             ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")),
-        c: ("late warm start (iteration 100), and no warm start",
-            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow")),
+        c: ("late warm start (iteration 100), and none (round 4: forward-cold, kd)",
+            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow",
+             "forward-cold", "kd")),
         d: ("300 iterations, branching at 100, lr 3e-3 after it",
             ("off-policy-long", "sampled-long", "reverse-long")),
     }  # fmt: skip

@@ -46,7 +46,7 @@ PAIRS = [
         )
     ],
 ]
-SEEDS = range(4)
+SEEDS = range(8)
 
 
 def folder_of(out: Path, folder: str, run: str, seed: int) -> Path:
@@ -62,22 +62,30 @@ def _mean(logs: list[dict[int, dict]]) -> dict[int, dict]:
     """The logs' mean accuracy and teacher tokens at each evaluation they all have."""
     steps = set.intersection(*(set(log) for log in logs))
     return {
-        s: {k: str(sum(float(log[s][k]) for log in logs) / len(logs)) for k in ("acc_mean", "teacher_tokens")}
+        s: {
+            k: str(sum(float(log[s][k]) for log in logs) / len(logs))
+            for k in logs[0][s]
+            if k[:4] in ("acc_", "teac")
+        }
         for s in sorted(steps)
     }
 
 
-def compare(on: dict[int, dict], off: dict[int, dict], after: int, level: float, ceiling: float) -> dict:
+def compare(
+    on: dict[int, dict], off: dict[int, dict], after: int, level: float, ceiling: float, col: str = "acc_mean"
+) -> dict | None:
     """Counts of the shared evaluations after `after` where `on` is ahead of / level with / behind `off`
     (mean held-out accuracy, in points; level: within `level`), over all of them and over those before
     both reach `ceiling` (`open_*`: where there is still something to learn)."""
     steps = sorted(s for s in on if s in off and s > after)
-    diffs = [100 * (float(on[s]["acc_mean"]) - float(off[s]["acc_mean"])) for s in steps]
-    spread = max(abs(int(on[s]["teacher_tokens"]) / max(1, int(off[s]["teacher_tokens"])) - 1) for s in steps)
+    diffs = [100 * (float(on[s][col]) - float(off[s][col])) for s in steps]
+    if not steps:
+        return None
+    spread = max(
+        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[s]["teacher_tokens"])) - 1) for s in steps
+    )
     open_ = [
-        d
-        for d, s in zip(diffs, steps, strict=True)
-        if max(float(on[s]["acc_mean"]), float(off[s]["acc_mean"])) < ceiling
+        d for d, s in zip(diffs, steps, strict=True) if max(float(on[s][col]), float(off[s][col])) < ceiling
     ]
     return {
         "evaluations": len(steps),
@@ -92,8 +100,8 @@ def compare(on: dict[int, dict], off: dict[int, dict], after: int, level: float,
         "most_ahead": f"{max(diffs):.2f}",
         "most_behind": f"{min(diffs):.2f}",
         "mean_difference": f"{sum(diffs) / len(diffs):.2f}",
-        "final_on": on[steps[-1]]["acc_mean"],
-        "final_off": off[steps[-1]]["acc_mean"],
+        "final_on": on[steps[-1]][col],
+        "final_off": off[steps[-1]][col],
         "teacher_tokens_spread": f"{spread:.4f}",
         "diffs": " ".join(f"{d:+.1f}" for d in diffs),
     }
@@ -162,6 +170,19 @@ def plot(out: Path, png: Path) -> None:
     plt.close(fig)
 
 
+def _rows(setting: str, on: str, off: str, seed, after: int, a: dict, b: dict, args) -> list[dict]:
+    """The pairing's row on the mean accuracy, and with several domains one per domain."""
+    columns = [k for k in next(iter(a.values())) if k.startswith("acc_")]
+    out = []
+    for col in ["acc_mean", *[c for c in columns if c != "acc_mean"]] if len(columns) > 2 else ["acc_mean"]:
+        row = {"setting": setting, "on_policy": on, "off_policy": off, "seed": seed, "after_iteration": after}
+        counted = compare(a, b, after, args.level, args.ceiling, col)
+        if counted is not None:
+            out.append({**row, "accuracy": col[4:], **counted})
+            print({k: out[-1][k] for k in list(out[-1])[:16]})
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/distill-exp")
@@ -173,34 +194,29 @@ def main() -> None:
         pooled: list[tuple[dict, dict]] = []
         for seed in SEEDS:
             a, b = folder_of(out, folder, on, seed), folder_of(out, folder, off, seed)
-            if not ((a / "log.csv").is_file() and (b / "log.csv").is_file()):
-                continue
-            pooled.append((evals(a), evals(b)))
-            row = {
-                "setting": setting,
-                "on_policy": on,
-                "off_policy": off,
-                "seed": seed,
-                "after_iteration": after,
-            }
-            rows.append({**row, **compare(*pooled[-1], after, args.level, args.ceiling)})
-            print(rows[-1])
-            for run in (a, b):
-                name = f"distill_onoff_{folder.replace('along-', '').strip('.') or 'four'}_{run.name}"
-                shutil.copy(run / "log.csv", RESULTS / f"{name.replace('-', '_')}_log.csv")
+            if (a / "log.csv").is_file() and (b / "log.csv").is_file():
+                pooled.append((evals(a), evals(b)))
+                rows += _rows(setting, on, off, seed, after, *pooled[-1], args)
+                for run in (a, b) if folder != "." or seed else ():  # (seed 0's: distill.py's table)
+                    name = f"distill_onoff_{folder.replace('along-', '').strip('.') or 'four'}_{run.name}"
+                    shutil.copy(run / "log.csv", RESULTS / f"{name.replace('-', '_')}_log.csv")
         if len(pooled) > 1:  # the seeds' mean at each evaluation they all share
-            mean = [_mean([p[k] for p in pooled]) for k in (0, 1)]
-            row = {
-                "setting": setting,
-                "on_policy": on,
-                "off_policy": off,
-                "seed": "mean",
-                "after_iteration": after,
-            }
-            rows.append({**row, **compare(*mean, after, args.level, args.ceiling)})
-            print(rows[-1])
+            per_seed = {r["accuracy"]: [] for r in rows[-1:]}
+            for r in rows:
+                if (r["setting"], r["on_policy"], r["off_policy"]) == (setting, on, off) and r["open"]:
+                    per_seed.setdefault(r["accuracy"], []).append(float(r["open_mean_difference"]))
+            pooled_rows = _rows(
+                setting, on, off, "mean", after, *[_mean([p[k] for p in pooled]) for k in (0, 1)], args
+            )
+            for r in pooled_rows:  # the seeds' own open mean differences: their mean and standard error
+                d = per_seed.get(r["accuracy"], [])
+                if len(d) > 1:
+                    m = sum(d) / len(d)
+                    se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+                    r.update(seeds=len(d), seed_mean_difference=f"{m:.2f}", seed_standard_error=f"{se:.2f}")
+            rows += pooled_rows
     with (RESULTS / "distill_onoff.csv").open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     plot(out, RESULTS / "distill_onoff.png")
