@@ -132,7 +132,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
 
                 rng = np.random.default_rng([sc.seed, step, PAD_NOISE_STREAM])
                 problems, skip = plant_pad_noise(problems, sc.pad_noise, rng)
-            inputs, labels = sft_batch(problems, codec, skip)
+            inputs, labels = sft_batch(problems, codec) if skip is None else sft_batch(problems, codec, skip)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
             loss.backward()
