@@ -118,6 +118,8 @@ def plot(out: Path, png: Path) -> None:
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4"}
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
+            if folder == "." and run in ("forward", "reverse"):  # session 3's, with a warm start: distill.png
+                continue
             logs = [
                 evals(f) for f in (folder_of(out, folder, run, s) for s in SEEDS) if (f / "log.csv").is_file()
             ]
@@ -134,7 +136,13 @@ def plot(out: Path, png: Path) -> None:
                     [float(r["acc_mean"]) for r in mean.values()],
                 )
                 ax.plot(
-                    xs, ys, color=color, lw=2, marker="o", ms=3, label=f"{run} (mean of {len(logs)} seeds)"
+                    xs,
+                    ys,
+                    color=color,
+                    lw=2,
+                    marker="o",
+                    ms=3,
+                    label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
                 )
         ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy (greedy)")
         ax.grid(alpha=0.3)
