@@ -5,6 +5,9 @@ evaluation (the runs draw the same prompts, so their teacher tokens agree at eac
 Settings (run folders under OUT, written by benchmarks/distill.py):
 - the four domains from the base (OUT/RUN[-sN]): off-policy SFT, supervised KD (`kd`: the forward KL to
   the teacher's whole distribution at its own samples) and on-policy forward KL (`forward-cold`);
+- plain arithmetic alone (OUT/wc), the student a base fine-tuned with a planted carry error (`k3 rl sft
+  --wrong-carry 0.6`, 70 % right), its teacher that base + 300 correct SFT steps; lr 1e-3 (1e-2 wrecks
+  a 70 % student at once: 0.15 at iteration 10, both methods);
 - arithmetic@long alone (`--tasks arithmetic@long`), the plain specialist as teacher (OUT/along-plain) or
   a teacher fine-tuned to continue right after a wrong scratchpad digit (OUT/along-robust, `k3 rl sft`
   with pad_noise): off-policy, on-policy forward KL from the base, and forward / reverse KL branching from
@@ -27,6 +30,7 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 FOUR = "four domains, from the base"
 ROBUST = "arithmetic@long, teacher recovers (pad_noise)"
+WRONG = "plain arithmetic, student with a planted carry error (lr 1e-3)"
 PLAIN = "arithmetic@long, plain teacher"
 # (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
 # each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
@@ -34,6 +38,7 @@ PAIRS = [
     (FOUR, ".", "forward-cold", "off-policy", 0),
     (FOUR, ".", "kd", "off-policy", 0),
     (FOUR, ".", "forward-cold", "kd", 0),
+    (WRONG, "wc", "forward-cold", "off-policy", 0),
     *[
         (setting, folder, on, off, branch)
         for setting, folder in ((PLAIN, "along-plain"), (ROBUST, "along-robust"))
@@ -113,8 +118,8 @@ def plot(out: Path, png: Path) -> None:
     from k3.train.plot import _pyplot
 
     plt = _pyplot()
-    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust")]
-    fig, axes = plt.subplots(1, 4, figsize=(26, 6))
+    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc")]
+    fig, axes = plt.subplots(1, 5, figsize=(32, 6))
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4"}
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
@@ -148,7 +153,7 @@ def plot(out: Path, png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[3]
+    ax = axes[4]
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [

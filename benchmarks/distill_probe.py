@@ -20,6 +20,8 @@ iteration trains on), and the greedy answer (what is graded):
   the scratchpad; of those, the share graded right);
 - `consistent` (arithmetic@long, sort@long): share of the student's samples whose answer is the one
   their own scratchpad implies, right or wrong (the readout step: `implied_answer`);
+- `carry_dropped` (plain arithmetic): of the samples of carry problems, the share that is the answer
+  with every carry dropped (the error `k3 rl sft --wrong-carry` plants);
 - `teacher_right_at_dev`: share of deviations where the teacher's greedy token at that (on-path) context
   is the reference token (so the teacher's signal there points to the right token).
 
@@ -131,6 +133,14 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         implied = implied_answer(task, text)
         if implied is not None:
             consistent.append(text.rpartition(";")[2] == implied)
+    dropped = []  # plain arithmetic: the sample is the carry-dropped answer (k3 rl sft --wrong-carry's)
+    if task.name == "arithmetic":
+        from k3.rl.sft import carry_dropped
+
+        for i, o in zip(rows, outs, strict=True):
+            wrong = carry_dropped(problems[i].prompt, task.reverse)
+            if wrong != problems[i].answer:
+                dropped.append(codec.decode(o) == wrong)
     greedy = _complete(s_engine, prompts, [task.max_tokens] * len(prompts), 0.0, codec.eos, seed)
     greedy_right = task.grade(problems, [codec.decode(o) for o in greedy])
     greedy_pad_dev = [  # greedy answers whose first deviation is inside the scratchpad: right or not
@@ -161,6 +171,7 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         "self_recover_pad": share(self_rec),
         "teacher_right_at_dev": share(teacher_right),
         "consistent": share(consistent),
+        "carry_dropped": share(dropped),
         "answer_tokens": f"{(on + off) / len(rows):.2f}",
     }
 
