@@ -4,10 +4,17 @@ distilled from all of them. The arms share a short off-policy warm start (`--war
 SFT on the teachers' samples: the on-policy recipe's SFT'd start), then go on off-policy, or on-policy with
 the reverse KL (full vocabulary, GKD beta = 1; or the sampled-token policy gradient), or the forward KL;
 beside them the reverse KL from the base without a warm start (`reverse-cold`), RL on all tasks at once
-at equal samples, and the teachers' averaged weights.
+at equal samples, and the teachers' averaged weights. Round 4 (on-policy vs off-policy at equal teacher
+tokens): `kd` (off-policy, the forward KL to the teacher's whole distribution at its own samples) and
+`forward-cold` (on-policy forward KL) from the base, `--seed N` replicates; arithmetic@long alone
+(`--tasks arithmetic@long --teachers OUT/teachers`), with `--robust` its teacher one that continues right
+after a wrong scratchpad digit (`--only robust-teacher` builds it); benchmarks/distill_onoff.py counts
+the comparisons and benchmarks/distill_probe.py measures where the on-policy tokens land.
 
     PYTHONPATH=. nice -n 10 python benchmarks/distill.py --out runs/distill-exp --only RUN   # each RUN
     PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp --only table
+    PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp/along-robust --teachers \
+      runs/distill-exp/teachers --tasks arithmetic@long --robust --warm-start 60 --only forward
 
 Writes OUT/teachers/ (base + specialists), OUT/<run>/ (run folders), benchmarks/results/distill.csv (one
 row per model: held-out accuracy per task, teacher tokens, elapsed seconds, final reverse KL per
@@ -52,6 +59,37 @@ def evals(run: Path) -> list[dict]:
     """The log rows that hold a held-out evaluation."""
     with (run / "log.csv").open(newline="") as f:
         return [r for r in csv.DictReader(f) if r["acc_mean"]]
+
+
+def robust_teacher(teachers: Path, args) -> Path:
+    """TEACHERS/arithmetic@long-robust/checkpoint (built once): the arithmetic@long specialist fine-tuned
+    `--robust-steps` more steps with `--pad-noise` of its problems given one wrong scratchpad digit that
+    is not trained on (k3.rl.effort.plant_pad_noise), so that it continues right (the true columns, the
+    true sum) after a wrong digit, as the student's own mistakes will have it."""
+    from k3.rl.export import export_run
+    from k3.rl.sft import SFTConfig, sft
+
+    root = teachers / "arithmetic@long-robust"
+    if not (root / "checkpoint" / "config.json").is_file():
+        config = SFTConfig(
+            init=str(teachers / "arithmetic@long" / "sft" / "policy"), task="arithmetic@long", out=str(root),
+            steps=args.robust_steps, batch_size=args.batch_size, lr=3e-3, warmup=20, digits=args.digits,
+            eval_every=args.robust_steps // 2, held_out=args.held_out, threads=args.threads,
+            pad_noise=args.pad_noise,
+        )  # fmt: skip
+        run = sft(config, on_step=lambda r: print(r, flush=True) if r.get("eval_acc") else None)
+        export_run(run / "policy", root / "checkpoint")
+    return root / "checkpoint"
+
+
+def keep_and_print(run: Path, row: dict, keep: set[int]) -> None:
+    """Print the log row; copy the checkpoint of an iteration in `keep` to RUN/keep (the run keeps only
+    its newest two: at iteration N + 1's row, N's is the older one)."""
+    print(run.name, row, flush=True)
+    step = int(row["step"]) - 1
+    src, dst = run / "checkpoints" / f"step-{step:08d}", run / "keep" / f"step-{step:08d}"
+    if step in keep and src.is_dir() and not dst.exists():
+        shutil.copytree(src, dst)
 
 
 def equal_tokens(out: Path, runs: list[str], path: Path) -> None:
@@ -100,8 +138,9 @@ def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
     groups = {
         b: ("branching at the warm start (iteration 40)",
             ("off-policy", "reverse", "sampled", "reverse-slow", "off-policy-slow", "forward")),
-        c: ("late warm start (iteration 100), and no warm start",
-            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow")),
+        c: ("late warm start (iteration 100), and none (round 4: forward-cold, kd)",
+            ("off-policy", "reverse-late", "sampled-late", "reverse-cold", "reverse-cold-slow",
+             "forward-cold", "kd")),
         d: ("300 iterations, branching at 100, lr 3e-3 after it",
             ("off-policy-long", "sampled-long", "reverse-long")),
     }  # fmt: skip
@@ -200,6 +239,15 @@ RUNS = {
         ),
     ),
     "average": ("teachers' weights averaged", lambda a: dict(method="average")),
+    # round 4: contexts (teacher's samples / student's) x target (one-hot / the teacher's distribution)
+    "forward-cold": (
+        "on-policy forward KL (GKD beta 0), from the base",
+        lambda a: dict(full_vocab=True, divergence="forward"),
+    ),
+    "kd": (
+        "off-policy forward KL to the teacher's distribution (supervised KD), from the base",
+        lambda a: dict(method="off-policy", full_vocab=True, divergence="forward"),
+    ),
 }
 
 
@@ -228,25 +276,40 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--only", default="", help=f"teachers, table or a run: {', '.join(RUNS)}")
+    ap.add_argument("--seed", type=int, default=0, help="problems, held-out set, sampling; run folder RUN-sN")
+    ap.add_argument("--keep", default="", help="iterations whose checkpoints to keep (RUN/keep/step-N)")
+    ap.add_argument("--teachers", default="", help="the teachers' folder (default OUT/teachers)")
+    ap.add_argument("--robust", action="store_true", help="arithmetic@long's teacher: the robust one")
+    ap.add_argument("--pad-noise", type=float, default=0.5, help="the robust teacher's planted share")
+    ap.add_argument("--robust-steps", type=int, default=400, help="the robust teacher's SFT steps")
+    ap.add_argument("--only", default="", help=f"teachers, robust-teacher, table or a run: {', '.join(RUNS)}")
     args = ap.parse_args()
     out, tasks = Path(args.out), args.tasks.split(",")
+    teachers_dir = Path(args.teachers or out / "teachers")
     specs = make_teachers(
-        out / "teachers", tasks, steps=args.steps, batch_size=args.batch_size, lr=args.sft_lr,
+        teachers_dir, tasks, steps=args.steps, batch_size=args.batch_size, lr=args.sft_lr,
         digits=args.digits, threads=args.threads, base_steps=args.base_steps, held_out=args.held_out,
     )  # fmt: skip
-    base = str(out / "teachers" / "base" / "policy")
+    if args.only == "robust-teacher" or args.robust:
+        robust = robust_teacher(teachers_dir, args)
+        specs = [
+            f"arithmetic_long={robust}:arithmetic@long" if s.endswith(":arithmetic@long") else s
+            for s in specs
+        ]
+    base = str(teachers_dir / "base" / "policy")
     common = dict(
         student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
         minibatches=args.minibatches, cosine=not args.constant, prompts=args.prompts, samples=1,
         held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
-        threads=args.threads,
+        threads=args.threads, seed=args.seed,
     )  # fmt: skip
+    keep = {int(k) for k in args.keep.split(",") if k}
     for run, (_, settings) in RUNS.items():
         if args.only == run:
             began = time.time()
-            dc = DistillConfig(out=str(out / run), **{**common, **settings(args)})
-            train_distill(dc, on_iteration=lambda r, m=run: print(m, r, flush=True))
+            folder = out / (run + (f"-s{args.seed}" if args.seed else ""))
+            dc = DistillConfig(out=str(folder), **{**common, **settings(args)})
+            train_distill(dc, on_iteration=lambda r, f=folder: keep_and_print(f, r, keep))
             print(f"{run}: {time.time() - began:.0f} s wall, load {os.getloadavg()}", flush=True)
     if args.only != "table":
         return

@@ -6,7 +6,9 @@ Methods (`--method`):
   `minibatches` steps on the truncated importance-sampling loss with the reverse-KL advantages (or, with
   `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
-  student is fine-tuned on them (cross-entropy over the answer tokens).
+  student is fine-tuned on them (cross-entropy over the answer tokens); with `full_vocab`, the full-
+  vocabulary `divergence` to the teacher's whole distribution at each of those teacher-sampled contexts
+  (supervised KD), so that on- and off-policy can be compared at the same target.
 - `--warm-start N`: iterations 0 .. N - 1 are off-policy ones, the same as an off-policy run's, at the peak
   rate `--warm-lr` (default `--lr`); then the method (the on-policy recipe's SFT'd start: the reverse KL's
   gradient vanishes on tokens the student rarely samples, so a student far from its teachers learns slowly
@@ -241,15 +243,28 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
     return row
 
 
-def _off_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, problems, domain_of) -> dict:
-    """Fine-tune on the teachers' samples: cross-entropy over their answer tokens (`minibatches` updates)."""
+def _off_policy(
+    setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, problems, domain_of, kd: bool = False
+) -> dict:
+    """Fine-tune on the teachers' samples: cross-entropy over their answer tokens (`minibatches` updates);
+    with `kd` (`--method off-policy --full-vocab`) the full-vocabulary divergence to the teacher's whole
+    distribution at each of its own sampled contexts instead (supervised KD: the contexts off-policy, the
+    target as dense as GKD's)."""
     model, codec = setup.model, setup.codec
+    if kd:
+        teacher_of = [setup.domains[d] for d in domain_of]
+        teacher_dist = score(model, setup.teachers, teacher_of, trajs, dc.temperature, True).teacher_dist
     losses, norm = [], 0.0
     for m in range(dc.minibatches):
         rows = list(range(m, len(trajs), dc.minibatches))
         packed = pack([trajs[i] for i in rows])
-        logp = token_logprobs(model, packed, 1.0)
-        loss = -(logp * packed.mask).sum() / packed.mask.sum().clamp(min=1)
+        if kd:
+            n = packed.mask.shape[1]
+            student_dist = log_distributions(model, packed, dc.temperature)
+            loss = gkd_loss(student_dist, teacher_dist[rows, :n], packed.mask, dc.divergence)
+        else:
+            logp = token_logprobs(model, packed, 1.0)
+            loss = -(logp * packed.mask).sum() / packed.mask.sum().clamp(min=1)
         norm = _step(model, optimizer, dc, loss, it * dc.minibatches + m)
         losses.append(float(loss.detach()))
     row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
@@ -317,7 +332,8 @@ def train_distill(dc: DistillConfig, on_iteration: Callable[[dict], None] | None
                 counters["teacher_tokens"] += tokens if dc.method == "on-policy" else 0
             else:
                 tokens = _generate(teacher_engines, setup, trajs, domain_of, dc)
-                row = _off_policy(setup, optimizer, dc, it, trajs, problems, domain_of)
+                kd = dc.full_vocab and dc.method == "off-policy"  # a warm start is always SFT
+                row = _off_policy(setup, optimizer, dc, it, trajs, problems, domain_of, kd)
                 counters["teacher_tokens"] += tokens
             counters["samples"] += len(trajs)
             engine.load_weights(model.state_dict(), it + 1)

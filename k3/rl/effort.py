@@ -108,5 +108,29 @@ class EffortTask(Task):
         return self.base.grade(base, [r.rpartition(SEPARATOR)[2] for r in responses])
 
 
+def plant_pad_noise(
+    problems: list[Problem], share: float, rng: np.random.Generator
+) -> tuple[list[Problem], list[int | None]]:
+    """`problems` (an effort task's, with scratchpads) with each one's scratchpad given, with probability
+    `share` (one uniform draw per problem, in order), one wrong digit: a uniformly chosen digit of the
+    scratchpad replaced by one of the 9 others. Returns the problems and, per problem, the index in its
+    answer of the planted digit (None: untouched), so that fine-tuning skips it: the model learns to
+    continue right (the true scratchpad's later columns, the true answer) after a wrong digit, as a
+    teacher must on a student's mistakes, without learning to write one."""
+    out, planted = [], []
+    for p in problems:
+        pad = p.answer.partition(SEPARATOR)[0] if SEPARATOR in p.answer else ""
+        digits = [i for i, c in enumerate(pad) if c.isdigit()]
+        if rng.random() < share and digits:
+            i = digits[int(rng.integers(len(digits)))]
+            wrong = str((int(pad[i]) + 1 + int(rng.integers(9))) % 10)
+            out.append(Problem(p.prompt, p.answer[:i] + wrong + p.answer[i + 1 :]))
+            planted.append(i)
+        else:
+            out.append(p)
+            planted.append(None)
+    return out, planted
+
+
 def with_effort(base: Task, effort: str) -> EffortTask:
     return EffortTask(held_out_size=base.held_out_size, base=base, effort=effort)

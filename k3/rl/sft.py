@@ -30,6 +30,7 @@ from k3.rl.tasks import Arithmetic, Problem, TaskError, make_task
 
 IGNORE = -100
 WRONG_CARRY_STREAM = 2**31 - 2  # the random stream of the planted errors (beside k3.rl.tasks' streams)
+PAD_NOISE_STREAM = 2**31 - 3  # the planted scratchpad digits' (pad_noise)
 
 
 @dataclass
@@ -47,6 +48,7 @@ class SFTConfig:
     held_out: int = 100
     threads: int = 0
     wrong_carry: float = 0.0  # share of carry problems answered with the carry dropped (plain arithmetic)
+    pad_noise: float = 0.0  # share of problems with one wrong scratchpad digit, not trained on (k3.rl.effort)
 
 
 def carry_dropped(prompt: str, reverse: bool = True) -> str:
@@ -72,8 +74,9 @@ def plant_wrong_carry(
     return out
 
 
-def sft_batch(problems, codec: CharCodec) -> tuple[torch.Tensor, torch.Tensor]:
-    """(inputs, labels) [B, L]: prompt + answer + EOS shifted by one; labels only on answer and EOS."""
+def sft_batch(problems, codec: CharCodec, skip=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, labels) [B, L]: prompt + answer + EOS shifted by one; labels only on answer and EOS, but
+    not on answer character `skip[b]` of problem b where given (a planted digit: k3.rl.effort)."""
     seqs = [(codec.encode(p.prompt), codec.encode(p.answer) + [codec.eos]) for p in problems]
     L = max(len(q) + len(a) for q, a in seqs) - 1
     inputs = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -82,6 +85,8 @@ def sft_batch(problems, codec: CharCodec) -> tuple[torch.Tensor, torch.Tensor]:
         s = q + a
         inputs[b, : len(s) - 1] = torch.tensor(s[:-1])
         labels[b, len(q) - 1 : len(s) - 1] = torch.tensor(a)
+        if skip is not None and skip[b] is not None:
+            labels[b, len(q) - 1 + skip[b]] = IGNORE
     return inputs, labels
 
 
@@ -99,6 +104,11 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
         raise TaskError(f"--wrong-carry needs the plain arithmetic task, not {sc.task!r}")
     if not 0.0 <= sc.wrong_carry <= 1.0:
         raise TaskError(f"--wrong-carry is a share in [0, 1], not {sc.wrong_carry}")
+    if sc.pad_noise and not (0.0 < sc.pad_noise <= 1.0 and getattr(task, "effort", "no") != "no"):
+        raise TaskError(
+            f"--pad-noise {sc.pad_noise}: needs a share in (0, 1] and a task with a scratchpad "
+            f"(TASK@short|long), not {sc.task!r}"
+        )
     model = load_policy(sc.init, sc.seed).train()
     codec = CharCodec(model.config.vocab_size)
     optimizer = build_optimizer(model, "adamw", sc.lr, 0.0, (0.9, 0.95))
@@ -116,7 +126,13 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
             if sc.wrong_carry:
                 rng = np.random.default_rng([sc.seed, step, WRONG_CARRY_STREAM])
                 problems = plant_wrong_carry(problems, sc.wrong_carry, rng, task.reverse)
-            inputs, labels = sft_batch(problems, codec)
+            skip = None
+            if sc.pad_noise:
+                from k3.rl.effort import plant_pad_noise
+
+                rng = np.random.default_rng([sc.seed, step, PAD_NOISE_STREAM])
+                problems, skip = plant_pad_noise(problems, sc.pad_noise, rng)
+            inputs, labels = sft_batch(problems, codec) if skip is None else sft_batch(problems, codec, skip)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
             loss.backward()

@@ -278,3 +278,35 @@ def test_warm_start_is_the_off_policy_run_then_on_policy(tmp_path, policies):
         DistillConfig(teachers=["a=x"], iterations=3, warm_start=4).check()
     with pytest.raises(DistillError, match="--warm-start"):
         DistillConfig(teachers=["a=x"], method="average", warm_start=1).check()
+
+
+def test_off_policy_full_vocab_is_kd_on_the_teachers_samples(tmp_path, policies):
+    """`--method off-policy --full-vocab`: the logged loss of iteration 1 is the forward KL(teacher ||
+    student) at every context of the teacher's own samples, recomputed here one prefix at a time (no
+    packing); the same samples (teacher tokens) as the SFT run, whose loss (cross-entropy) differs."""
+    from k3.engine.generate import Engine
+    from k3.rl.distill_loop import _batch, _generate, load_setup
+
+    common = dict(
+        student=str(policies[0]), teachers=[f"a={policies[1]}:arithmetic"], method="off-policy",
+        iterations=1, minibatches=1, optimizer="sgd", lr=0.0, **SMALL,
+    )  # fmt: skip
+    kd = DistillConfig(full_vocab=True, divergence="forward", out=str(tmp_path / "kd"), **common)
+    sft = DistillConfig(out=str(tmp_path / "sft"), **common)
+    r_kd, r_sft = _rows(train_distill(kd))[1], _rows(train_distill(sft))[1]
+    setup = load_setup(kd)
+    trajs, _, domain_of = _batch(kd, setup, 0)
+    teacher = setup.teachers["a"]
+    _generate({"arithmetic": Engine(teacher, max_batch=kd.max_batch)}, setup, trajs, domain_of, kd)
+    kls = []
+    with torch.no_grad():
+        for t in trajs:
+            seq = t.prompt + t.tokens
+            for i in range(len(t.tokens)):
+                ctx = torch.tensor([seq[: len(t.prompt) + i]])
+                p = torch.log_softmax(teacher(ctx)[0, -1].double(), -1)
+                q = torch.log_softmax(setup.model(ctx)[0, -1].double(), -1)
+                kls.append(float((p.exp() * (p - q)).sum()))
+    assert int(r_kd["teacher_tokens"]) == int(r_sft["teacher_tokens"]) == len(kls) > 0
+    assert float(r_kd["loss"]) == pytest.approx(sum(kls) / len(kls), rel=1e-4)
+    assert abs(float(r_sft["loss"]) - float(r_kd["loss"])) > 1e-3

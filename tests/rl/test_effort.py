@@ -108,3 +108,36 @@ def test_reward_advantages_are_group_centred_rewards():
     adv = reward_advantages(rewards, mask, 3)
     for b, e in enumerate(expected):
         assert torch.allclose(adv[b], e * mask[b])
+
+
+def test_pad_noise_plants_one_wrong_scratchpad_digit_and_sft_skips_it(tmp_path):
+    from k3.rl.codec import CharCodec
+    from k3.rl.effort import SEPARATOR, plant_pad_noise
+    from k3.rl.sft import IGNORE, SFTConfig, sft, sft_batch
+
+    for name in ("arithmetic@long", "arithmetic@short", "sort@long", "recall@long"):
+        clean = make_task(name, held_out_size=5).problems(0, 1, 200)
+        noisy, planted = plant_pad_noise(clean, 1.0, np.random.default_rng(3))
+        for p, q, i in zip(clean, noisy, planted, strict=True):
+            diff = [k for k, (a, b) in enumerate(zip(p.answer, q.answer, strict=True)) if a != b]
+            assert diff == [i] and i < p.answer.index(SEPARATOR)  # one character, inside the scratchpad
+            assert p.answer[i].isdigit() and q.answer[i].isdigit() and q.prompt == p.prompt
+        assert plant_pad_noise(clean, 0.0, np.random.default_rng(3)) == (clean, [None] * len(clean))
+    many = make_task("arithmetic@long", held_out_size=5).problems(0, 2, 2000)
+    share = sum(i is not None for i in plant_pad_noise(many, 0.3, np.random.default_rng(4))[1]) / 2000
+    assert abs(share - 0.3) < 0.04  # binomial sd ~0.01
+    no_pad = make_task("arithmetic@no", held_out_size=5).problems(0, 1, 20)
+    assert plant_pad_noise(no_pad, 1.0, np.random.default_rng(3))[1] == [None] * 20
+    codec = CharCodec(1024)
+    noisy, planted = plant_pad_noise(clean[:8], 0.5, np.random.default_rng(5))
+    assert 0 < sum(i is not None for i in planted) < 8
+    _, plain_labels = sft_batch(noisy, codec)
+    inputs, labels = sft_batch(noisy, codec, planted)
+    for b, (p, i) in enumerate(zip(noisy, planted, strict=True)):
+        changed = (labels[b] != plain_labels[b]).nonzero().flatten().tolist()
+        # the label predicting answer character i sits at prompt length - 1 + i
+        assert changed == ([] if i is None else [len(p.prompt) - 1 + i]) and (
+            i is None or labels[b, changed[0]] == IGNORE
+        )
+    with pytest.raises(TaskError, match="--pad-noise"):
+        sft(SFTConfig(task="arithmetic@no", out=str(tmp_path), steps=1, pad_noise=0.5))

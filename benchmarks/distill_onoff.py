@@ -1,0 +1,239 @@
+"""On-policy vs off-policy distillation at equal teacher tokens (round 4 of benchmarks/distill.py's runs):
+every pairing of an on-policy run with the off-policy run it is compared to, counted evaluation by
+evaluation (the runs draw the same prompts, so their teacher tokens agree at each shared evaluation).
+
+Settings (run folders under OUT, written by benchmarks/distill.py):
+- the four domains from the base (OUT/RUN[-sN]): off-policy SFT, supervised KD (`kd`: the forward KL to
+  the teacher's whole distribution at its own samples) and on-policy forward KL (`forward-cold`);
+- plain arithmetic alone (OUT/wc), the student a base fine-tuned with a planted carry error (`k3 rl sft
+  --wrong-carry 0.6`, 70 % right), its teacher that base + 300 correct SFT steps; lr 1e-3 (1e-2 wrecks
+  a 70 % student at once: 0.15 at iteration 10, both methods);
+- arithmetic@long alone (`--tasks arithmetic@long`), the plain specialist as teacher (OUT/along-plain) or
+  a teacher fine-tuned to continue right after a wrong scratchpad digit (OUT/along-robust, `k3 rl sft`
+  with pad_noise): off-policy, on-policy forward KL from the base, and forward / reverse KL branching from
+  the off-policy run at `--warm-start`.
+
+    PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
+
+Writes benchmarks/results/distill_onoff.csv (per pairing: evaluations where the on-policy run is ahead by
+more than `--level` points, level, behind; the largest gaps; the mean difference), distill_onoff_log_*.csv
+(the runs' logs) and distill_onoff.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import shutil
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+FOUR = "four domains, from the base"
+ROBUST = "arithmetic@long, teacher recovers (pad_noise)"
+WRONG = "plain arithmetic, student with a planted carry error (lr 1e-3)"
+PLAIN = "arithmetic@long, plain teacher"
+# (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
+# each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
+PAIRS = [
+    (FOUR, ".", "forward-cold", "off-policy", 0),
+    (FOUR, ".", "kd", "off-policy", 0),
+    (FOUR, ".", "forward-cold", "kd", 0),
+    (WRONG, "wc", "forward-cold", "off-policy", 0),
+    *[
+        (setting, folder, on, off, branch)
+        for setting, folder in ((PLAIN, "along-plain"), (ROBUST, "along-robust"))
+        for on, off, branch in (
+            ("forward-cold", "off-policy", 0),
+            ("kd", "off-policy", 0),
+            ("forward-cold", "kd", 0),
+            ("forward", "off-policy", 60),
+            ("reverse", "off-policy", 60),
+        )
+    ],
+]
+SEEDS = range(8)
+
+
+def folder_of(out: Path, folder: str, run: str, seed: int) -> Path:
+    return out / folder / (run + (f"-s{seed}" if seed else ""))
+
+
+def evals(run: Path) -> dict[int, dict]:
+    with (run / "log.csv").open(newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f) if r["acc_mean"]}
+
+
+def _mean(logs: list[dict[int, dict]]) -> dict[int, dict]:
+    """The logs' mean accuracy and teacher tokens at each evaluation they all have."""
+    steps = set.intersection(*(set(log) for log in logs))
+    return {
+        s: {
+            k: str(sum(float(log[s][k]) for log in logs) / len(logs))
+            for k in logs[0][s]
+            if k[:4] in ("acc_", "teac")
+        }
+        for s in sorted(steps)
+    }
+
+
+def compare(
+    on: dict[int, dict], off: dict[int, dict], after: int, level: float, ceiling: float, col: str = "acc_mean"
+) -> dict | None:
+    """Counts of the shared evaluations after `after` where `on` is ahead of / level with / behind `off`
+    (mean held-out accuracy, in points; level: within `level`), over all of them and over those before
+    both reach `ceiling` (`open_*`: where there is still something to learn)."""
+    steps = sorted(s for s in on if s in off and s > after)
+    diffs = [100 * (float(on[s][col]) - float(off[s][col])) for s in steps]
+    if not steps:
+        return None
+    spread = max(
+        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[s]["teacher_tokens"])) - 1) for s in steps
+    )
+    open_ = [
+        d for d, s in zip(diffs, steps, strict=True) if max(float(on[s][col]), float(off[s][col])) < ceiling
+    ]
+    return {
+        "evaluations": len(steps),
+        "ahead": sum(d > level for d in diffs),
+        "level": sum(abs(d) <= level for d in diffs),
+        "behind": sum(d < -level for d in diffs),
+        "open": len(open_),  # evaluations before both reach `ceiling`
+        "open_ahead": sum(d > level for d in open_),
+        "open_level": sum(abs(d) <= level for d in open_),
+        "open_behind": sum(d < -level for d in open_),
+        "open_mean_difference": f"{sum(open_) / len(open_):.2f}" if open_ else "",
+        "most_ahead": f"{max(diffs):.2f}",
+        "most_behind": f"{min(diffs):.2f}",
+        "mean_difference": f"{sum(diffs) / len(diffs):.2f}",
+        "final_on": on[steps[-1]][col],
+        "final_off": off[steps[-1]][col],
+        "teacher_tokens_spread": f"{spread:.4f}",
+        "diffs": " ".join(f"{d:+.1f}" for d in diffs),
+    }
+
+
+def plot(out: Path, png: Path) -> None:
+    """Mean held-out accuracy against teacher tokens per setting (each seed thin, their mean bold); the
+    probe's figures for arithmetic@long (benchmarks/distill_probe.py's csv) beside them."""
+    from k3.train.plot import _pyplot
+
+    plt = _pyplot()
+    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc")]
+    fig, axes = plt.subplots(1, 5, figsize=(32, 6))
+    styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4"}
+    for ax, (title, folder) in zip(axes, panels, strict=False):
+        for run, color in styles.items():
+            if folder == "." and run in ("forward", "reverse"):  # session 3's, with a warm start: distill.png
+                continue
+            logs = [
+                evals(f) for f in (folder_of(out, folder, run, s) for s in SEEDS) if (f / "log.csv").is_file()
+            ]
+            for log in logs:
+                xs, ys = (
+                    [float(r["teacher_tokens"]) for r in log.values()],
+                    [float(r["acc_mean"]) for r in log.values()],
+                )
+                ax.plot(xs, ys, color=color, lw=0.6, alpha=0.35)
+            if logs:
+                mean = _mean(logs)
+                xs, ys = (
+                    [float(r["teacher_tokens"]) for r in mean.values()],
+                    [float(r["acc_mean"]) for r in mean.values()],
+                )
+                ax.plot(
+                    xs,
+                    ys,
+                    color=color,
+                    lw=2,
+                    marker="o",
+                    ms=3,
+                    label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
+                )
+        ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy (greedy)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    probe = RESULTS / "distill_probe.csv"
+    ax = axes[4]
+    if probe.is_file():
+        with probe.open(newline="") as f:
+            rows = [
+                r for r in csv.DictReader(f) if r["domain"] == "arithmetic@long" and r["setting"] != "four"
+            ]
+        labels = [f"{r['setting']}\n{r['run']} it.{r['iteration']}" for r in rows]
+        x = range(len(rows))
+        for k, (col, color) in enumerate(
+            (("recover_pad", "C7"), ("self_recover_pad", "C3"), ("consistent", "C0"))
+        ):
+            ax.bar(
+                [i + 0.27 * (k - 1) for i in x],
+                [float(r[col] or 0) for r in rows],
+                0.27,
+                color=color,
+                label=col,
+            )
+        ax.set_xticks(list(x), labels, fontsize=6, rotation=60, ha="right")
+        ax.set(
+            title="arithmetic@long: the student's T = 1 samples (benchmarks/distill_probe.py)", ylabel="share"
+        )
+        ax.legend(fontsize=7)
+    else:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
+def _rows(setting: str, on: str, off: str, seed, after: int, a: dict, b: dict, args) -> list[dict]:
+    """The pairing's row on the mean accuracy, and with several domains one per domain."""
+    columns = [k for k in next(iter(a.values())) if k.startswith("acc_")]
+    out = []
+    for col in ["acc_mean", *[c for c in columns if c != "acc_mean"]] if len(columns) > 2 else ["acc_mean"]:
+        row = {"setting": setting, "on_policy": on, "off_policy": off, "seed": seed, "after_iteration": after}
+        counted = compare(a, b, after, args.level, args.ceiling, col)
+        if counted is not None:
+            out.append({**row, "accuracy": col[4:], **counted})
+            print({k: out[-1][k] for k in list(out[-1])[:16]})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/distill-exp")
+    ap.add_argument("--level", type=float, default=2.0, help="points within which two runs are level")
+    ap.add_argument("--ceiling", type=float, default=0.98, help="open evaluations: both runs below it")
+    args = ap.parse_args()
+    out, rows = Path(args.out), []
+    for setting, folder, on, off, after in PAIRS:
+        pooled: list[tuple[dict, dict]] = []
+        for seed in SEEDS:
+            a, b = folder_of(out, folder, on, seed), folder_of(out, folder, off, seed)
+            if (a / "log.csv").is_file() and (b / "log.csv").is_file():
+                pooled.append((evals(a), evals(b)))
+                rows += _rows(setting, on, off, seed, after, *pooled[-1], args)
+                for run in (a, b) if folder != "." or seed else ():  # (seed 0's: distill.py's table)
+                    name = f"distill_onoff_{folder.replace('along-', '').strip('.') or 'four'}_{run.name}"
+                    shutil.copy(run / "log.csv", RESULTS / f"{name.replace('-', '_')}_log.csv")
+        if len(pooled) > 1:  # the seeds' mean at each evaluation they all share
+            per_seed = {r["accuracy"]: [] for r in rows[-1:]}
+            for r in rows:
+                if (r["setting"], r["on_policy"], r["off_policy"]) == (setting, on, off) and r["open"]:
+                    per_seed.setdefault(r["accuracy"], []).append(float(r["open_mean_difference"]))
+            pooled_rows = _rows(
+                setting, on, off, "mean", after, *[_mean([p[k] for p in pooled]) for k in (0, 1)], args
+            )
+            for r in pooled_rows:  # the seeds' own open mean differences: their mean and standard error
+                d = per_seed.get(r["accuracy"], [])
+                if len(d) > 1:
+                    m = sum(d) / len(d)
+                    se = (sum((x - m) ** 2 for x in d) / (len(d) - 1) / len(d)) ** 0.5
+                    r.update(seeds=len(d), seed_mean_difference=f"{m:.2f}", seed_standard_error=f"{se:.2f}")
+            rows += pooled_rows
+    with (RESULTS / "distill_onoff.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(out, RESULTS / "distill_onoff.png")
+
+
+if __name__ == "__main__":
+    main()
