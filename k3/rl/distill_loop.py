@@ -128,7 +128,8 @@ def learning_rate(dc: DistillConfig, step: int) -> float:
     """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps,
     as `k3 rl`'s (k3.rl.trainer.learning_rate: a fresh AdamW's first update moves every weight by the full
     learning rate, whatever the gradient); then constant, or with `cosine` a half cosine from `lr` at the
-    end of the warm-up to 0 after the run's last step (as `k3 rl sft`'s, which made the specialists).
+    end of the warm-up to 0 after the run's last step (`k3 rl sft`'s cosine, which made the specialists,
+    runs over all its steps instead, warm-up included).
     The peak is `warm_lr` during the `warm_start` iterations where given, else `lr`."""
     warm = dc.warm_lr is not None and step < dc.warm_start * dc.minibatches
     peak = dc.warm_lr if warm else dc.lr
