@@ -70,9 +70,12 @@ def distill(
     warm_lr: Annotated[
         float | None, typer.Option(help="The warm-start iterations' peak learning rate (default: --lr).")
     ] = D.warm_lr,
-    full_vocab: Annotated[bool, typer.Option(help="Exact full-vocabulary reverse KL (GKD beta = 1).")] = (
-        D.full_vocab
-    ),
+    full_vocab: Annotated[
+        bool,
+        typer.Option(
+            help="Exact full-vocabulary --divergence: on-policy GKD; with --method off-policy supervised KD."
+        ),
+    ] = D.full_vocab,
     divergence: Annotated[
         str, typer.Option(help="With --full-vocab: reverse (GKD beta = 1) or forward KL (beta = 0).")
     ] = D.divergence,

@@ -36,7 +36,7 @@ class DistillConfig:
     alpha_reward: float = 0.0
     warm_start: int = 0  # the first N iterations off-policy (SFT on the teachers' samples), at warm_lr
     warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
-    full_vocab: bool = False  # GKD beta = 1 instead of the sampled-token policy gradient
+    full_vocab: bool = False  # the exact full-vocabulary divergence (GKD; off-policy: supervised KD)
     divergence: str = "reverse"  # with full_vocab: reverse KL(student || teacher) or forward (GKD beta = 0)
     eval_every: int = 5
     held_out: int = 100

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.rl.codec import CharCodec
+from k3.rl.effort import plant_pad_noise
 from k3.rl.tasks import Arithmetic, Problem, TaskError, make_task
 
 IGNORE = -100
@@ -128,11 +129,9 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
                 problems = plant_wrong_carry(problems, sc.wrong_carry, rng, task.reverse)
             skip = None
             if sc.pad_noise:
-                from k3.rl.effort import plant_pad_noise
-
                 rng = np.random.default_rng([sc.seed, step, PAD_NOISE_STREAM])
                 problems, skip = plant_pad_noise(problems, sc.pad_noise, rng)
-            inputs, labels = sft_batch(problems, codec) if skip is None else sft_batch(problems, codec, skip)
+            inputs, labels = sft_batch(problems, codec, skip)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
             loss.backward()
