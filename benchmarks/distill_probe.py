@@ -43,10 +43,9 @@ RESULTS = Path(__file__).parent / "results"
 
 def load_checkpoint(run: Path, step: int):
     """The student of `run` at `step` (RUN/keep/step-N, else RUN/checkpoints/step-N), fp32, eval mode."""
-    from safetensors.torch import load_file
-
     from k3.config import K3Config
     from k3.model import K3ForCausalLM
+    from k3.train.state import load_model_state
 
     folder = next(
         d / f"step-{step:08d}"
@@ -56,7 +55,7 @@ def load_checkpoint(run: Path, step: int):
     model = K3ForCausalLM.from_config(
         K3Config.from_pretrained(str(run / "config.json")), quantized_experts=False
     )
-    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=True)
+    load_model_state(folder, model)
     return model.eval().requires_grad_(False)
 
 
