@@ -61,18 +61,19 @@ def evals(run: Path) -> list[dict]:
         return [r for r in csv.DictReader(f) if r["acc_mean"]]
 
 
-def robust_teacher(teachers: Path, args) -> Path:
-    """TEACHERS/arithmetic@long-robust/checkpoint (built once): the arithmetic@long specialist fine-tuned
-    `--robust-steps` more steps with `--pad-noise` of its problems given one wrong scratchpad digit that
-    is not trained on (k3.rl.effort.plant_pad_noise), so that it continues right (the true columns, the
-    true sum) after a wrong digit, as the student's own mistakes will have it."""
+def robust_teacher(teachers: Path, task: str, args) -> Path:
+    """TEACHERS/<task>-robust/checkpoint (built once): the specialist of `task` (arithmetic@long or @fix)
+    fine-tuned `--robust-steps` more steps with `--pad-noise` of its problems given one wrong digit that is
+    not trained on (k3.rl.effort.plant_pad_noise), so that it continues right after a wrong digit, as the
+    student's own mistakes will have it: at @long the true columns and sum after a wrong scratchpad digit,
+    at @fix an erasure of the wrong digit and the true one."""
     from k3.rl.export import export_run
     from k3.rl.sft import SFTConfig, sft
 
-    root = teachers / "arithmetic@long-robust"
+    root = teachers / f"{task}-robust"
     if not (root / "checkpoint" / "config.json").is_file():
         config = SFTConfig(
-            init=str(teachers / "arithmetic@long" / "sft" / "policy"), task="arithmetic@long", out=str(root),
+            init=str(teachers / task / "sft" / "policy"), task=task, out=str(root),
             steps=args.robust_steps, batch_size=args.batch_size, lr=3e-3, warmup=20, digits=args.digits,
             eval_every=args.robust_steps // 2, held_out=args.held_out, threads=args.threads,
             pad_noise=args.pad_noise,
@@ -161,6 +162,8 @@ def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
     fig.savefig(png, dpi=100)
     plt.close(fig)
 
+
+ROBUST = ("arithmetic@long", "arithmetic@fix")  # the tasks that have a robust teacher (robust_teacher)
 
 # run name -> (label, its settings beyond the common ones); W: the shared off-policy warm start
 RUNS = {
@@ -274,12 +277,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=DistillConfig.warmup, help="optimizer steps of lr warm-up")
     ap.add_argument("--held-out", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-samples", type=int, default=16, help="held-out prompts sampled per evaluation")
     ap.add_argument("--digits", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0, help="problems, held-out set, sampling; run folder RUN-sN")
     ap.add_argument("--keep", default="", help="iterations whose checkpoints to keep (RUN/keep/step-N)")
     ap.add_argument("--teachers", default="", help="the teachers' folder (default OUT/teachers)")
-    ap.add_argument("--robust", action="store_true", help="arithmetic@long's teacher: the robust one")
+    ap.add_argument("--robust", action="store_true", help="arithmetic@long's, @fix's teacher: the robust one")
     ap.add_argument("--pad-noise", type=float, default=0.5, help="the robust teacher's planted share")
     ap.add_argument("--robust-steps", type=int, default=400, help="the robust teacher's SFT steps")
     ap.add_argument("--only", default="", help=f"teachers, robust-teacher, table or a run: {', '.join(RUNS)}")
@@ -290,18 +294,18 @@ def main() -> None:
         teachers_dir, tasks, steps=args.steps, batch_size=args.batch_size, lr=args.sft_lr,
         digits=args.digits, threads=args.threads, base_steps=args.base_steps, held_out=args.held_out,
     )  # fmt: skip
-    if args.only == "robust-teacher" or args.robust:
-        robust = robust_teacher(teachers_dir, args)
+    if args.only == "robust-teacher" or args.robust:  # the teachers of arithmetic@long and @fix
+        robust = {t: robust_teacher(teachers_dir, t, args) for t in ROBUST if t in tasks}
         specs = [
-            f"arithmetic_long={robust}:arithmetic@long" if s.endswith(":arithmetic@long") else s
+            next((f"{s.split('=')[0]}={robust[t]}:{t}" for t in robust if s.endswith(f":{t}")), s)
             for s in specs
         ]
     base = str(teachers_dir / "base" / "policy")
     common = dict(
         student=base, teachers=specs, iterations=args.iterations, lr=args.lr, warmup=args.warmup,
         minibatches=args.minibatches, cosine=not args.constant, prompts=args.prompts, samples=1,
-        held_out=args.held_out, eval_every=args.eval_every, eval_samples=16, digits=args.digits,
-        threads=args.threads, seed=args.seed,
+        held_out=args.held_out, eval_every=args.eval_every, eval_samples=args.eval_samples,
+        digits=args.digits, threads=args.threads, seed=args.seed,
     )  # fmt: skip
     keep = {int(k) for k in args.keep.split(",") if k}
     for run, (_, settings) in RUNS.items():

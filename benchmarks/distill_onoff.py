@@ -11,13 +11,18 @@ Settings (run folders under OUT, written by benchmarks/distill.py):
 - arithmetic@long alone (`--tasks arithmetic@long`), the plain specialist as teacher (OUT/along-plain) or
   a teacher fine-tuned to continue right after a wrong scratchpad digit (OUT/along-robust, `k3 rl sft`
   with pad_noise): off-policy, on-policy forward KL from the base, and forward / reverse KL branching from
-  the off-policy run at `--warm-start`.
+  the off-policy run at `--warm-start`;
+- arithmetic@fix alone (OUT/fix, `--tasks arithmetic@fix --robust`), where a `<` takes back a digit, the
+  teacher fine-tuned to take back wrong digits: off-policy, forward KL from the base, and forward KL /
+  the sampled-token reverse KL (`sampled`, the issue's loss) branching at 60. Its on-policy answers are
+  longer (the erasures), so its evaluations are paired by teacher tokens (`pairs`), and its sampled
+  (T = 1) accuracy is compared too.
 
     PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
 
 Writes benchmarks/results/distill_onoff.csv (per pairing: evaluations where the on-policy run is ahead by
 more than `--level` points, level, behind; the largest gaps; the mean difference), distill_onoff_log_*.csv
-(the runs' logs) and distill_onoff.png.
+(the runs' logs) and distill_onoff.png (greedy accuracy; the fix panel also the sampled accuracy, dashed).
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ FOUR = "four domains, from the base"
 ROBUST = "arithmetic@long, teacher recovers (pad_noise)"
 WRONG = "plain arithmetic, student with a planted carry error (lr 1e-3)"
 PLAIN = "arithmetic@long, plain teacher"
+FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
+BY_TOKENS = {FIX}  # settings whose on-policy answers are longer: paired by teacher tokens (`pairs`)
 # (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
 # each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
 PAIRS = [
@@ -50,6 +57,9 @@ PAIRS = [
             ("reverse", "off-policy", 60),
         )
     ],
+    (FIX, "fix", "forward-cold", "off-policy", 0),
+    (FIX, "fix", "forward", "off-policy", 60),
+    (FIX, "fix", "sampled", "off-policy", 60),
 ]
 SEEDS = range(8)
 
@@ -70,30 +80,57 @@ def _mean(logs: list[dict[int, dict]]) -> dict[int, dict]:
         s: {
             k: str(sum(float(log[s][k]) for log in logs) / len(logs))
             for k in logs[0][s]
-            if k[:4] in ("acc_", "teac")
+            if k[:4] in ("acc_", "teac", "samp") and all(log[s][k] for log in logs)
         }
         for s in sorted(steps)
     }
 
 
+def pairs(on: dict[int, dict], off: dict[int, dict], after: int, by_tokens: bool) -> list[tuple[int, int]]:
+    """(on-policy evaluation, off-policy evaluation) pairs after `after`: the same iteration, or with
+    `by_tokens` the off-policy run's first evaluation with at least as many teacher tokens (for runs whose
+    answers differ in length, so that the same iteration is not the same budget; this favours off-policy)."""
+    steps = sorted(s for s in on if s > after)
+    if not by_tokens:
+        return [(s, s) for s in steps if s in off]
+    out = []
+    for s in steps:
+        t = next(
+            (t for t in sorted(off) if float(off[t]["teacher_tokens"]) >= float(on[s]["teacher_tokens"])),
+            None,
+        )
+        if t is not None:
+            out.append((s, t))
+    return out
+
+
 def compare(
-    on: dict[int, dict], off: dict[int, dict], after: int, level: float, ceiling: float, col: str = "acc_mean"
+    on: dict[int, dict],
+    off: dict[int, dict],
+    after: int,
+    level: float,
+    ceiling: float,
+    col: str = "acc_mean",
+    by_tokens: bool = False,
 ) -> dict | None:
-    """Counts of the shared evaluations after `after` where `on` is ahead of / level with / behind `off`
-    (mean held-out accuracy, in points; level: within `level`), over all of them and over those before
-    both reach `ceiling` (`open_*`: where there is still something to learn)."""
-    steps = sorted(s for s in on if s in off and s > after)
-    diffs = [100 * (float(on[s][col]) - float(off[s][col])) for s in steps]
-    if not steps:
+    """Counts of the paired evaluations after `after` (`pairs`) where `on` is ahead of / level with /
+    behind `off` (held-out accuracy `col`, in points; level: within `level`), over all of them and over
+    those before both reach `ceiling` (`open_*`: where there is still something to learn)."""
+    matched = pairs(on, off, after, by_tokens)
+    if not matched:
         return None
+    diffs = [100 * (float(on[s][col]) - float(off[t][col])) for s, t in matched]
     spread = max(
-        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[s]["teacher_tokens"])) - 1) for s in steps
+        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[t]["teacher_tokens"])) - 1)
+        for s, t in matched
     )
     open_ = [
-        d for d, s in zip(diffs, steps, strict=True) if max(float(on[s][col]), float(off[s][col])) < ceiling
+        d
+        for d, (s, t) in zip(diffs, matched, strict=True)
+        if max(float(on[s][col]), float(off[t][col])) < ceiling
     ]
     return {
-        "evaluations": len(steps),
+        "evaluations": len(matched),
         "ahead": sum(d > level for d in diffs),
         "level": sum(abs(d) <= level for d in diffs),
         "behind": sum(d < -level for d in diffs),
@@ -105,8 +142,8 @@ def compare(
         "most_ahead": f"{max(diffs):.2f}",
         "most_behind": f"{min(diffs):.2f}",
         "mean_difference": f"{sum(diffs) / len(diffs):.2f}",
-        "final_on": on[steps[-1]][col],
-        "final_off": off[steps[-1]][col],
+        "final_on": on[matched[-1][0]][col],
+        "final_off": off[matched[-1][1]][col],
         "teacher_tokens_spread": f"{spread:.4f}",
         "diffs": " ".join(f"{d:+.1f}" for d in diffs),
     }
@@ -118,9 +155,10 @@ def plot(out: Path, png: Path) -> None:
     from k3.train.plot import _pyplot
 
     plt = _pyplot()
-    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc")]
-    fig, axes = plt.subplots(1, 5, figsize=(32, 6))
-    styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4"}
+    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix")]
+    fig, axes = plt.subplots(1, 6, figsize=(38, 6))
+    styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
+              "sampled": "C5"}  # fmt: skip
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
             if folder == "." and run in ("forward", "reverse"):  # session 3's, with a warm start: distill.png
@@ -149,11 +187,15 @@ def plot(out: Path, png: Path) -> None:
                     ms=3,
                     label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
                 )
+                col = "sampled_acc_arithmetic@fix"
+                if folder == "fix" and all(col in r for r in mean.values()):
+                    ax.plot(xs, [float(r[col]) for r in mean.values()], color=color, lw=1.5, ls="--",
+                            label=f"{run}: sampled (T = 1)")  # fmt: skip
         ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy (greedy)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[4]
+    ax = axes[5]
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [
@@ -184,14 +226,18 @@ def plot(out: Path, png: Path) -> None:
 
 
 def _rows(setting: str, on: str, off: str, seed, after: int, a: dict, b: dict, args) -> list[dict]:
-    """The pairing's row on the mean accuracy, and with several domains one per domain."""
-    columns = [k for k in next(iter(a.values())) if k.startswith("acc_")]
+    """The pairing's row on the mean accuracy, with several domains one per domain, and one per domain's
+    sampled accuracy where both runs logged it (`sampled_acc_<task>`: k3 distill's T = 1 accuracy)."""
+    first = (next(iter(a.values())), next(iter(b.values())))
+    columns = [k for k in first[0] if k.startswith("acc_")]
+    sampled = [k for k in first[0] if k.startswith("sampled_acc_") and all(r.get(k) for r in first)]
+    greedy = ["acc_mean", *[c for c in columns if c != "acc_mean"]] if len(columns) > 2 else ["acc_mean"]
     out = []
-    for col in ["acc_mean", *[c for c in columns if c != "acc_mean"]] if len(columns) > 2 else ["acc_mean"]:
+    for col in greedy + sampled:
         row = {"setting": setting, "on_policy": on, "off_policy": off, "seed": seed, "after_iteration": after}
-        counted = compare(a, b, after, args.level, args.ceiling, col)
+        counted = compare(a, b, after, args.level, args.ceiling, col, setting in BY_TOKENS)
         if counted is not None:
-            out.append({**row, "accuracy": col[4:], **counted})
+            out.append({**row, "accuracy": col.removeprefix("acc_"), **counted})
             print({k: out[-1][k] for k in list(out[-1])[:16]})
     return out
 

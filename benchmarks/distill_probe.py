@@ -23,7 +23,10 @@ iteration trains on), and the greedy answer (what is graded):
 - `carry_dropped` (plain arithmetic): of the samples of carry problems, the share that is the answer
   with every carry dropped (the error `k3 rl sft --wrong-carry` plants);
 - `teacher_right_at_dev`: share of deviations where the teacher's greedy token at that (on-path) context
-  is the reference token (so the teacher's signal there points to the right token).
+  is the reference token (so the teacher's signal there points to the right token);
+- `erasing`, `erasing_right` (arithmetic@fix): share of the student's samples that take a character back
+  (k3.rl.effort.ERASE) and, of those, the share graded right; `greedy_erasing`, `greedy_erasing_right`:
+  the same for the greedy answers.
 
     PYTHONPATH=. python benchmarks/distill_probe.py --out runs/distill-exp --runs off-policy,forward-cold \\
       --steps 60,100 [--seed 0]     # writes benchmarks/results/distill_probe.csv
@@ -90,7 +93,7 @@ def _complete(
 def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
     """The figures of the module doc for one student on one domain."""
     from k3.engine.generate import Engine
-    from k3.rl.effort import SEPARATOR
+    from k3.rl.effort import ERASE, SEPARATOR
 
     s_engine, t_engine = Engine(student, max_batch=64), Engine(teacher, max_batch=64)
     problems = list(task.held_out(seed))
@@ -152,6 +155,9 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
     def share(xs) -> str:
         return f"{sum(xs) / len(xs):.4f}" if len(xs) else ""
 
+    erasing = [ERASE in codec.decode(o) for o in outs]
+    greedy_erasing = [ERASE in codec.decode(o) for o in greedy]
+
     pad_rec = [x for x, p in zip(recovered, in_pad, strict=True) if p]
     self_rec = [right[r] for (r, _), p in zip(devs, in_pad, strict=True) if p]
     return {
@@ -172,6 +178,10 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         "consistent": share(consistent),
         "carry_dropped": share(dropped),
         "answer_tokens": f"{(on + off) / len(rows):.2f}",
+        "erasing": share(erasing),
+        "erasing_right": share([r for r, e in zip(right, erasing, strict=True) if e]),
+        "greedy_erasing": share(greedy_erasing),
+        "greedy_erasing_right": share([r for r, e in zip(greedy_right, greedy_erasing, strict=True) if e]),
     }
 
 

@@ -82,7 +82,8 @@ def columns(domains: dict[str, str]) -> list[str]:
     return [
         "step", "loss", "lr", "grad_norm", "samples", "student_tokens", "teacher_tokens",
         *[f"rkl_{t}" for t in teachers], *[f"score_{d}" for d in domains], *[f"acc_{d}" for d in domains],
-        "acc_mean", *[f"eval_rkl_{t}" for t in teachers], "logprob_diff_max", *TIMING,
+        "acc_mean", *[f"eval_rkl_{t}" for t in teachers], *[f"sampled_acc_{d}" for d in domains],
+        "logprob_diff_max", *TIMING,
     ]  # fmt: skip
 
 
@@ -168,20 +169,27 @@ def _generate(engines: dict[str, object], setup: Setup, trajs, domain_of, dc: Di
 
 
 def _evaluate(engine, setup: Setup, dc: DistillConfig) -> dict:
-    """Greedy held-out accuracy per task, and the sampled reverse KL to each teacher on the student's own
-    samples of `eval_samples` held-out prompts per domain (the same prompts and seeds at every eval)."""
+    """Greedy held-out accuracy per task, and on the student's own samples (at the run's temperature) of
+    `eval_samples` held-out prompts per domain (the same prompts and seeds at every eval) the sampled
+    reverse KL to each teacher and the share graded right (`sampled_acc_<task>`)."""
     row, accs = {}, []
     for name, task in setup.tasks.items():
         acc = held_out_accuracy(engine, task, setup.codec, dc.seed)
         row[f"acc_{name}"] = f"{acc:.6f}"
         accs.append(acc)
     row["acc_mean"] = f"{sum(accs) / len(accs):.6f}"
-    trajs, domain_of = [], []
+    trajs, domain_of, problems = [], [], []
     for d, (name, task) in enumerate(setup.tasks.items()):
         for i, problem in enumerate(task.held_out(dc.seed)[: dc.eval_samples]):
             trajs.append(Trajectory(EVAL_STREAM - d * 10**6 - i, 0, setup.codec.encode(problem.prompt)))
             domain_of.append(name)
+            problems.append(problem)
     _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
+    for name, task in setup.tasks.items():
+        rows = [i for i, d in enumerate(domain_of) if d == name]
+        texts = [setup.codec.decode(answer_ids(trajs[i], setup.codec.eos)) for i in rows]
+        right = task.grade([problems[i] for i in rows], texts)
+        row[f"sampled_acc_{name}"] = f"{sum(right) / len(rows):.6f}"
     teacher_of = [setup.domains[d] for d in domain_of]
     scores = score(setup.model, setup.teachers, teacher_of, trajs, dc.temperature)
     for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():

@@ -10,6 +10,8 @@ reference answers write a scratchpad, then `;`, then the task's answer:
     <long>sort:53813=   ->  0102010110;13358 (how often each digit 0-9 occurs)
     <short>a3k7q1?k=    ->  k7;7             (the queried pair)
     <long>a3k7q1?k=     ->  a3,k7,q1;7       (every pair)
+    <fix>47+85=     ->  12 13;231            (long's, where a `<` erases the character before it:
+                                              `12 14<3;231` is the same answer)
 
 Only the final answer (the text after the last `;`, or the whole response without one) is graded, by the
 task's own grader: the scratchpad is what the effort spends, not what is checked. The held-out set is the
@@ -24,8 +26,21 @@ import numpy as np
 
 from k3.rl.tasks import TASK_NAMES, Problem, Task, TaskError
 
-EFFORTS = ("no", "short", "long")
+EFFORTS = ("no", "short", "long", "fix")
 SEPARATOR = ";"
+ERASE = "<"  # at the `fix` effort: takes back the character before it
+ERASE_BUDGET = 4  # `fix`'s extra answer tokens: two corrections (`wrong digit`, ERASE)
+
+
+def erase(text: str) -> str:
+    """`text` with each ERASE applied, left to right: it and the character before it removed."""
+    kept: list[str] = []
+    for c in text:
+        if c != ERASE:
+            kept.append(c)
+        elif kept:
+            kept.pop()
+    return "".join(kept)
 
 
 def is_task_name(name: str) -> bool:
@@ -42,7 +57,7 @@ def _arithmetic_pad(task, problem: Problem, effort: str) -> str:
         carry = total // 10
         carries.append(str(carry))
         totals.append(f"{total:02d}")
-    return "".join(carries) if effort == "short" else " ".join(totals)
+    return "".join(carries) if effort == "short" else " ".join(totals)  # long (and fix)
 
 
 def _sort_pad(task, problem: Problem, effort: str) -> str:
@@ -69,6 +84,11 @@ def _pad_bound(task: Task, effort: str) -> int:
     return 2 if effort == "short" else 3 * task.pairs - 1
 
 
+def _pad_effort(effort: str) -> str:
+    """The scratchpad an effort writes: `fix` writes long's."""
+    return "long" if effort == "fix" else effort
+
+
 PADS = {"arithmetic": _arithmetic_pad, "sort": _sort_pad, "recall": _recall_pad}
 
 
@@ -92,39 +112,46 @@ class EffortTask(Task):
             raise TaskError("recall with copy has no scratchpad efforts")
         self.name = f"{self.base.name}@{self.effort}"
         self.tag = f"<{self.effort}>"
-        pad = 0 if self.effort == "no" else _pad_bound(self.base, self.effort) + len(SEPARATOR)
-        self.max_tokens = self.base.max_tokens + pad
+        pad = 0 if self.effort == "no" else _pad_bound(self.base, _pad_effort(self.effort)) + len(SEPARATOR)
+        self.max_tokens = self.base.max_tokens + pad + (ERASE_BUDGET if self.effort == "fix" else 0)
 
     def sample(self, rng: np.random.Generator) -> Problem:
         p = self.base.sample(rng)
         if self.effort == "no":
             return Problem(self.tag + p.prompt, p.answer)
-        pad = PADS[self.base.name](self.base, p, self.effort)
+        pad = PADS[self.base.name](self.base, p, _pad_effort(self.effort))
         return Problem(self.tag + p.prompt, pad + SEPARATOR + p.answer)
 
     def grade(self, problems: list[Problem], responses: list[str]) -> list[float]:
-        """The base task's grade of each final answer (after the last separator)."""
+        """The base task's grade of each final answer (after the last separator; at `fix`, of the response
+        after its erasures)."""
         base = [Problem(p.prompt[len(self.tag) :], p.answer.rpartition(SEPARATOR)[2]) for p in problems]
+        if self.effort == "fix":
+            responses = [erase(r) for r in responses]
         return self.base.grade(base, [r.rpartition(SEPARATOR)[2] for r in responses])
 
 
 def plant_pad_noise(
-    problems: list[Problem], share: float, rng: np.random.Generator
+    problems: list[Problem], share: float, rng: np.random.Generator, corrected: bool = False
 ) -> tuple[list[Problem], list[int | None]]:
     """`problems` (an effort task's, with scratchpads) with each one's scratchpad given, with probability
     `share` (one uniform draw per problem, in order), one wrong digit: a uniformly chosen digit of the
     scratchpad replaced by one of the 9 others. Returns the problems and, per problem, the index in its
     answer of the planted digit (None: untouched), so that fine-tuning skips it: the model learns to
     continue right (the true scratchpad's later columns, the true answer) after a wrong digit, as a
-    teacher must on a student's mistakes, without learning to write one."""
+    teacher must on a student's mistakes, without learning to write one.
+
+    With `corrected` (the `fix` effort) the wrong digit may be any digit of the answer and is followed by
+    ERASE and then the true digit onwards (`12 14<3;231`): the model learns to take back a wrong digit."""
     out, planted = [], []
     for p in problems:
-        pad = p.answer.partition(SEPARATOR)[0] if SEPARATOR in p.answer else ""
+        pad = p.answer if corrected else p.answer.partition(SEPARATOR)[0] if SEPARATOR in p.answer else ""
         digits = [i for i, c in enumerate(pad) if c.isdigit()]
         if rng.random() < share and digits:
             i = digits[int(rng.integers(len(digits)))]
             wrong = str((int(pad[i]) + 1 + int(rng.integers(9))) % 10)
-            out.append(Problem(p.prompt, p.answer[:i] + wrong + p.answer[i + 1 :]))
+            rest = ERASE + p.answer[i:] if corrected else p.answer[i + 1 :]
+            out.append(Problem(p.prompt, p.answer[:i] + wrong + rest))
             planted.append(i)
         else:
             out.append(p)

@@ -2,8 +2,9 @@
 
 A base model fine-tuned on a mixture (`k3 distill teachers --base-steps`) is what specialists and the
 distilled student start from. The mixture's held-out set is the union of its parts' held-out sets, so
-training on a mixture never sees a problem any part holds out. Grading compares the final answer (after the
-last `;` of an effort's scratchpad, k3.rl.effort) with the reference's, exactly.
+training on a mixture never sees a problem any part holds out. A problem of a part at an effort (its prompt
+starts with that part's tag) is graded by that part (k3.rl.effort: the final answer, after the erasures
+at `fix`); any other compares the final answer (after the last `;`) with the reference's, exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ class Mixture(Task):
         return tuple(p for part in self.parts for p in part.held_out(seed))
 
     def grade(self, problems: list[Problem], responses: list[str]) -> list[float]:
-        return [
-            float(r.rpartition(SEPARATOR)[2].strip() == p.answer.rpartition(SEPARATOR)[2])
-            for p, r in zip(problems, responses, strict=True)
-        ]
+        tagged = [part for part in self.parts if getattr(part, "tag", "")]
+
+        def one(p: Problem, r: str) -> float:
+            for part in tagged:
+                if p.prompt.startswith(part.tag):
+                    return part.grade([p], [r])[0]
+            return float(r.rpartition(SEPARATOR)[2].strip() == p.answer.rpartition(SEPARATOR)[2])
+
+        return [one(p, r) for p, r in zip(problems, responses, strict=True)]

@@ -49,7 +49,8 @@ class SFTConfig:
     held_out: int = 100
     threads: int = 0
     wrong_carry: float = 0.0  # share of carry problems answered with the carry dropped (plain arithmetic)
-    pad_noise: float = 0.0  # share of problems with one wrong scratchpad digit, not trained on (k3.rl.effort)
+    pad_noise: float = 0.0  # share of problems with one wrong scratchpad digit, not trained on (k3.rl.effort;
+    # at the `fix` effort a wrong digit of the answer, followed by its erasure and the true digit)
 
 
 def carry_dropped(prompt: str, reverse: bool = True) -> str:
@@ -130,7 +131,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
             skip = None
             if sc.pad_noise:
                 rng = np.random.default_rng([sc.seed, step, PAD_NOISE_STREAM])
-                problems, skip = plant_pad_noise(problems, sc.pad_noise, rng)
+                problems, skip = plant_pad_noise(problems, sc.pad_noise, rng, task.effort == "fix")
             inputs, labels = sft_batch(problems, codec, skip)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)

@@ -310,3 +310,45 @@ def test_off_policy_full_vocab_is_kd_on_the_teachers_samples(tmp_path, policies)
     assert int(r_kd["teacher_tokens"]) == int(r_sft["teacher_tokens"]) == len(kls) > 0
     assert float(r_kd["loss"]) == pytest.approx(sum(kls) / len(kls), rel=1e-4)
     assert abs(float(r_sft["loss"]) - float(r_kd["loss"])) > 1e-3
+
+
+def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, monkeypatch):
+    """`sampled_acc_<task>` at row 0: the student's samples of the first `eval_samples` held-out prompts,
+    drawn again here through the engine with the rollout's seeds, graded by a planted rule (right: a text
+    with a digit). The student's output layer favours the byte ids, so its texts are varied ASCII."""
+    from k3.engine.generate import Engine
+    from k3.engine.sampling import SamplingParams
+    from k3.rl.codec import CharCodec
+    from k3.rl.distill_loop import EVAL_STREAM, make_tasks
+    from k3.rl.rollout import trajectory_seed
+    from k3.rl.tasks import Arithmetic
+
+    student = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=0, quantized_experts=False)
+    with torch.no_grad():
+        student.lm_head.weight[128:] = 0.0
+        student.lm_head.weight[:128] *= 30.0
+    policy = save_policy(student, tmp_path / "ascii")
+    monkeypatch.setattr(
+        Arithmetic, "grade", lambda self, ps, rs: [float(any(c.isdigit() for c in r)) for r in rs]
+    )
+    dc = DistillConfig(
+        student=str(policy), teachers=[f"a={policy}:arithmetic"], out=str(tmp_path / "run"),
+        iterations=1, **{**SMALL, "eval_samples": 6, "held_out": 8},
+    )  # fmt: skip
+    row0 = _rows(train_distill(dc))[0]
+    task, codec = make_tasks(dc, ["arithmetic"])["arithmetic"], CharCodec(1024)
+    prompts = [codec.encode(p.prompt) for p in task.held_out(dc.seed)[:6]]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            max_tokens=task.max_tokens,
+            stop_ids=frozenset({codec.eos}),
+            seed=trajectory_seed(dc.seed, EVAL_STREAM - i, 0),
+            seed_position=0,
+        )  # fmt: skip
+        for i in range(6)
+    ]
+    texts = [codec.decode(c.tokens) for c in Engine(student.eval()).complete(prompts, params)]
+    right = sum(any(c.isdigit() for c in t) for t in texts)
+    assert 0 < right < 6, texts  # the planted rule tells these samples apart
+    assert float(row0["sampled_acc_arithmetic"]) == pytest.approx(right / 6)

@@ -141,3 +141,52 @@ def test_pad_noise_plants_one_wrong_scratchpad_digit_and_sft_skips_it(tmp_path):
         )
     with pytest.raises(TaskError, match="--pad-noise"):
         sft(SFTConfig(task="arithmetic@no", out=str(tmp_path), steps=1, pad_noise=0.5))
+
+
+def test_erasures_are_read_before_grading_at_the_fix_effort():
+    from k3.rl.effort import ERASE, erase
+
+    # erase against a slow reading: each ERASE removes the nearest kept character to its left
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        text = "".join(rng.choice(list("0123;" + ERASE), size=int(rng.integers(0, 12))))
+        kept = [True] * len(text)
+        for j, c in enumerate(text):
+            kept[j] = c != ERASE
+            if c == ERASE:
+                left = [k for k in range(j) if kept[k]]
+                if left:
+                    kept[left[-1]] = False
+        assert erase(text) == "".join(c for c, k in zip(text, kept, strict=True) if k)
+    fix, long = make_task("arithmetic@fix", digits=2), make_task("arithmetic@long", digits=2)
+    assert fix.max_tokens == long.max_tokens + 4
+    for p, q in zip(fix.problems(0, 3, 20), long.problems(0, 3, 20), strict=True):
+        assert (p.prompt, p.answer) == ("<fix>" + q.prompt.removeprefix("<long>"), q.answer)
+        i = p.answer.index(";") + 1  # the first digit of the final answer
+        wrong = str((int(p.answer[i]) + 1) % 10)
+        taken_back = p.answer[:i] + wrong + ERASE + p.answer[i:]
+        left = p.answer[:i] + wrong + p.answer[i + 1 :]
+        assert fix.grade([p] * 3, [taken_back, left, p.answer + ERASE]) == [1.0, 0.0, 0.0]
+        assert long.grade([q], [taken_back])[0] == 0.0  # only fix reads erasures
+    mixed = make_task("arithmetic@fix+sort@long", digits=2, length=5)
+    p, s = fix.problems(0, 4, 1)[0], make_task("sort@long", length=5).problems(0, 4, 1)[0]
+    assert mixed.grade([p, p, s], [p.answer[:2] + "7" + ERASE + p.answer[2:], "x", s.answer]) == [1, 0, 1]
+
+
+def test_corrected_pad_noise_plants_a_wrong_digit_and_its_erasure():
+    from k3.rl.codec import CharCodec
+    from k3.rl.effort import ERASE, erase, plant_pad_noise
+    from k3.rl.sft import IGNORE, sft_batch
+
+    clean = make_task("arithmetic@fix", digits=2).problems(0, 1, 400)
+    noisy, planted = plant_pad_noise(clean, 1.0, np.random.default_rng(3), corrected=True)
+    in_answer = 0
+    for p, q, i in zip(clean, noisy, planted, strict=True):
+        assert q.answer[:i] == p.answer[:i] and q.answer[i + 1 :] == ERASE + p.answer[i:]
+        assert q.answer[i].isdigit() and q.answer[i] != p.answer[i] and erase(q.answer) == p.answer
+        in_answer += i > p.answer.index(";")
+    assert 0.2 < in_answer / 400 < 0.5  # 3 of the 8 digits are the final answer's: some land there
+    _, labels = sft_batch(noisy[:4], CharCodec(1024), planted[:4])
+    for b, (q, i) in enumerate(zip(noisy[:4], planted[:4], strict=True)):
+        at = len(q.prompt) - 1 + i
+        assert labels[b, at] == IGNORE and labels[b, at + 1] == ord(ERASE)  # the erasure is learned
