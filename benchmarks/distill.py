@@ -251,6 +251,11 @@ RUNS = {
         "off-policy forward KL to the teacher's distribution (supervised KD), from the base",
         lambda a: dict(method="off-policy", full_vocab=True, divergence="forward"),
     ),
+    # round 5: each token credited with the rest of its sample's reverse KL (--kl-discount 1)
+    "sampled-seq": (
+        "on-policy reverse KL, sampled tokens, sequence-level (kl_discount 1), warm start",
+        lambda a: dict(warm_start=a.warm_start, lr=a.sampled_lr, warm_lr=a.lr, kl_discount=1.0),
+    ),
 }
 
 

@@ -15,14 +15,17 @@ Settings (run folders under OUT, written by benchmarks/distill.py):
 - arithmetic@fix alone (OUT/fix, `--tasks arithmetic@fix --robust`), where a `<` takes back a digit, the
   teacher fine-tuned to take back wrong digits: off-policy, forward KL from the base, and forward KL /
   the sampled-token reverse KL (`sampled`, the issue's loss) branching at 60. Its on-policy answers are
-  longer (the erasures), so its evaluations are paired by teacher tokens (`pairs`), and its sampled
-  (T = 1) accuracy is compared too.
+  longer (the erasures), so its evaluations are paired by teacher tokens (`paired`), and its sampled
+  (T = 1) accuracy is compared too;
+- the four domains with arithmetic@fix in place of arithmetic@long (OUT/four-fix, `--tasks
+  arithmetic@no,arithmetic@fix,sort,recall --robust`): off-policy and forward KL branching at 60.
 
     PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
 
 Writes benchmarks/results/distill_onoff.csv (per pairing: evaluations where the on-policy run is ahead by
 more than `--level` points, level, behind; the largest gaps; the mean difference), distill_onoff_log_*.csv
-(the runs' logs) and distill_onoff.png (greedy accuracy; the fix panel also the sampled accuracy, dashed).
+(the runs' logs) and distill_onoff.png (greedy accuracy; the fix panels also arithmetic@fix's at T = 1,
+dashed).
 """
 
 from __future__ import annotations
@@ -38,7 +41,11 @@ ROBUST = "arithmetic@long, teacher recovers (pad_noise)"
 WRONG = "plain arithmetic, student with a planted carry error (lr 1e-3)"
 PLAIN = "arithmetic@long, plain teacher"
 FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
-BY_TOKENS = {FIX}  # settings whose on-policy answers are longer: paired by teacher tokens (`pairs`)
+FOUR_FIX = "four domains with arithmetic@fix (its teacher takes back wrong digits)"
+BY_TOKENS = {
+    FIX,
+    FOUR_FIX,
+}  # settings whose on-policy answers are longer: paired by teacher tokens (`paired`)
 # (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
 # each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
 PAIRS = [
@@ -60,6 +67,7 @@ PAIRS = [
     (FIX, "fix", "forward-cold", "off-policy", 0),
     (FIX, "fix", "forward", "off-policy", 60),
     (FIX, "fix", "sampled", "off-policy", 60),
+    (FOUR_FIX, "four-fix", "forward", "off-policy", 60),
 ]
 SEEDS = range(8)
 
@@ -86,21 +94,28 @@ def _mean(logs: list[dict[int, dict]]) -> dict[int, dict]:
     }
 
 
-def pairs(on: dict[int, dict], off: dict[int, dict], after: int, by_tokens: bool) -> list[tuple[int, int]]:
-    """(on-policy evaluation, off-policy evaluation) pairs after `after`: the same iteration, or with
-    `by_tokens` the off-policy run's first evaluation with at least as many teacher tokens (for runs whose
-    answers differ in length, so that the same iteration is not the same budget; this favours off-policy)."""
-    steps = sorted(s for s in on if s > after)
-    if not by_tokens:
-        return [(s, s) for s in steps if s in off]
+def at_tokens(log: dict[int, dict], tokens: float, col: str) -> float | None:
+    """`col` of `log` linearly interpolated at `tokens` teacher tokens between the two evaluations around
+    it (None: outside the log's range)."""
+    points = sorted((float(r["teacher_tokens"]), float(r[col])) for r in log.values())
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x0 <= tokens <= x1:
+            return y0 + (y1 - y0) * (tokens - x0) / max(1.0, x1 - x0)
+    return None
+
+
+def paired(on: dict[int, dict], off: dict[int, dict], after: int, col: str, by_tokens: bool):
+    """(iteration, on-policy value, off-policy value) after `after`: at the same iteration, or with
+    `by_tokens` the off-policy run's value interpolated at the on-policy evaluation's teacher tokens (for
+    runs whose answers differ in length, so that the same iteration is not the same budget)."""
     out = []
-    for s in steps:
-        t = next(
-            (t for t in sorted(off) if float(off[t]["teacher_tokens"]) >= float(on[s]["teacher_tokens"])),
-            None,
-        )
-        if t is not None:
-            out.append((s, t))
+    for s in sorted(s for s in on if s > after):
+        if by_tokens:
+            v = at_tokens({k: r for k, r in off.items() if k >= after}, float(on[s]["teacher_tokens"]), col)
+        else:
+            v = float(off[s][col]) if s in off else None
+        if v is not None:
+            out.append((s, float(on[s][col]), v))
     return out
 
 
@@ -113,22 +128,19 @@ def compare(
     col: str = "acc_mean",
     by_tokens: bool = False,
 ) -> dict | None:
-    """Counts of the paired evaluations after `after` (`pairs`) where `on` is ahead of / level with /
+    """Counts of the paired evaluations after `after` (`paired`) where `on` is ahead of / level with /
     behind `off` (held-out accuracy `col`, in points; level: within `level`), over all of them and over
     those before both reach `ceiling` (`open_*`: where there is still something to learn)."""
-    matched = pairs(on, off, after, by_tokens)
+    matched = paired(on, off, after, col, by_tokens)
     if not matched:
         return None
-    diffs = [100 * (float(on[s][col]) - float(off[t][col])) for s, t in matched]
+    diffs = [100 * (x - y) for _, x, y in matched]
     spread = max(
-        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[t]["teacher_tokens"])) - 1)
-        for s, t in matched
+        abs(float(on[s]["teacher_tokens"]) / max(1.0, float(off[s]["teacher_tokens"])) - 1)
+        for s, _, _ in matched
+        if s in off
     )
-    open_ = [
-        d
-        for d, (s, t) in zip(diffs, matched, strict=True)
-        if max(float(on[s][col]), float(off[t][col])) < ceiling
-    ]
+    open_ = [d for d, (_, x, y) in zip(diffs, matched, strict=True) if max(x, y) < ceiling]
     return {
         "evaluations": len(matched),
         "ahead": sum(d > level for d in diffs),
@@ -142,9 +154,9 @@ def compare(
         "most_ahead": f"{max(diffs):.2f}",
         "most_behind": f"{min(diffs):.2f}",
         "mean_difference": f"{sum(diffs) / len(diffs):.2f}",
-        "final_on": on[matched[-1][0]][col],
-        "final_off": off[matched[-1][1]][col],
-        "teacher_tokens_spread": f"{spread:.4f}",
+        "final_on": f"{matched[-1][1]:.6f}",
+        "final_off": f"{matched[-1][2]:.6f}",
+        "teacher_tokens_spread": f"{spread:.4f}",  # at the same iteration (by_tokens: before pairing)
         "diffs": " ".join(f"{d:+.1f}" for d in diffs),
     }
 
@@ -155,8 +167,13 @@ def plot(out: Path, png: Path) -> None:
     from k3.train.plot import _pyplot
 
     plt = _pyplot()
-    panels = [(FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix")]
-    fig, axes = plt.subplots(1, 6, figsize=(38, 6))
+    panels = [
+        (FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix"),
+        (FOUR_FIX, "four-fix"),
+    ]  # fmt: skip
+    fig, axes = plt.subplots(2, 4, figsize=(30, 11))
+    axes = axes.flatten()
+    axes[7].axis("off")
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
               "sampled": "C5"}  # fmt: skip
     for ax, (title, folder) in zip(axes, panels, strict=False):
@@ -188,14 +205,14 @@ def plot(out: Path, png: Path) -> None:
                     label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
                 )
                 col = "sampled_acc_arithmetic@fix"
-                if folder == "fix" and all(col in r for r in mean.values()):
+                if folder.endswith("fix") and all(col in r for r in mean.values()):
                     ax.plot(xs, [float(r[col]) for r in mean.values()], color=color, lw=1.5, ls="--",
-                            label=f"{run}: sampled (T = 1)")  # fmt: skip
+                            label=f"{run}: arithmetic@fix at T = 1")  # fmt: skip
         ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy (greedy)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[5]
+    ax = axes[6]
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [

@@ -26,7 +26,9 @@ iteration trains on), and the greedy answer (what is graded):
   is the reference token (so the teacher's signal there points to the right token);
 - `erasing`, `erasing_right` (arithmetic@fix): share of the student's samples that take a character back
   (k3.rl.effort.ERASE) and, of those, the share graded right; `greedy_erasing`, `greedy_erasing_right`:
-  the same for the greedy answers.
+  the same for the greedy answers;
+- `way_r`, `greedy_way_r` (arithmetic-either): share of the samples / greedy answers written the easy way
+  (`r`, least significant digit first); `acc_r`, `acc_p`: the samples' accuracy by way.
 
     PYTHONPATH=. python benchmarks/distill_probe.py --out runs/distill-exp --runs off-policy,forward-cold \\
       --steps 60,100 [--seed 0]     # writes benchmarks/results/distill_probe.csv
@@ -156,6 +158,7 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         return f"{sum(xs) / len(xs):.4f}" if len(xs) else ""
 
     erasing = [ERASE in codec.decode(o) for o in outs]
+    ways = [codec.decode(o)[:1] for o in outs]
     greedy_erasing = [ERASE in codec.decode(o) for o in greedy]
 
     pad_rec = [x for x, p in zip(recovered, in_pad, strict=True) if p]
@@ -182,6 +185,16 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
         "erasing_right": share([r for r, e in zip(right, erasing, strict=True) if e]),
         "greedy_erasing": share(greedy_erasing),
         "greedy_erasing_right": share([r for r, e in zip(greedy_right, greedy_erasing, strict=True) if e]),
+        **(
+            {
+                "way_r": share([w == "r" for w in ways]),
+                "greedy_way_r": share([codec.decode(o)[:1] == "r" for o in greedy]),
+                "acc_r": share([r for r, w in zip(right, ways, strict=True) if w == "r"]),
+                "acc_p": share([r for r, w in zip(right, ways, strict=True) if w == "p"]),
+            }
+            if task.name == "arithmetic-either"
+            else {}
+        ),
     }
 
 

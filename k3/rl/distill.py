@@ -250,11 +250,24 @@ def score(
 
 # ---- advantages and losses --------------------------------------------------------------------------------
 def advantages(
-    scores: Scores, rewards: torch.Tensor | None = None, alpha: float = 0.0, group_size: int = 1
+    scores: Scores,
+    rewards: torch.Tensor | None = None,
+    alpha: float = 0.0,
+    group_size: int = 1,
+    discount: float = 0.0,
 ) -> torch.Tensor:
     """[N, T] per-token advantage log pi_teacher - log pi_student (no gradient), plus alpha times the
-    sample's reward minus its group's mean (group_size >= 2; else the reward itself) on every token."""
+    sample's reward minus its group's mean (group_size >= 2; else the reward itself) on every token.
+    With `discount` g > 0 token t's advantage is the discounted sum over its sample's later tokens,
+    sum_{k >= t} g^(k - t) (log pi_teacher - log pi_student)_k (tinker-cookbook's kl_discount_factor; g = 1:
+    the whole rest of the sample's reverse KL, a sequence-level signal: a token that leads to paths the
+    student gets wrong is pushed down, so the student may drop a way of answering it is bad at)."""
     adv = (scores.teacher - scores.student).detach() * scores.mask
+    if discount:
+        running = torch.zeros(adv.shape[0])
+        for t in reversed(range(adv.shape[1])):  # [N] the discounted sum from token t on
+            running = adv[:, t] + discount * running
+            adv[:, t] = running * scores.mask[:, t]
     if alpha and rewards is not None:
         adv = adv + alpha * reward_advantages(rewards, scores.mask, group_size)
     return adv

@@ -64,6 +64,10 @@ def distill(
     alpha_reward: Annotated[
         float, typer.Option(help="Add A x (task reward - group mean) to every advantage.")
     ] = D.alpha_reward,
+    kl_discount: Annotated[
+        float,
+        typer.Option(help="Each token's advantage: the rest of its sample's reverse KL, discounted by this."),
+    ] = D.kl_discount,
     warm_start: Annotated[
         int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")
     ] = D.warm_start,

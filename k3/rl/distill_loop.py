@@ -228,7 +228,7 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
         adv = reward_advantages(rewards, generated, dc.samples)
     else:
         scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
-        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples)
+        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount)
         row["logprob_diff_max"] = f"{float(((scores.student - behaviour).abs() * scores.mask).max()):.3g}"
         for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
             row[f"rkl_{teacher}"] = f"{kl:.6f}"

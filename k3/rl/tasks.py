@@ -111,6 +111,34 @@ class Arithmetic(Task):
 
 
 @dataclass(eq=False)
+class EitherWayArithmetic(Task):
+    """`a+b=` answered either way, the way named first: `r` then the sum least significant digit first
+    (`47+85=` -> `r231`, easy for a tiny model) or `p` then the plain sum (`p132`, hard: its first digit
+    needs every carry). Either is right; each reference answer takes one way at random (one draw per
+    problem), so a teacher fine-tuned on them spreads its samples over two paths of unequal difficulty."""
+
+    digits: int = 2
+    name = "arithmetic-either"
+
+    def __post_init__(self) -> None:
+        self.max_tokens = self.digits + 5
+
+    def sample(self, rng: np.random.Generator) -> Problem:
+        lo, hi = 10 ** (self.digits - 1), 10**self.digits
+        a, b = (int(x) for x in rng.integers(lo, hi, size=2))
+        total = str(a + b)
+        return Problem(f"{a}+{b}=", "r" + total[::-1] if rng.random() < 0.5 else "p" + total)
+
+    def grade(self, problems: list[Problem], responses: list[str]) -> list[float]:
+        """1.0 for the sum written either way (after its letter)."""
+        out = []
+        for p, r in zip(problems, responses, strict=True):
+            total = str(sum(int(x) for x in p.prompt.rstrip("=").split("+")))
+            out.append(float(r.strip() in ("r" + total[::-1], "p" + total)))
+        return out
+
+
+@dataclass(eq=False)
 class Sort(Task):
     """`sort:53817=` -> `13578`: the digits of the prompt in ascending order."""
 
@@ -174,7 +202,12 @@ def make_task(name: str, **options) -> Task:
         from k3.rl.tool_task import Calculator
 
         return Calculator(**options)
-    classes = {"arithmetic": Arithmetic, "sort": Sort, "recall": Recall}
+    classes = {
+        "arithmetic": Arithmetic,
+        "arithmetic-either": EitherWayArithmetic,
+        "sort": Sort,
+        "recall": Recall,
+    }
     if name not in classes:
         raise TaskError(f"unknown task {name!r} (known: {', '.join(TASK_NAMES)})")
     try:
@@ -183,4 +216,4 @@ def make_task(name: str, **options) -> Task:
         raise TaskError(f"task {name}: {e}") from None
 
 
-TASK_NAMES = ("arithmetic", "sort", "recall", "code", "calculator")
+TASK_NAMES = ("arithmetic", "arithmetic-either", "sort", "recall", "code", "calculator")

@@ -58,7 +58,7 @@ TIMING = ("tokens_per_s", "elapsed_s")  # the columns a resumed run may not repr
 
 def task_of(rc: RLConfig) -> Task:
     bases = {n.partition("@")[0] for n in rc.task.split("+")}  # `arithmetic@long`, `arithmetic+sort`
-    options = {"digits": rc.digits} if bases & {"arithmetic", "calculator"} else {}
+    options = {"digits": rc.digits} if bases & {"arithmetic", "arithmetic-either", "calculator"} else {}
     return make_task(rc.task, held_out_size=rc.held_out, **options)
 
 

@@ -27,6 +27,7 @@ from k3.rl.distill import (
     score,
     vocabulary_of,
 )
+from k3.rl.distill_config import DistillConfig
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory
 
@@ -183,6 +184,29 @@ def test_alpha_reward_adds_group_centred_reward():
     s = Scores(torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor([[1.0, 1], [1, 0], [1, 1], [1, 1]]))
     adv = advantages(s, torch.tensor([1.0, 0.0, 1.0, 1.0]), alpha=0.5, group_size=2)
     assert adv.tolist() == [[0.25, 0.25], [-0.25, 0.0], [0.0, 0.0], [0.0, 0.0]]
+
+
+def test_kl_discount_sums_each_samples_later_reverse_kl():
+    """Against a loop over each sample's own tokens: token t's advantage is sum_{k >= t} g^(k - t) r_k,
+    r the per-token log pi_teacher - log pi_student, over that sample's generated tokens only (padding,
+    right of a shorter sample, adds nothing); g = 0 is the per-token advantage bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    teacher, student = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
+    mask = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    s = Scores(teacher * mask, student * mask, mask)
+    assert torch.equal(advantages(s, discount=0.0), advantages(s))
+    for discount in (0.5, 1.0):
+        adv = advantages(s, discount=discount)
+        for b in range(3):
+            n = int(mask[b].sum())
+            r = [float(teacher[b, k] - student[b, k]) for k in range(n)]
+            for t in range(5):
+                want = sum(discount ** (k - t) * r[k] for k in range(t, n)) if t < n else 0.0
+                assert float(adv[b, t]) == pytest.approx(want, abs=1e-6)
+    with pytest.raises(DistillError, match="--kl-discount"):
+        DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.5).check()
+    with pytest.raises(DistillError, match="--kl-discount"):
+        DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.0, full_vocab=True).check()
 
 
 def test_vocabulary_mismatch_names_what_differs(tmp_path):

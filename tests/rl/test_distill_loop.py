@@ -46,7 +46,8 @@ def _weights(run: Path) -> dict:
     return load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors"))
 
 
-def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, policies):
+@pytest.mark.parametrize("kl_discount", [0.0, 1.0])
+def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, policies, kl_discount):
     p0 = str(policies[0])
     dc = DistillConfig(
         student=p0,
@@ -55,6 +56,7 @@ def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, pol
         iterations=2,
         optimizer="sgd",
         lr=100.0,
+        kl_discount=kl_discount,
         **SMALL,
     )
     train_distill(dc)
@@ -352,3 +354,16 @@ def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, mon
     right = sum(any(c.isdigit() for c in t) for t in texts)
     assert 0 < right < 6, texts  # the planted rule tells these samples apart
     assert float(row0["sampled_acc_arithmetic"]) == pytest.approx(right / 6)
+
+
+def test_kl_discount_changes_the_advantage_the_run_trains_on(tmp_path, policies):
+    """Same start, prompts and samples: the first iteration's loss (lr 0, so the samples agree) differs
+    with the discounted advantage, and its reverse KL (measured before the update) does not."""
+    common = dict(
+        student=str(policies[0]), teachers=[f"a={policies[1]}:arithmetic"], iterations=1, optimizer="sgd",
+        lr=0.0, **SMALL,
+    )  # fmt: skip
+    plain = _rows(train_distill(DistillConfig(out=str(tmp_path / "g0"), **common)))[1]
+    summed = _rows(train_distill(DistillConfig(out=str(tmp_path / "g1"), kl_discount=1.0, **common)))[1]
+    assert plain["rkl_a"] == summed["rkl_a"] and plain["student_tokens"] == summed["student_tokens"]
+    assert abs(float(plain["loss"]) - float(summed["loss"])) > 1e-4

@@ -190,3 +190,18 @@ def test_corrected_pad_noise_plants_a_wrong_digit_and_its_erasure():
     for b, (q, i) in enumerate(zip(noisy[:4], planted[:4], strict=True)):
         at = len(q.prompt) - 1 + i
         assert labels[b, at] == IGNORE and labels[b, at + 1] == ord(ERASE)  # the erasure is learned
+
+
+def test_either_way_arithmetic_takes_both_ways_and_its_references_use_both():
+    task = make_task("arithmetic-either", digits=2, held_out_size=20)
+    problems = task.problems(0, 1, 400)
+    ways = Counter(p.answer[0] for p in problems)
+    assert set(ways) == {"r", "p"} and abs(ways["r"] - 200) < 40  # one fair draw per problem (sd 10)
+    for p in problems[:50]:
+        a, b = (int(x) for x in p.prompt.rstrip("=").split("+"))
+        assert p.answer in ("r" + str(a + b)[::-1], "p" + str(a + b))
+        both = ["r" + str(a + b)[::-1], "p" + str(a + b), "p" + str(a + b)[::-1], "r" + str(a + b + 1)[::-1]]
+        right = [1.0, 1.0, float(str(a + b) == str(a + b)[::-1]), 0.0]  # a palindrome is right either way
+        assert task.grade([p] * 4, both) == right
+        assert len(p.answer) < task.max_tokens
+    assert not {p.prompt for p in task.held_out(0)} & {p.prompt for p in problems}
