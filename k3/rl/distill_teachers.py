@@ -34,7 +34,7 @@ def make_teachers(
     on_step=None,
 ) -> list[str]:
     """Build (or reuse, when OUT/<task>/checkpoint exists) one specialist per task; returns the
-    `NAME=CKPT:task` teacher specs (NAME: the task, `@` as `_`)."""
+    `NAME=CKPT:task` teacher specs (NAME: the task, `@` and `-` as `_`)."""
     from k3.rl.export import export_run
     from k3.rl.sft import SFTConfig, sft
     from k3.rl.trainer import RLConfig, train_rl
@@ -64,5 +64,5 @@ def make_teachers(
                               digits=digits, seed=seed, threads=threads, progress=False)  # fmt: skip
                 policy = train_rl(rc)
             export_run(policy, checkpoint)
-        specs.append(f"{task.replace('@', '_')}={checkpoint}:{task}")
+        specs.append(f"{task.replace('@', '_').replace('-', '_')}={checkpoint}:{task}")
     return specs
