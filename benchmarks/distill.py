@@ -9,7 +9,10 @@ tokens): `kd` (off-policy, the forward KL to the teacher's whole distribution at
 `forward-cold` (on-policy forward KL) from the base, `--seed N` replicates; arithmetic@long alone
 (`--tasks arithmetic@long --teachers OUT/teachers`), with `--robust` its teacher one that continues right
 after a wrong scratchpad digit (`--only robust-teacher` builds it); benchmarks/distill_onoff.py counts
-the comparisons and benchmarks/distill_probe.py measures where the on-policy tokens land.
+the comparisons and benchmarks/distill_probe.py measures where the on-policy tokens land. Round 5:
+`--tasks arithmetic@fix --robust` (a `<` takes back a digit; the robust teacher takes back wrong ones),
+`--tasks arithmetic-either` (two ways to answer, one hard) with `sampled-seq` (`--kl-discount 1`), and
+`--eval-samples 100` for the T = 1 accuracy of every evaluation.
 
     PYTHONPATH=. nice -n 10 python benchmarks/distill.py --out runs/distill-exp --only RUN   # each RUN
     PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp --only table

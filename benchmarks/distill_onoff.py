@@ -18,13 +18,17 @@ Settings (run folders under OUT, written by benchmarks/distill.py):
   longer (the erasures), so its evaluations are paired by teacher tokens (`paired`), and its sampled
   (T = 1) accuracy is compared too;
 - the four domains with arithmetic@fix in place of arithmetic@long (OUT/four-fix, `--tasks
-  arithmetic@no,arithmetic@fix,sort,recall --robust`): off-policy and forward KL branching at 60.
+  arithmetic@no,arithmetic@fix,sort,recall --robust`): off-policy and forward KL branching at 60;
+- arithmetic-either alone (OUT/either, `--tasks arithmetic-either --iterations 400 --warm-start 150`): the
+  sum written either way, one easy and one hard, its teacher 100 % on both, 50/50: off-policy, the
+  sampled-token reverse KL per token (`sampled`) and over the rest of the sample (`sampled-seq`,
+  `--kl-discount 1`), and the forward KL, branching at 150.
 
     PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
 
 Writes benchmarks/results/distill_onoff.csv (per pairing: evaluations where the on-policy run is ahead by
 more than `--level` points, level, behind; the largest gaps; the mean difference), distill_onoff_log_*.csv
-(the runs' logs) and distill_onoff.png (greedy accuracy; the fix panels also arithmetic@fix's at T = 1,
+(the runs' logs) and distill_onoff.png (greedy accuracy; the fix and either panels also that task's at T = 1,
 dashed).
 """
 
@@ -42,6 +46,7 @@ WRONG = "plain arithmetic, student with a planted carry error (lr 1e-3)"
 PLAIN = "arithmetic@long, plain teacher"
 FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
 FOUR_FIX = "four domains with arithmetic@fix (its teacher takes back wrong digits)"
+EITHER = "arithmetic-either (two ways, one hard), branch at 150"
 BY_TOKENS = {
     FIX,
     FOUR_FIX,
@@ -68,6 +73,7 @@ PAIRS = [
     (FIX, "fix", "forward", "off-policy", 60),
     (FIX, "fix", "sampled", "off-policy", 60),
     (FOUR_FIX, "four-fix", "forward", "off-policy", 60),
+    *[(EITHER, "either", on, "off-policy", 150) for on in ("sampled-seq", "sampled", "forward")],
 ]
 SEEDS = range(8)
 
@@ -169,13 +175,12 @@ def plot(out: Path, png: Path) -> None:
     plt = _pyplot()
     panels = [
         (FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix"),
-        (FOUR_FIX, "four-fix"),
+        (FOUR_FIX, "four-fix"), (EITHER, "either"),
     ]  # fmt: skip
     fig, axes = plt.subplots(2, 4, figsize=(30, 11))
     axes = axes.flatten()
-    axes[7].axis("off")
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
-              "sampled": "C5"}  # fmt: skip
+              "sampled": "C5", "sampled-seq": "C6"}  # fmt: skip
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
             if folder == "." and run in ("forward", "reverse"):  # session 3's, with a warm start: distill.png
@@ -204,15 +209,16 @@ def plot(out: Path, png: Path) -> None:
                     ms=3,
                     label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
                 )
-                col = "sampled_acc_arithmetic@fix"
-                if folder.endswith("fix") and all(col in r for r in mean.values()):
+                col = {"fix": "sampled_acc_arithmetic@fix", "four-fix": "sampled_acc_arithmetic@fix",
+                       "either": "sampled_acc_arithmetic-either"}.get(folder)  # fmt: skip
+                if col and all(col in r for r in mean.values()):
                     ax.plot(xs, [float(r[col]) for r in mean.values()], color=color, lw=1.5, ls="--",
-                            label=f"{run}: arithmetic@fix at T = 1")  # fmt: skip
+                            label=f"{run}: {col.removeprefix('sampled_acc_')} at T = 1")  # fmt: skip
         ax.set(title=title, xlabel="teacher tokens", ylabel="mean held-out accuracy (greedy)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[6]
+    ax = axes[7]
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [
