@@ -91,6 +91,12 @@ class Task(ABC):
         raise TaskError(f"task {self.name}: (almost) every problem is held out")
 
 
+def operands(digits: int, rng: np.random.Generator) -> tuple[int, int]:
+    """Two uniform `digits`-digit numbers."""
+    a, b = rng.integers(10 ** (digits - 1), 10**digits, size=2)
+    return int(a), int(b)
+
+
 @dataclass(eq=False)
 class Arithmetic(Task):
     """`a+b=` with `digits`-digit operands; with `reverse` the sum is written least significant digit
@@ -104,8 +110,7 @@ class Arithmetic(Task):
         self.max_tokens = self.digits + 4
 
     def sample(self, rng: np.random.Generator) -> Problem:
-        lo, hi = 10 ** (self.digits - 1), 10**self.digits
-        a, b = (int(x) for x in rng.integers(lo, hi, size=2))
+        a, b = operands(self.digits, rng)
         total = str(a + b)
         return Problem(f"{a}+{b}=", total[::-1] if self.reverse else total)
 
@@ -117,15 +122,14 @@ class EitherWayArithmetic(Task):
     needs every carry). Either is right; each reference answer takes one way at random (one draw per
     problem), so a teacher fine-tuned on them spreads its samples over two paths of unequal difficulty."""
 
-    digits: int = 2
+    digits: int = 3
     name = "arithmetic-either"
 
     def __post_init__(self) -> None:
-        self.max_tokens = self.digits + 5
+        self.max_tokens = self.digits + 5  # Arithmetic's budget and the letter
 
     def sample(self, rng: np.random.Generator) -> Problem:
-        lo, hi = 10 ** (self.digits - 1), 10**self.digits
-        a, b = (int(x) for x in rng.integers(lo, hi, size=2))
+        a, b = operands(self.digits, rng)
         total = str(a + b)
         return Problem(f"{a}+{b}=", "r" + total[::-1] if rng.random() < 0.5 else "p" + total)
 

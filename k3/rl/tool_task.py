@@ -16,7 +16,7 @@ import numpy as np
 
 from k3.rl.codec import CharCodec
 from k3.rl.rollout import Tool
-from k3.rl.tasks import Problem, Task
+from k3.rl.tasks import Problem, Task, operands
 
 CALL = "?"  # ends a tool call
 EXPRESSION = re.compile(r"(\d{1,9})([*+-])(\d{1,9})$")
@@ -40,8 +40,7 @@ class Calculator(Task):
         self.max_tokens = 6 * self.digits + 8  # call, reply and answer
 
     def sample(self, rng: np.random.Generator) -> Problem:
-        lo, hi = 10 ** (self.digits - 1), 10**self.digits
-        a, b = (int(x) for x in rng.integers(lo, hi, size=2))
+        a, b = operands(self.digits, rng)
         return Problem(f"{a}*{b}=", str(a * b))
 
     def grade(self, problems: list[Problem], responses: list[str]) -> list[float]:
