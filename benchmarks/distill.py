@@ -259,6 +259,10 @@ RUNS = {
         "on-policy reverse KL, sampled tokens, sequence-level (kl_discount 1), warm start",
         lambda a: dict(warm_start=a.warm_start, lr=a.sampled_lr, warm_lr=a.lr, kl_discount=1.0),
     ),
+    "reverse-seq": (
+        "on-policy reverse KL, full vocabulary, sequence-level (kl_discount 1), warm start",
+        lambda a: dict(full_vocab=True, divergence="reverse", warm_start=a.warm_start, kl_discount=1.0),
+    ),
 }
 
 

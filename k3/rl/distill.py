@@ -249,6 +249,16 @@ def score(
 
 
 # ---- advantages and losses --------------------------------------------------------------------------------
+def discounted_sums(x: torch.Tensor, mask: torch.Tensor, discount: float) -> torch.Tensor:
+    """[N, T] -> [N, T]: at each generated token t, sum_{k >= t} discount^(k - t) x_k over its row's later
+    generated tokens (x is 0 off the mask)."""
+    out, running = torch.zeros_like(x), torch.zeros(x.shape[0], dtype=x.dtype)
+    for t in reversed(range(x.shape[1])):  # [N] the discounted sum from token t on
+        running = x[:, t] * mask[:, t] + discount * running
+        out[:, t] = running * mask[:, t]
+    return out
+
+
 def advantages(
     scores: Scores,
     rewards: torch.Tensor | None = None,
@@ -264,10 +274,7 @@ def advantages(
     student gets wrong is pushed down, so the student may drop a way of answering it is bad at)."""
     adv = (scores.teacher - scores.student).detach() * scores.mask
     if discount:
-        running = torch.zeros(adv.shape[0])
-        for t in reversed(range(adv.shape[1])):  # [N] the discounted sum from token t on
-            running = adv[:, t] + discount * running
-            adv[:, t] = running * scores.mask[:, t]
+        adv = discounted_sums(adv, scores.mask, discount)
     if alpha and rewards is not None:
         adv = adv + alpha * reward_advantages(rewards, scores.mask, group_size)
     return adv
@@ -322,6 +329,27 @@ def gkd_loss(
     kl_full = reverse_kl_full if divergence == "reverse" else forward_kl_full
     kl = kl_full(student_dist, teacher_dist.detach())
     return (kl * mask).sum() / mask.sum().clamp(min=1)
+
+
+def gkd_future_loss(
+    student_dist: torch.Tensor,
+    teacher_dist: torch.Tensor,
+    logp: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    discount: float,
+    low: float = 0.0,
+    high: float = 2.0,
+) -> torch.Tensor:
+    """The rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term: each sampled
+    token's log-prob (`logp` [N, T], with gradient) weighted by the full-vocabulary reverse KL at the
+    contexts after it, sum_{k > t} discount^(k - t) KL_k (a constant), through the truncated importance
+    weights. With discount 1, gkd_loss + this is an unbiased estimate of the gradient of the whole
+    sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's decomposition): the local term is exact, the
+    future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio."""
+    kl = reverse_kl_full(student_dist.detach(), teacher_dist.detach()) * mask  # [N, T]
+    future = discounted_sums(kl, mask, discount) - kl  # the contexts after t only
+    return distill_loss(logp, behaviour, -future, mask, low, high)
 
 
 def sampled_reverse_kl(scores: Scores, teacher_of: list[str]) -> dict[str, float]:

@@ -66,7 +66,7 @@ def distill(
     ] = D.alpha_reward,
     kl_discount: Annotated[
         float,
-        typer.Option(help="Each token's advantage: the rest of its sample's reverse KL, discounted by this."),
+        typer.Option(help="Credit each token with the rest of its sample's reverse KL, discounted by this."),
     ] = D.kl_discount,
     warm_start: Annotated[
         int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")

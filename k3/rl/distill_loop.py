@@ -48,6 +48,8 @@ from k3.rl.distill import (
     average_weights,
     check_vocabularies,
     distill_loss,
+    gather_tokens,
+    gkd_future_loss,
     gkd_loss,
     load_teacher,
     log_distributions,
@@ -239,7 +241,12 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
         n = packed.mask.shape[1]
         if dc.full_vocab:
             student_dist = log_distributions(model, packed, dc.temperature)
-            loss = gkd_loss(student_dist, scores.teacher_dist[rows, :n], packed.mask, dc.divergence)
+            teacher_dist = scores.teacher_dist[rows, :n]
+            loss = gkd_loss(student_dist, teacher_dist, packed.mask, dc.divergence)
+            if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
+                logp = gather_tokens(student_dist, packed)
+                loss = loss + gkd_future_loss(student_dist, teacher_dist, logp, behaviour[rows, :n],
+                                              packed.mask, dc.kl_discount, dc.is_low, dc.is_high)  # fmt: skip
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)

@@ -206,7 +206,51 @@ def test_kl_discount_sums_each_samples_later_reverse_kl():
     with pytest.raises(DistillError, match="--kl-discount"):
         DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.5).check()
     with pytest.raises(DistillError, match="--kl-discount"):
-        DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.0, full_vocab=True).check()
+        DistillConfig(
+            teachers=["a=tiny:arithmetic"], kl_discount=1.0, full_vocab=True, divergence="forward"
+        ).check()
+
+
+def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
+    """gkd_loss + gkd_future_loss (discount 1) on a tabular policy over every sequence of length 3 from 3
+    tokens, each weighted by its probability, has exactly the gradient of the whole sequence's expected
+    reverse KL, sum_x q(x) sum_t KL(q(. | x<t) || p(. | x<t)), computed by enumeration (float64); the
+    local term alone (discount 0) does not."""
+    import itertools
+
+    from k3.rl.distill import gkd_future_loss
+
+    V, T = 3, 3
+    prefixes = [p for t in range(T) for p in itertools.product(range(V), repeat=t)]
+    g = torch.Generator().manual_seed(3)
+    theta = torch.randn(len(prefixes), V, generator=g, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(len(prefixes), V, generator=g, dtype=torch.float64)
+    row = {p: i for i, p in enumerate(prefixes)}
+    seqs = list(itertools.product(range(V), repeat=T))
+
+    def dists(table: torch.Tensor, x: tuple) -> torch.Tensor:  # [1, T, V] log-distributions along x
+        return torch.log_softmax(torch.stack([table[row[x[:t]]] for t in range(T)]), -1)[None]
+
+    def log_q(x: tuple) -> torch.Tensor:
+        d = dists(theta, x)[0]
+        return sum(d[t, x[t]] for t in range(T))
+
+    exact = sum(
+        log_q(x).exp() * reverse_kl_full(dists(theta, x), dists(teacher, x)).sum() for x in seqs
+    )  # the whole sequence's expected reverse KL
+    (want,) = torch.autograd.grad(exact, theta)
+    mask = torch.ones(1, T, dtype=torch.float64)
+    for discount, equal in ((1.0, True), (0.0, False)):
+        estimate = 0.0
+        for x in seqs:
+            s_dist, t_dist = dists(theta, x), dists(teacher, x)
+            logp = torch.stack([s_dist[0, t, x[t]] for t in range(T)])[None]  # [1, T]
+            loss = gkd_loss(s_dist, t_dist, mask) + gkd_future_loss(
+                s_dist, t_dist, logp, logp.detach(), mask, discount
+            )
+            estimate = estimate + log_q(x).exp().detach() * loss  # the expectation over samples
+        (got,) = torch.autograd.grad(estimate, theta)
+        assert torch.allclose(got * T, want, atol=1e-10) == equal  # the losses average over T tokens
 
 
 def test_vocabulary_mismatch_names_what_differs(tmp_path):
