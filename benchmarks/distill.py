@@ -263,6 +263,12 @@ RUNS = {
         "on-policy reverse KL, full vocabulary, sequence-level (kl_discount 1), warm start",
         lambda a: dict(full_vocab=True, divergence="reverse", warm_start=a.warm_start, kl_discount=1.0),
     ),
+    "reverse-seq-b": (
+        "on-policy reverse KL, full vocabulary, sequence-level with a leave-one-out baseline, warm start",
+        lambda a: dict(
+            full_vocab=True, divergence="reverse", warm_start=a.warm_start, kl_discount=1.0, kl_baseline=True
+        ),
+    ),
 }
 
 

@@ -331,6 +331,15 @@ def gkd_loss(
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
+def leave_one_out_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[N, T] -> [N, T]: at each generated token, the mean of x over the other rows' generated tokens at the
+    same position (0 where no other row has one). Independent of the row's own sample, so subtracting it
+    from a policy gradient's weight leaves its expectation unchanged (a baseline, as RLOO's)."""
+    total, count = (x * mask).sum(0, keepdim=True), mask.sum(0, keepdim=True)  # [1, T]
+    others = (count - mask).clamp(min=1)
+    return torch.where(count - mask > 0, (total - x * mask) / others, torch.zeros_like(x)) * mask
+
+
 def gkd_future_loss(
     student_dist: torch.Tensor,
     teacher_dist: torch.Tensor,
@@ -340,15 +349,20 @@ def gkd_future_loss(
     discount: float,
     low: float = 0.0,
     high: float = 2.0,
+    baseline: bool = False,
 ) -> torch.Tensor:
     """The rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term: each sampled
     token's log-prob (`logp` [N, T], with gradient) weighted by the full-vocabulary reverse KL at the
     contexts after it, sum_{k > t} discount^(k - t) KL_k (a constant), through the truncated importance
     weights. With discount 1, gkd_loss + this is an unbiased estimate of the gradient of the whole
     sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's decomposition): the local term is exact, the
-    future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio."""
+    future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio.
+    With `baseline` the other samples' mean future KL at the same position is subtracted first
+    (`leave_one_out_mean`): the same expectation, far less variance when every sample is far off."""
     kl = reverse_kl_full(student_dist.detach(), teacher_dist.detach()) * mask  # [N, T]
     future = discounted_sums(kl, mask, discount) - kl  # the contexts after t only
+    if baseline:
+        future = future - leave_one_out_mean(future, mask)
     return distill_loss(logp, behaviour, -future, mask, low, high)
 
 

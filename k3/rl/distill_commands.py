@@ -68,6 +68,9 @@ def distill(
         float,
         typer.Option(help="Credit each token with the rest of its sample's reverse KL, discounted by this."),
     ] = D.kl_discount,
+    kl_baseline: Annotated[
+        bool, typer.Option(help="With --full-vocab --kl-discount: subtract the other samples' mean (RLOO).")
+    ] = D.kl_baseline,
     warm_start: Annotated[
         int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")
     ] = D.warm_start,

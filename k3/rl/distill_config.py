@@ -34,9 +34,8 @@ class DistillConfig:
     is_low: float = 0.0  # importance weight truncated to [is_low, is_high]
     is_high: float = 2.0
     alpha_reward: float = 0.0
-    kl_discount: float = (
-        0.0  # each token also credited with the discounted reverse KL of the rest of its sample
-    )
+    kl_discount: float = 0.0  # each token also credited with the rest of its sample's reverse KL, discounted
+    kl_baseline: bool = False  # with full_vocab and kl_discount: the other samples' mean subtracted (RLOO)
     warm_start: int = 0  # the first N iterations off-policy (SFT on the teachers' samples), at warm_lr
     warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
     full_vocab: bool = False  # the exact full-vocabulary divergence (GKD; off-policy: supervised KD)
@@ -78,6 +77,8 @@ class DistillConfig:
             bad("kl_discount", f"a discount in [0, 1], got {self.kl_discount}")
         if self.kl_discount and (self.method != "on-policy" or self.divergence != "reverse"):
             bad("kl_discount", "only with --method on-policy and the reverse KL (sampled or --full-vocab)")
+        if self.kl_baseline and not (self.kl_discount and self.full_vocab):
+            bad("kl_baseline", "only with --full-vocab --kl-discount (the sequence-level term it centres)")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
         if self.warm_start < 0 or self.warm_start > self.iterations:

@@ -246,7 +246,8 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
             if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
                 logp = gather_tokens(student_dist, packed)
                 loss = loss + gkd_future_loss(student_dist, teacher_dist, logp, behaviour[rows, :n],
-                                              packed.mask, dc.kl_discount, dc.is_low, dc.is_high)  # fmt: skip
+                                              packed.mask, dc.kl_discount, dc.is_low, dc.is_high,
+                                              dc.kl_baseline)  # fmt: skip
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)

@@ -251,6 +251,38 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
             estimate = estimate + log_q(x).exp().detach() * loss  # the expectation over samples
         (got,) = torch.autograd.grad(estimate, theta)
         assert torch.allclose(got * T, want, atol=1e-10) == equal  # the losses average over T tokens
+    # a batch of two independent samples with the leave-one-out baseline: still exactly unbiased
+    cache = {x: (dists(theta, x), dists(teacher, x)) for x in seqs}
+    weight = {x: log_q(x).exp().detach() for x in seqs}
+    estimate = 0.0
+    for x, y in itertools.product(seqs, repeat=2):
+        s_dist = torch.cat([cache[x][0], cache[y][0]])
+        t_dist = torch.cat([cache[x][1], cache[y][1]])
+        logp = torch.stack(
+            [torch.stack([s_dist[b, t, z[t]] for t in range(T)]) for b, z in enumerate((x, y))]
+        )
+        both = torch.ones(2, T, dtype=torch.float64)
+        loss = gkd_loss(s_dist, t_dist, both) + gkd_future_loss(
+            s_dist, t_dist, logp, logp.detach(), both, 1.0, baseline=True
+        )
+        estimate = estimate + weight[x] * weight[y] * loss
+    (got,) = torch.autograd.grad(estimate, theta)
+    assert torch.allclose(got * T, want, atol=1e-10)
+
+
+def test_leave_one_out_mean_against_a_loop():
+    from k3.rl.distill import leave_one_out_mean
+
+    x = torch.tensor([[1.0, 2.0, 3.0], [5.0, 7.0, 0.0], [9.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
+    got = leave_one_out_mean(x, mask)
+    for i in range(3):
+        for t in range(3):
+            others = [float(x[j, t]) for j in range(3) if j != i and mask[j, t]]
+            want = sum(others) / len(others) if mask[i, t] and others else 0.0
+            assert float(got[i, t]) == pytest.approx(want)
+    with pytest.raises(DistillError, match="--kl-baseline"):
+        DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.0, kl_baseline=True).check()
 
 
 def test_vocabulary_mismatch_names_what_differs(tmp_path):

@@ -367,3 +367,13 @@ def test_kl_discount_changes_the_advantage_the_run_trains_on(tmp_path, policies)
     summed = _rows(train_distill(DistillConfig(out=str(tmp_path / "g1"), kl_discount=1.0, **common)))[1]
     assert plain["rkl_a"] == summed["rkl_a"] and plain["student_tokens"] == summed["student_tokens"]
     assert abs(float(plain["loss"]) - float(summed["loss"])) > 1e-4
+    full = dict(common, full_vocab=True, samples=4)  # the full-vocabulary sequence-level term, centred or not
+    losses = [
+        _rows(train_distill(DistillConfig(out=str(tmp_path / name), **full, **extra)))[1]["loss"]
+        for name, extra in (
+            ("f0", {}),
+            ("f1", dict(kl_discount=1.0)),
+            ("f1b", dict(kl_discount=1.0, kl_baseline=True)),
+        )
+    ]
+    assert len({float(v) for v in losses}) == 3
