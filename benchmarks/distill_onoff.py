@@ -22,7 +22,8 @@ Settings (run folders under OUT, written by benchmarks/distill.py):
 - arithmetic-either alone (OUT/either, `--tasks arithmetic-either --iterations 400 --warm-start 150`): the
   sum written either way, one easy and one hard, its teacher 100 % on both, 50/50: off-policy, the
   sampled-token reverse KL per token (`sampled`) and over the rest of the sample (`sampled-seq`,
-  `--kl-discount 1`), and the forward KL, branching at 150.
+  `--kl-discount 1`), the full-vocabulary reverse KL per token (`reverse`) and over the rest of the sample
+  (`reverse-seq`; with the leave-one-out baseline `reverse-seq-b`), and the forward KL, branching at 150.
 
     PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
 
@@ -73,7 +74,10 @@ PAIRS = [
     (FIX, "fix", "forward", "off-policy", 60),
     (FIX, "fix", "sampled", "off-policy", 60),
     (FOUR_FIX, "four-fix", "forward", "off-policy", 60),
-    *[(EITHER, "either", on, "off-policy", 150) for on in ("sampled-seq", "sampled", "forward")],
+    *[
+        (EITHER, "either", on, "off-policy", 150)
+        for on in ("sampled-seq", "sampled", "forward", "reverse", "reverse-seq", "reverse-seq-b")
+    ],
 ]
 SEEDS = range(8)
 
@@ -180,10 +184,10 @@ def plot(out: Path, png: Path) -> None:
     fig, axes = plt.subplots(2, 4, figsize=(30, 11))
     axes = axes.flatten()
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
-              "sampled": "C5", "sampled-seq": "C6"}  # fmt: skip
+              "sampled": "C5", "sampled-seq": "C6", "reverse-seq": "C8", "reverse-seq-b": "C9"}  # fmt: skip
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
-            if folder == "." and run in ("forward", "reverse"):  # session 3's, with a warm start: distill.png
+            if folder == "." and run not in ("off-policy", "kd", "forward-cold"):  # the rest: distill.png
                 continue
             logs = [
                 evals(f) for f in (folder_of(out, folder, run, s) for s in SEEDS) if (f / "log.csv").is_file()
