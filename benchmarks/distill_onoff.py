@@ -1,6 +1,7 @@
-"""On-policy vs off-policy distillation at equal teacher tokens (round 4 of benchmarks/distill.py's runs):
-every pairing of an on-policy run with the off-policy run it is compared to, counted evaluation by
-evaluation (the runs draw the same prompts, so their teacher tokens agree at each shared evaluation).
+"""On-policy vs off-policy distillation at equal teacher tokens (rounds 4 and 5 of benchmarks/distill.py's
+runs): every pairing of an on-policy run with the off-policy run it is compared to, counted evaluation by
+evaluation (the runs draw the same prompts, so their teacher tokens agree at each shared evaluation, or
+are interpolated where answer lengths differ).
 
 Settings (run folders under OUT, written by benchmarks/distill.py):
 - the four domains from the base (OUT/RUN[-sN]): off-policy SFT, supervised KD (`kd`: the forward KL to
@@ -48,10 +49,8 @@ PLAIN = "arithmetic@long, plain teacher"
 FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
 FOUR_FIX = "four domains with arithmetic@fix (its teacher takes back wrong digits)"
 EITHER = "arithmetic-either (two ways, one hard), branch at 150"
-BY_TOKENS = {
-    FIX,
-    FOUR_FIX,
-}  # settings whose on-policy answers are longer: paired by teacher tokens (`paired`)
+# settings whose on-policy answers are longer (erasures): paired by teacher tokens (`paired`)
+BY_TOKENS = {FIX, FOUR_FIX}
 # (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
 # each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
 PAIRS = [
