@@ -269,6 +269,18 @@ RUNS = {
             full_vocab=True, divergence="reverse", warm_start=a.warm_start, kl_discount=1.0, kl_baseline=True
         ),
     ),
+    # round 6: the same with MiniLLM's length normalization (seeds 6, 7 and 10 collapsed to 2-token answers)
+    "reverse-seq-bn": (
+        "on-policy reverse KL, full vocabulary, sequence-level, baseline, length-normalized, warm start",
+        lambda a: dict(
+            full_vocab=True,
+            divergence="reverse",
+            warm_start=a.warm_start,
+            kl_discount=1.0,
+            kl_baseline=True,
+            kl_length_norm=True,
+        ),
+    ),
 }
 
 

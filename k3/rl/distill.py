@@ -259,22 +259,38 @@ def discounted_sums(x: torch.Tensor, mask: torch.Tensor, discount: float) -> tor
     return out
 
 
+def discounted_means(
+    x: torch.Tensor, mask: torch.Tensor, discount: float, after: bool = False
+) -> torch.Tensor:
+    """[N, T] -> [N, T]: `discounted_sums` over the tokens from t on (`after`: after t only) divided by the
+    sum of the same discount weights, a weighted mean per remaining token; 0 where none remain. MiniLLM's
+    length normalization: a summed rest-of-sample KL is smaller for a shorter rest, so it rewards stopping
+    early whenever the student's tokens cost more than the teacher's improbable early end."""
+    sums, weights = discounted_sums(x, mask, discount), discounted_sums(mask, mask, discount)
+    if after:
+        sums, weights = sums - x * mask, weights - mask
+    return torch.where(weights > 0, sums / weights.clamp(min=1e-12), torch.zeros_like(x))
+
+
 def advantages(
     scores: Scores,
     rewards: torch.Tensor | None = None,
     alpha: float = 0.0,
     group_size: int = 1,
     discount: float = 0.0,
+    length_norm: bool = False,
 ) -> torch.Tensor:
     """[N, T] per-token advantage log pi_teacher - log pi_student (no gradient), plus alpha times the
     sample's reward minus its group's mean (group_size >= 2; else the reward itself) on every token.
     With `discount` g > 0 token t's advantage is the discounted sum over its sample's later tokens,
     sum_{k >= t} g^(k - t) (log pi_teacher - log pi_student)_k (tinker-cookbook's kl_discount_factor; g = 1:
     the whole rest of the sample's reverse KL, a sequence-level signal: a token that leads to paths the
-    student gets wrong is pushed down, so the student may drop a way of answering it is bad at)."""
+    student gets wrong is pushed down, so the student may drop a way of answering it is bad at).
+    `length_norm` makes that sum a mean over the same tokens (`discounted_means`)."""
     adv = (scores.teacher - scores.student).detach() * scores.mask
     if discount:
-        adv = discounted_sums(adv, scores.mask, discount)
+        rest = discounted_means if length_norm else discounted_sums
+        adv = rest(adv, scores.mask, discount)
     if alpha and rewards is not None:
         adv = adv + alpha * reward_advantages(rewards, scores.mask, group_size)
     return adv
@@ -350,6 +366,7 @@ def gkd_future_loss(
     low: float = 0.0,
     high: float = 2.0,
     baseline: bool = False,
+    length_norm: bool = False,
 ) -> torch.Tensor:
     """The rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term: each sampled
     token's log-prob (`logp` [N, T], with gradient) weighted by the full-vocabulary reverse KL at the
@@ -358,9 +375,14 @@ def gkd_future_loss(
     sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's decomposition): the local term is exact, the
     future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio.
     With `baseline` the other samples' mean future KL at the same position is subtracted first
-    (`leave_one_out_mean`): the same expectation, far less variance when every sample is far off."""
+    (`leave_one_out_mean`): the same expectation, far less variance when every sample is far off.
+    `length_norm` weights by the mean KL of the contexts after t instead (`discounted_means`): no longer
+    the gradient of the sequence's KL, but free of its pull towards short samples."""
     kl = reverse_kl_full(student_dist.detach(), teacher_dist.detach()) * mask  # [N, T]
-    future = discounted_sums(kl, mask, discount) - kl  # the contexts after t only
+    if length_norm:
+        future = discounted_means(kl, mask, discount, after=True)
+    else:
+        future = discounted_sums(kl, mask, discount) - kl  # the contexts after t only
     if baseline:
         future = future - leave_one_out_mean(future, mask)
     return distill_loss(logp, behaviour, -future, mask, low, high)

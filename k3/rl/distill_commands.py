@@ -71,6 +71,9 @@ def distill(
     kl_baseline: Annotated[
         bool, typer.Option(help="With --full-vocab --kl-discount: subtract the other samples' mean (RLOO).")
     ] = D.kl_baseline,
+    kl_length_norm: Annotated[
+        bool, typer.Option(help="With --kl-discount: the rest's mean KL per token, not its sum (MiniLLM).")
+    ] = D.kl_length_norm,
     warm_start: Annotated[
         int, typer.Option(help="The first N iterations off-policy (SFT on teacher samples), at --warm-lr.")
     ] = D.warm_start,

@@ -36,6 +36,7 @@ class DistillConfig:
     alpha_reward: float = 0.0
     kl_discount: float = 0.0  # each token also credited with the rest of its sample's reverse KL, discounted
     kl_baseline: bool = False  # with full_vocab and kl_discount: the other samples' mean subtracted (RLOO)
+    kl_length_norm: bool = False  # with kl_discount: the rest's mean KL per token, not its sum (MiniLLM)
     warm_start: int = 0  # the first N iterations off-policy (SFT on the teachers' samples), at warm_lr
     warm_lr: float | None = None  # the warm-start iterations' peak learning rate (None: lr)
     full_vocab: bool = False  # the exact full-vocabulary divergence (GKD; off-policy: supervised KD)
@@ -79,6 +80,8 @@ class DistillConfig:
             bad("kl_discount", "only with --method on-policy and the reverse KL (sampled or --full-vocab)")
         if self.kl_baseline and not (self.kl_discount and self.full_vocab):
             bad("kl_baseline", "only with --full-vocab --kl-discount (the sequence-level term it centres)")
+        if self.kl_length_norm and not self.kl_discount:
+            bad("kl_length_norm", "only with --kl-discount (it normalizes the rest-of-sample term)")
         if self.alpha_reward and self.method != "on-policy":
             bad("alpha_reward", "only with --method on-policy")
         if self.warm_start < 0 or self.warm_start > self.iterations:

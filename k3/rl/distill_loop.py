@@ -230,7 +230,7 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
         adv = reward_advantages(rewards, generated, dc.samples)
     else:
         scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
-        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount)
+        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount, dc.kl_length_norm)
         row["logprob_diff_max"] = f"{float(((scores.student - behaviour).abs() * scores.mask).max()):.3g}"
         for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
             row[f"rkl_{teacher}"] = f"{kl:.6f}"
@@ -247,7 +247,7 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
                 logp = gather_tokens(student_dist, packed)
                 loss = loss + gkd_future_loss(student_dist, teacher_dist, logp, behaviour[rows, :n],
                                               packed.mask, dc.kl_discount, dc.is_low, dc.is_high,
-                                              dc.kl_baseline)  # fmt: skip
+                                              dc.kl_baseline, dc.kl_length_norm)  # fmt: skip
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)

@@ -285,6 +285,39 @@ def test_leave_one_out_mean_against_a_loop():
         DistillConfig(teachers=["a=tiny:arithmetic"], kl_discount=1.0, kl_baseline=True).check()
 
 
+def test_length_norm_averages_each_samples_rest_against_a_loop():
+    """MiniLLM's length normalization, against a loop over each sample's own tokens: the sampled advantage
+    at t is sum_{k >= t} g^(k - t) r_k / sum_{k >= t} g^(k - t); the full-vocabulary future weight is the
+    same over k > t of KL_k (0 at a sample's last token), recovered from gkd_future_loss's gradient."""
+    from k3.rl.distill import gkd_future_loss
+
+    g = torch.Generator().manual_seed(1)
+    teacher, student = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
+    mask = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    lengths = [int(n) for n in mask.sum(1)]
+    s = Scores(teacher * mask, student * mask, mask)
+    s_dist = torch.log_softmax(torch.randn(3, 5, 7, generator=g), -1)
+    t_dist = torch.log_softmax(torch.randn(3, 5, 7, generator=g), -1)
+    kl = reverse_kl_full(s_dist, t_dist)
+    for discount in (0.5, 1.0):
+        adv = advantages(s, discount=discount, length_norm=True)
+        logp = torch.zeros(3, 5, requires_grad=True)  # the future weights come back as its gradient
+        gkd_future_loss(s_dist, t_dist, logp, logp.detach(), mask, discount, length_norm=True).backward()
+        weight = -logp.grad * mask.sum()  # distill_loss: -(w * adv * logp).sum() / mask.sum(), w = 1
+        for b, n in enumerate(lengths):
+            r = [float(teacher[b, k] - student[b, k]) for k in range(n)]
+            for t in range(n):
+                w = {k: discount ** (k - t) for k in range(t, n)}
+                want = sum(w[k] * r[k] for k in w) / sum(w.values())
+                assert float(adv[b, t]) == pytest.approx(want, abs=1e-6)
+                later = [(discount ** (k - t), float(kl[b, k])) for k in range(t + 1, n)]
+                mean = sum(wk * x for wk, x in later) / sum(wk for wk, _ in later) if later else 0.0
+                assert float(-weight[b, t]) == pytest.approx(mean, abs=1e-5)
+            assert float(adv[b, n:].abs().sum()) == 0.0 and float(weight[b, n:].abs().sum()) == 0.0
+    with pytest.raises(DistillError, match="--kl-length-norm"):
+        DistillConfig(teachers=["a=tiny:arithmetic"], kl_length_norm=True).check()
+
+
 def test_vocabulary_mismatch_names_what_differs(tmp_path):
     from k3.tokenizer.build import write_tokenizer
 

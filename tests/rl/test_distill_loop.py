@@ -46,8 +46,8 @@ def _weights(run: Path) -> dict:
     return load_file(str(list_checkpoints(run)[-1][1] / "model.safetensors"))
 
 
-@pytest.mark.parametrize("kl_discount", [0.0, 1.0])
-def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, policies, kl_discount):
+@pytest.mark.parametrize("extra", [{}, dict(kl_discount=1.0), dict(kl_discount=1.0, kl_length_norm=True)])
+def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, policies, extra):
     p0 = str(policies[0])
     dc = DistillConfig(
         student=p0,
@@ -56,7 +56,7 @@ def test_teacher_equal_to_student_leaves_weights_bitwise_unchanged(tmp_path, pol
         iterations=2,
         optimizer="sgd",
         lr=100.0,
-        kl_discount=kl_discount,
+        **extra,
         **SMALL,
     )
     train_distill(dc)
@@ -374,6 +374,7 @@ def test_kl_discount_changes_the_advantage_the_run_trains_on(tmp_path, policies)
             ("f0", {}),
             ("f1", dict(kl_discount=1.0)),
             ("f1b", dict(kl_discount=1.0, kl_baseline=True)),
+            ("f1bn", dict(kl_discount=1.0, kl_baseline=True, kl_length_norm=True)),
         )
     ]
-    assert len({float(v) for v in losses}) == 3
+    assert len({float(v) for v in losses}) == 4
