@@ -230,7 +230,10 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
         adv = reward_advantages(rewards, generated, dc.samples)
     else:
         scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
-        adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount, dc.kl_length_norm)
+        if not dc.full_vocab:
+            adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount, dc.kl_length_norm)
+        else:  # the KL's gradient comes from the full-vocabulary losses below; the outcome term from here
+            adv = dc.alpha_reward * reward_advantages(rewards, scores.mask, dc.samples)
         row["logprob_diff_max"] = f"{float(((scores.student - behaviour).abs() * scores.mask).max()):.3g}"
         for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
             row[f"rkl_{teacher}"] = f"{kl:.6f}"
@@ -243,11 +246,14 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
             student_dist = log_distributions(model, packed, dc.temperature)
             teacher_dist = scores.teacher_dist[rows, :n]
             loss = gkd_loss(student_dist, teacher_dist, packed.mask, dc.divergence)
+            logp = gather_tokens(student_dist, packed)
             if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
-                logp = gather_tokens(student_dist, packed)
                 loss = loss + gkd_future_loss(student_dist, teacher_dist, logp, behaviour[rows, :n],
                                               packed.mask, dc.kl_discount, dc.is_low, dc.is_high,
                                               dc.kl_baseline, dc.kl_length_norm)  # fmt: skip
+            if dc.alpha_reward:  # MOPD's outcome term, as a policy gradient on the sampled tokens
+                loss = loss + distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask,
+                                           dc.is_low, dc.is_high)  # fmt: skip
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)
