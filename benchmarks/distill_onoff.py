@@ -49,6 +49,8 @@ PLAIN = "arithmetic@long, plain teacher"
 FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
 FOUR_FIX = "four domains with arithmetic@fix (its teacher takes back wrong digits)"
 EITHER = "arithmetic-either (two ways, one hard), branch at 150"
+RULE = "arithmetic-either, branch by a rule fixed in advance (rule_branch)"
+EITHER_RUNS = "sampled-seq sampled forward reverse reverse-seq reverse-seq-b reverse-seq-bn".split()
 # settings whose on-policy answers are longer (erasures): paired by teacher tokens (`paired`)
 BY_TOKENS = {FIX, FOUR_FIX}
 # (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
@@ -73,12 +75,18 @@ PAIRS = [
     (FIX, "fix", "forward", "off-policy", 60),
     (FIX, "fix", "sampled", "off-policy", 60),
     (FOUR_FIX, "four-fix", "forward", "off-policy", 60),
-    *[
-        (EITHER, "either", on, "off-policy", 150)
-        for on in ("sampled-seq", "sampled", "forward", "reverse", "reverse-seq", "reverse-seq-b")
-    ],
+    *[(EITHER, "either", on, "off-policy", 150) for on in EITHER_RUNS],
+    *[(RULE, "either-rule", on, "off-policy", "rule") for on in ("reverse-seq-b", "reverse-seq-bn")],
 ]
-SEEDS = range(8)
+SEEDS = range(20)
+
+
+def rule_branch(off: dict[int, dict]) -> int | None:
+    """The branching rule written down before the fresh seeds ran (rounds 5 and 6): the first evaluation at
+    or after iteration 150 where the off-policy run's greedy accuracy is >= 0.14 (None: never, before the
+    last evaluation)."""
+    last = max(off)
+    return next((s for s in sorted(off) if 150 <= s < last and float(off[s]["acc_mean"]) >= 0.14), None)
 
 
 def folder_of(out: Path, folder: str, run: str, seed: int) -> Path:
@@ -178,12 +186,13 @@ def plot(out: Path, png: Path) -> None:
     plt = _pyplot()
     panels = [
         (FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix"),
-        (FOUR_FIX, "four-fix"), (EITHER, "either"),
+        (FOUR_FIX, "four-fix"), (EITHER, "either"), (RULE, "either-rule"),
     ]  # fmt: skip
-    fig, axes = plt.subplots(2, 4, figsize=(30, 11))
+    fig, axes = plt.subplots(3, 3, figsize=(24, 17))
     axes = axes.flatten()
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
-              "sampled": "C5", "sampled-seq": "C6", "reverse-seq": "C8", "reverse-seq-b": "C9"}  # fmt: skip
+              "sampled": "C5", "sampled-seq": "C6", "reverse-seq": "C8", "reverse-seq-b": "C9",
+              "reverse-seq-bn": "k"}  # fmt: skip
     for ax, (title, folder) in zip(axes, panels, strict=False):
         for run, color in styles.items():
             if folder == "." and run not in ("off-policy", "kd", "forward-cold"):  # the rest: distill.png
@@ -213,7 +222,8 @@ def plot(out: Path, png: Path) -> None:
                     label=f"{run} (mean of {len(logs)} seed{'s' * (len(logs) > 1)})",
                 )
                 col = {"fix": "sampled_acc_arithmetic@fix", "four-fix": "sampled_acc_arithmetic@fix",
-                       "either": "sampled_acc_arithmetic-either"}.get(folder)  # fmt: skip
+                       "either": "sampled_acc_arithmetic-either",
+                       "either-rule": "sampled_acc_arithmetic-either"}.get(folder)  # fmt: skip
                 if col and all(col in r for r in mean.values()):
                     ax.plot(xs, [float(r[col]) for r in mean.values()], color=color, lw=1.5, ls="--",
                             label=f"{run}: {col.removeprefix('sampled_acc_')} at T = 1")  # fmt: skip
@@ -221,7 +231,7 @@ def plot(out: Path, png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[7]
+    ax = axes[8]
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [
@@ -275,12 +285,17 @@ def main() -> None:
     ap.add_argument("--ceiling", type=float, default=0.98, help="open evaluations: both runs below it")
     args = ap.parse_args()
     out, rows = Path(args.out), []
-    for setting, folder, on, off, after in PAIRS:
+    for setting, folder, on, off, branch in PAIRS:
         pooled: list[tuple[dict, dict]] = []
+        branches = []
         for seed in SEEDS:
             a, b = folder_of(out, folder, on, seed), folder_of(out, folder, off, seed)
             if (a / "log.csv").is_file() and (b / "log.csv").is_file():
                 pooled.append((evals(a), evals(b)))
+                after = rule_branch(pooled[-1][1]) if branch == "rule" else branch
+                if after is None:
+                    raise SystemExit(f"{a}: the rule gives no branch, so this seed has no on-policy run")
+                branches.append(after)
                 rows += _rows(setting, on, off, seed, after, *pooled[-1], args)
                 for run in (a, b) if folder != "." or seed else ():  # (seed 0's: distill.py's table)
                     name = f"distill_onoff_{folder.replace('along-', '').strip('.') or 'four'}_{run.name}"
@@ -290,9 +305,8 @@ def main() -> None:
             for r in rows:
                 if (r["setting"], r["on_policy"], r["off_policy"]) == (setting, on, off) and r["open"]:
                     per_seed.setdefault(r["accuracy"], []).append(float(r["open_mean_difference"]))
-            pooled_rows = _rows(
-                setting, on, off, "mean", after, *[_mean([p[k] for p in pooled]) for k in (0, 1)], args
-            )
+            means = [_mean([p[k] for p in pooled]) for k in (0, 1)]  # (per-seed branches: after the latest)
+            pooled_rows = _rows(setting, on, off, "mean", max(branches), *means, args)
             for r in pooled_rows:  # the seeds' own open mean differences: their mean and standard error
                 d = per_seed.get(r["accuracy"], [])
                 if len(d) > 1:

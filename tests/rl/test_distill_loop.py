@@ -314,6 +314,21 @@ def test_off_policy_full_vocab_is_kd_on_the_teachers_samples(tmp_path, policies)
     assert abs(float(r_sft["loss"]) - float(r_kd["loss"])) > 1e-3
 
 
+def _ascii_student(tmp_path: Path, monkeypatch) -> tuple[K3ForCausalLM, Path]:
+    """A tiny student whose output layer favours the byte ids (so its texts are varied ASCII), saved as a
+    policy, and arithmetic graded by a planted rule: right is a text with a digit."""
+    from k3.rl.tasks import Arithmetic
+
+    student = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=0, quantized_experts=False)
+    with torch.no_grad():
+        student.lm_head.weight[128:] = 0.0
+        student.lm_head.weight[:128] *= 30.0
+    monkeypatch.setattr(
+        Arithmetic, "grade", lambda self, ps, rs: [float(any(c.isdigit() for c in r)) for r in rs]
+    )
+    return student, save_policy(student, tmp_path / "ascii")
+
+
 def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, monkeypatch):
     """`sampled_acc_<task>` at row 0: the student's samples of the first `eval_samples` held-out prompts,
     drawn again here through the engine with the rollout's seeds, graded by a planted rule (right: a text
@@ -323,16 +338,8 @@ def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, mon
     from k3.rl.codec import CharCodec
     from k3.rl.distill_loop import EVAL_STREAM, make_tasks
     from k3.rl.rollout import trajectory_seed
-    from k3.rl.tasks import Arithmetic
 
-    student = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=0, quantized_experts=False)
-    with torch.no_grad():
-        student.lm_head.weight[128:] = 0.0
-        student.lm_head.weight[:128] *= 30.0
-    policy = save_policy(student, tmp_path / "ascii")
-    monkeypatch.setattr(
-        Arithmetic, "grade", lambda self, ps, rs: [float(any(c.isdigit() for c in r)) for r in rs]
-    )
+    student, policy = _ascii_student(tmp_path, monkeypatch)
     dc = DistillConfig(
         student=str(policy), teachers=[f"a={policy}:arithmetic"], out=str(tmp_path / "run"),
         iterations=1, **{**SMALL, "eval_samples": 6, "held_out": 8},
@@ -361,16 +368,7 @@ def test_alpha_reward_trains_with_the_full_vocabulary_loss(tmp_path, monkeypatch
     gradient, so one SGD iteration is exactly `--method rl`'s (the same samples, the same group-centred
     reward as the only signal), and without the reward term the weights stay put. The student's texts are
     varied ASCII, graded by a planted rule (right: a text with a digit), so the groups' rewards differ."""
-    from k3.rl.tasks import Arithmetic
-
-    student = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=0, quantized_experts=False)
-    with torch.no_grad():
-        student.lm_head.weight[128:] = 0.0
-        student.lm_head.weight[:128] *= 30.0
-    policy = save_policy(student, tmp_path / "ascii")
-    monkeypatch.setattr(
-        Arithmetic, "grade", lambda self, ps, rs: [float(any(c.isdigit() for c in r)) for r in rs]
-    )
+    _, policy = _ascii_student(tmp_path, monkeypatch)
     common = dict(
         student=str(policy), teachers=[f"a={policy}:arithmetic"], iterations=1, optimizer="sgd", lr=1.0,
         warmup=0, **{**SMALL, "prompts": 4, "samples": 4},
