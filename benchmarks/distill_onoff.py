@@ -50,11 +50,14 @@ FIX = "arithmetic@fix, teacher takes back wrong digits (pad_noise)"
 FOUR_FIX = "four domains with arithmetic@fix (its teacher takes back wrong digits)"
 EITHER = "arithmetic-either (two ways, one hard), branch at 150"
 RULE = "arithmetic-either, branch by a rule fixed in advance (rule_branch)"
+FRESH = "arithmetic-either, branch by the rule, fresh seeds 12-19 (loss fixed in advance)"
+THREE = "three domains (arithmetic-either, sort, recall), branch by the rule on arithmetic-either"
 EITHER_RUNS = "sampled-seq sampled forward reverse reverse-seq reverse-seq-b reverse-seq-bn".split()
 # settings whose on-policy answers are longer (erasures): paired by teacher tokens (`paired`)
 BY_TOKENS = {FIX, FOUR_FIX}
-# (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration);
-# each for every seed whose two runs exist (RUN for seed 0, RUN-sN)
+# (setting, folder under OUT, on-policy run, the run it is compared to, evaluations after this iteration, or
+# the accuracy column whose rule_branch gives it per seed); each for every seed whose two runs exist (RUN
+# for seed 0, RUN-sN)
 PAIRS = [
     (FOUR, ".", "forward-cold", "off-policy", 0),
     (FOUR, ".", "kd", "off-policy", 0),
@@ -76,17 +79,31 @@ PAIRS = [
     (FIX, "fix", "sampled", "off-policy", 60),
     (FOUR_FIX, "four-fix", "forward", "off-policy", 60),
     *[(EITHER, "either", on, "off-policy", 150) for on in EITHER_RUNS],
-    *[(RULE, "either-rule", on, "off-policy", "rule") for on in ("reverse-seq-b", "reverse-seq-bn")],
+    *[(RULE, "either-rule", on, "off-policy", "acc_mean") for on in ("reverse-seq-b", "reverse-seq-bn")],
+    (FRESH, "either-fresh", "reverse-seq-bn", "off-policy", "acc_mean"),
+    (THREE, "three", "reverse-seq-bn", "off-policy", "acc_arithmetic-either"),
 ]
 SEEDS = range(20)
 
 
-def rule_branch(off: dict[int, dict]) -> int | None:
+def branched_at(on: dict[int, dict], after: int | None) -> bool:
+    """Whether the on-policy run's own log shows its branch at `after`: no student token scored by then,
+    some by its next evaluation."""
+    later = [s for s in on if after is not None and s > after]
+    return (
+        after in on
+        and on[after]["student_tokens"] == "0"
+        and bool(later)
+        and (on[min(later)]["student_tokens"] != "0")
+    )
+
+
+def rule_branch(off: dict[int, dict], col: str = "acc_mean") -> int | None:
     """The branching rule written down before the fresh seeds ran (rounds 5 and 6): the first evaluation at
-    or after iteration 150 where the off-policy run's greedy accuracy is >= 0.14 (None: never, before the
-    last evaluation)."""
+    or after iteration 150 where the off-policy run's greedy accuracy `col` is >= 0.14 (None: never, before
+    the last evaluation)."""
     last = max(off)
-    return next((s for s in sorted(off) if 150 <= s < last and float(off[s]["acc_mean"]) >= 0.14), None)
+    return next((s for s in sorted(off) if 150 <= s < last and float(off[s][col]) >= 0.14), None)
 
 
 def folder_of(out: Path, folder: str, run: str, seed: int) -> Path:
@@ -186,9 +203,10 @@ def plot(out: Path, png: Path) -> None:
     plt = _pyplot()
     panels = [
         (FOUR, "."), (PLAIN, "along-plain"), (ROBUST, "along-robust"), (WRONG, "wc"), (FIX, "fix"),
-        (FOUR_FIX, "four-fix"), (EITHER, "either"), (RULE, "either-rule"),
+        (FOUR_FIX, "four-fix"), (EITHER, "either"), (RULE, "either-rule"), (FRESH, "either-fresh"),
+        (THREE, "three"),
     ]  # fmt: skip
-    fig, axes = plt.subplots(3, 3, figsize=(24, 17))
+    fig, axes = plt.subplots(3, 4, figsize=(30, 17))
     axes = axes.flatten()
     styles = {"off-policy": "C0", "kd": "C2", "forward-cold": "C3", "forward": "C1", "reverse": "C4",
               "sampled": "C5", "sampled-seq": "C6", "reverse-seq": "C8", "reverse-seq-b": "C9",
@@ -223,7 +241,9 @@ def plot(out: Path, png: Path) -> None:
                 )
                 col = {"fix": "sampled_acc_arithmetic@fix", "four-fix": "sampled_acc_arithmetic@fix",
                        "either": "sampled_acc_arithmetic-either",
-                       "either-rule": "sampled_acc_arithmetic-either"}.get(folder)  # fmt: skip
+                       "either-rule": "sampled_acc_arithmetic-either",
+                       "either-fresh": "sampled_acc_arithmetic-either",
+                       "three": "sampled_acc_arithmetic-either"}.get(folder)  # fmt: skip
                 if col and all(col in r for r in mean.values()):
                     ax.plot(xs, [float(r[col]) for r in mean.values()], color=color, lw=1.5, ls="--",
                             label=f"{run}: {col.removeprefix('sampled_acc_')} at T = 1")  # fmt: skip
@@ -231,7 +251,8 @@ def plot(out: Path, png: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     probe = RESULTS / "distill_probe.csv"
-    ax = axes[8]
+    ax = axes[10]
+    axes[11].axis("off")
     if probe.is_file():
         with probe.open(newline="") as f:
             rows = [
@@ -292,9 +313,9 @@ def main() -> None:
             a, b = folder_of(out, folder, on, seed), folder_of(out, folder, off, seed)
             if (a / "log.csv").is_file() and (b / "log.csv").is_file():
                 pooled.append((evals(a), evals(b)))
-                after = rule_branch(pooled[-1][1]) if branch == "rule" else branch
-                if after is None:
-                    raise SystemExit(f"{a}: the rule gives no branch, so this seed has no on-policy run")
+                after = rule_branch(pooled[-1][1], branch) if isinstance(branch, str) else branch
+                if isinstance(branch, str) and not branched_at(pooled[-1][0], after):
+                    raise SystemExit(f"{a}: did not branch where the rule says ({after})")
                 branches.append(after)
                 rows += _rows(setting, on, off, seed, after, *pooled[-1], args)
                 for run in (a, b) if folder != "." or seed else ():  # (seed 0's: distill.py's table)
