@@ -12,7 +12,9 @@ after a wrong scratchpad digit (`--only robust-teacher` builds it); benchmarks/d
 the comparisons and benchmarks/distill_probe.py measures where the on-policy tokens land. Round 5:
 `--tasks arithmetic@fix --robust` (a `<` takes back a digit; the robust teacher takes back wrong ones),
 `--tasks arithmetic-either` (two ways to answer, one hard) with `sampled-seq` (`--kl-discount 1`), and
-`--eval-samples 100` for the T = 1 accuracy of every evaluation.
+`--eval-samples 100` for the T = 1 accuracy of every evaluation. Round 6: `reverse-seq-bn` (the
+full-vocabulary sequence-level reverse KL with a baseline, length-normalized) and `reverse-seq-bnr` (plus
+the task reward); `--warm-start` per seed where distill_onoff.rule_branch puts it.
 
     PYTHONPATH=. nice -n 10 python benchmarks/distill.py --out runs/distill-exp --only RUN   # each RUN
     PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp --only table

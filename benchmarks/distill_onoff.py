@@ -1,4 +1,4 @@
-"""On-policy vs off-policy distillation at equal teacher tokens (rounds 4 and 5 of benchmarks/distill.py's
+"""On-policy vs off-policy distillation at equal teacher tokens (rounds 4-6 of benchmarks/distill.py's
 runs): every pairing of an on-policy run with the off-policy run it is compared to, counted evaluation by
 evaluation (the runs draw the same prompts, so their teacher tokens agree at each shared evaluation, or
 are interpolated where answer lengths differ).
@@ -24,7 +24,12 @@ Settings (run folders under OUT, written by benchmarks/distill.py):
   sum written either way, one easy and one hard, its teacher 100 % on both, 50/50: off-policy, the
   sampled-token reverse KL per token (`sampled`) and over the rest of the sample (`sampled-seq`,
   `--kl-discount 1`), the full-vocabulary reverse KL per token (`reverse`) and over the rest of the sample
-  (`reverse-seq`; with the leave-one-out baseline `reverse-seq-b`), and the forward KL, branching at 150.
+  (`reverse-seq`; with the leave-one-out baseline `reverse-seq-b`; length-normalized too, `reverse-seq-bn`),
+  and the forward KL, branching at 150;
+- arithmetic-either branching where `rule_branch` says (fixed before the fresh seeds ran; each run's log
+  is checked to have branched there): seeds 0-11 (OUT/either-rule: `reverse-seq-b`, `reverse-seq-bn`),
+  the fresh seeds 12-19 (OUT/either-fresh: `reverse-seq-bn`), and three domains (OUT/three: `--tasks
+  arithmetic-either,sort,recall`, the rule on arithmetic-either's accuracy).
 
     PYTHONPATH=. python benchmarks/distill_onoff.py --out runs/distill-exp   # after the runs
 
