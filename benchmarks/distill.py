@@ -13,8 +13,8 @@ the comparisons and benchmarks/distill_probe.py measures where the on-policy tok
 `--tasks arithmetic@fix --robust` (a `<` takes back a digit; the robust teacher takes back wrong ones),
 `--tasks arithmetic-either` (two ways to answer, one hard) with `sampled-seq` (`--kl-discount 1`), and
 `--eval-samples 100` for the T = 1 accuracy of every evaluation. Round 6: `reverse-seq-bn` (the
-full-vocabulary sequence-level reverse KL with a baseline, length-normalized) and `reverse-seq-bnr` (plus
-the task reward); `--warm-start` per seed where distill_onoff.rule_branch puts it.
+full-vocabulary sequence-level reverse KL with a baseline, length-normalized); `--warm-start` per seed
+where distill_onoff.rule_branch puts it.
 
     PYTHONPATH=. nice -n 10 python benchmarks/distill.py --out runs/distill-exp --only RUN   # each RUN
     PYTHONPATH=. python benchmarks/distill.py --out runs/distill-exp --only table
@@ -279,11 +279,6 @@ RUNS = {
     "reverse-seq-bn": (
         "on-policy reverse KL, full vocabulary, sequence-level, baseline, length-normalized, warm start",
         lambda a: _sequence_level(a, kl_baseline=True, kl_length_norm=True),
-    ),
-    # the same plus MOPD's outcome term: the task's reward picks the way the student gets right
-    "reverse-seq-bnr": (
-        "the same plus the task reward (alpha 1)",
-        lambda a: _sequence_level(a, kl_baseline=True, kl_length_norm=True, alpha_reward=1.0),
     ),
 }
 
