@@ -249,26 +249,26 @@ def score(
 
 
 # ---- advantages and losses --------------------------------------------------------------------------------
-def discounted_sums(x: torch.Tensor, mask: torch.Tensor, discount: float) -> torch.Tensor:
+def discounted_sums(
+    x: torch.Tensor, mask: torch.Tensor, discount: float, after: bool = False
+) -> torch.Tensor:
     """[N, T] -> [N, T]: at each generated token t, sum_{k >= t} discount^(k - t) x_k over its row's later
-    generated tokens (x is 0 off the mask)."""
+    generated tokens (`after`: k > t only)."""
     out, running = torch.zeros_like(x), torch.zeros(x.shape[0], dtype=x.dtype)
     for t in reversed(range(x.shape[1])):  # [N] the discounted sum from token t on
         running = x[:, t] * mask[:, t] + discount * running
         out[:, t] = running * mask[:, t]
-    return out
+    return out - x * mask if after else out
 
 
 def discounted_means(
     x: torch.Tensor, mask: torch.Tensor, discount: float, after: bool = False
 ) -> torch.Tensor:
-    """[N, T] -> [N, T]: `discounted_sums` over the tokens from t on (`after`: after t only) divided by the
-    sum of the same discount weights, a weighted mean per remaining token; 0 where none remain. MiniLLM's
-    length normalization: a summed rest-of-sample KL is smaller for a shorter rest, so it rewards stopping
-    early whenever the student's tokens cost more than the teacher's improbable early end."""
-    sums, weights = discounted_sums(x, mask, discount), discounted_sums(mask, mask, discount)
-    if after:
-        sums, weights = sums - x * mask, weights - mask
+    """[N, T] -> [N, T]: `discounted_sums` divided by the sum of the same discount weights, a weighted mean
+    per remaining token; 0 where none remain. MiniLLM's length normalization: a summed rest-of-sample KL is
+    smaller for a shorter rest, so it rewards stopping early whenever the student's tokens cost more than
+    the teacher's improbable early end."""
+    sums, weights = discounted_sums(x, mask, discount, after), discounted_sums(mask, mask, discount, after)
     return torch.where(weights > 0, sums / weights.clamp(min=1e-12), torch.zeros_like(x))
 
 
@@ -379,10 +379,8 @@ def gkd_future_loss(
     `length_norm` weights by the mean KL of the contexts after t instead (`discounted_means`): no longer
     the gradient of the sequence's KL, but free of its pull towards short samples."""
     kl = reverse_kl_full(student_dist.detach(), teacher_dist.detach()) * mask  # [N, T]
-    if length_norm:
-        future = discounted_means(kl, mask, discount, after=True)
-    else:
-        future = discounted_sums(kl, mask, discount) - kl  # the contexts after t only
+    rest = discounted_means if length_norm else discounted_sums
+    future = rest(kl, mask, discount, after=True)  # the contexts after t only
     if baseline:
         future = future - leave_one_out_mean(future, mask)
     return distill_loss(logp, behaviour, -future, mask, low, high)
