@@ -337,13 +337,18 @@ def forward_kl_full(student_dist: torch.Tensor, teacher_dist: torch.Tensor) -> t
     return (teacher_dist.exp() * (teacher_dist - student_dist)).sum(-1)
 
 
-def gkd_loss(
-    student_dist: torch.Tensor, teacher_dist: torch.Tensor, mask: torch.Tensor, divergence: str = "reverse"
+def full_vocab_kl(
+    student_dist: torch.Tensor, teacher_dist: torch.Tensor, divergence: str = "reverse"
 ) -> torch.Tensor:
-    """GKD: the full-vocabulary reverse KL (beta = 1) or forward KL (`divergence="forward"`, beta = 0)
-    averaged over the sampled contexts; the teacher is a constant."""
+    """[N, T, V] log-distributions -> [N, T]: the full-vocabulary reverse KL (GKD's beta = 1) or forward KL
+    (`divergence="forward"`, beta = 0) at each context, with the student's gradient; the teacher is a
+    constant."""
     kl_full = reverse_kl_full if divergence == "reverse" else forward_kl_full
-    kl = kl_full(student_dist, teacher_dist.detach())
+    return kl_full(student_dist, teacher_dist.detach())
+
+
+def gkd_loss(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GKD: the per-context divergence (`full_vocab_kl`, [N, T]) averaged over the sampled contexts."""
     return (kl * mask).sum() / mask.sum().clamp(min=1)
 
 
@@ -357,8 +362,7 @@ def leave_one_out_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def gkd_future_loss(
-    student_dist: torch.Tensor,
-    teacher_dist: torch.Tensor,
+    kl: torch.Tensor,
     logp: torch.Tensor,
     behaviour: torch.Tensor,
     mask: torch.Tensor,
@@ -370,17 +374,17 @@ def gkd_future_loss(
 ) -> torch.Tensor:
     """The rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term: each sampled
     token's log-prob (`logp` [N, T], with gradient) weighted by the full-vocabulary reverse KL at the
-    contexts after it, sum_{k > t} discount^(k - t) KL_k (a constant), through the truncated importance
-    weights. With discount 1, gkd_loss + this is an unbiased estimate of the gradient of the whole
-    sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's decomposition): the local term is exact, the
-    future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio.
+    contexts after it, sum_{k > t} discount^(k - t) KL_k (`kl` [N, T] from `full_vocab_kl`, taken as a
+    constant), through the truncated importance weights. With discount 1, gkd_loss + this is an unbiased
+    estimate of the gradient of the whole sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's
+    decomposition): the local term is exact, the future one a policy gradient whose reward, KL_k, is itself
+    exact rather than one sampled log-ratio.
     With `baseline` the other samples' mean future KL at the same position is subtracted first
     (`leave_one_out_mean`): the same expectation, far less variance when every sample is far off.
     `length_norm` weights by the mean KL of the contexts after t instead (`discounted_means`): no longer
     the gradient of the sequence's KL, but free of its pull towards short samples."""
-    kl = reverse_kl_full(student_dist.detach(), teacher_dist.detach()) * mask  # [N, T]
     rest = discounted_means if length_norm else discounted_sums
-    future = rest(kl, mask, discount, after=True)  # the contexts after t only
+    future = rest(kl.detach() * mask, mask, discount, after=True)  # [N, T] the contexts after t only
     if baseline:
         future = future - leave_one_out_mean(future, mask)
     return distill_loss(logp, behaviour, -future, mask, low, high)

@@ -48,6 +48,7 @@ from k3.rl.distill import (
     average_weights,
     check_vocabularies,
     distill_loss,
+    full_vocab_kl,
     gather_tokens,
     gkd_future_loss,
     gkd_loss,
@@ -244,13 +245,13 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
         n = packed.mask.shape[1]
         if dc.full_vocab:
             student_dist = log_distributions(model, packed, dc.temperature)
-            teacher_dist = scores.teacher_dist[rows, :n]
-            loss = gkd_loss(student_dist, teacher_dist, packed.mask, dc.divergence)
+            kl = full_vocab_kl(student_dist, scores.teacher_dist[rows, :n], dc.divergence)  # [n, T]
+            loss = gkd_loss(kl, packed.mask)
             logp = gather_tokens(student_dist, packed)
             if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
-                loss = loss + gkd_future_loss(student_dist, teacher_dist, logp, behaviour[rows, :n],
-                                              packed.mask, dc.kl_discount, dc.is_low, dc.is_high,
-                                              dc.kl_baseline, dc.kl_length_norm)  # fmt: skip
+                loss = loss + gkd_future_loss(kl, logp, behaviour[rows, :n], packed.mask,
+                                              dc.kl_discount, dc.is_low, dc.is_high, dc.kl_baseline,
+                                              dc.kl_length_norm)  # fmt: skip
             if dc.alpha_reward:  # MOPD's outcome term, as a policy gradient on the sampled tokens
                 loss = loss + distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask,
                                            dc.is_low, dc.is_high)  # fmt: skip
@@ -284,7 +285,7 @@ def _off_policy(
         if kd:
             n = packed.mask.shape[1]
             student_dist = log_distributions(model, packed, dc.temperature)
-            loss = gkd_loss(student_dist, teacher_dist[rows, :n], packed.mask, dc.divergence)
+            loss = gkd_loss(full_vocab_kl(student_dist, teacher_dist[rows, :n], dc.divergence), packed.mask)
         else:
             logp = token_logprobs(model, packed, 1.0)
             loss = -(logp * packed.mask).sum() / packed.mask.sum().clamp(min=1)

@@ -20,6 +20,7 @@ from k3.rl.distill import (
     check_vocabularies,
     distill_loss,
     forward_kl_full,
+    full_vocab_kl,
     gkd_loss,
     parse_teacher,
     reverse_kl_full,
@@ -115,13 +116,14 @@ def test_full_vocabulary_reverse_kl_brute_force():
     # the GKD loss differentiates through the student only, and its gradient vanishes at student == teacher
     z = teacher.log().clone().requires_grad_(True)
     t = teacher.log().clone().requires_grad_(True)
-    gkd_loss(
-        torch.log_softmax(z, -1)[None, None], t[None, None], torch.ones(1, 1, dtype=torch.float64)
-    ).backward()
+    kl = full_vocab_kl(torch.log_softmax(z, -1)[None, None], t[None, None])
+    gkd_loss(kl, torch.ones(1, 1, dtype=torch.float64)).backward()
     assert t.grad is None and float(z.grad.abs().max()) < 1e-15
     # away from the teacher: d KL / d z_j = q_j (log q_j - log p_j - KL), q = softmax(z)
     z = torch.tensor([0.3, -1.0, 2.0, 0.0], dtype=torch.float64, requires_grad=True)
-    gkd_loss(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], torch.ones(1, 1)).backward()
+    gkd_loss(
+        full_vocab_kl(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None]), torch.ones(1, 1)
+    ).backward()
     q = torch.softmax(z.detach(), -1)
     kl = float((q * (q.log() - teacher.log())).sum())
     assert torch.allclose(z.grad, q * (q.log() - teacher.log() - kl), atol=1e-14, rtol=0)
@@ -137,7 +139,8 @@ def test_full_vocabulary_forward_kl_brute_force():
     assert abs(float(got[0, 0]) - brute) < 1e-15
     z = torch.tensor([0.3, -1.0, 2.0, -30.0], dtype=torch.float64, requires_grad=True)
     mask = torch.ones(1, 1, dtype=torch.float64)
-    gkd_loss(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], mask, "forward").backward()
+    kl = full_vocab_kl(torch.log_softmax(z, -1)[None, None], teacher.log()[None, None], "forward")
+    gkd_loss(kl, mask).backward()
     q = torch.softmax(z.detach(), -1)
     assert torch.allclose(z.grad, q - teacher, atol=1e-14, rtol=0)
     assert float(z.grad[3]) < -0.39  # the token the student nearly never samples is pulled up by ~p
@@ -245,9 +248,8 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
         for x in seqs:
             s_dist, t_dist = dists(theta, x), dists(teacher, x)
             logp = torch.stack([s_dist[0, t, x[t]] for t in range(T)])[None]  # [1, T]
-            loss = gkd_loss(s_dist, t_dist, mask) + gkd_future_loss(
-                s_dist, t_dist, logp, logp.detach(), mask, discount
-            )
+            kl = full_vocab_kl(s_dist, t_dist)  # [1, T]
+            loss = gkd_loss(kl, mask) + gkd_future_loss(kl, logp, logp.detach(), mask, discount)
             estimate = estimate + log_q(x).exp().detach() * loss  # the expectation over samples
         (got,) = torch.autograd.grad(estimate, theta)
         assert torch.allclose(got * T, want, atol=1e-10) == equal  # the losses average over T tokens
@@ -262,9 +264,8 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
             [torch.stack([s_dist[b, t, z[t]] for t in range(T)]) for b, z in enumerate((x, y))]
         )
         both = torch.ones(2, T, dtype=torch.float64)
-        loss = gkd_loss(s_dist, t_dist, both) + gkd_future_loss(
-            s_dist, t_dist, logp, logp.detach(), both, 1.0, baseline=True
-        )
+        kl = full_vocab_kl(s_dist, t_dist)  # [2, T]
+        loss = gkd_loss(kl, both) + gkd_future_loss(kl, logp, logp.detach(), both, 1.0, baseline=True)
         estimate = estimate + weight[x] * weight[y] * loss
     (got,) = torch.autograd.grad(estimate, theta)
     assert torch.allclose(got * T, want, atol=1e-10)
@@ -302,7 +303,7 @@ def test_length_norm_averages_each_samples_rest_against_a_loop():
     for discount in (0.5, 1.0):
         adv = advantages(s, discount=discount, length_norm=True)
         logp = torch.zeros(3, 5, requires_grad=True)  # the future weights come back as its gradient
-        gkd_future_loss(s_dist, t_dist, logp, logp.detach(), mask, discount, length_norm=True).backward()
+        gkd_future_loss(kl, logp, logp.detach(), mask, discount, length_norm=True).backward()
         weight = -logp.grad * mask.sum()  # distill_loss: -(w * adv * logp).sum() / mask.sum(), w = 1
         for b, n in enumerate(lengths):
             r = [float(teacher[b, k] - student[b, k]) for k in range(n)]
