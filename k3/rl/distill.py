@@ -272,17 +272,10 @@ def discounted_means(
     return torch.where(weights > 0, sums / weights.clamp(min=1e-12), torch.zeros_like(x))
 
 
-def advantages(
-    scores: Scores,
-    rewards: torch.Tensor | None = None,
-    alpha: float = 0.0,
-    group_size: int = 1,
-    discount: float = 0.0,
-    length_norm: bool = False,
-) -> torch.Tensor:
-    """[N, T] per-token advantage log pi_teacher - log pi_student (no gradient), plus alpha times the
-    sample's reward minus its group's mean (group_size >= 2; else the reward itself) on every token.
-    With `discount` g > 0 token t's advantage is the discounted sum over its sample's later tokens,
+def advantages(scores: Scores, discount: float = 0.0, length_norm: bool = False) -> torch.Tensor:
+    """[N, T] per-token advantage log pi_teacher - log pi_student (no gradient; MOPD's outcome term,
+    `reward_advantages`, is added by the caller). With `discount` g > 0 token t's advantage is the
+    discounted sum over its sample's later tokens,
     sum_{k >= t} g^(k - t) (log pi_teacher - log pi_student)_k (tinker-cookbook's kl_discount_factor; g = 1:
     the whole rest of the sample's reverse KL, a sequence-level signal: a token that leads to paths the
     student gets wrong is pushed down, so the student may drop a way of answering it is bad at).
@@ -291,8 +284,6 @@ def advantages(
     if discount:
         rest = discounted_means if length_norm else discounted_sums
         adv = rest(adv, scores.mask, discount)
-    if alpha and rewards is not None:
-        adv = adv + alpha * reward_advantages(rewards, scores.mask, group_size)
     return adv
 
 

@@ -226,15 +226,16 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
     for b, t in enumerate(trajs):
         behaviour[b, : len(t.logprobs)] = torch.tensor(t.logprobs)
         generated[b, : len(t.logprobs)] = 1.0
-    row = {}
+    row, outcome = {}, reward_advantages(rewards, generated, dc.samples)  # [N, T] reward - its group's mean
     if dc.method == "rl":  # the baseline: no teacher, the task reward the only advantage
-        adv = reward_advantages(rewards, generated, dc.samples)
+        adv = outcome
     else:
         scores = score(model, setup.teachers, teacher_of, trajs, dc.temperature, full_vocab=dc.full_vocab)
+        # the sampled-token advantage: MOPD's outcome term, plus the KL's unless the full-vocabulary
+        # losses below give its gradient
+        adv = dc.alpha_reward * outcome
         if not dc.full_vocab:
-            adv = advantages(scores, rewards, dc.alpha_reward, dc.samples, dc.kl_discount, dc.kl_length_norm)
-        else:  # the KL's gradient comes from the full-vocabulary losses below; the outcome term from here
-            adv = dc.alpha_reward * reward_advantages(rewards, scores.mask, dc.samples)
+            adv = advantages(scores, dc.kl_discount, dc.kl_length_norm) + adv
         row["logprob_diff_max"] = f"{float(((scores.student - behaviour).abs() * scores.mask).max()):.3g}"
         for teacher, kl in sampled_reverse_kl(scores, teacher_of).items():
             row[f"rkl_{teacher}"] = f"{kl:.6f}"

@@ -183,12 +183,6 @@ def test_mixed_domains_each_sample_scored_by_its_own_teacher_only():
     assert kl["arith"] == pytest.approx(expected)
 
 
-def test_alpha_reward_adds_group_centred_reward():
-    s = Scores(torch.zeros(4, 2), torch.zeros(4, 2), torch.tensor([[1.0, 1], [1, 0], [1, 1], [1, 1]]))
-    adv = advantages(s, torch.tensor([1.0, 0.0, 1.0, 1.0]), alpha=0.5, group_size=2)
-    assert adv.tolist() == [[0.25, 0.25], [-0.25, 0.0], [0.0, 0.0], [0.0, 0.0]]
-
-
 def test_kl_discount_sums_each_samples_later_reverse_kl():
     """Against a loop over each sample's own tokens: token t's advantage is sum_{k >= t} g^(k - t) r_k,
     r the per-token log pi_teacher - log pi_student, over that sample's generated tokens only (padding,

@@ -363,11 +363,12 @@ def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, mon
     assert float(row0["sampled_acc_arithmetic"]) == pytest.approx(right / 6)
 
 
-def test_alpha_reward_trains_with_the_full_vocabulary_loss(tmp_path, monkeypatch):
-    """`--full-vocab --alpha-reward`: with the student as its own teacher the full-vocabulary KL has no
-    gradient, so one SGD iteration is exactly `--method rl`'s (the same samples, the same group-centred
-    reward as the only signal), and without the reward term the weights stay put. The student's texts are
-    varied ASCII, graded by a planted rule (right: a text with a digit), so the groups' rewards differ."""
+def test_alpha_reward_trains_with_either_kl_loss(tmp_path, monkeypatch):
+    """`--alpha-reward`, with the sampled-token loss and with `--full-vocab`: with the student as its own
+    teacher the KL has no gradient, so one SGD iteration is exactly `--method rl`'s (the same samples, the
+    same group-centred reward as the only signal), and without the reward term the weights stay put. The
+    student's texts are varied ASCII, graded by a planted rule (right: a text with a digit), so the groups'
+    rewards differ."""
     _, policy = _ascii_student(tmp_path, monkeypatch)
     common = dict(
         student=str(policy), teachers=[f"a={policy}:arithmetic"], iterations=1, optimizer="sgd", lr=1.0,
@@ -377,6 +378,8 @@ def test_alpha_reward_trains_with_the_full_vocabulary_loss(tmp_path, monkeypatch
         name: DistillConfig(out=str(tmp_path / name), **common, **extra)
         for name, extra in (
             ("rl", dict(method="rl")),
+            ("sampled", dict(alpha_reward=1.0)),
+            ("sampled0", {}),
             ("full", dict(full_vocab=True, alpha_reward=1.0)),
             ("full0", dict(full_vocab=True)),
         )
@@ -384,12 +387,13 @@ def test_alpha_reward_trains_with_the_full_vocabulary_loss(tmp_path, monkeypatch
     for dc in runs.values():
         train_distill(dc)
     start = load_file(str(policy / POLICY_FILE))
-    rl, full, full0 = (_weights(tmp_path / name) for name in runs)
+    rl, sampled, sampled0, full, full0 = (_weights(tmp_path / name) for name in runs)
     assert 0.0 < float(_rows(tmp_path / "rl")[1]["score_arithmetic"]) < 1.0  # mixed rewards: a signal
     moved = max(float((rl[k] - start[k]).abs().max()) for k in start)
     assert moved > 1e-3
-    assert all(torch.allclose(full[k], rl[k], atol=moved * 1e-4, rtol=0) for k in start)
-    assert all(torch.allclose(full0[k], start[k], atol=moved * 1e-4, rtol=0) for k in start)
+    for trained, still in ((sampled, sampled0), (full, full0)):
+        assert all(torch.allclose(trained[k], rl[k], atol=moved * 1e-4, rtol=0) for k in start)
+        assert all(torch.allclose(still[k], start[k], atol=moved * 1e-4, rtol=0) for k in start)
 
 
 def test_kl_discount_changes_the_advantage_the_run_trains_on(tmp_path, policies):
