@@ -352,24 +352,15 @@ def leave_one_out_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(count - mask > 0, (total - x * mask) / others, torch.zeros_like(x)) * mask
 
 
-def gkd_future_loss(
-    kl: torch.Tensor,
-    logp: torch.Tensor,
-    behaviour: torch.Tensor,
-    mask: torch.Tensor,
-    discount: float,
-    low: float = 0.0,
-    high: float = 2.0,
-    baseline: bool = False,
-    length_norm: bool = False,
+def future_kl_advantages(
+    kl: torch.Tensor, mask: torch.Tensor, discount: float, baseline: bool = False, length_norm: bool = False
 ) -> torch.Tensor:
-    """The rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term: each sampled
-    token's log-prob (`logp` [N, T], with gradient) weighted by the full-vocabulary reverse KL at the
-    contexts after it, sum_{k > t} discount^(k - t) KL_k (`kl` [N, T] from `full_vocab_kl`, taken as a
-    constant), through the truncated importance weights. With discount 1, gkd_loss + this is an unbiased
-    estimate of the gradient of the whole sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's
-    decomposition): the local term is exact, the future one a policy gradient whose reward, KL_k, is itself
-    exact rather than one sampled log-ratio.
+    """[N, T]: the rest of the sequence-level reverse KL's gradient, beside `gkd_loss`'s local term, as a
+    sampled-token advantage for `distill_loss`: minus the full-vocabulary reverse KL at the contexts after
+    each token, sum_{k > t} discount^(k - t) KL_k (`kl` [N, T] from `full_vocab_kl`, taken as a constant).
+    With discount 1, gkd_loss + distill_loss with this is an unbiased estimate of the gradient of the whole
+    sample's expected reverse KL, sum_t E[KL_t] (MiniLLM's decomposition): the local term is exact, the
+    future one a policy gradient whose reward, KL_k, is itself exact rather than one sampled log-ratio.
     With `baseline` the other samples' mean future KL at the same position is subtracted first
     (`leave_one_out_mean`): the same expectation, far less variance when every sample is far off.
     `length_norm` weights by the mean KL of the contexts after t instead (`discounted_means`): no longer
@@ -378,7 +369,7 @@ def gkd_future_loss(
     future = rest(kl.detach() * mask, mask, discount, after=True)  # [N, T] the contexts after t only
     if baseline:
         future = future - leave_one_out_mean(future, mask)
-    return distill_loss(logp, behaviour, -future, mask, low, high)
+    return -future
 
 
 def sampled_reverse_kl(scores: Scores, teacher_of: list[str]) -> dict[str, float]:

@@ -49,8 +49,8 @@ from k3.rl.distill import (
     check_vocabularies,
     distill_loss,
     full_vocab_kl,
+    future_kl_advantages,
     gather_tokens,
-    gkd_future_loss,
     gkd_loss,
     load_teacher,
     log_distributions,
@@ -248,14 +248,13 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
             student_dist = log_distributions(model, packed, dc.temperature)
             kl = full_vocab_kl(student_dist, scores.teacher_dist[rows, :n], dc.divergence)  # [n, T]
             loss = gkd_loss(kl, packed.mask)
-            logp = gather_tokens(student_dist, packed)
-            if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
-                loss = loss + gkd_future_loss(kl, logp, behaviour[rows, :n], packed.mask,
-                                              dc.kl_discount, dc.is_low, dc.is_high, dc.kl_baseline,
-                                              dc.kl_length_norm)  # fmt: skip
-            if dc.alpha_reward:  # MOPD's outcome term, as a policy gradient on the sampled tokens
-                loss = loss + distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask,
-                                           dc.is_low, dc.is_high)  # fmt: skip
+            if dc.kl_discount or dc.alpha_reward:  # a policy gradient on the sampled tokens beside it
+                pg = adv[rows, :n]  # MOPD's outcome term
+                if dc.kl_discount:  # the sequence-level reverse KL: the contexts after each token too
+                    pg = future_kl_advantages(kl, packed.mask, dc.kl_discount, dc.kl_baseline,
+                                              dc.kl_length_norm) + pg  # fmt: skip
+                logp = gather_tokens(student_dist, packed)
+                loss = loss + distill_loss(logp, behaviour[rows, :n], pg, packed.mask, dc.is_low, dc.is_high)
         else:
             logp = token_logprobs(model, packed, dc.temperature)
             loss = distill_loss(logp, behaviour[rows, :n], adv[rows, :n], packed.mask, dc.is_low, dc.is_high)

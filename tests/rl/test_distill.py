@@ -209,13 +209,14 @@ def test_kl_discount_sums_each_samples_later_reverse_kl():
 
 
 def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
-    """gkd_loss + gkd_future_loss (discount 1) on a tabular policy over every sequence of length 3 from 3
-    tokens, each weighted by its probability, has exactly the gradient of the whole sequence's expected
-    reverse KL, sum_x q(x) sum_t KL(q(. | x<t) || p(. | x<t)), computed by enumeration (float64); the
-    local term alone (discount 0) does not."""
+    """gkd_loss + distill_loss with future_kl_advantages (discount 1), on a tabular policy over every
+    sequence of length 3 from 3 tokens, each weighted by its probability, has exactly the gradient of the
+    whole sequence's expected reverse KL, sum_x q(x) sum_t KL(q(. | x<t) || p(. | x<t)), computed by
+    enumeration (float64); the local term alone (discount 0) does not."""
+
     import itertools
 
-    from k3.rl.distill import gkd_future_loss
+    from k3.rl.distill import future_kl_advantages
 
     V, T = 3, 3
     prefixes = [p for t in range(T) for p in itertools.product(range(V), repeat=t)]
@@ -243,7 +244,8 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
             s_dist, t_dist = dists(theta, x), dists(teacher, x)
             logp = torch.stack([s_dist[0, t, x[t]] for t in range(T)])[None]  # [1, T]
             kl = full_vocab_kl(s_dist, t_dist)  # [1, T]
-            loss = gkd_loss(kl, mask) + gkd_future_loss(kl, logp, logp.detach(), mask, discount)
+            future = future_kl_advantages(kl, mask, discount)
+            loss = gkd_loss(kl, mask) + distill_loss(logp, logp.detach(), future, mask)
             estimate = estimate + log_q(x).exp().detach() * loss  # the expectation over samples
         (got,) = torch.autograd.grad(estimate, theta)
         assert torch.allclose(got * T, want, atol=1e-10) == equal  # the losses average over T tokens
@@ -259,7 +261,8 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
         )
         both = torch.ones(2, T, dtype=torch.float64)
         kl = full_vocab_kl(s_dist, t_dist)  # [2, T]
-        loss = gkd_loss(kl, both) + gkd_future_loss(kl, logp, logp.detach(), both, 1.0, baseline=True)
+        future = future_kl_advantages(kl, both, 1.0, baseline=True)
+        loss = gkd_loss(kl, both) + distill_loss(logp, logp.detach(), future, both)
         estimate = estimate + weight[x] * weight[y] * loss
     (got,) = torch.autograd.grad(estimate, theta)
     assert torch.allclose(got * T, want, atol=1e-10)
@@ -283,8 +286,9 @@ def test_leave_one_out_mean_against_a_loop():
 def test_length_norm_averages_each_samples_rest_against_a_loop():
     """MiniLLM's length normalization, against a loop over each sample's own tokens: the sampled advantage
     at t is sum_{k >= t} g^(k - t) r_k / sum_{k >= t} g^(k - t); the full-vocabulary future weight is the
-    same over k > t of KL_k (0 at a sample's last token), recovered from gkd_future_loss's gradient."""
-    from k3.rl.distill import gkd_future_loss
+    same over k > t of KL_k (0 at a sample's last token): future_kl_advantages, recovered from the
+    gradient of distill_loss with it."""
+    from k3.rl.distill import future_kl_advantages
 
     g = torch.Generator().manual_seed(1)
     teacher, student = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)
@@ -297,7 +301,8 @@ def test_length_norm_averages_each_samples_rest_against_a_loop():
     for discount in (0.5, 1.0):
         adv = advantages(s, discount=discount, length_norm=True)
         logp = torch.zeros(3, 5, requires_grad=True)  # the future weights come back as its gradient
-        gkd_future_loss(kl, logp, logp.detach(), mask, discount, length_norm=True).backward()
+        future = future_kl_advantages(kl, mask, discount, length_norm=True)
+        distill_loss(logp, logp.detach(), future, mask).backward()
         weight = -logp.grad * mask.sum()  # distill_loss: -(w * adv * logp).sum() / mask.sum(), w = 1
         for b, n in enumerate(lengths):
             r = [float(teacher[b, k] - student[b, k]) for k in range(n)]
