@@ -94,13 +94,10 @@ SEEDS = range(20)
 def branched_at(on: dict[int, dict], after: int | None) -> bool:
     """Whether the on-policy run's own log shows its branch at `after`: no student token scored by then,
     some by its next evaluation."""
-    later = [s for s in on if after is not None and s > after]
-    return (
-        after in on
-        and on[after]["student_tokens"] == "0"
-        and bool(later)
-        and (on[min(later)]["student_tokens"] != "0")
-    )
+    if after not in on:
+        return False
+    later = [s for s in on if s > after]
+    return on[after]["student_tokens"] == "0" and bool(later) and on[min(later)]["student_tokens"] != "0"
 
 
 def rule_branch(off: dict[int, dict], col: str = "acc_mean") -> int | None:
@@ -318,9 +315,12 @@ def main() -> None:
             a, b = folder_of(out, folder, on, seed), folder_of(out, folder, off, seed)
             if (a / "log.csv").is_file() and (b / "log.csv").is_file():
                 pooled.append((evals(a), evals(b)))
-                after = rule_branch(pooled[-1][1], branch) if isinstance(branch, str) else branch
-                if isinstance(branch, str) and not branched_at(pooled[-1][0], after):
-                    raise SystemExit(f"{a}: did not branch where the rule says ({after})")
+                if isinstance(branch, str):  # the accuracy column of the branching rule
+                    after = rule_branch(pooled[-1][1], branch)
+                    if not branched_at(pooled[-1][0], after):
+                        raise SystemExit(f"{a}: did not branch where the rule says ({after})")
+                else:
+                    after = branch
                 branches.append(after)
                 rows += _rows(setting, on, off, seed, after, *pooled[-1], args)
                 for run in (a, b) if folder != "." or seed else ():  # (seed 0's: distill.py's table)
