@@ -12,6 +12,7 @@ STAMP  := $(VENV)/.k3-installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps nemo-automodel==0.7.0
 	touch $(STAMP)
 
 # The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions).
