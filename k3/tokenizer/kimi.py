@@ -241,8 +241,12 @@ class Tokenizer:
 
     def encode(self, text: str, allowed_special: set[str] | str = frozenset()) -> list[int]:
         """BPE ids of `text`. Special-token text (e.g. "<|open|>") is encoded as plain text unless named
-        in `allowed_special` (or `allowed_special="all"`), never rejected: user input cannot forge them."""
-        return self._enc.encode(text, allowed_special=allowed_special, disallowed_special=())
+        in `allowed_special` (or `allowed_special="all"`), never rejected: user input cannot forge them.
+        Long text is encoded in pieces as the release's tokenizer does (see `release_pieces`)."""
+        ids: list[int] = []
+        for piece in release_pieces(text):
+            ids += self._enc.encode(piece, allowed_special=allowed_special, disallowed_special=())
+        return ids
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of `ids`; invalid UTF-8 (a partial character) becomes U+FFFD."""
@@ -266,6 +270,32 @@ class Tokenizer:
         bad = [i for i in ids if not (0 <= i < self.n_ranks or i in self._special_ids)]
         if bad:
             raise TokenizerError(f"token ids {bad[:5]} are outside the vocabulary (size {self.vocab_size})")
+
+
+MAX_ENCODE_CHARS = 400_000  # the release encodes text in slices of this many characters...
+MAX_RUN_CHARS = 25_000  # ...each cut where a run of whitespace or of non-whitespace grows past this
+
+
+def release_pieces(text: str) -> list[str]:
+    """`text` cut as the release's tokenizer cuts it before BPE (tiktoken fails on longer runs): slices of
+    400,000 characters, each cut again before the 25,001st character of a run of only whitespace or only
+    non-whitespace. Pieces are encoded separately, so the ids of such long texts depend on the cuts."""
+    if len(text) <= MAX_RUN_CHARS:
+        return [text]
+    pieces = []
+    for start in range(0, len(text), MAX_ENCODE_CHARS):
+        part = text[start : start + MAX_ENCODE_CHARS]
+        cut, run, space = 0, 0, part[0].isspace()
+        for i, ch in enumerate(part):
+            if ch.isspace() != space:
+                run, space = 1, ch.isspace()
+            elif run == MAX_RUN_CHARS:
+                pieces.append(part[cut:i])
+                cut, run = i, 1
+            else:
+                run += 1
+        pieces.append(part[cut:])
+    return pieces
 
 
 class StreamDecoder:
