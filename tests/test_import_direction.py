@@ -20,7 +20,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("layout",),
     ("checkpoint",),
     ("model", "census"),
-    ("tokenizer", "engine"),
+    ("tokenizer", "chat", "engine"),
     ("train", "atlas", "stream", "dist", "sandbox", "rl", "export"),
     ("cli", "__main__"),
 )

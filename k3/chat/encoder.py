@@ -214,7 +214,39 @@ def chat_segments(
     **schema: Any,
 ) -> list[Segment]:
     """The segments of a conversation (OpenAI-style message dicts). `schema` may hold `response_schema`,
-    which then replaces the one inside `response_format` (as the release's keyword of that name)."""
+    which then replaces the one inside `response_format` (as the release's keyword of that name).
+    A conversation the release refuses raises ChatFormatError (also for values of the wrong type, where
+    the release raises Python's own errors)."""
+    try:
+        return _segments(
+            messages,
+            tools,
+            add_generation_prompt=add_generation_prompt,
+            thinking=thinking,
+            thinking_effort=thinking_effort,
+            tool_choice=tool_choice,
+            response_format=response_format,
+            image_prompts=image_prompts,
+            **schema,
+        )
+    except ChatFormatError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as e:
+        raise ChatFormatError(f"the conversation cannot be encoded ({type(e).__name__}: {e})") from e
+
+
+def _segments(
+    messages: list[Any],
+    tools: list[dict] | None,
+    *,
+    add_generation_prompt: bool,
+    thinking: bool,
+    thinking_effort: str | None,
+    tool_choice: Any,
+    response_format: Any,
+    image_prompts: list[str] | None,
+    **schema: Any,
+) -> list[Segment]:
     if not isinstance(messages, list):
         raise ChatFormatError("messages must be a list of message objects")
     unknown = set(schema) - {"response_schema"}

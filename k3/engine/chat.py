@@ -1,144 +1,124 @@
-"""The K3 chat format, encoded segment by segment.
+"""OpenAI's chat API <-> K3's chat format (k3.chat): what a request asks the encoder for, and the reply.
 
-A turn is written (spec section 3)
+A request maps onto the release encoder's arguments (docs/chat.md has the table):
 
-    <|open|>message role="user"<|sep|>{content}<|close|>message<|sep|><|end_of_msg|>
+* `messages`: passed as they are (OpenAI message dicts, with `name`, `tool_calls`, `tool_call_id`,
+  `reasoning_content`); `developer` is `system`;
+* `tools` -> the tool declarations; `tool_choice` "required" / "none" -> the tool-choice system
+  message ("auto" and a named function write nothing, as in the release); `response_format` as is;
+* `reasoning_effort` -> `thinking_effort`: minimal/low -> low, medium, high, xhigh/max -> max, and
+  "none" turns thinking off;
+* `chat_template_kwargs` (as vLLM passes them to the chat template): the release encoder's own keywords
+  `thinking` (bool), `thinking_effort`, `response_schema`; they win over `reasoning_effort`.
 
-and the assistant's answer is prompted with
-
-    <|open|>message role="assistant"<|sep|><|open|>think<|sep|>
-
-so the model first writes its reasoning, closes it with `<|close|>think<|sep|>`, writes the answer and
-ends with `<|close|>message<|sep|><|end_of_msg|>` (the closing of the think channel is inferred from the
-opening's symmetry: unconfirmed). Past assistant turns are replayed without their reasoning.
-
-As in the release, the prompt is not one string run through the tokenizer: every special token is
-appended as its single id and every text segment (the header `message role="user"`, the content) is
-BPE-encoded on its own, with special-token text inside content treated as plain text, so a user who
-types "<|close|>" cannot forge a turn boundary.
+Unset, thinking is on with effort `max` (the release tokenizer's default). The reply: the think channel is
+`reasoning_content`, the response channel `content`, the calls `tool_calls` (finish reason "tool_calls").
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from k3.tokenizer.kimi import StreamDecoder, Tokenizer, TokenizerError
+from k3.chat.encoder import DEFAULT_THINKING_EFFORT, encode_chat
+from k3.chat.parser import ReplyParser, ToolCall
+from k3.errors import K3Error
+from k3.tokenizer.kimi import Tokenizer
 
-ROLES = ("system", "user", "assistant", "tool")
-
-
-@dataclass(frozen=True)
-class Message:
-    role: str
-    content: str
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise TokenizerError(f"message role {self.role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(self.content, str):
-            raise TokenizerError(f"message content must be a string, got {type(self.content).__name__}")
+TEMPLATE_KWARGS = ("thinking", "thinking_effort", "response_schema")
+REASONING_EFFORT = {"minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "max"}
+REASONING_EFFORT["max"] = "max"
 
 
-def as_messages(messages: Iterable[Message | Mapping[str, str]]) -> list[Message]:
-    return [m if isinstance(m, Message) else Message(m["role"], m["content"]) for m in messages]
+class ChatRequestError(K3Error):
+    """A chat request the format cannot take (names the field)."""
 
-
-def _header(role: str) -> str:
-    return f'message role="{role}"'
-
-
-def encode_chat(
-    tokenizer: Tokenizer, messages: Iterable[Message | Mapping[str, str]], add_generation_prompt: bool = True
-) -> list[int]:
-    """Token ids of a conversation; with `add_generation_prompt` it ends opening the assistant's think
-    channel, ready for generation."""
-    s = tokenizer.special
-    ids: list[int] = []
-    for m in as_messages(messages):
-        ids += [s.open, *tokenizer.encode(_header(m.role)), s.sep]
-        ids += tokenizer.encode(m.content)
-        ids += [s.close, *tokenizer.encode("message"), s.sep, s.end_of_msg]
-    if add_generation_prompt:
-        ids += [s.open, *tokenizer.encode(_header("assistant")), s.sep]
-        ids += [s.open, *tokenizer.encode("think"), s.sep]
-    return ids
-
-
-def render_chat(messages: Iterable[Message | Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-    """The same conversation as text (for display; `encode_chat` is what the model reads)."""
-    out = []
-    for m in as_messages(messages):
-        out.append(f"<|open|>{_header(m.role)}<|sep|>{m.content}<|close|>message<|sep|><|end_of_msg|>")
-    if add_generation_prompt:
-        out.append(f"<|open|>{_header('assistant')}<|sep|><|open|>think<|sep|>")
-    return "".join(out)
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 @dataclass(frozen=True)
-class AssistantReply:
-    reasoning: str
-    content: str
+class ChatPrompt:
+    """A request as the encoder takes it."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def thinking(self) -> bool:
+        return bool(self.options.get("thinking", True))
+
+    def ids(self, tokenizer: Tokenizer, add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return encode_chat(
+                tokenizer,
+                self.messages,
+                self.tools,
+                add_generation_prompt=add_generation_prompt,
+                **self.options,
+            )
+        except K3Error as e:
+            raise ChatRequestError(str(e), "messages") from e
 
 
-class ReplyStream:
-    """Routes generated token ids into the reasoning and the answer, as they come.
-
-    Generation starts inside the think channel. `<|close|>NAME<|sep|>` closes a channel: `think` switches
-    to the answer, `message` ends it (later tokens are dropped). Special tokens are never shown as text.
-    An untrained model that never closes its think channel therefore produces reasoning only.
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.channel = "reasoning"  # -> "content" -> "done"
-        self._closing: list[int] | None = None  # ids between <|close|> and <|sep|>
-        self._decoders = {"reasoning": StreamDecoder(tokenizer), "content": StreamDecoder(tokenizer)}
-        self.reasoning = ""
-        self.content = ""
-
-    def push(self, token: int) -> tuple[str, str]:
-        """Feed one id; returns the (reasoning, content) text it adds."""
-        s = self.tokenizer.special
-        if self._closing is not None:
-            if token != s.sep:
-                self._closing.append(token)
-                return "", ""
-            name, self._closing = self.tokenizer.decode(self._closing).strip(), None
-            if name == "think" and self.channel == "reasoning":
-                return self._switch("content")
-            if name == "message":
-                return self._switch("done")
-            return "", ""
-        if token == s.close:
-            self._closing = []
-            return "", ""
-        if self.channel == "done" or self.tokenizer.is_special(token):
-            return "", ""
-        return self._emit(self._decoders[self.channel].push(token))
-
-    def flush(self) -> tuple[str, str]:
-        return self._switch(self.channel)
-
-    def _switch(self, channel: str) -> tuple[str, str]:
-        tail = self._emit(self._decoders[self.channel].flush()) if self.channel != "done" else ("", "")
-        self.channel = channel
-        return tail
-
-    def _emit(self, text: str) -> tuple[str, str]:
-        if self.channel == "reasoning":
-            self.reasoning += text
-            return text, ""
-        if self.channel == "content":
-            self.content += text
-            return "", text
-        return "", ""
+def chat_prompt(
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    tool_choice: Any = None,
+    response_format: Any = None,
+    reasoning_effort: str | None = None,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> ChatPrompt:
+    """The encoder's arguments for an OpenAI chat request's fields (see the module)."""
+    options: dict[str, Any] = {"thinking": True, "thinking_effort": DEFAULT_THINKING_EFFORT}
+    if reasoning_effort == "none":
+        options["thinking"] = False
+    elif reasoning_effort is not None:
+        if reasoning_effort not in REASONING_EFFORT:
+            known = ", ".join(["none", *REASONING_EFFORT])
+            raise ChatRequestError(f"{reasoning_effort!r} is not one of {known}", "reasoning_effort")
+        options["thinking_effort"] = REASONING_EFFORT[reasoning_effort]
+    kwargs = dict(chat_template_kwargs or {})
+    unknown = sorted(set(kwargs) - set(TEMPLATE_KWARGS))
+    if unknown:
+        raise ChatRequestError(
+            f"unknown keys {unknown}; K3's encoder takes {', '.join(TEMPLATE_KWARGS)}", "chat_template_kwargs"
+        )
+    if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
+        raise ChatRequestError("thinking must be true or false", "chat_template_kwargs")
+    options.update(kwargs)
+    if tool_choice is not None:
+        options["tool_choice"] = tool_choice
+    if response_format is not None:
+        options["response_format"] = response_format
+    roles = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
+    return ChatPrompt(roles, tools, options)
 
 
-def parse_reply(tokenizer: Tokenizer, ids: Iterable[int]) -> AssistantReply:
-    """Reasoning and answer of a finished generation (the same routing as `ReplyStream`)."""
-    stream = ReplyStream(tokenizer)
-    for token in ids:
-        stream.push(token)
-    stream.flush()
-    return AssistantReply(reasoning=stream.reasoning.strip(), content=stream.content.strip())
+def reply_parser(tokenizer: Tokenizer, prompt: ChatPrompt) -> ReplyParser:
+    """The parser for this request's output (in the think channel when thinking, else the response)."""
+    return ReplyParser(tokenizer, thinking=prompt.thinking)
+
+
+def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the message ended with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def tool_call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """Streamed calls, each whole in one delta (`index` is its place among the reply's calls)."""
+    return [{"index": c.index, **c.openai()} for c in calls]
+
+
+def reply_message(reasoning: str, content: str, calls: list[ToolCall]) -> dict:
+    """The assistant message of a finished reply (content null when there are only tool calls)."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": content if content or not calls else None,
+        "reasoning_content": reasoning,
+    }
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+    return message

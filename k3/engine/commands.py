@@ -4,6 +4,7 @@ imports happen inside them so `k3 --help` stays fast)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TextIO
 
 import typer
@@ -167,6 +168,11 @@ def rate_line(prompt_tokens: int, count: int, elapsed: float) -> str:
 def chat(
     checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
     system: str = typer.Option(None, "--system", help="A system message to start the conversation."),
+    tools: Path = typer.Option(
+        None, "--tools", help="A JSON file with OpenAI tool declarations the model may call."
+    ),
+    thinking: bool = typer.Option(True, "--thinking/--no-thinking", help="Let the model think first."),
+    effort: str = typer.Option("max", "--effort", help="Thinking effort: low, medium, high or max."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
     top_k: int = TOP_K,
@@ -176,10 +182,20 @@ def chat(
     layers: int = LAYERS,
 ) -> None:
     """Talk to a model: one line per user turn (reads stdin until EOF; empty lines are skipped).
-    The reasoning (think channel) is shown dimmed, then the answer."""
-    from k3.engine.chat import Message, ReplyStream, encode_chat
+    The reasoning (think channel) is shown dimmed, then the answer, then each tool call; after calls,
+    each line is the result of the next call (`tool NAME>`)."""
+    import json
+
+    from k3.chat.encoder import encode_chat
+    from k3.chat.parser import ReplyParser
     from k3.engine.generate import Engine
 
+    declared = None
+    if tools is not None:
+        try:
+            declared = json.loads(tools.read_text())
+        except (OSError, ValueError) as e:
+            fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
     model, tok = load(checkpoint, layers)
     params = sampling_params(
         max_tokens,
@@ -191,33 +207,53 @@ def chat(
         {tok.special.eos, tok.special.end_of_msg},
     )
     engine = Engine(model)
-    history = [Message("system", system)] if system else []
+    history: list[dict] = [{"role": "system", "content": system}] if system else []
+    options = {"thinking": thinking, "thinking_effort": effort}
+    encode_chat(tok, history, declared, **options)  # a bad --effort or --tools fails before the first turn
     interactive = sys.stdin.isatty()
     out = Console(highlight=False, soft_wrap=True)
+    pending: list = []  # tool calls waiting for their results
     while True:
+        ask = f"tool {pending[0].name}> " if pending else "you> "
         try:
-            line = input("you> " if interactive else "")
+            line = input(ask if interactive else "")
         except EOFError:
             break
         if not line.strip():
             continue
         if not interactive:
-            out.print(f"you> {line}")
-        history.append(Message("user", line))
-        reply = ReplyStream(tok)
+            out.print(f"{ask}{line}")
+        if pending:
+            call = pending.pop(0)
+            history.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": line})
+            if pending:
+                continue
+        else:
+            history.append({"role": "user", "content": line})
+        reply = ReplyParser(tok, thinking)
         out.print("k3> ", end="")
-        for token in engine.stream(encode_chat(tok, history), params):
-            reasoning, content = reply.push(token)
-            if reasoning:
-                out.print(reasoning, style="dim", end="")
-            if content:
-                out.print(content, end="")
-            if reply.channel == "done":
+        for token in engine.stream(encode_chat(tok, history, declared, **options), params):
+            show(out, reply.push(token))
+            if reply.done:
                 break
-        reasoning, content = reply.flush()
-        out.print(reasoning, style="dim", end="")
-        out.print(content)
-        history.append(Message("assistant", reply.content.strip()))
+        show(out, reply.flush())
+        out.print()
+        r = reply.reply()
+        turn: dict = {"role": "assistant", "content": r.content, "reasoning_content": r.reasoning}
+        if r.tool_calls:
+            turn["tool_calls"] = [c.openai() for c in r.tool_calls]
+        history.append(turn)
+        pending = list(r.tool_calls)
+
+
+def show(out: Console, delta) -> None:
+    """A reply's delta on the terminal: reasoning dimmed, content plain, tool calls in bold."""
+    if delta.reasoning:
+        out.print(delta.reasoning, style="dim", end="")
+    if delta.content:
+        out.print(delta.content, end="")
+    for call in delta.tool_calls:
+        out.print(f"\n[tool call {call.id}] {call.name}({call.arguments})", style="bold", end="")
 
 
 def serve(

@@ -1,7 +1,8 @@
 """From engine events to OpenAI replies: text as it streams, stop strings, logprobs in both formats.
 
-`Choice` follows one request's events and yields `Piece`s: the text (and, for chat, reasoning) each event
-adds once stop strings are checked, the token events it consumed (for logprobs), and the finish reason.
+`choice_pieces` follows one request's events and yields `Piece`s: the text (and, for chat, reasoning and
+finished tool calls) each event adds once stop strings are checked, the token events it consumed (for
+logprobs), and the finish reason.
 Stop strings are matched on the text, so they are found across token boundaries; text that could still
 be the start of one is held back until it cannot.
 
@@ -16,7 +17,7 @@ import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from k3.engine.chat import ReplyStream
+from k3.chat.parser import Delta, ReplyParser, ToolCall
 from k3.engine.generate import Event, TopLogprobs
 from k3.engine.protocol import MAX_STOPS, invalid
 from k3.tokenizer.kimi import StreamDecoder, Tokenizer
@@ -54,11 +55,11 @@ class PlainText:
         self._decoder = StreamDecoder(tokenizer)
         self.channel = "content"
 
-    def push(self, token: int) -> tuple[str, str]:
-        return "", self._decoder.push(token)
+    def push(self, token: int) -> Delta:
+        return Delta(content=self._decoder.push(token))
 
-    def flush(self) -> tuple[str, str]:
-        return "", self._decoder.flush()
+    def flush(self) -> Delta:
+        return Delta(content=self._decoder.flush())
 
 
 @dataclass
@@ -68,29 +69,31 @@ class Piece:
     tokens: list[Event] = field(default_factory=list)  # events with a token, consumed by this piece
     finish_reason: str | None = None
     count: int = 0  # tokens generated so far
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the calls finished by this piece
 
 
 async def choice_pieces(
-    events: AsyncIterator[Event], text: PlainText | ReplyStream, stops: StopStrings
+    events: AsyncIterator[Event], text: PlainText | ReplyParser, stops: StopStrings
 ) -> AsyncIterator[Piece]:
     """One choice's pieces; the last one has a finish reason ("stop" for a stop id, a stop string or the
-    end of the chat message; "length"), unless the events end without one (the request was cancelled)."""
+    end of the chat message; "length"), unless the events end without one (the request was cancelled).
+    Stop strings are looked for in the content only."""
     count = 0
     async for event in events:
         tokens = [event] if event.token is not None else []
         count += len(tokens)
-        reasoning, content = text.push(event.token) if event.token is not None else ("", "")
-        if event.finish_reason is not None:
-            r_tail, c_tail = text.flush()
-            out = stops.push(content + c_tail, final=True)
-            finish = "stop" if stops.stopped else event.finish_reason
-            yield Piece(out, reasoning + r_tail, tokens, finish, count)
+        d = text.push(event.token) if event.token is not None else Delta()
+        if event.finish_reason is not None or text.channel == "done":
+            tail = text.flush()
+            out = stops.push(d.content + tail.content, final=True)
+            finish = "stop" if stops.stopped or event.finish_reason is None else event.finish_reason
+            calls = d.tool_calls + tail.tool_calls
+            yield Piece(out, d.reasoning + tail.reasoning, tokens, finish, count, calls)
             return
-        out = stops.push(content)
-        if stops.stopped or text.channel == "done":
-            yield Piece(out, reasoning, tokens, "stop", count)
+        out = stops.push(d.content)
+        yield Piece(out, d.reasoning, tokens, "stop" if stops.stopped else None, count, d.tool_calls)
+        if stops.stopped:
             return
-        yield Piece(out, reasoning, tokens, None, count)
 
 
 def finite(logprob: float) -> float:

@@ -90,20 +90,45 @@ class ChatMessageBody(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this result answers
+    reasoning_content: str | None = None  # assistant: its think channel
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as the chat encoder takes it (fields left unset are absent)."""
+        return self.model_dump(exclude_unset=True)
 
 
-class ChatBody(SamplingBody):
+class ChatFormatBody(BaseModel):
+    """What shapes the chat prompt (shared by /v1/chat/completions and /tokenize)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class ChatBody(SamplingBody, ChatFormatBody):
     messages: list[ChatMessageBody] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
 
-class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+class TokenizeBody(ChatFormatBody):
+    """vLLM's /tokenize: a text `prompt` or chat `messages` (then `add_generation_prompt`, `tools` and the
+    chat options as /v1/chat/completions takes them)."""
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessageBody] | None = None  # the chat prompt, as /v1/chat/completions encodes it
+    messages: list[ChatMessageBody] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = True  # K3 adds no special tokens to a text (no BOS): accepted, no effect
+    return_token_strs: bool = False
 
 
 class DetokenizeBody(BaseModel):
@@ -149,17 +174,3 @@ def validation_error(errors: list[dict]) -> APIError:
 
 def _is_label(x: str) -> bool:
     return "[" in x or x in _TYPE_LABELS
-
-
-def message_text(m: ChatMessageBody) -> str:
-    """A message's text: the string, or its text parts joined (`[{"type": "text", "text": ...}]`)."""
-    if m.content is None:
-        return ""
-    if isinstance(m.content, str):
-        return m.content
-    parts = []
-    for part in m.content:
-        if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise invalid("messages: only text content parts are supported", "messages")
-        parts.append(part["text"])
-    return "".join(parts)

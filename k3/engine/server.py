@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`,
-`/detokenize`, `/health`.
+`/detokenize`, `/tokenizer_info`, `/health`.
 
 All requests share one `Engine` through an `EngineWorker` thread (continuous batching); each choice of a
 request (`n`, a list of prompts) is one sequence. Responses follow OpenAI's schemas, plain or streamed as
@@ -14,7 +14,9 @@ requests: polled every 0.25 s). Bad input is 4xx naming the problem: 422 for mal
 types (the field), 400 for what the model cannot run (empty or too long prompts: both lengths), 404 for an
 unknown model, 401 without the `api_key` bearer token when one is set.
 
-Extensions beyond OpenAI's parameters: `top_k`, `repetition_penalty`, `ignore_eos`.
+Chat requests are written in K3's chat format (k3.chat, mapped by k3.engine.chat: tools, tool_choice,
+response_format, reasoning_effort, chat_template_kwargs) and replies carry `reasoning_content` and
+`tool_calls`. Extensions beyond OpenAI's parameters: `top_k`, `repetition_penalty`, `ignore_eos`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from k3.engine.chat import Message, ReplyStream, encode_chat
+from k3.engine.chat import (
+    ChatPrompt,
+    ChatRequestError,
+    chat_prompt,
+    finish_reason,
+    reply_message,
+    reply_parser,
+    tool_call_deltas,
+)
 from k3.engine.generate import Engine, Event
 from k3.engine.outputs import (
     LegacyLogprobs,
@@ -43,23 +53,24 @@ from k3.engine.outputs import (
     chat_logprobs,
     choice_pieces,
     merge_legacy,
+    token_text,
 )
 from k3.engine.protocol import (
     APIError,
     ChatBody,
+    ChatFormatBody,
     ChatMessageBody,
     CompletionBody,
     DetokenizeBody,
     SamplingBody,
     TokenizeBody,
     invalid,
-    message_text,
     validation_error,
 )
 from k3.engine.sampling import SamplingError, SamplingParams
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
-from k3.tokenizer.kimi import Tokenizer
+from k3.tokenizer.kimi import Tokenizer, tokenizer_config
 
 DISCONNECT_POLL_S = 0.25  # plain requests: how often a waiting request checks that its client is there
 
@@ -72,6 +83,7 @@ class Outcome:
     reasoning: str = ""
     logprobs: list[dict] = field(default_factory=list)  # completions: legacy parts; chat: unused
     events: list[Event] = field(default_factory=list)
+    tool_calls: list = field(default_factory=list)  # chat: k3.chat.parser.ToolCall
     finish_reason: str | None = None
     count: int = 0
 
@@ -132,6 +144,10 @@ async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _second(item: tuple[str, int]) -> int:
+    return item[1]
 
 
 def create_app(
@@ -433,28 +449,40 @@ def create_app(
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
-    def chat_prompt(messages: list[ChatMessageBody]) -> list[int]:
+    def prepare_chat(body: ChatFormatBody, messages: list[ChatMessageBody]) -> ChatPrompt:
         try:
-            return encode_chat(
-                tokenizer,
-                [Message("system" if m.role == "developer" else m.role, message_text(m)) for m in messages],
+            return chat_prompt(
+                [m.as_dict() for m in messages],
+                body.tools,
+                body.tool_choice,
+                body.response_format,
+                body.reasoning_effort,
+                body.chat_template_kwargs,
             )
-        except K3Error as e:
-            raise invalid(f"messages: {e}", "messages") from e
+        except ChatRequestError as e:
+            raise invalid(str(e), e.param) from e
+
+    def chat_ids(chat: ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
+        try:
+            return chat.ids(tokenizer, add_generation_prompt)
+        except ChatRequestError as e:
+            raise invalid(str(e), e.param) from e
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        prompt = chat_prompt(body.messages)
+        chat = prepare_chat(body, body.messages)
+        prompt = chat_ids(chat)
         max_tokens = budget(body, prompt, "messages", zero_ok=False)
         top = body.top_logprobs or 0
         StopStrings(body.stop)
         handles = submit_all([(prompt, sampling(body, max_tokens, j, logprobs=top)) for j in range(body.n)])
         rid, now, end = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), deadline()
         sources = [
-            choice_pieces(events(h, end), ReplyStream(tokenizer), StopStrings(body.stop)) for h in handles
+            choice_pieces(events(h, end), reply_parser(tokenizer, chat), StopStrings(body.stop))
+            for h in handles
         ]
 
         def chunk(choices_: list[dict]) -> dict:
@@ -482,18 +510,24 @@ def create_app(
                         ]
                     )
                 )
-                counts = [0] * body.n
+                counts, called = [0] * body.n, [False] * body.n
                 async for index, piece in merged(sources):
                     counts[index] = piece.count
-                    delta = {
+                    called[index] = called[index] or bool(piece.tool_calls)
+                    delta: dict = {
                         k: v
                         for k, v in (("reasoning_content", piece.reasoning), ("content", piece.content))
                         if v
                     }
+                    if piece.tool_calls:
+                        delta["tool_calls"] = tool_call_deltas(piece.tool_calls)
+                    finish = piece.finish_reason
+                    if finish == "stop" and called[index]:
+                        finish = "tool_calls"
                     logprobs = (
                         chat_logprobs(tokenizer, piece.tokens) if body.logprobs and piece.tokens else None
                     )
-                    if delta or piece.finish_reason or logprobs:
+                    if delta or finish or logprobs:
                         yield sse(
                             chunk(
                                 [
@@ -501,7 +535,7 @@ def create_app(
                                         "index": index,
                                         "delta": delta,
                                         "logprobs": logprobs,
-                                        "finish_reason": piece.finish_reason,
+                                        "finish_reason": finish,
                                     }
                                 ]
                             )
@@ -517,19 +551,16 @@ def create_app(
             o = outcomes[index]
             o.content, o.reasoning = o.content + piece.content, o.reasoning + piece.reasoning
             o.events += piece.tokens
+            o.tool_calls += piece.tool_calls
             o.finish_reason, o.count = piece.finish_reason, piece.count
 
         await gather_plain(request, sources, add)
         choices = [
             {
                 "index": i,
-                "message": {
-                    "role": "assistant",
-                    "content": o.content.strip(),
-                    "reasoning_content": o.reasoning.strip(),
-                },
+                "message": reply_message(o.reasoning, o.content, o.tool_calls),
                 "logprobs": chat_logprobs(tokenizer, o.events) if body.logprobs else None,
-                "finish_reason": o.finish_reason,
+                "finish_reason": finish_reason(o.finish_reason, o.tool_calls),
             }
             for i, o in enumerate(outcomes)
         ]
@@ -542,14 +573,25 @@ def create_app(
             "usage": usage([prompt], sum(o.count for o in outcomes)),
         }
 
-    # ---- /tokenize, /detokenize --------------------------------------------------------------------------
+    # ---- /tokenize, /detokenize, /tokenizer_info (vLLM's shapes) -----------------------------------------
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict:
+        """vLLM's /tokenize: the ids of a text, or of a chat exactly as /v1/chat/completions prefills it."""
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise invalid("tokenize: give exactly one of prompt (text) or messages (a chat)", "prompt")
-        ids = tokenizer.encode(body.prompt) if body.prompt is not None else chat_prompt(body.messages or [])
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_context}
+        if body.continue_final_message:
+            raise invalid(
+                "continue_final_message: K3's chat encoder has no open-ended final message", "messages"
+            )
+        if body.prompt is not None:
+            ids = tokenizer.encode(body.prompt)
+        else:
+            ids = chat_ids(prepare_chat(body, body.messages or []), body.add_generation_prompt)
+        out: dict = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = [token_text(tokenizer, t) for t in ids]
+        return out
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody) -> dict:
@@ -560,5 +602,16 @@ def create_app(
                 f"tokens: ids {bad[:5]} are outside the vocabulary (0..{tokenizer.vocab_size - 1})", "tokens"
             )
         return {"prompt": tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        """vLLM's tokenizer info: the tokenizer's configuration (as tokenizer_config.json) and its class."""
+        info = tokenizer_config(tokenizer.n_ranks, engine.max_context)
+        template = next(iter(info["added_tokens_decoder"].values()))
+        info["added_tokens_decoder"] = {
+            str(i): {**template, "content": c}
+            for c, i in sorted(tokenizer.special_tokens.items(), key=_second)
+        }
+        return info
 
     return app

@@ -15,10 +15,26 @@ from pathlib import Path
 
 from k3.tokenizer.kimi import TIKTOKEN_FILE, Tokenizer, read_tiktoken_ranks
 
-# The K3 chat format (k3.engine.chat.render_chat) as the Jinja template llama.cpp's chat front ends render.
+# K3's chat format (k3.chat.encoder.render_chat) for text conversations of system, user and assistant
+# messages (with `reasoning_content`), thinking at effort max, as the Jinja template llama.cpp's chat front
+# ends render. Tools, tool results, names and images are left to k3's own encoder.
 CHAT_TEMPLATE = (
+    '<|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides on how much to '
+    "think in your thinking channel (not including the response channel), supported values include `low`, "
+    "`medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=max`."
+    "<|close|>message<|sep|><|end_of_msg|>"
     "{%- for m in messages -%}"
-    '<|open|>message role="{{ m["role"] }}"<|sep|>{{ m["content"] }}<|close|>message<|sep|><|end_of_msg|>'
+    '<|open|>message role="{{ m["role"] }}"<|sep|>'
+    '{%- if m["role"] == "assistant" -%}'
+    "<|open|>think<|sep|>"
+    '{%- if m["reasoning_content"] and m["reasoning_content"].strip() -%}'
+    '{{ m["reasoning_content"] }}{%- endif -%}'
+    "<|close|>think<|sep|><|open|>response<|sep|>"
+    '{%- if m["content"] -%}{{ m["content"] }}{%- endif -%}'
+    "<|close|>response<|sep|>"
+    '{%- elif m["content"] -%}{{ m["content"] }}'
+    "{%- endif -%}"
+    "<|close|>message<|sep|><|end_of_msg|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
     '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'

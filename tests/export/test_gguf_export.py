@@ -237,7 +237,7 @@ def test_cli_and_errors(k3_tiny, tmp_path):
 
 
 def test_chat_template_renders_the_k3_chat_format():
-    from k3.engine.chat import render_chat
+    from k3.chat.encoder import render_chat
     from k3.export.vocab import CHAT_TEMPLATE
 
     template = jinja2.Environment().from_string(CHAT_TEMPLATE)
@@ -245,7 +245,11 @@ def test_chat_template_renders_the_k3_chat_format():
         [{"role": "user", "content": "Hola"}],
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": 'a "quote" <|close|>'},
          {"role": "assistant", "content": "Sí."}, {"role": "user", "content": "¿Y?"}],
+        [{"role": "user", "content": "2+2?"},
+         {"role": "assistant", "content": "4", "reasoning_content": "sum"},
+         {"role": "assistant", "content": "", "reasoning_content": "  "}, {"role": "user", "content": ""}],
     ]  # fmt: skip
     for chat in chats:
         for prompt in (True, False):
-            assert template.render(messages=chat, add_generation_prompt=prompt) == render_chat(chat, prompt)
+            want = render_chat(chat, add_generation_prompt=prompt)
+            assert template.render(messages=chat, add_generation_prompt=prompt) == want
