@@ -39,7 +39,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": 'Weather "now" & later',
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     },
     {"type": "function", "function": {"name": "calc", "parameters": {"type": "object", "properties": {}}}},
@@ -78,7 +82,9 @@ def _calls(rng: random.Random, turn: int) -> list[dict]:
     for i in range(rng.randint(1, 3)):
         name = rng.choice(["get_weather", "calc", 'odd "name" & co'])
         fn = {"name": name, "arguments": _arguments(rng)}
-        calls.append({"id": f"call_{turn}_{i}", "type": "function", "function": fn} if rng.random() < 0.85 else fn)
+        calls.append(
+            {"id": f"call_{turn}_{i}", "type": "function", "function": fn} if rng.random() < 0.85 else fn
+        )
     return calls
 
 
@@ -112,7 +118,7 @@ def conversation(seed: int) -> tuple[list[dict], dict]:
         messages.append(assistant)
         calls = assistant.get("tool_calls", [])
         results = []
-        for i, call in enumerate(calls):
+        for call in calls:
             result: dict = {"role": "tool", "content": _content(rng, images)}
             how = rng.random()
             if "id" in call and how < 0.6:
@@ -133,7 +139,9 @@ def conversation(seed: int) -> tuple[list[dict], dict]:
     if rng.random() < 0.5:
         options["tools"] = TOOLS if rng.random() < 0.7 else []
     if rng.random() < 0.4:
-        options["tool_choice"] = rng.choice(["auto", "required", "none", {"type": "function", "function": {}}])
+        options["tool_choice"] = rng.choice(
+            ["auto", "required", "none", {"type": "function", "function": {}}]
+        )
     if rng.random() < 0.4:
         schema = {"type": "object", "properties": {"z": {"type": "number"}, "a": {"type": "string"}}}
         options["response_format"] = rng.choice(
