@@ -97,6 +97,18 @@ def chat_prompt(
     return ChatPrompt(roles, tools, options)
 
 
+def request_prompt(body: Any, messages: list[Any]) -> ChatPrompt:
+    """The prompt of a request body (k3.engine.protocol's ChatFormatBody fields) and its messages."""
+    return chat_prompt(
+        [m.as_dict() for m in messages],
+        body.tools,
+        body.tool_choice,
+        body.response_format,
+        body.reasoning_effort,
+        body.chat_template_kwargs,
+    )
+
+
 def reply_parser(tokenizer: Tokenizer, prompt: ChatPrompt) -> ReplyParser:
     """The parser for this request's output (in the think channel when thinking, else the response)."""
     return ReplyParser(tokenizer, thinking=prompt.thinking)

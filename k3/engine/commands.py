@@ -39,8 +39,17 @@ def tokenize(
     special: bool = typer.Option(
         False, "--special", help="Read special-token text (<|open|>...) as specials."
     ),
+    chat: bool = typer.Option(
+        False,
+        "--chat",
+        help="TEXT is a chat as JSON: a list of messages, or /tokenize's body (messages, tools, "
+        "add_generation_prompt, chat_template_kwargs...): the ids `k3 serve` prefills for it.",
+    ),
+    ids_only: bool = typer.Option(False, "--ids", help="Print only the token ids, as a JSON list."),
 ) -> None:
     """Show how TEXT splits into tokens: one row per token with its id and bytes."""
+    import json
+
     from rich.table import Table
     from rich.text import Text
 
@@ -50,9 +59,16 @@ def tokenize(
 
     try:
         tok = Tokenizer.from_source(checkpoint) if checkpoint else builtin_tokenizer(vocab_size)
-        pieces = tok.pieces(text, allowed_special="all" if special else frozenset())
+        if chat:
+            ids = chat_ids(tok, text)
+            pieces = [(i, tok.token_bytes(i)) for i in ids]
+        else:
+            pieces = tok.pieces(text, allowed_special="all" if special else frozenset())
     except K3Error as e:
         fail(str(e))
+    if ids_only:
+        print(json.dumps([i for i, _ in pieces]))
+        return
     source = checkpoint or f"built-in BPE, vocab {vocab_size}"
     table = Table(title=Text(f"{len(pieces)} tokens ({source})"), title_justify="left")
     table.add_column("#", justify="right")
@@ -66,6 +82,26 @@ def tokenize(
         table.add_row(str(n), str(token_id), shown, str(len(piece)))
     console.print(table)
     console.print(Text(" · ".join(_show_bytes(p) for _, p in pieces)))
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """The prompt ids of a chat given as JSON (a message list or a /tokenize body), or a K3Error."""
+    import json
+
+    from pydantic import ValidationError
+
+    from k3.engine.chat import request_prompt
+    from k3.engine.protocol import TokenizeBody
+    from k3.errors import K3Error
+
+    try:
+        request = json.loads(text)
+        body = TokenizeBody.model_validate({"messages": request} if isinstance(request, list) else request)
+    except (ValueError, ValidationError) as e:
+        raise K3Error(f"--chat: TEXT is not a chat request ({str(e).splitlines()[0]})") from e
+    if body.messages is None:
+        raise K3Error("--chat: TEXT has no messages")
+    return request_prompt(body, body.messages).ids(tok, body.add_generation_prompt)
 
 
 def load(checkpoint: str, layers: int | None):

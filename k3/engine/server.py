@@ -38,10 +38,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from k3.engine.chat import (
     ChatPrompt,
     ChatRequestError,
-    chat_prompt,
     finish_reason,
     reply_message,
     reply_parser,
+    request_prompt,
     tool_call_deltas,
 )
 from k3.engine.generate import Engine, Event
@@ -451,14 +451,7 @@ def create_app(
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
     def prepare_chat(body: ChatFormatBody, messages: list[ChatMessageBody]) -> ChatPrompt:
         try:
-            return chat_prompt(
-                [m.as_dict() for m in messages],
-                body.tools,
-                body.tool_choice,
-                body.response_format,
-                body.reasoning_effort,
-                body.chat_template_kwargs,
-            )
+            return request_prompt(body, messages)
         except ChatRequestError as e:
             raise invalid(str(e), e.param) from e
 

@@ -10,7 +10,8 @@ from typer.testing import CliRunner
 
 from k3.config import K3Config
 from k3.engine import commands
-from k3.engine.chat import Message, encode_chat, parse_reply
+from k3.chat.encoder import encode_chat
+from k3.chat.parser import parse_reply
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
 from k3.model import K3ForCausalLM
@@ -58,7 +59,7 @@ def test_chat_reads_piped_turns(checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(checkpoint)
     params = SamplingParams(temperature=0, max_tokens=6, stop_ids={tok.special.eos, tok.special.end_of_msg})
     first = Engine(K3ForCausalLM.from_pretrained(checkpoint)).generate(
-        [encode_chat(tok, [Message("user", "hola")])], params
+        [encode_chat(tok, [{"role": "user", "content": "hola"}])], params
     )[0]
     r = runner.invoke(app, ["chat", str(checkpoint), "-n", "6", "-t", "0"], input="hola\n\n¿qué tal?\n")
     assert r.exit_code == 0, r.output

@@ -11,7 +11,8 @@ import openai
 import pytest
 import torch
 
-from k3.engine.chat import encode_chat, parse_reply
+from k3.chat.encoder import encode_chat
+from k3.chat.parser import parse_reply
 from k3.engine.generate import Engine
 from k3.engine.outputs import token_text
 from k3.engine.sampling import SamplingParams
