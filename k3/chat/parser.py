@@ -180,22 +180,27 @@ class ReplyParser:
         header = parse_header(self.tokenizer.decode(ids))
         if marker == self.tokenizer.special.close:
             name = header[0] if header and not header[1] else None
-            if self.broken:
-                if name in ("tools", "message"):
-                    assert self.call_ids is not None
-                    del self.call_ids[-len(tag_ids) :]  # the raw text ends before this closing tag
-                    self._release_raw(out)
+            if not self.broken and name in self.stack:
+                inside = self.stack[self.stack.index(name) + 1 :]
+                if not any(t in ("call", "argument", "json") for t in inside):
                     self._close(name, out)
-            elif name in self.stack:
-                self._close(name, out)
-            elif self._in_tools():
+                    return
+                self._break(out, f"a closing {name} tag inside an unfinished tool call", tag_ids)
+            elif not self.broken and self._in_tools():
                 self._break(out, f"a closing tag {name or '?'} where none is open", tag_ids)
+            if self.broken and name in ("tools", "message"):
+                assert self.call_ids is not None
+                if self.call_ids[-len(tag_ids) :] == tag_ids:
+                    del self.call_ids[-len(tag_ids) :]  # the raw text ends before this closing tag
+                self._release_raw(out)
+                self._close(name, out)
             return
         if self.broken:
             return
         tag, attrs = header if header is not None else ("?", {})
         parent = PARENT.get(tag)
-        if parent is None or parent not in self.stack or self.stack[-1] in ("argument", "json"):
+        misplaced = self._in_tools() and self.stack[-1] != parent
+        if parent is None or parent not in self.stack or self.stack[-1] in ("argument", "json") or misplaced:
             if self._in_tools() or tag in ("call", "argument", "json"):
                 self._break(out, f"a {tag} element where none belongs", tag_ids)
             return  # an element the format does not have, outside tool calls: ignored
