@@ -247,7 +247,7 @@ def chat(
     options = {"thinking": thinking, "thinking_effort": effort}
     encode_chat(tok, history, declared, **options)  # a bad --effort or --tools fails before the first turn
     interactive = sys.stdin.isatty()
-    out = Console(highlight=False, soft_wrap=True)
+    out = Console(highlight=False, soft_wrap=True, markup=False)  # model text is never rich markup
     pending: list = []  # tool calls waiting for their results
     while True:
         ask = f"tool {pending[0].name}> " if pending else "you> "
