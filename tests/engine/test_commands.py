@@ -8,10 +8,10 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from k3.config import K3Config
-from k3.engine import commands
 from k3.chat.encoder import encode_chat
 from k3.chat.parser import parse_reply
+from k3.config import K3Config
+from k3.engine import commands
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
 from k3.model import K3ForCausalLM
