@@ -3,7 +3,8 @@
 A request maps onto the release encoder's arguments (docs/chat.md has the table):
 
 * `messages`: passed as they are (OpenAI message dicts, with `name`, `tool_calls`, `tool_call_id`,
-  `reasoning_content`); `developer` is `system`;
+  `reasoning_content`); `developer` is `system`; content parts must be text (the server has no vision
+  tower yet: the encoder writes image parts as placeholders, k3.chat.encoder);
 * `tools` -> the tool declarations; `tool_choice` "required" / "none" -> the tool-choice system
   message ("auto" and a named function write nothing, as in the release); `response_format` as is;
 * `reasoning_effort` -> `thinking_effort`: minimal/low -> low, medium, high, xhigh/max -> max, and
@@ -93,8 +94,17 @@ def chat_prompt(
         options["tool_choice"] = tool_choice
     if response_format is not None:
         options["response_format"] = response_format
+    for m in messages:
+        if isinstance(m.get("content"), list) and not all(_is_text_part(p) for p in m["content"]):
+            raise ChatRequestError(
+                "only text content parts are supported (image parts need the vision tower)", "messages"
+            )
     roles = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     return ChatPrompt(roles, tools, options)
+
+
+def _is_text_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
 def request_prompt(body: Any, messages: list[Any]) -> ChatPrompt:
