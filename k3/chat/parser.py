@@ -77,6 +77,7 @@ def parse_header(header: str) -> tuple[str, dict[str, str]] | None:
 
 
 TOOL_ELEMENTS = ("tools", "call", "argument", "json")
+MAX_HEADER = 64  # ids after a marker before it stops counting as a tag header
 
 
 class ReplyParser:
@@ -129,6 +130,8 @@ class ReplyParser:
                 self.marker, self.header = token, []
             else:
                 self.header.append(token)
+                if len(self.header) > MAX_HEADER:
+                    self._not_a_header(out)
         elif token in (s.open, s.close):
             self.marker, self.header = token, []
             self._flush_text(out)
@@ -147,6 +150,16 @@ class ReplyParser:
         return Reply(self.reasoning, self.content, list(self.calls), self.error)
 
     # ---- internals -------------------------------------------------------------------------------------
+    def _not_a_header(self, out: Delta) -> None:
+        """A marker not followed by a header: dropped; what came after it is text again."""
+        ids, self.marker, self.header = self.header, None, []
+        if self._in_tools():
+            self._break(out, "a marker without a tag header", [])
+        elif not self.broken:
+            for token in ids:
+                if not self.tokenizer.is_special(token):
+                    self._text(token, out)
+
     def _in_tools(self) -> bool:
         return self.stack[-1] in TOOL_ELEMENTS
 
@@ -241,7 +254,7 @@ class ReplyParser:
         key, kind = self.argument
         try:
             self.call["arguments"][key] = decode_value(kind, self.tokenizer.decode(self.value))
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             self._break(out, f"argument {key!r} is not a {kind}: {e}", [])
 
     def _end_call(self, out: Delta) -> None:
@@ -271,7 +284,8 @@ class ReplyParser:
     def _finish(self, out: Delta, why: str) -> None:
         if not self.broken and any(t in self.stack for t in ("call", "argument", "json")):
             self._break(out, why, [])
-        self.marker = None
+        if self.marker is not None:
+            self._not_a_header(out)
         if self.broken:
             self._release_raw(out)
         self._flush_text(out)

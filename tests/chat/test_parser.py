@@ -145,6 +145,15 @@ def test_markers_never_leak_and_junk_never_raises(tok) -> None:
     assert (reply.reasoning, reply.content, reply.error) == ("ab", "c", None)
 
 
+def test_a_marker_without_a_header_gives_its_text_back(tok) -> None:
+    words = "word " * 80
+    reply = parse_reply(tok, xtml(tok, f"a<|open|>{words}<|close|>think<|sep|>b<|open|>tail"))
+    assert (reply.reasoning, reply.content, reply.error) == ("a" + words, "btail", None)
+    deep = "[" * 5000 + "]" * 5000
+    text = "<|close|>think<|sep|>" + GOOD.replace(">3<", ">" + deep + "<").replace("number", "array")
+    assert "not a array" in parse_reply(tok, xtml(tok, text)).error
+
+
 def test_an_element_that_cannot_sit_here_closes_the_ones_it_cannot_sit_in(tok) -> None:
     """`<|open|>response` inside the think channel ends it; `<|close|>message` ends everything."""
     reply = parse_reply(tok, xtml(tok, "think<|open|>response<|sep|>say" + GOOD + "<|close|>message<|sep|>"))

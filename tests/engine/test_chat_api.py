@@ -254,6 +254,8 @@ def test_tokenizer_endpoints_round_trip_and_agree_with_k3_tokenize(served, tiny_
             else httpx.post(f"{base}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
         )
         assert json.loads(cli.stdout) == want
+    cli = CliRunner().invoke(app, ["tokenize", "--ids", "-c", str(tiny_checkpoint), text])
+    assert cli.exit_code == 0 and json.loads(cli.stdout) == r["tokens"]
     info = httpx.get(f"{base}/tokenizer_info").json()
     assert info["tokenizer_class"] == "TikTokenTokenizer" and info["model_max_length"] == engine.max_context
     assert info["added_tokens_decoder"][str(tok.special.open)]["content"] == "<|open|>"
