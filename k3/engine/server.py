@@ -575,7 +575,8 @@ def create_app(
             raise invalid("tokenize: give exactly one of prompt (text) or messages (a chat)", "prompt")
         if body.continue_final_message:
             raise invalid(
-                "continue_final_message: K3's chat encoder has no open-ended final message", "messages"
+                "continue_final_message: K3's chat encoder has no open-ended final message",
+                "continue_final_message",
             )
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
