@@ -37,20 +37,20 @@ import shutil
 import time
 from pathlib import Path
 
-from k3.rl.distill_config import DistillConfig
-from k3.rl.distill_loop import train_distill
-from k3.rl.distill_teachers import make_teachers
+from k3.distill.config import DistillConfig
+from k3.distill.loop import train_distill
+from k3.distill.teachers import make_teachers
 
 RESULTS = Path(__file__).parent / "results"
 
 
 def accuracy(source: str, tasks: list[str], held_out: int, digits: int) -> dict:
     """Greedy held-out accuracy of a checkpoint or policy folder on each task."""
+    from k3.distill.loop import make_tasks
+    from k3.distill.losses import load_teacher
     from k3.engine.generate import Engine
-    from k3.rl.codec import CharCodec
-    from k3.rl.distill import load_teacher
-    from k3.rl.distill_loop import make_tasks
     from k3.rl.trainer import held_out_accuracy
+    from k3.tasks.codec import CharCodec
 
     model = load_teacher(source)
     engine, codec = Engine(model, max_batch=64), CharCodec(model.config.vocab_size)
@@ -69,7 +69,7 @@ def evals(run: Path) -> list[dict]:
 def robust_teacher(teachers: Path, task: str, args) -> Path:
     """TEACHERS/<task>-robust/checkpoint (built once): the specialist of `task` (arithmetic@long or @fix)
     fine-tuned `--robust-steps` more steps with `--pad-noise` of its problems given one wrong digit that is
-    not trained on (k3.rl.effort.plant_pad_noise), so that it continues right after a wrong digit, as the
+    not trained on (k3.tasks.effort.plant_pad_noise), so that it continues right after a wrong digit, as the
     student's own mistakes will have it: at @long the true columns and sum after a wrong scratchpad digit,
     at @fix an erasure of the wrong digit and the true one."""
     from k3.rl.export import export_run
@@ -122,7 +122,7 @@ def plot(out: Path, png: Path, runs: list[str], teachers: list[str]) -> None:
     """The reverse-KL student's reverse KL to each teacher; mean held-out accuracy against teacher tokens
     for the runs branching at the warm start, at the late one (and without one), and the 300-iteration
     runs; accuracy against training seconds for every run."""
-    from k3.rl.distill_plot import _points
+    from k3.distill.plot import _points
     from k3.train.plot import _pyplot, read_log
 
     def line(ax, run, x, y, **style):

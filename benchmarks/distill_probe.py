@@ -25,7 +25,7 @@ iteration trains on), and the greedy answer (what is graded):
 - `teacher_right_at_dev`: share of deviations where the teacher's greedy token at that (on-path) context
   is the reference token (so the teacher's signal there points to the right token);
 - `erasing`, `erasing_right` (arithmetic@fix): share of the student's samples that take a character back
-  (k3.rl.effort.ERASE) and, of those, the share graded right; `greedy_erasing`, `greedy_erasing_right`:
+  (k3.tasks.effort.ERASE) and, of those, the share graded right; `greedy_erasing`, `greedy_erasing_right`:
   the same for the greedy answers;
 - `way_r`, `greedy_way_r` (arithmetic-either): share of the samples / greedy answers written the easy way
   (`r`, least significant digit first); `acc_r`, `acc_p`: the samples' accuracy by way.
@@ -95,7 +95,7 @@ def _complete(
 def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
     """The figures of the module doc for one student on one domain."""
     from k3.engine.generate import Engine
-    from k3.rl.effort import ERASE, SEPARATOR
+    from k3.tasks.effort import ERASE, SEPARATOR
 
     s_engine, t_engine = Engine(student, max_batch=64), Engine(teacher, max_batch=64)
     problems = list(task.held_out(seed))
@@ -199,10 +199,10 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
 
 
 def main() -> None:
-    from k3.rl.codec import CharCodec
-    from k3.rl.distill import load_teacher
-    from k3.rl.distill_config import DistillConfig
-    from k3.rl.distill_loop import make_tasks
+    from k3.distill.config import DistillConfig
+    from k3.distill.loop import make_tasks
+    from k3.distill.losses import load_teacher
+    from k3.tasks.codec import CharCodec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/distill-exp")

@@ -3,7 +3,7 @@ and cannot teach. For each checkpoint, on the task's held-out prompts:
 
 - greedy accuracy, and at temperature 1 (4 samples per prompt) the accuracy and, per way of answering
   (`arithmetic-either`: `r` / `p`), the share of samples and their accuracy;
-- at `fix`: the share of T = 1 samples that take a character back (k3.rl.effort.ERASE) and, of those, how
+- at `fix`: the share of T = 1 samples that take a character back (k3.tasks.effort.ERASE) and, of those, how
   many had a wrong character before the first erasure (a real correction, not a right digit taken back);
   and after a planted wrong digit (the reference answer up to a uniformly chosen digit, that digit
   replaced by another, one per prompt), the share of greedy continuations that erase at once and that
@@ -21,12 +21,12 @@ import torch
 
 
 def main() -> None:
+    from k3.distill.losses import load_teacher
     from k3.engine.generate import Engine
     from k3.engine.sampling import SamplingParams
-    from k3.rl.codec import CharCodec
-    from k3.rl.distill import load_teacher
-    from k3.rl.effort import ERASE
-    from k3.rl.tasks import make_task
+    from k3.tasks.codec import CharCodec
+    from k3.tasks.effort import ERASE
+    from k3.tasks.registry import make_task
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("checkpoints", nargs="+")

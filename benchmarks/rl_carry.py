@@ -37,9 +37,9 @@ def load(policy: str):
 def probe(policy: str, seed: int, held_out: int, samples: int, temperature: float) -> dict:
     from k3.engine.generate import Engine
     from k3.engine.sampling import SamplingParams
-    from k3.rl.codec import CharCodec
     from k3.rl.sft import carry_dropped
-    from k3.rl.tasks import Arithmetic
+    from k3.tasks.codec import CharCodec
+    from k3.tasks.exact_match import Arithmetic
 
     model = load(policy).eval()
     codec = CharCodec(model.config.vocab_size)

@@ -115,12 +115,12 @@ def _register_rooms() -> None:
     from k3.atlas.commands import atlas_app
     from k3.checkpoint.commands import inspect_command
     from k3.dist.commands import generate  # the engine's `k3 generate`, plus --nproc N (expert parallel)
+    from k3.distill.commands import distill_app
     from k3.engine.commands import chat, serve, tokenize
     from k3.export.commands import export_app
     from k3.model.commands import init as write_random_weights
     from k3.ops.commands import doctor
     from k3.rl.commands import rl_app
-    from k3.rl.distill_commands import distill_app
     from k3.sandbox.commands import sandbox_app
     from k3.stream.commands import stream_app
     from k3.train.commands import train_app

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3.errors import K3Error
-from k3.rl.tasks import TASK_NAMES
+from k3.tasks.task import TASK_NAMES
 
 LOSSES = ("k2", "grpo", "rest")
 STALE_MODES = ("mask", "tis")
@@ -23,7 +23,7 @@ class RLError(K3Error):
 @dataclass
 class RLConfig:
     init: str = "tiny"  # preset, published checkpoint or policy folder (k3 rl sft)
-    task: str = "arithmetic"  # arithmetic | sort | recall | code | calculator (a mixture: a+b, k3.rl.mixture)
+    task: str = "arithmetic"  # arithmetic | sort | recall | code | calculator (a+b: k3.tasks.mixture)
     out: str = "runs/rl"
     iterations: int = 20
     prompts: int = 16  # new prompts per iteration

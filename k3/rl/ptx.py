@@ -16,10 +16,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k3.rl.codec import CharCodec
 from k3.rl.config import RLConfig, RLError
 from k3.rl.sft import IGNORE, sft_batch
-from k3.rl.tasks import Task
+from k3.tasks.codec import CharCodec
+from k3.tasks.task import Task
 
 PTX_STREAM = 10**6  # random streams PTX_STREAM + step: far from the iterations' 0, 1, 2, ...
 PTX_WINDOW = 64  # characters per text window

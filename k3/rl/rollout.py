@@ -26,13 +26,13 @@ learning rate 0 partial rollouts give exactly the tokens of one generation.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
+from k3.tasks.task import Tool
 
 FINISHED = ("stop", "length", "loop")
 
@@ -82,16 +82,6 @@ class Trajectory:
         t = Trajectory(**d)
         t.experts = None if experts is None else torch.tensor(experts, dtype=torch.long)
         return t
-
-
-@dataclass(frozen=True)
-class Tool:
-    """An environment the model calls mid-answer: generating `call_id` ends its turn, and
-    `respond(tokens so far)` gives the ids inserted before its next turn (at most `max_calls` times)."""
-
-    call_id: int
-    respond: Callable[[list[int]], list[int]]
-    max_calls: int = 1
 
 
 def trajectory_seed(seed: int, group: int, sample: int) -> int:

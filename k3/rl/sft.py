@@ -25,12 +25,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from k3.rl.codec import CharCodec
-from k3.rl.effort import plant_pad_noise
-from k3.rl.tasks import Arithmetic, Problem, TaskError, make_task
+from k3.tasks.codec import CharCodec
+from k3.tasks.effort import plant_pad_noise
+from k3.tasks.exact_match import Arithmetic
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem, TaskError
 
 IGNORE = -100
-WRONG_CARRY_STREAM = 2**31 - 2  # the random stream of the planted errors (beside k3.rl.tasks' streams)
+WRONG_CARRY_STREAM = 2**31 - 2  # the random stream of the planted errors (beside k3.tasks.task's streams)
 PAD_NOISE_STREAM = 2**31 - 3  # the planted scratchpad digits' (pad_noise)
 
 
@@ -49,8 +51,9 @@ class SFTConfig:
     held_out: int = 100
     threads: int = 0
     wrong_carry: float = 0.0  # share of carry problems answered with the carry dropped (plain arithmetic)
-    pad_noise: float = 0.0  # share of problems with one wrong scratchpad digit, not trained on (k3.rl.effort;
-    # at the `fix` effort a wrong digit of the answer, followed by its erasure and the true digit)
+    # share of problems with one wrong scratchpad digit, not trained on (k3.tasks.effort; at the `fix` effort
+    # a wrong digit of the answer, followed by its erasure and the true digit)
+    pad_noise: float = 0.0
 
 
 def carry_dropped(prompt: str, reverse: bool = True) -> str:
@@ -78,7 +81,7 @@ def plant_wrong_carry(
 
 def sft_batch(problems, codec: CharCodec, skip=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) [B, L]: prompt + answer + EOS shifted by one; labels only on answer and EOS, but
-    not on answer character `skip[b]` of problem b where given (a planted digit: k3.rl.effort)."""
+    not on answer character `skip[b]` of problem b where given (a planted digit: k3.tasks.effort)."""
     seqs = [(codec.encode(p.prompt), codec.encode(p.answer) + [codec.eos]) for p in problems]
     L = max(len(q) + len(a) for q, a in seqs) - 1
     inputs = torch.zeros(len(seqs), L, dtype=torch.long)

@@ -39,12 +39,13 @@ from pathlib import Path
 
 import torch
 
-from k3.rl.codec import CharCodec
 from k3.rl.config import RESUMABLE_CHANGES, RLConfig, RLError  # (trainer's names, kept)
 from k3.rl.loss import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
 from k3.rl.policy import check_consistency, forward_logprobs, pack
 from k3.rl.rollout import Trajectory, answer_ids, generate
-from k3.rl.tasks import Problem, Task, make_task
+from k3.tasks.codec import CharCodec
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem, Task
 
 RL_JSON = "rl.json"
 LOG_FILE = "log.csv"

@@ -11,13 +11,14 @@ import torch
 from k3.config import K3Config
 from k3.engine.generate import Engine
 from k3.model import K3ForCausalLM
-from k3.rl.codec import CharCodec
 from k3.rl.loss import k2_loss
 from k3.rl.policy import check_consistency, pack, token_logprobs
-from k3.rl.rollout import Tool, Trajectory, generate
-from k3.rl.tasks import Problem, make_task
-from k3.rl.tool_task import calculate
+from k3.rl.rollout import Trajectory, generate
 from k3.rl.trainer import RLConfig, train_rl
+from k3.tasks.codec import CharCodec
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem, Tool
+from k3.tasks.tool_task import calculate
 
 REPLY = [50, 51, 52]
 T = 0.05  # nearly greedy: every sample's first token is the call id chosen below

@@ -9,12 +9,13 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.rl.codec import CharCodec
 from k3.rl.config import RLConfig, RLError
 from k3.rl.ptx import PTX_STREAM, PTX_WINDOW, ptx_batch, ptx_text
 from k3.rl.rollout import Trajectory
-from k3.rl.tasks import Problem, make_task
 from k3.rl.trainer import _train_on
+from k3.tasks.codec import CharCodec
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem
 
 
 def _step(model, rc: RLConfig, task, codec: CharCodec) -> dict[str, torch.Tensor]:

@@ -8,7 +8,8 @@ import pytest
 
 import k3.rl.sft
 from k3.rl.sft import SFTConfig, carry_dropped, plant_wrong_carry, sft
-from k3.rl.tasks import Arithmetic, TaskError
+from k3.tasks.exact_match import Arithmetic
+from k3.tasks.task import TaskError
 
 
 def operands(prompt: str) -> tuple[int, int]:

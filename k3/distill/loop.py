@@ -2,9 +2,10 @@
 
 Methods (`--method`):
 - `on-policy` (the method): each iteration, `prompts` new problems of every domain, K student samples
-  each through the engine (k3.rl.rollout); every sample scored by its domain's teacher (k3.rl.distill.score);
-  `minibatches` steps on the truncated importance-sampling loss with the reverse-KL advantages (or, with
-  `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the engine then loads the new weights.
+  each through the engine (k3.rl.rollout); every sample scored by its domain's teacher
+  (k3.distill.losses.score); `minibatches` steps on the truncated importance-sampling loss with the
+  reverse-KL advantages (or, with `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the
+  engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
   student is fine-tuned on them (cross-entropy over the answer tokens); with `full_vocab`, the full-
   vocabulary `divergence` to the teacher's whole distribution at each of those teacher-sampled contexts
@@ -41,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from k3.rl.codec import CharCodec
-from k3.rl.distill import (
+from k3.distill.config import DistillConfig, DistillError
+from k3.distill.losses import (
     advantages,
     assign_domains,
     average_weights,
@@ -60,11 +61,12 @@ from k3.rl.distill import (
     score,
     vocabulary_of,
 )
-from k3.rl.distill_config import DistillConfig, DistillError
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory, answer_ids, generate
-from k3.rl.tasks import Task, make_task
 from k3.rl.trainer import RESUMABLE_CHANGES, held_out_accuracy
+from k3.tasks.codec import CharCodec
+from k3.tasks.registry import make_task
+from k3.tasks.task import Task
 
 DISTILL_JSON = "distill.json"
 LOG_FILE = "log.csv"

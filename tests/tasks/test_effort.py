@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from k3.rl.distill import DistillError, assign_domains, parse_teacher, reward_advantages
-from k3.rl.effort import is_task_name
-from k3.rl.tasks import Problem, TaskError, make_task
+from k3.distill.losses import DistillError, assign_domains, parse_teacher, reward_advantages
+from k3.tasks.effort import is_task_name
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem, TaskError
 
 
 def _carries_and_totals(a: int, b: int, digits: int) -> tuple[str, str]:
@@ -111,9 +112,9 @@ def test_reward_advantages_are_group_centred_rewards():
 
 
 def test_pad_noise_plants_one_wrong_scratchpad_digit_and_sft_skips_it(tmp_path):
-    from k3.rl.codec import CharCodec
-    from k3.rl.effort import SEPARATOR, plant_pad_noise
     from k3.rl.sft import IGNORE, SFTConfig, sft, sft_batch
+    from k3.tasks.codec import CharCodec
+    from k3.tasks.effort import SEPARATOR, plant_pad_noise
 
     for name in ("arithmetic@long", "arithmetic@short", "sort@long", "recall@long"):
         clean = make_task(name, held_out_size=5).problems(0, 1, 200)
@@ -144,7 +145,7 @@ def test_pad_noise_plants_one_wrong_scratchpad_digit_and_sft_skips_it(tmp_path):
 
 
 def test_erasures_are_read_before_grading_at_the_fix_effort():
-    from k3.rl.effort import ERASE, erase
+    from k3.tasks.effort import ERASE, erase
 
     # erase against a slow reading: each ERASE removes the nearest kept character to its left
     rng = np.random.default_rng(7)
@@ -174,9 +175,9 @@ def test_erasures_are_read_before_grading_at_the_fix_effort():
 
 
 def test_corrected_pad_noise_plants_a_wrong_digit_and_its_erasure():
-    from k3.rl.codec import CharCodec
-    from k3.rl.effort import ERASE, erase, plant_pad_noise
     from k3.rl.sft import IGNORE, sft_batch
+    from k3.tasks.codec import CharCodec
+    from k3.tasks.effort import ERASE, erase, plant_pad_noise
 
     clean = make_task("arithmetic@fix", digits=2).problems(0, 1, 400)
     noisy, planted = plant_pad_noise(clean, 1.0, np.random.default_rng(3), corrected=True)

@@ -1,5 +1,5 @@
 """`k3 distill`'s settings (DistillConfig), without torch: the command builds its options from these
-defaults (k3.rl.distill_commands), so each default lives here only."""
+defaults (k3.distill.commands), so each default lives here only."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A base model fine-tuned on a mixture (`k3 distill teachers --base-steps`) is what specialists and the
 distilled student start from. The mixture's held-out set is the union of its parts' held-out sets, so
 training on a mixture never sees a problem any part holds out. A problem of a part at an effort (its prompt
-starts with that part's tag) is graded by that part (k3.rl.effort: the final answer, after the erasures
+starts with that part's tag) is graded by that part (k3.tasks.effort: the final answer, after the erasures
 at `fix`); any other compares the final answer (after the last `;`) with the reference's, exactly.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3.rl.effort import SEPARATOR
-from k3.rl.tasks import Problem, Task, TaskError
+from k3.tasks.effort import SEPARATOR
+from k3.tasks.task import Problem, Task, TaskError
 
 
 @dataclass(eq=False)

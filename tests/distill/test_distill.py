@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.model import K3ForCausalLM
-from k3.rl.distill import (
+from k3.distill.config import DistillConfig
+from k3.distill.losses import (
     DistillError,
     Scores,
     TeacherSpec,
@@ -28,7 +28,7 @@ from k3.rl.distill import (
     score,
     vocabulary_of,
 )
-from k3.rl.distill_config import DistillConfig
+from k3.model import K3ForCausalLM
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory
 
@@ -216,7 +216,7 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
 
     import itertools
 
-    from k3.rl.distill import future_kl_advantages
+    from k3.distill.losses import future_kl_advantages
 
     V, T = 3, 3
     prefixes = [p for t in range(T) for p in itertools.product(range(V), repeat=t)]
@@ -269,7 +269,7 @@ def test_full_vocab_sequence_reverse_kl_is_unbiased_by_enumeration():
 
 
 def test_leave_one_out_mean_against_a_loop():
-    from k3.rl.distill import leave_one_out_mean
+    from k3.distill.losses import leave_one_out_mean
 
     x = torch.tensor([[1.0, 2.0, 3.0], [5.0, 7.0, 0.0], [9.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0]])
@@ -288,7 +288,7 @@ def test_length_norm_averages_each_samples_rest_against_a_loop():
     at t is sum_{k >= t} g^(k - t) r_k / sum_{k >= t} g^(k - t); the full-vocabulary future weight is the
     same over k > t of KL_k (0 at a sample's last token): future_kl_advantages, recovered from the
     gradient of distill_loss with it."""
-    from k3.rl.distill import future_kl_advantages
+    from k3.distill.losses import future_kl_advantages
 
     g = torch.Generator().manual_seed(1)
     teacher, student = -torch.rand(3, 5, generator=g), -torch.rand(3, 5, generator=g)

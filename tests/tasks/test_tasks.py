@@ -2,8 +2,9 @@
 
 import pytest
 
-from k3.rl.codec import CharCodec, CodecError
-from k3.rl.tasks import Problem, TaskError, make_task
+from k3.tasks.codec import CharCodec, CodecError
+from k3.tasks.registry import make_task
+from k3.tasks.task import Problem, TaskError
 
 
 def test_arithmetic_grader():

@@ -6,8 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from k3.rl.code_task import TEST_INPUTS, CodeTask
-from k3.rl.tasks import Problem, TaskError
+from k3.tasks.code_task import TEST_INPUTS, CodeTask
+from k3.tasks.task import Problem, TaskError
 
 FORK_BOMB = "import os\nwhile True:\n    os.fork()"
 LOOP = "def f(x):\n    while True:\n        pass"

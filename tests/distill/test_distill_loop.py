@@ -18,9 +18,9 @@ import torch
 from safetensors.torch import load_file
 
 from k3.config import K3Config
+from k3.distill.loop import TIMING, DistillConfig, learning_rate, train_distill
+from k3.distill.losses import DistillError
 from k3.model import K3ForCausalLM
-from k3.rl.distill import DistillError
-from k3.rl.distill_loop import TIMING, DistillConfig, learning_rate, train_distill
 from k3.rl.policy_io import POLICY_FILE, save_policy
 from k3.train.state import list_checkpoints
 
@@ -286,8 +286,8 @@ def test_off_policy_full_vocab_is_kd_on_the_teachers_samples(tmp_path, policies)
     """`--method off-policy --full-vocab`: the logged loss of iteration 1 is the forward KL(teacher ||
     student) at every context of the teacher's own samples, recomputed here one prefix at a time (no
     packing); the same samples (teacher tokens) as the SFT run, whose loss (cross-entropy) differs."""
+    from k3.distill.loop import _batch, _generate, load_setup
     from k3.engine.generate import Engine
-    from k3.rl.distill_loop import _batch, _generate, load_setup
 
     common = dict(
         student=str(policies[0]), teachers=[f"a={policies[1]}:arithmetic"], method="off-policy",
@@ -317,7 +317,7 @@ def test_off_policy_full_vocab_is_kd_on_the_teachers_samples(tmp_path, policies)
 def _ascii_student(tmp_path: Path, monkeypatch) -> tuple[K3ForCausalLM, Path]:
     """A tiny student whose output layer favours the byte ids (so its texts are varied ASCII), saved as a
     policy, and arithmetic graded by a planted rule: right is a text with a digit."""
-    from k3.rl.tasks import Arithmetic
+    from k3.tasks.exact_match import Arithmetic
 
     student = K3ForCausalLM.from_config(K3Config.from_pretrained("tiny"), seed=0, quantized_experts=False)
     with torch.no_grad():
@@ -333,11 +333,11 @@ def test_sampled_accuracy_grades_the_students_own_held_out_samples(tmp_path, mon
     """`sampled_acc_<task>` at row 0: the student's samples of the first `eval_samples` held-out prompts,
     drawn again here through the engine with the rollout's seeds, graded by a planted rule (right: a text
     with a digit). The student's output layer favours the byte ids, so its texts are varied ASCII."""
+    from k3.distill.loop import EVAL_STREAM, make_tasks
     from k3.engine.generate import Engine
     from k3.engine.sampling import SamplingParams
-    from k3.rl.codec import CharCodec
-    from k3.rl.distill_loop import EVAL_STREAM, make_tasks
     from k3.rl.rollout import trajectory_seed
+    from k3.tasks.codec import CharCodec
 
     student, policy = _ascii_student(tmp_path, monkeypatch)
     dc = DistillConfig(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3.rl.tasks import Problem, Task, TaskError
+from k3.tasks.task import Problem, Task, TaskError
 
 TEST_INPUTS = (0, 1, 2, 5, -3, 11)
 _FORMS = (

@@ -36,11 +36,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from k3.rl.distill_config import DistillError
-from k3.rl.effort import EFFORTS, is_task_name
+from k3.distill.config import DistillError
 from k3.rl.policy import Packed, pack
 from k3.rl.rollout import Trajectory
-from k3.rl.tasks import TASK_NAMES
+from k3.tasks.effort import EFFORTS, is_task_name
+from k3.tasks.task import TASK_NAMES
 
 
 # ---- teachers ---------------------------------------------------------------------------------------------

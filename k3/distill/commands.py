@@ -10,8 +10,8 @@ from typing import Annotated
 
 import typer
 
-from k3.rl.distill_config import DistillConfig
-from k3.rl.distill_teachers import make_teachers
+from k3.distill.config import DistillConfig
+from k3.distill.teachers import make_teachers
 from k3.terminal import fail
 
 distill_app = typer.Typer(
@@ -109,8 +109,8 @@ def distill(
     """Run (or resume) a distillation; writes RUN/log.csv and RUN/checkpoints/."""
     if ctx.invoked_subcommand is not None:
         return
+    from k3.distill.loop import train_distill
     from k3.errors import K3Error
-    from k3.rl.distill_loop import train_distill
 
     dc = DistillConfig(
         **{
@@ -197,7 +197,7 @@ def plot(
     out: Path | None = typer.Option(None, help="PNG to write (default: RUN/distill.png of the first)."),
 ) -> None:
     """Reverse KL to each teacher and held-out accuracy per task, against teacher tokens."""
-    from k3.rl.distill_plot import plot_distill
+    from k3.distill.plot import plot_distill
 
     try:
         print(plot_distill(runs, out))

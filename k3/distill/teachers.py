@@ -1,20 +1,20 @@
 """`k3 distill teachers`: specialist teachers built with k3 itself, one per task.
 
 Each specialist starts from the same weights: the preset's (seeded), or with `base_steps` a base fine-tuned
-that many steps on the mixture of all the tasks (OUT/base/policy, k3.rl.mixture: format-competent, the
+that many steps on the mixture of all the tasks (OUT/base/policy, k3.tasks.mixture: format-competent, the
 student's natural start); it is fine-tuned on its task's reference answers with `k3 rl sft` (k3.rl.sft)
 and, with `rl_iterations`, improved by `k3 rl` on the same
 task; it is then exported in the published layout (MXFP4 experts, the built-in tokenizer) as
 OUT/<task>/checkpoint, which `k3 distill --teacher <task>=OUT/<task>/checkpoint:<task>` loads. A task may
-be at an effort (`arithmetic@long`, k3.rl.effort); `rl_iterations` needs plain tasks (`k3 rl`'s).
+be at an effort (`arithmetic@long`, k3.tasks.effort); `rl_iterations` needs plain tasks (`k3 rl`'s).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from k3.rl.distill_config import DistillError
-from k3.rl.effort import is_task_name
+from k3.distill.config import DistillError
+from k3.tasks.effort import is_task_name
 
 
 def make_teachers(

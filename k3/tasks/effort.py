@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from k3.rl.tasks import TASK_NAMES, Problem, Task, TaskError
+from k3.tasks.task import TASK_NAMES, Problem, Task, TaskError
 
 EFFORTS = ("no", "short", "long", "fix")
 SEPARATOR = ";"

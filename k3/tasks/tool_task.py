@@ -14,9 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3.rl.codec import CharCodec
-from k3.rl.rollout import Tool
-from k3.rl.tasks import Problem, Task, operands
+from k3.tasks.codec import CharCodec
+from k3.tasks.task import Problem, Task, Tool, operands
 
 CALL = "?"  # ends a tool call
 EXPRESSION = re.compile(r"(\d{1,9})([*+-])(\d{1,9})$")
