@@ -49,7 +49,7 @@ def accuracy(source: str, tasks: list[str], held_out: int, digits: int) -> dict:
     from k3.distill.loop import make_tasks
     from k3.distill.losses import load_teacher
     from k3.engine.generate import Engine
-    from k3.rl.trainer import held_out_accuracy
+    from k3.rl.evaluation import held_out_accuracy
     from k3.tasks.codec import CharCodec
 
     model = load_teacher(source)

@@ -61,9 +61,10 @@ from k3.distill.losses import (
     score,
     vocabulary_of,
 )
+from k3.rl.config import RESUMABLE_CHANGES
+from k3.rl.evaluation import held_out_accuracy
 from k3.rl.policy import pack, token_logprobs
 from k3.rl.rollout import Trajectory, answer_ids, generate
-from k3.rl.trainer import RESUMABLE_CHANGES, held_out_accuracy
 from k3.tasks.codec import CharCodec
 from k3.tasks.registry import make_task
 from k3.tasks.task import Task

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -29,12 +29,11 @@ from k3.errors import K3Error
 from k3.layout import TensorSpec, prefixes, published_tensors
 from k3.model.on_demand import ExpertsOnDemand, expert_of
 
-if TYPE_CHECKING:
-    from k3.model.model import K3ForCausalLM
-
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
 _TRANSFORMERS_DENSE = re.compile(r"^(.*layers\.(\d+)\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)$")
 _LIST_AT_MOST = 12
+# The model class loaded into (K3ForCausalLM: k3.model.model calls in here, never the other way round).
+Model = TypeVar("Model", bound=nn.Module)
 
 
 class ModelLoadError(K3Error):
@@ -133,7 +132,7 @@ def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, requires
 
 
 def load_model(
-    cls: type[K3ForCausalLM],
+    cls: type[Model],
     source: str | Path,
     *,
     dtype: torch.dtype | None,
@@ -141,7 +140,7 @@ def load_model(
     compute_dtype: torch.dtype | None,
     requires_grad: bool = False,
     mirror_dir: Path | None = None,
-) -> K3ForCausalLM:
+) -> Model:
     remote = is_url(source)
     mirror = Path(mirror_dir or tempfile.gettempdir()) if remote else None
     ckpt = open_checkpoint(source, mirror=mirror)

@@ -97,8 +97,8 @@ def sft_batch(problems, codec: CharCodec, skip=None) -> tuple[torch.Tensor, torc
 
 def sft(sc: SFTConfig, on_step=None) -> Path:
     from k3.engine.generate import Engine
+    from k3.rl.evaluation import held_out_accuracy
     from k3.rl.policy_io import load_policy, save_policy
-    from k3.rl.trainer import held_out_accuracy
     from k3.train.optim import build_optimizer
 
     if sc.threads:

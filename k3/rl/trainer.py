@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 
 from k3.rl.config import RESUMABLE_CHANGES, RLConfig, RLError  # (trainer's names, kept)
+from k3.rl.evaluation import held_out_accuracy
 from k3.rl.loss import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
 from k3.rl.policy import check_consistency, forward_logprobs, pack
 from k3.rl.rollout import Trajectory, answer_ids, generate
@@ -61,24 +62,6 @@ def task_of(rc: RLConfig) -> Task:
     bases = {n.partition("@")[0] for n in rc.task.split("+")}  # `arithmetic@long`, `arithmetic+sort`
     options = {"digits": rc.digits} if bases & {"arithmetic", "arithmetic-either", "calculator"} else {}
     return make_task(rc.task, held_out_size=rc.held_out, **options)
-
-
-@torch.no_grad()
-def held_out_accuracy(
-    engine, task: Task, codec: CharCodec, seed: int, temperature: float = 0.0, samples: int = 1
-) -> float:
-    """The share of answers to the task's held-out problems graded right: greedy (temperature 0), or
-    `samples` seeded samples per problem at `temperature` (what the RL objective is the expectation of)."""
-    from k3.engine.sampling import SamplingParams
-
-    problems = [p for p in task.held_out(seed) for _ in range(samples if temperature else 1)]
-    stop = frozenset({codec.eos})
-    params = [
-        SamplingParams(temperature=temperature, max_tokens=task.max_tokens, stop_ids=stop, seed=seed + i)
-        for i in range(len(problems))
-    ]
-    outs = engine.generate([codec.encode(p.prompt) for p in problems], params)
-    return sum(task.grade(problems, [codec.decode(o) for o in outs])) / len(problems)
 
 
 def _evaluate(engine, task: Task, codec: CharCodec, rc: RLConfig) -> dict:
