@@ -68,6 +68,7 @@ from k3.rl.rollout import Trajectory, answer_ids, generate
 from k3.tasks.codec import CharCodec
 from k3.tasks.registry import make_task
 from k3.tasks.task import Task
+from k3.train.schedule import distillation_rate
 
 DISTILL_JSON = "distill.json"
 LOG_FILE = "log.csv"
@@ -132,21 +133,12 @@ def _optimizer(model, dc: DistillConfig):
 
 
 def learning_rate(dc: DistillConfig, step: int) -> float:
-    """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps,
-    as `k3 rl`'s (k3.rl.trainer.learning_rate: a fresh AdamW's first update moves every weight by the full
-    learning rate, whatever the gradient); then constant, or with `cosine` a half cosine from `lr` at the
-    end of the warm-up to 0 after the run's last step (`k3 rl sft`'s cosine, which made the specialists,
-    runs over all its steps instead, warm-up included).
-    The peak is `warm_lr` during the `warm_start` iterations where given, else `lr`."""
+    """The learning rate of the optimizer's `step`-th update (0-based): k3.train.schedule.distillation_rate
+    (a linear warm-up over `warmup` steps, then constant, or with `cosine` a half cosine to 0 at the run's
+    last step) from the peak `warm_lr` during the `warm_start` iterations where given, else `lr`."""
     warm = dc.warm_lr is not None and step < dc.warm_start * dc.minibatches
     peak = dc.warm_lr if warm else dc.lr
-    if step < dc.warmup:
-        return peak * (step + 1) / dc.warmup
-    if not dc.cosine:
-        return peak
-    total = dc.iterations * dc.minibatches
-    progress = min(1.0, (step - dc.warmup + 1) / max(1, total - dc.warmup))
-    return peak * 0.5 * (1 + math.cos(math.pi * progress))
+    return distillation_rate(step, peak, dc.iterations * dc.minibatches, dc.warmup, dc.cosine)
 
 
 def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], list, list[str]]:

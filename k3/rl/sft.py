@@ -17,7 +17,6 @@ the skill is there (samples find it), the choice is not. The held-out grading is
 from __future__ import annotations
 
 import csv
-import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +99,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
     from k3.rl.evaluation import held_out_accuracy
     from k3.rl.policy_io import load_policy, save_policy
     from k3.train.optim import build_optimizer
+    from k3.train.schedule import sft_rate
 
     if sc.threads:
         torch.set_num_threads(sc.threads)
@@ -123,8 +123,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
         writer = csv.DictWriter(f, fieldnames=["step", "loss", "lr", "eval_acc"])
         writer.writeheader()
         for step in range(sc.steps):
-            lr = sc.lr * min(1.0, (step + 1) / max(1, sc.warmup))
-            lr *= 0.5 * (1 + math.cos(math.pi * step / sc.steps)) if step >= sc.warmup else 1.0
+            lr = sft_rate(step, sc.lr, sc.steps, sc.warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             problems = task.problems(sc.seed, step, sc.batch_size)

@@ -47,6 +47,7 @@ from k3.rl.rollout import Trajectory, answer_ids, generate
 from k3.tasks.codec import CharCodec
 from k3.tasks.registry import make_task
 from k3.tasks.task import Problem, Task
+from k3.train.schedule import rl_rate
 
 RL_JSON = "rl.json"
 LOG_FILE = "log.csv"
@@ -80,13 +81,9 @@ def _optimizer(model, rc: RLConfig):
 
 
 def learning_rate(rc: RLConfig, step: int) -> float:
-    """The learning rate of the optimizer's `step`-th update (0-based): linear warm-up over `warmup` steps.
-
-    A fresh AdamW's first updates are lr * sign(gradient) for every parameter (its second moment is the
-    first squared gradient), whatever the gradient's size; on a policy fine-tuned to its current state,
-    with the noisy gradient of a few dozen samples, that step alone moved the policy by a KL of 0.18
-    nats per token at lr 1e-3 and cost 13 points of held-out accuracy (docs/rl.md, "Measured")."""
-    return rc.lr * min(1.0, (step + 1) / rc.warmup) if rc.warmup else rc.lr
+    """The learning rate of the optimizer's `step`-th update (0-based): k3.train.schedule.rl_rate, a linear
+    warm-up over `warmup` steps, then constant."""
+    return rl_rate(step, rc.lr, rc.warmup)
 
 
 def select_batch(pool: list[Trajectory], max_partial: int) -> tuple[list[list[Trajectory]], list[Trajectory]]:

@@ -55,7 +55,7 @@ from k3.train.config import TrainConfig, TrainError
 from k3.train.data import IGNORE, MQAR, Copying, Dataset, TextFile, answer_accuracy
 from k3.train.optim import build_optimizer
 from k3.train.routing import RoutingBalancer, chosen_loads, max_over_mean
-from k3.train.schedule import learning_rate
+from k3.train.schedule import pretraining_rate
 from k3.train.state import (
     CheckpointTensors,
     Writers,
@@ -281,7 +281,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
         writer, loads_writer = csv.DictWriter(log_file, fieldnames=columns), csv.writer(loads_file)
         for step in range(start, last):
             began = time.perf_counter()
-            lr = learning_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
+            lr = pretraining_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if eplb and step % tc.ep_replan_every == 0 and step:
