@@ -110,7 +110,7 @@ def load_setup(dc: DistillConfig) -> Setup:
 
     specs = [parse_teacher(t) for t in dc.teachers]
     domains = assign_domains(specs, dc.tasks)
-    model = load_policy(dc.student, dc.seed).train()
+    model = load_policy(dc.student, dc.seed, option="--student").train()
     teachers = {s.name: load_teacher(s.source) for s in specs if s.name in domains.values()}
     vocab = model.config.vocab_size
     check_vocabularies(

@@ -110,7 +110,7 @@ def load_teacher(source: str) -> nn.Module:
         except Exception as e:
             raise DistillError(f"teacher {source}: {e}") from None
     else:
-        model = load_policy(source)
+        model = load_policy(source, option="--teacher")
     return model.eval().requires_grad_(False)
 
 

@@ -19,11 +19,12 @@ CONFIG_FILE = "config.json"
 
 
 class PolicyError(K3Error):
-    """An --init that is no preset, checkpoint or policy folder, or a model without what RL needs."""
+    """A model source (`--init`, `--student`, a teacher) that is no preset, checkpoint or policy folder."""
 
 
-def load_policy(init: str, seed: int = 0):
-    """The model named by `init` (see module doc), fp32, experts as plain trainable weights."""
+def load_policy(init: str, seed: int = 0, option: str = "--init"):
+    """The model named by `init` (see module doc), fp32, experts as plain trainable weights; errors name
+    `init` as the command-line `option` that gave it."""
     from k3.model import K3ForCausalLM
 
     path = Path(init)
@@ -36,12 +37,12 @@ def load_policy(init: str, seed: int = 0):
         try:
             model = K3ForCausalLM.from_pretrained(path, dtype=torch.float32)
         except Exception as e:
-            raise PolicyError(f"--init {init}: {e}") from None
+            raise PolicyError(f"{option} {init}: {e}") from None
         return model.dequantize_experts(torch.float32)
     try:
         cfg = K3Config.from_pretrained(init)
     except Exception as e:
-        raise PolicyError(f"--init {init}: not a preset, checkpoint or policy folder ({e})") from None
+        raise PolicyError(f"{option} {init}: not a preset, checkpoint or policy folder ({e})") from None
     return K3ForCausalLM.from_config(cfg, seed=seed, quantized_experts=False)
 
 

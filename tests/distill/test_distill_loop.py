@@ -418,3 +418,22 @@ def test_kl_discount_changes_the_advantage_the_run_trains_on(tmp_path, policies)
         )
     ]
     assert len({float(v) for v in losses}) == 4
+
+
+@pytest.mark.parametrize(
+    "option, args",
+    [("--student", ["--student", "minii", "--teacher", "a=tiny:arithmetic"]),
+     ("--teacher", ["--teacher", "a=tinyy:arithmetic"])],
+)  # fmt: skip
+def test_a_model_that_is_not_there_is_blamed_on_its_own_option(tmp_path, option, args):
+    """The error names the option that gave the bad source (it named `--init`, `k3 rl`'s, before)."""
+    run = subprocess.run(
+        [sys.executable, "-m", "k3", "distill", *args, "--out", str(tmp_path / "run"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode != 0
+    name = args[args.index(option) + 1].split("=")[-1].split(":")[0]
+    assert f"{option} {name}: not a preset, checkpoint or policy folder" in run.stderr + run.stdout
+    assert "--init" not in run.stderr + run.stdout and "Traceback" not in run.stderr
