@@ -39,7 +39,7 @@ from pathlib import Path
 
 from k3.distill.config import DistillConfig
 from k3.distill.loop import train_distill
-from k3.distill.teachers import make_teachers
+from k3.distill.specialists import make_teachers
 
 RESULTS = Path(__file__).parent / "results"
 

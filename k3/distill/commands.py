@@ -11,7 +11,7 @@ from typing import Annotated
 import typer
 
 from k3.distill.config import DistillConfig
-from k3.distill.teachers import make_teachers
+from k3.distill.specialists import make_teachers
 from k3.terminal import fail
 
 distill_app = typer.Typer(
