@@ -47,7 +47,7 @@ RESULTS = Path(__file__).parent / "results"
 def accuracy(source: str, tasks: list[str], held_out: int, digits: int) -> dict:
     """Greedy held-out accuracy of a checkpoint or policy folder on each task."""
     from k3.distill.loop import make_tasks
-    from k3.distill.losses import load_teacher
+    from k3.distill.teachers import load_teacher
     from k3.engine.generate import Engine
     from k3.rl.evaluation import held_out_accuracy
     from k3.tasks.codec import CharCodec

@@ -201,7 +201,7 @@ def probe(student, teacher, task, codec, seed: int, samples: int) -> dict:
 def main() -> None:
     from k3.distill.config import DistillConfig
     from k3.distill.loop import make_tasks
-    from k3.distill.losses import load_teacher
+    from k3.distill.teachers import load_teacher
     from k3.tasks.codec import CharCodec
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -21,7 +21,7 @@ import torch
 
 
 def main() -> None:
-    from k3.distill.losses import load_teacher
+    from k3.distill.teachers import load_teacher
     from k3.engine.generate import Engine
     from k3.engine.sampling import SamplingParams
     from k3.tasks.codec import CharCodec

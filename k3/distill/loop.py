@@ -3,7 +3,7 @@
 Methods (`--method`):
 - `on-policy` (the method): each iteration, `prompts` new problems of every domain, K student samples
   each through the engine (k3.rl.rollout); every sample scored by its domain's teacher
-  (k3.distill.losses.score); `minibatches` steps on the truncated importance-sampling loss with the
+  (k3.distill.teachers.score); `minibatches` steps on the truncated importance-sampling loss with the
   reverse-KL advantages (or, with `full_vocab`, the exact full-vocabulary reverse KL, GKD beta = 1); the
   engine then loads the new weights.
 - `off-policy`: the same prompts, but each domain's teacher writes the K samples (its own engine) and the
@@ -45,19 +45,21 @@ import torch
 from k3.distill.config import DistillConfig, DistillError
 from k3.distill.losses import (
     advantages,
-    assign_domains,
-    average_weights,
-    check_vocabularies,
     distill_loss,
     full_vocab_kl,
     future_kl_advantages,
-    gather_tokens,
     gkd_loss,
+    reward_advantages,
+    sampled_reverse_kl,
+)
+from k3.distill.teachers import (
+    assign_domains,
+    average_weights,
+    check_vocabularies,
+    gather_tokens,
     load_teacher,
     log_distributions,
     parse_teacher,
-    reward_advantages,
-    sampled_reverse_kl,
     score,
     vocabulary_of,
 )

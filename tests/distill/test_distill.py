@@ -9,22 +9,23 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.distill.config import DistillConfig
+from k3.distill.config import DistillConfig, DistillError
 from k3.distill.losses import (
-    DistillError,
-    Scores,
-    TeacherSpec,
     advantages,
-    assign_domains,
-    average_weights,
-    check_vocabularies,
     distill_loss,
     forward_kl_full,
     full_vocab_kl,
     gkd_loss,
-    parse_teacher,
     reverse_kl_full,
     sampled_reverse_kl,
+)
+from k3.distill.teachers import (
+    Scores,
+    TeacherSpec,
+    assign_domains,
+    average_weights,
+    check_vocabularies,
+    parse_teacher,
     score,
     vocabulary_of,
 )

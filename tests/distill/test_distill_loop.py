@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from k3.config import K3Config
+from k3.distill.config import DistillError
 from k3.distill.loop import TIMING, DistillConfig, learning_rate, train_distill
-from k3.distill.losses import DistillError
 from k3.model import K3ForCausalLM
 from k3.rl.policy_io import POLICY_FILE, save_policy
 from k3.train.state import list_checkpoints

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from k3.distill.losses import DistillError, assign_domains, parse_teacher, reward_advantages
+from k3.distill.config import DistillError
+from k3.distill.losses import reward_advantages
+from k3.distill.teachers import assign_domains, parse_teacher
 from k3.tasks.effort import is_task_name
 from k3.tasks.registry import make_task
 from k3.tasks.task import Problem, TaskError
