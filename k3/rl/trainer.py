@@ -41,7 +41,7 @@ import torch
 
 from k3.rl.config import RESUMABLE_CHANGES, RLConfig, RLError  # (trainer's names, kept)
 from k3.rl.evaluation import held_out_accuracy
-from k3.rl.loss import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
+from k3.rl.losses import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
 from k3.rl.policy import check_consistency, forward_logprobs, pack
 from k3.rl.rollout import Trajectory, answer_ids, generate
 from k3.tasks.codec import CharCodec

@@ -11,7 +11,7 @@ import torch
 from k3.config import K3Config
 from k3.engine.generate import Engine
 from k3.model import K3ForCausalLM
-from k3.rl.loss import k2_loss
+from k3.rl.losses import k2_loss
 from k3.rl.policy import check_consistency, pack, token_logprobs
 from k3.rl.rollout import Trajectory, generate
 from k3.rl.trainer import RLConfig, train_rl

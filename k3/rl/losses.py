@@ -27,7 +27,7 @@ trained, pi_theta), reference p (e.g. pi_old); with log r = log p(x) - log q(x):
                                 grad KL(p || q) (the forward KL)
 
 ("as a loss": gradient through log q(x) at the sampled x, the sampling itself not differentiated, as an
-autograd loss does.) tests/rl/test_loss.py checks all six statements by brute force over a categorical.
+autograd loss does.) tests/rl/test_losses.py checks all six statements by brute force over a categorical.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from k3.rl.loss import (
+from k3.rl.losses import (
     grpo_loss,
     k2_loss,
     kl_estimate,
