@@ -6,7 +6,7 @@ One iteration (policy version v = the iteration number, engine and trainer hold 
    in flight; a pure function of (seed, iteration)), K samples each, join the unfinished trajectories of
    the replay buffer; the engine continues all of them by one segment
    (`partial_budget` tokens at most, or to the end) with weights v (a task with a tool: each tool call
-   answered with token ids of loss mask 0 and the model's next turn generated, k3.rl.rollout.Tool);
+   answered with token ids of loss mask 0 and the model's next turn generated, k3.tasks.task.Tool);
 2. groups whose K samples have all finished are graded (task reward, length penalty, truncation
    penalty); at most `partial_cap` x prompts x K of the batch's samples may come from partial rollouts,
    the rest of those groups wait for the next iteration;

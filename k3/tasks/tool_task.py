@@ -2,7 +2,7 @@
 
 The prompt `347*29=` asks for the product. The model may call the calculator once: it writes an expression
 and `?` (its turn ends there, the call id); the environment appends `=10063;` as token ids (loss mask 0:
-k3.rl.rollout.Tool, k3.rl.policy.pack) and the model's next turn writes the answer after it. The grade
+k3.tasks.task.Tool, k3.rl.policy.pack) and the model's next turn writes the answer after it. The grade
 is the text after the last `;` against the product, so copying the tool's value is right and a direct
 answer (no call) is graded the same way.
 """
