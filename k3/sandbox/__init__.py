@@ -7,7 +7,7 @@ from k3.lazy import lazy_exports
 
 _EXPORTS = {  # public name -> the module defining it
     "CommandResult": "k3.sandbox.types",
-    "EntryInfo": "k3.sandbox.workspace",
+    "EntryInfo": "k3.sandbox.files",
     "Limits": "k3.sandbox.types",
     "Sandbox": "k3.sandbox.sandbox",
     "SandboxError": "k3.sandbox.types",

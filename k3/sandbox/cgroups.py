@@ -57,7 +57,8 @@ class Cgroup:
         """The cgroup.procs files a process writes its pid into to join the group."""
         return [d / "cgroup.procs" for d in self.dirs()]
 
-    def create(self, limits: Limits) -> None:
+    def create(self, limits: Limits, cpu: bool = True, pids: int | None = None) -> None:
+        """Make the group with `limits` (the CPU quota only if `cpu`; `pids` overrides limits.pids)."""
         raise NotImplementedError
 
     def oom_kills(self) -> int:
@@ -67,12 +68,15 @@ class Cgroup:
         raise NotImplementedError
 
     def pids(self) -> set[int]:
+        """Every process in the group and in the groups below it."""
         found: set[int] = set()
-        for f in self.procs_files():
-            try:
-                found.update(int(p) for p in f.read_text().split())
-            except OSError:
-                pass
+        for d in self.dirs():
+            for dirpath, _, files in os.walk(d):
+                if "cgroup.procs" in files:
+                    try:
+                        found.update(int(p) for p in Path(dirpath, "cgroup.procs").read_text().split())
+                    except OSError:
+                        pass
         return found
 
     def kill_all(self, deadline_s: float = 5.0) -> None:
@@ -90,7 +94,8 @@ class Cgroup:
     def remove(self) -> None:
         """Kill what is left, then remove the group's directories (deepest first)."""
         self.kill_all()
-        for d in self.every_dir():
+        below = [Path(p) for d in self.every_dir() for p, _, _ in os.walk(d, topdown=False)]
+        for d in below:  # children first
             for _ in range(100):
                 try:
                     d.rmdir()
@@ -120,17 +125,18 @@ class CgroupV1(Cgroup):
         hierarchies = sorted(p for p in self.root.iterdir() if (p / "cgroup.procs").exists())
         return [h / self.name for h in hierarchies]
 
-    def create(self, limits: Limits) -> None:
+    def create(self, limits: Limits, cpu: bool = True, pids: int | None = None) -> None:
         for d in self.dirs():
             d.mkdir(parents=True, exist_ok=True)
-        mem, pids, cpu = self.dirs()
+        mem, pid_dir, cpu_dir = self.dirs()
         memory = str(limits.memory_mb << 20)
         self._write(mem / "memory.limit_in_bytes", memory)
         if (mem / "memory.memsw.limit_in_bytes").exists():
             self._write(mem / "memory.memsw.limit_in_bytes", memory)
-        self._write(pids / "pids.max", str(limits.pids))
-        self._write(cpu / "cpu.cfs_period_us", str(CFS_PERIOD_US))
-        self._write(cpu / "cpu.cfs_quota_us", str(round(limits.cpus * CFS_PERIOD_US)))
+        self._write(pid_dir / "pids.max", str(pids or limits.pids))
+        if cpu:
+            self._write(cpu_dir / "cpu.cfs_period_us", str(CFS_PERIOD_US))
+            self._write(cpu_dir / "cpu.cfs_quota_us", str(round(limits.cpus * CFS_PERIOD_US)))
 
     def oom_kills(self) -> int:
         return _read_key(self.dirs()[0] / "memory.oom_control", "oom_kill")
@@ -148,7 +154,7 @@ class CgroupV2(Cgroup):
     def dirs(self) -> list[Path]:
         return [self.root / self.name]
 
-    def create(self, limits: Limits) -> None:
+    def create(self, limits: Limits, cpu: bool = True, pids: int | None = None) -> None:
         parts = Path(self.name).parts
         for i in range(len(parts)):  # every ancestor must delegate the controllers to its children
             parent = self.root.joinpath(*parts[:i])
@@ -159,8 +165,9 @@ class CgroupV2(Cgroup):
         self._write(d / "memory.max", str(limits.memory_mb << 20))
         if (d / "memory.swap.max").exists():
             self._write(d / "memory.swap.max", "0")
-        self._write(d / "pids.max", str(limits.pids))
-        self._write(d / "cpu.max", f"{round(limits.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
+        self._write(d / "pids.max", str(pids or limits.pids))
+        if cpu:
+            self._write(d / "cpu.max", f"{round(limits.cpus * CFS_PERIOD_US)} {CFS_PERIOD_US}")
 
     def oom_kills(self) -> int:
         return _read_key(self.dirs()[0] / "memory.events", "oom_kill")

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 
+from k3.sandbox.files import EntryInfo
 from k3.sandbox.templates import WORKSPACE
 from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot
-from k3.sandbox.workspace import EntryInfo
 
 MARGIN_S = 30.0
 CONTROL_TIMEOUT_S = 120.0

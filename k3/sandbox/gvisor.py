@@ -1,27 +1,34 @@
 """The gVisor backend: one `runsc` container per sandbox (ptrace platform: the kvm platform hangs on these
 machines), its own kernel between the command and the host, an empty network namespace, the template
-read-only, the workspace bound at /home/user. Commands enter with `runsc exec` as uid 1000 through
-/k3/k3-exec (the seccomp filter, RLIMIT_NPROC = the pids limit). Memory and CPU are limits on the
-container's host cgroup, which runsc creates from the OCI spec. A timeout ends every process of the
-container but its init. Snapshots are `runsc checkpoint` images (all memory) plus a copy of the workspace
-("memory+fs"); restoring one is `runsc restore` into a new container."""
+read-only, the workspace bound at /home/user and /tmp at /tmp (both on the sandbox's disk tmpfs). Commands
+enter with `runsc exec` as uid 1000 through /k3/k3-exec, their supervisor inside the guest kernel
+(guest/k3_exec.c): the seccomp filter, the per-command memory and pids limits (it kills the command's
+tree, the sandbox lives on), and the end of the tree on a timeout or an output overflow (SIGUSR1 through
+`runsc kill --pid`). CPU, and a memory backstop for the whole sandbox kernel, are limits on the
+container's host cgroup, which runsc creates from the OCI spec. Snapshots are `runsc checkpoint` images
+(all memory) plus a copy of the disk ("memory+fs"); restoring one is `runsc restore` into a new container."""
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from k3.sandbox.cgroups import Cgroup
-from k3.sandbox.process import Outcome, run_process
+from k3.sandbox.process import Outcome, Proc
 from k3.sandbox.templates import GUEST_TOOLS, GUEST_UID, WORKSPACE, Template
 from k3.sandbox.types import Limits, SandboxError
 
 CONTROL_TIMEOUT_S = 30.0  # runsc run / checkpoint / restore / kill / ps never wait longer than this
 BASE_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": WORKSPACE, "USER": "user", "LANG": "C.UTF-8"}
 INIT = [f"{GUEST_TOOLS}/k3-init"]  # PID 1 of every container: reaps orphans (guest/k3_init.c)
+NPROC_FACTOR = 2  # RLIMIT_NPROC (all of the sandbox's processes) = this many times the per-command pids
+BACKSTOP_EXTRA_MB = 256  # the host cgroup of the sandbox kernel: 2 x memory_mb + this (see _write_bundle)
 
 
 def runsc_path() -> str:
@@ -56,6 +63,7 @@ class GvisorBackend:
         self.cgroup_type, self.cgroup_root = type(cgroup), cgroup.root
         self.generation = 0
         self.state = home / "runsc"
+        self.disk = home / "disk"
 
     # -- the container ---------------------------------------------------------------------------------
     @property
@@ -95,17 +103,19 @@ class GvisorBackend:
         mounts = [
             {"destination": "/proc", "type": "proc", "source": "proc"},
             {"destination": "/dev", "type": "tmpfs", "source": "tmpfs"},
-            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs"},
+            {"destination": "/tmp", "type": "bind", "source": str(self.disk / "tmp"), "options": ["rbind"]},
             {
                 "destination": WORKSPACE,
                 "type": "bind",
-                "source": str(self.home / "workspace"),
+                "source": str(self.disk / "user"),
                 "options": ["rbind"],
             },
             _ro(str(self.tools), GUEST_TOOLS),
             *(_ro(b) for b in self.template.binds),
         ]
-        memory = self.limits.memory_mb << 20
+        # the guest's k3-exec ends a command whose tree passes memory_mb; the host cgroup is only the
+        # backstop for the whole sandbox kernel (the sentry, its page cache, every command together)
+        memory = (2 * self.limits.memory_mb + BACKSTOP_EXTRA_MB) << 20
         spec = {
             "ociVersion": "1.0.0",
             "process": {
@@ -159,44 +169,54 @@ class GvisorBackend:
         except (SandboxError, ValueError):
             return False
 
-    def kill_commands(self) -> None:
-        """SIGKILL every process of the container except its init (pid 1)."""
-        try:
-            listing = json.loads(self._control("ps", "--format", "json", self.cid, timeout=10) or "[]")
-        except (SandboxError, ValueError):
-            return
-        for pid in listing or []:  # `runsc ps --format json` lists the pids
-            if pid != 1:
-                kill = self._cmd("kill", f"--pid={pid}", self.cid, "KILL")
+    def _signal(self, proc: Proc, sig: str) -> None:
+        """Send `sig` to the command's supervisor (k3-exec) inside the guest: USR1 ends its whole tree,
+        TERM / INT / HUP are passed on to the command."""
+        pidfile = self.home / "pids" / str(proc.pid)
+        for _ in range(200):  # runsc writes the guest pid just after the command starts
+            if pidfile.exists() and (guest := pidfile.read_text().strip()):
+                kill = self._cmd("kill", f"--pid={guest}", self.cid, sig)
                 subprocess.run(kill, capture_output=True, timeout=10)
+                return
+            if proc.done:
+                return
+            time.sleep(0.01)
 
     # -- commands --------------------------------------------------------------------------------------
-    def run(self, cmd: str, timeout: float, cwd: str, envs: dict[str, str], stdin: bytes) -> Outcome:
+    def exec(self, cmd: list[str], timeout: float, cwd: str, envs: dict[str, str], stdin: bytes,
+              keep_stdin: bool, pid: int, output_cap: int) -> Proc:  # fmt: skip
+        """Start `cmd` under its own k3-exec supervisor (which holds its memory and pids limits)."""
         oom0 = self.cgroup.oom_kills()
+        (self.home / "pids").mkdir(exist_ok=True)
+        mark = f"k3-exec-{secrets.token_hex(8)}"
         argv = self._cmd("exec", f"--user={GUEST_UID}:{GUEST_UID}", f"--cwd={cwd}")
+        argv.append(f"--internal-pid-file={self.home / 'pids' / str(pid)}")
         for k, v in {**BASE_ENV, **envs}.items():
             argv.append(f"--env={k}={v}")
-        argv += [
-            self.cid,
-            f"{GUEST_TOOLS}/k3-exec",
-            f"{GUEST_TOOLS}/seccomp.bpf",
-            str(self.limits.pids),
-            "/bin/sh",
-            "-c",
-            cmd,
-        ]
-        outcome = run_process(
-            argv,
-            stdin=stdin,
-            timeout=timeout,
-            output_cap=self.limits.output_mb << 20,
-            kill_tree=self.kill_commands,
-        )
-        if self.cgroup.oom_kills() > oom0:
-            outcome.stopped_by = "oom"  # the host OOM killer ended the sandbox kernel: the sandbox is gone
-        elif outcome.exit_code != 0 and outcome.stopped_by is None and not self.alive():
-            raise SandboxError(f"sandbox {self.sid} is not running (killed by its limits or from outside)")
-        return outcome
+        pids = self.limits.pids
+        argv += [self.cid, f"{GUEST_TOOLS}/k3-exec", f"{GUEST_TOOLS}/seccomp.bpf", str(NPROC_FACTOR * pids)]
+        argv += [str(pids), str(self.limits.memory_mb << 20), mark, *cmd]
+
+        def ended(outcome: Outcome) -> None:
+            (self.home / "pids" / str(pid)).unlink(missing_ok=True)
+            if self.cgroup.oom_kills() > oom0:  # the host's backstop ended the sandbox kernel
+                outcome.stopped_by = "oom"
+
+        proc: Proc
+
+        def kill_tree() -> None:
+            self._signal(proc, "USR1")
+
+        proc = Proc(argv, pid=pid, timeout=timeout, output_cap=output_cap, kill_tree=kill_tree, stdin=stdin,
+                    keep_stdin=keep_stdin, mark=mark.encode(), on_exit=ended, tag=" ".join(cmd))  # fmt: skip
+        return proc
+
+    def signal(self, proc: Proc, sig: int) -> None:
+        """SIGKILL ends the command's tree; other signals go to the command itself."""
+        if sig == signal.SIGKILL:
+            proc.stop("killed")
+        else:
+            self._signal(proc, signal.Signals(sig).name.removeprefix("SIG"))
 
     def stop(self) -> None:
         self._delete()

@@ -49,7 +49,8 @@ def clean(plan):
         except (OSError, subprocess.TimeoutExpired):
             pass
     for path in sorted(plan.get("cgroups", []), key=len, reverse=True):
-        _kill_cgroup(path)
+        for below, _, _ in os.walk(path, topdown=False):  # a command's own group first, then the sandbox's
+            _kill_cgroup(below)
     for path in plan.get("mounts", []):
         if os.path.ismount(path):
             subprocess.run(["umount", "-l", path], capture_output=True)

@@ -9,6 +9,7 @@ reaper process that removes all of it when the sandbox is killed, its lifetime e
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import secrets
@@ -21,11 +22,13 @@ from pathlib import Path
 from k3.sandbox import snapshots
 from k3.sandbox.bwrap import BwrapBackend
 from k3.sandbox.cgroups import Cgroup
+from k3.sandbox.files import Files
 from k3.sandbox.guest import guest_tools
 from k3.sandbox.gvisor import GvisorBackend
+from k3.sandbox.process import Outcome, Proc
 from k3.sandbox.templates import WORKSPACE, resolve_template
 from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot
-from k3.sandbox.workspace import EntryInfo, Workspace, mount_tmpfs, unmount
+from k3.sandbox.workspace import Disk, unmount
 
 BACKENDS = {"gvisor": GvisorBackend, "bwrap": BwrapBackend}
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -52,11 +55,43 @@ def _check_root(root: Path, backend: str) -> None:
                 raise SandboxError(f"the sandbox root {root} is unreachable for other users ({d} lacks o+x)")
 
 
+FILE_OP_TIMEOUT_S = 60.0  # a files operation is a command too; this is its deadline
+
+
 class Commands:
-    """`sbx.commands`: run shell commands in the sandbox, one at a time."""
+    """`sbx.commands`: shell commands in the sandbox. Several may run at once; each has its own limits
+    (memory, pids, output, timeout) and a limit ends that command only."""
 
     def __init__(self, sandbox: Sandbox):
         self._sbx = sandbox
+
+    def start(
+        self,
+        cmd: str | list[str],
+        timeout: float = 30,
+        cwd: str | None = None,
+        envs: dict[str, str] | None = None,
+        stdin: str | bytes | None = None,
+        keep_stdin: bool = False,
+        output_cap: int | None = None,
+    ) -> Proc:
+        """Start `cmd` (a string for /bin/sh -c, or an argv) and return at once: the running `Proc`
+        (write_stdin, close_stdin, follow, stop, wait). `keep_stdin` leaves its stdin open for later
+        writes; otherwise `stdin` is its whole input."""
+        if timeout <= 0:
+            raise SandboxError(f"timeout must be > 0 seconds, got {timeout}")
+        sbx = self._sbx
+        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+        env = {"K3_SEED": str(sbx.seed), **(envs or {})}
+        argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        with sbx._lock:  # not during a snapshot
+            sbx._check_alive()
+            limit = min(float(timeout), sbx._remaining())
+            pid = sbx._next_pid()
+            cap = output_cap or sbx.limits.output_mb << 20
+            proc = sbx._backend.exec(argv, limit, cwd or WORKSPACE, env, data, keep_stdin, pid, cap)
+            sbx._procs[pid] = proc
+        return proc
 
     def run(
         self,
@@ -66,47 +101,37 @@ class Commands:
         envs: dict[str, str] | None = None,
         stdin: str | bytes | None = None,
     ) -> CommandResult:
-        """Run `cmd` with /bin/sh. The timeout (seconds, capped by the sandbox's remaining lifetime) kills
-        the command's whole process tree; the result says what stopped it (`killed_by`)."""
-        if timeout <= 0:
-            raise SandboxError(f"timeout must be > 0 seconds, got {timeout}")
-        sbx = self._sbx
-        data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
-        env = {"K3_SEED": str(sbx.seed), **(envs or {})}
-        with sbx._lock:
-            sbx._check_alive()
-            limit = min(float(timeout), sbx._remaining())
-            out = sbx._backend.run(cmd, limit, cwd or WORKSPACE, env, data)
-        return CommandResult(
-            stdout=out.stdout.decode(errors="replace"),
-            stderr=out.stderr.decode(errors="replace"),
-            exit_code=out.exit_code,
-            duration_s=out.duration_s,
-            killed_by=out.stopped_by,
-        )
+        """Run `cmd` with /bin/sh and wait for it. The timeout (seconds, capped by the sandbox's remaining
+        lifetime) kills the command's whole process tree; the result says what stopped it (`killed_by`)."""
+        return result_of(self.start(cmd, timeout, cwd, envs, stdin).wait())
+
+    def list(self) -> list[Proc]:
+        """The commands still running."""
+        return [p for p in list(self._sbx._procs.values()) if not p.done]
+
+    def get(self, pid: int) -> Proc:
+        proc = self._sbx._procs.get(pid)
+        if proc is None:
+            raise SandboxError(f"no process {pid} in sandbox {self._sbx.sandbox_id}")
+        return proc
+
+    def signal(self, pid: int, sig: int) -> None:
+        """Send `sig` to a running command: SIGKILL ends its whole tree, others go to the command."""
+        self._sbx._backend.signal(self.get(pid), sig)
+
+    def _file_op(self, argv: list[str], data: bytes) -> Outcome:
+        cap = max(self._sbx.limits.disk_mb << 20, self._sbx.limits.output_mb << 20)
+        return self.start(argv, timeout=FILE_OP_TIMEOUT_S, stdin=data, output_cap=cap).wait()
 
 
-class Files:
-    """`sbx.files`: the workspace (/home/user), read and written from the host side."""
-
-    def __init__(self, sandbox: Sandbox):
-        self._sbx = sandbox
-
-    def write(self, path: str, data: str | bytes) -> None:
-        self._sbx._check_alive()
-        self._sbx._workspace.write(path, data)
-
-    def read(self, path: str, format: str = "text") -> str | bytes:
-        self._sbx._check_alive()
-        return self._sbx._workspace.read(path, format)
-
-    def list(self, path: str = WORKSPACE) -> list[EntryInfo]:
-        self._sbx._check_alive()
-        return self._sbx._workspace.list(path)
-
-    def remove(self, path: str) -> None:
-        self._sbx._check_alive()
-        self._sbx._workspace.remove(path)
+def result_of(out: Outcome) -> CommandResult:
+    return CommandResult(
+        stdout=out.stdout.decode(errors="replace"),
+        stderr=out.stderr.decode(errors="replace"),
+        exit_code=out.exit_code,
+        duration_s=out.duration_s,
+        killed_by=out.stopped_by,
+    )
 
 
 class Sandbox:
@@ -120,10 +145,12 @@ class Sandbox:
         self.limits = limits
         self.seed = secrets.randbits(63)
         self.commands = Commands(self)
-        self.files = Files(self)
+        self.files = Files(self.commands._file_op)
         self._backend = backend
         self._home = root / "sandboxes" / sid
-        self._workspace = Workspace(self._home / "workspace", backend.host_uid)
+        self._disk = Disk(self._home / "disk", backend.host_uid)
+        self._procs: dict[int, Proc] = {}  # E2B-style process ids, per sandbox
+        self._pid_counter = itertools.count(1000)
         self._deadline = time.time() + lifetime
         self._lock = threading.RLock()  # one command, snapshot or file operation at a time
         self._kill_lock = threading.Lock()
@@ -135,6 +162,12 @@ class Sandbox:
             start_new_session=True,  # a signal to our process group must not stop the cleanup
         )
         self._send_plan()
+
+    def _next_pid(self) -> int:
+        pid = next(self._pid_counter)
+        for old in [p for p, proc in self._procs.items() if proc.done][:-64]:  # keep the last 64 ended
+            self._procs.pop(old, None)
+        return pid
 
     @property
     def backend(self) -> str:
@@ -176,9 +209,9 @@ class Sandbox:
         home.mkdir(parents=True)
         sbx = cls(sid, root, impl, template, limits, timeout)
         try:
-            mount_tmpfs(home / "workspace", limits.disk_mb, impl.host_uid)
+            sbx._disk.mount(limits.disk_mb)
             if snap is not None:
-                sbx._workspace_from(Path(snap.path) / "workspace")
+                sbx._disk.restore_from(Path(snap.path) / "workspace")
             if snap is not None and snap.kind == "memory+fs":
                 impl.restore(Path(snap.path) / "image")
             else:
@@ -211,7 +244,7 @@ class Sandbox:
             "deadline": self._deadline + REAPER_GRACE_S,
             "containers": self._backend.containers(),
             "cgroups": self._backend.cgroups(),
-            "mounts": [str(self._home / "workspace")],
+            "mounts": [str(self._disk.path)],
             "dirs": [str(self._home)],
         }
 
@@ -248,11 +281,6 @@ class Sandbox:
         self._deadline = time.time() + timeout
         self._send_plan()
 
-    def _workspace_from(self, source: Path) -> None:
-        done = subprocess.run(["cp", "-a", f"{source}/.", str(self._workspace.host)], capture_output=True)
-        if done.returncode != 0:
-            raise SandboxError(f"restoring the workspace failed: {done.stderr.decode().strip()}")
-
     # -- snapshots, fork, pause ------------------------------------------------------------------------
     def create_snapshot(self, snapshot_id: str | None = None) -> Snapshot:
         """Save this sandbox: "memory+fs" on gVisor (every process, paused for the checkpoint, then
@@ -265,7 +293,7 @@ class Sandbox:
             try:
                 if kind == "memory+fs":
                     self._backend.checkpoint(path / "image")
-                size = self._workspace.copy_to(path / "workspace")
+                size = self._disk.copy_to(path / "workspace")
                 if kind == "memory+fs":
                     self._backend.restore(path / "image")
                     self._send_plan()
@@ -318,7 +346,10 @@ class Sandbox:
                 self._backend.stop()
             except (SandboxError, OSError, subprocess.TimeoutExpired):
                 pass  # the reaper removes whatever is left
-            unmount(self._home / "workspace")
+            for proc in list(self._procs.values()):
+                if not proc.done:
+                    proc.stop("killed")
+            unmount(self._disk.path)
             if self._reaper.stdin and not self._reaper.stdin.closed:
                 self._reaper.stdin.close()
             try:

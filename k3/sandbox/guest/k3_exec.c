@@ -1,39 +1,193 @@
-/* k3-exec FILTER NPROC ARGV...: the first process of every command in a gVisor sandbox. It sets
- * RLIMIT_NPROC to NPROC, loads the seccomp filter from FILTER (classic BPF, as k3/sandbox/seccomp.py writes
- * it), so the command and every process it starts inherit both, then execs ARGV. bubblewrap does the same itself with --seccomp. */
+/* k3-exec FILTER NPROC PIDS MEMORY MARK ARGV...: the first process of every command in a gVisor sandbox and
+ * the command's supervisor inside the guest kernel. It forks ARGV with RLIMIT_NPROC = NPROC (the sandbox-wide
+ * backstop) and the seccomp filter from FILTER (classic BPF, as k3/sandbox/seccomp.py writes it), makes
+ * it the leader of a new session (which its processes keep, orphans included), and every TICK_MS sums the
+ * tree's resident memory and counts its processes from the guest's /proc. When the tree passes MEMORY bytes
+ * or holds PIDS processes, or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
+ * writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
+ * SIGINT and SIGHUP are passed to the command. It exits with the status of ARGV's first process (128 +
+ * signal if killed) once that has ended and no process of the tree holds the command's stdout or stderr;
+ * processes left in the background with their own output keep running, outside its watch. */
+#include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
-int main(int argc, char **argv) {
+#define TICK_MS 5
+#define MAX_PROCS 4096
+
+static volatile sig_atomic_t kill_requested = 0;
+static volatile pid_t child = -1;
+
+static void on_usr1(int sig) { (void)sig; kill_requested = 1; }
+static void forward(int sig) { if (child > 0) kill(child, sig); }
+
+/* The command's processes: those in its session (the child's, made by setsid) and those under `self` by
+ * parent links in /proc (this gVisor has no subreapers, so orphans go to init but keep their session).
+ * Their pids go into `out` (out[0] is self, not counted), their resident bytes into `rss`. */
+static int tree(pid_t self, pid_t *out, long long *rss) {
+    static pid_t pid[MAX_PROCS], ppid[MAX_PROCS], sid[MAX_PROCS];
+    int n = 0, found = 0;
+    DIR *d = opendir("/proc");
+    struct dirent *e;
+    while (d && (e = readdir(d)) && n < MAX_PROCS) {
+        char path[300], buf[512];
+        if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+        snprintf(path, sizeof path, "/proc/%s/stat", e->d_name);
+        int fd = open(path, O_RDONLY);
+        if (fd < 0) continue;
+        ssize_t len = read(fd, buf, sizeof buf - 1);
+        close(fd);
+        if (len <= 0) continue;
+        buf[len] = 0;
+        char *close_paren = strrchr(buf, ')'); /* "pid (comm) state ppid pgrp session ..." */
+        int pgrp;
+        if (!close_paren || sscanf(close_paren + 2, "%*c %d %d %d", &ppid[n], &pgrp, &sid[n]) != 3) continue;
+        pid[n] = atoi(buf);
+        n++;
+    }
+    if (d) closedir(d);
+    *rss = 0;
+    long page = sysconf(_SC_PAGESIZE);
+    static char in[MAX_PROCS];
+    memset(in, 0, sizeof in);
+    out[found++] = self;
+    for (int j = 0; j < n; j++)
+        if (child > 0 && sid[j] == child && pid[j] != self) out[found++] = pid[j], in[j] = 1;
+    for (int i = 0; i < found && found < MAX_PROCS; i++) /* breadth-first from self and the session */
+        for (int j = 0; j < n && found < MAX_PROCS; j++)
+            if (!in[j] && ppid[j] == out[i] && pid[j] != self) out[found++] = pid[j], in[j] = 1;
+    for (int i = 1; i < found; i++) {
+        char path[64], buf[128];
+        snprintf(path, sizeof path, "/proc/%d/statm", out[i]);
+        int fd = open(path, O_RDONLY);
+        ssize_t len = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+        if (fd >= 0) close(fd);
+        if (len > 0) {
+            buf[len] = 0;
+            char *sp = strchr(buf, ' ');
+            if (sp) *rss += atoll(sp + 1) * page;
+        }
+    }
+    return found - 1;
+}
+
+static void kill_tree(pid_t self) {
+    static pid_t procs[MAX_PROCS];
+    long long rss;
+    kill(-child, SIGKILL); /* the command's process group at once (a fork bomb cannot outrun it) */
+    for (int pass = 0; pass < 1000; pass++) { /* then whoever left the group */
+        int n = tree(self, procs, &rss);
+        if (n == 0) return;
+        for (int i = 1; i <= n; i++) kill(procs[i], SIGKILL);
+        while (waitpid(-1, NULL, WNOHANG) > 0) {}
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* Whether a process of the tree still holds this command's stdout or stderr (the host reads the command
+ * until both close, so the supervisor watches as long as anyone can still write to them). */
+static int holds_output(const pid_t *procs, int n) {
+    char mine[2][64] = {{0}}, theirs[64], path[64];
+    for (int fd = 1; fd <= 2; fd++) {
+        snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+        if (readlink(path, mine[fd - 1], sizeof mine[0] - 1) < 0) mine[fd - 1][0] = 0;
+    }
+    for (int i = 1; i <= n; i++)
+        for (int fd = 0; fd < 64; fd++) { /* any of its first descriptors */
+            snprintf(path, sizeof path, "/proc/%d/fd/%d", procs[i], fd);
+            ssize_t len = readlink(path, theirs, sizeof theirs - 1);
+            if (len < 0) continue;
+            theirs[len] = 0;
+            if ((mine[0][0] && !strcmp(theirs, mine[0])) || (mine[1][0] && !strcmp(theirs, mine[1]))) return 1;
+        }
+    return 0;
+}
+
+static int load_filter(const char *file) {
     static struct sock_filter insns[4096];
-    if (argc < 4) {
-        fprintf(stderr, "usage: k3-exec FILTER NPROC ARGV...\n");
-        return 127;
-    }
-    struct rlimit nproc = {.rlim_cur = strtoul(argv[2], NULL, 10), .rlim_max = strtoul(argv[2], NULL, 10)};
-    if (setrlimit(RLIMIT_NPROC, &nproc)) {
-        perror("k3-exec: RLIMIT_NPROC");
-        return 127;
-    }
-    int fd = open(argv[1], O_RDONLY);
+    int fd = open(file, O_RDONLY);
     ssize_t n = fd < 0 ? -1 : read(fd, insns, sizeof insns);
-    if (n <= 0 || n % sizeof insns[0] != 0) {
-        perror("k3-exec: reading the seccomp filter");
-        return 127;
-    }
-    close(fd);
+    if (fd >= 0) close(fd);
+    if (n <= 0 || n % sizeof insns[0] != 0) return -1;
     struct sock_fprog prog = {.len = (unsigned short)(n / sizeof insns[0]), .filter = insns};
-    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) || prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog)) {
-        perror("k3-exec: loading the seccomp filter");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) return -1;
+    return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
+}
+
+int main(int argc, char **argv) {
+    static pid_t procs[MAX_PROCS];
+    if (argc < 7) {
+        fprintf(stderr, "usage: k3-exec FILTER NPROC PIDS MEMORY MARK ARGV...\n");
         return 127;
     }
-    execvp(argv[3], argv + 3);
-    perror("k3-exec: exec");
-    return 127;
+    rlim_t nproc = strtoul(argv[2], NULL, 10);
+    long pids = strtol(argv[3], NULL, 10);
+    long long memory = strtoll(argv[4], NULL, 10);
+    const char *mark = argv[5];
+    pid_t self = getpid();
+    struct sigaction sa = {0};
+    sa.sa_handler = on_usr1;
+    sigaction(SIGUSR1, &sa, NULL);
+    sa.sa_handler = forward;
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+    child = fork();
+    if (child < 0) {
+        perror("k3-exec: fork");
+        return 127;
+    }
+    if (child == 0) {
+        signal(SIGUSR1, SIG_DFL);
+        signal(SIGTERM, SIG_DFL);
+        signal(SIGINT, SIG_DFL);
+        signal(SIGHUP, SIG_DFL);
+        setsid();
+        struct rlimit lim = {.rlim_cur = nproc, .rlim_max = nproc};
+        if (setrlimit(RLIMIT_NPROC, &lim)) {
+            perror("k3-exec: RLIMIT_NPROC");
+            _exit(127);
+        }
+        if (load_filter(argv[1])) {
+            perror("k3-exec: loading the seccomp filter");
+            _exit(127);
+        }
+        execvp(argv[6], argv + 6);
+        perror("k3-exec: exec");
+        _exit(127);
+    }
+    const char *why = NULL;
+    int status = 0, done = 0;
+    for (;;) {
+        pid_t p;
+        int st;
+        while ((p = waitpid(-1, &st, WNOHANG)) > 0)
+            if (p == child) status = st, done = 1;
+        long long rss;
+        int n = tree(self, procs, &rss);
+        if (done && (n == 0 || !holds_output(procs, n))) break;
+        if (kill_requested) why = "signal";
+        else if (memory > 0 && rss > memory) why = "oom";
+        else if (pids > 0 && n >= pids) why = "pids";
+        if (why) {
+            kill_tree(self);
+            waitpid(child, &status, 0);
+            fprintf(stderr, "%s killed_by=%s\n", mark, why);
+            return 128 + SIGKILL;
+        }
+        struct timespec ts = {0, TICK_MS * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
