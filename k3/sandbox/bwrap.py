@@ -117,7 +117,6 @@ class BwrapBackend:
                 pass_fds=(fd,),
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
                 on_exit=ended,
-                tag=" ".join(cmd),
             )
         finally:
             os.close(fd)

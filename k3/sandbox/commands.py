@@ -70,8 +70,16 @@ def serve(
     tokens: Path = typer.Option(None, help='JSON file {"<token>": "<client name>"}; default: a new token.'),
     quota: int = typer.Option(8, help="Live sandboxes per client."),
     max_ttl: float = typer.Option(3600, help="Longest sandbox lifetime a client may ask for (s)."),
+    e2b: bool = typer.Option(
+        False, "--e2b", help="Speak E2B's protocol (the `e2b` SDK); k3's API under /k3."
+    ),
+    backend: str = typer.Option(
+        "gvisor", help="With --e2b: the backend of sandboxes whose template names none."
+    ),
 ) -> None:
-    """Serve the sandbox API over HTTP; every request needs `Authorization: Bearer <token>`."""
+    """Serve the sandbox API over HTTP; every request needs `Authorization: Bearer <token>` (with --e2b:
+    `X-API-KEY`, as the `e2b` SDK sends it). With --e2b the `export E2B_...` lines that point an unchanged
+    SDK at this server come first on stdout."""
     import uvicorn
 
     from k3.sandbox import SandboxError, default_root
@@ -82,6 +90,8 @@ def serve(
             table = json.loads(tokens.read_text())
         except (OSError, ValueError) as e:
             fail(f"cannot read the tokens file {tokens}: {e}")
+        if not isinstance(table, dict) or not table:
+            fail(f"the tokens file {tokens} must hold a non-empty JSON object")
     else:
         token = secrets.token_urlsafe(32)
         path = default_root() / "server-token"
@@ -90,12 +100,34 @@ def serve(
         with os.fdopen(fd, "w") as f:
             f.write(token + "\n")
         table = {token: "default"}
-        print(f"bearer token (also in {path}, mode 600): {token}", flush=True)
+        if not e2b:
+            print(f"bearer token (also in {path}, mode 600): {token}", flush=True)
     try:
-        app = create_app(table, quota=quota, max_ttl_s=max_ttl)
+        if e2b:
+            from k3.sandbox.e2b import create_e2b_app
+
+            app = create_e2b_app(table, quota=quota, max_ttl_s=max_ttl, backend=backend)
+        else:
+            app = create_app(table, quota=quota, max_ttl_s=max_ttl)
     except SandboxError as e:
         fail(str(e))
+    if e2b:
+        url = f"http://{host}:{port}"
+        for line in e2b_exports(next(iter(table)), url):
+            print(line)
+        print(f"# k3's own API: {url}/k3 (Bearer token = the API key)", flush=True)
     uvicorn.run(app, host=host, port=port, log_level="warning")
+
+
+def e2b_exports(api_key: str, url: str) -> list[str]:
+    """The environment that points an unchanged `e2b` SDK at `url` (E2B_DEBUG is not used: it would make
+    the SDK skip kill and set_timeout)."""
+    return [
+        f"export E2B_API_KEY={api_key}",
+        f"export E2B_API_URL={url}",
+        f"export E2B_SANDBOX_URL={url}",
+        "export E2B_HTTP_VERSION=1.1",
+    ]
 
 
 @sandbox_app.command()

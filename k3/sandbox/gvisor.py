@@ -208,7 +208,7 @@ class GvisorBackend:
             self._signal(proc, "USR1")
 
         proc = Proc(argv, pid=pid, timeout=timeout, output_cap=output_cap, kill_tree=kill_tree, stdin=stdin,
-                    keep_stdin=keep_stdin, mark=mark.encode(), on_exit=ended, tag=" ".join(cmd))  # fmt: skip
+                    keep_stdin=keep_stdin, mark=mark.encode(), on_exit=ended)  # fmt: skip
         return proc
 
     def signal(self, proc: Proc, sig: int) -> None:

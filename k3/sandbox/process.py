@@ -28,8 +28,8 @@ class Outcome:
 
 
 class Proc:
-    """Start `argv` now; a thread pumps its pipes until it ends. `pid` is a small number naming it inside
-    its sandbox (E2B's process id)."""
+    """Start `argv` now; a thread pumps its pipes until it ends. `pid` is a number naming it inside its
+    sandbox (E2B's process id); `argv`, `envs`, `cwd`, `tag` describe what was started, for listings."""
 
     def __init__(
         self,
@@ -46,9 +46,11 @@ class Proc:
         pass_fds: tuple[int, ...] = (),
         env: dict[str, str] | None = None,
         on_exit: Callable[[Outcome], None] = lambda outcome: None,
-        tag: str = "",
     ):
-        self.pid, self.tag = pid, tag
+        self.pid = pid
+        self.argv: list[str] = list(argv)  # what the sandbox's API started (set by Commands.start)
+        self.envs: dict[str, str] = {}
+        self.cwd, self.tag = "", ""
         self.start = time.monotonic()
         self._kill_tree, self._check, self._mark, self._on_exit = kill_tree, check, mark, on_exit
         self._cap, self._deadline = output_cap, self.start + timeout

@@ -74,6 +74,7 @@ class Commands:
         stdin: str | bytes | None = None,
         keep_stdin: bool = False,
         output_cap: int | None = None,
+        tag: str = "",
     ) -> Proc:
         """Start `cmd` (a string for /bin/sh -c, or an argv) and return at once: the running `Proc`
         (write_stdin, close_stdin, follow, stop, wait). `keep_stdin` leaves its stdin open for later
@@ -90,6 +91,7 @@ class Commands:
             pid = sbx._next_pid()
             cap = output_cap or sbx.limits.output_mb << 20
             proc = sbx._backend.exec(argv, limit, cwd or WORKSPACE, env, data, keep_stdin, pid, cap)
+            proc.argv, proc.envs, proc.cwd, proc.tag = argv, dict(envs or {}), cwd or WORKSPACE, tag
             sbx._procs[pid] = proc
         return proc
 

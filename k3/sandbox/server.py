@@ -73,11 +73,12 @@ class Registry:
 
 
 def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8, max_ttl_s: float = 3600,
-               reap_every_s: float = 5.0) -> FastAPI:  # fmt: skip
-    """`tokens`: bearer token -> client name. `quota`: live sandboxes per client."""
+               reap_every_s: float = 5.0, registry: Registry | None = None) -> FastAPI:  # fmt: skip
+    """`tokens`: bearer token -> client name. `quota`: live sandboxes per client. `registry`: share the
+    sandboxes and quotas of another server (the E2B one mounts this app; its lifespan then runs there)."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one bearer token")
-    reg = Registry(quota)
+    reg = registry or Registry(quota)
     stop = threading.Event()
 
     def reaper() -> None:

@@ -1,0 +1,363 @@
+"""`k3 sandbox serve --e2b`: k3's sandboxes behind E2B's own protocol, so the unchanged `e2b` SDK drives them.
+One server on 127.0.0.1 answers three things:
+
+- E2B's control-plane REST API (as in E2B's spec/openapi.yml): create (`POST /sandboxes`, `/v2/sandboxes`),
+  get, list (`/sandboxes`, `/v2/sandboxes`), kill, set timeout, pause, resume / connect, snapshots
+  (`POST /sandboxes/{id}/snapshots`, a snapshot id is then a template; `DELETE /templates/{id}`), fork.
+  `X-API-KEY` is a k3 client token: each key sees only its own sandboxes (another key's id is 404), its
+  live sandboxes are capped by the quota (429, the SDK's RateLimitException), a wrong key is 401.
+- E2B's in-sandbox API ("envd", `envd.py`): processes and the filesystem over Connect, `/files`, `/health`;
+  the SDK names the sandbox in a header, so one address serves every sandbox (`E2B_SANDBOX_URL`).
+- k3's own API (`server.py`) under `/k3`, with the same tokens, quotas and sandboxes.
+
+A template is a k3 template name ("base" is k3's "python"), optionally `NAME@BACKEND` to pick the backend
+("base@bwrap"), or the id of a snapshot this key made."""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import threading
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from connectrpc.code import Code
+from connectrpc.errors import ConnectError
+from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from k3.sandbox import snapshots
+from k3.sandbox.envd import ENVD_VERSION, EnvdSandbox, connect_apps, envd_router
+from k3.sandbox.sandbox import BACKENDS, Sandbox, default_root
+from k3.sandbox.server import Registry, create_app
+from k3.sandbox.types import Limits, SandboxError
+
+TEMPLATE_ALIASES = {"base": "python"}
+
+
+class NewSandbox(BaseModel):
+    model_config = ConfigDict(populate_by_name=True, extra="ignore")
+    template_id: str = Field("base", alias="templateID")
+    timeout: int = 300
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    allow_internet_access: bool | None = None
+
+
+class TimeoutBody(BaseModel):
+    timeout: int
+
+
+class ConnectBody(BaseModel):
+    timeout: int | None = None
+
+
+class SnapshotBody(BaseModel):
+    name: str | None = None
+
+
+class ForkBody(BaseModel):
+    timeout: int | None = None
+    count: int | None = None
+
+
+@dataclass
+class Info:
+    """E2B's view of one sandbox (running, or paused: then `entry.sandbox` is the stopped one)."""
+
+    owner: str
+    template: str
+    entry: EnvdSandbox
+    token: str
+    metadata: dict[str, str] = field(default_factory=dict)
+    started: datetime = field(default_factory=lambda: datetime.now(UTC))
+    ends: float = 0.0
+    paused: bool = False
+
+
+def _iso(t: datetime) -> str:
+    return t.isoformat().replace("+00:00", "Z")
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": message}, status_code=status)
+
+
+def create_e2b_app(
+    tokens: dict[str, str],
+    root: Path | None = None,
+    quota: int = 8,
+    max_ttl_s: float = 3600,
+    backend: str = "gvisor",
+    limits: Limits | None = None,
+    reap_every_s: float = 5.0,
+):
+    """The ASGI application. `tokens`: API key -> client name; `backend`: the backend of sandboxes whose
+    template names none; `limits`: every sandbox's limits."""
+    if not tokens:
+        raise SandboxError("the sandbox server needs at least one API key")
+    if backend not in BACKENDS:
+        raise SandboxError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    state_root = Path(root) if root is not None else default_root()
+    reg = Registry(quota)
+    infos: dict[str, Info] = {}  # guarded by reg.lock, like the registry's tables
+    stop = threading.Event()
+
+    def reaper() -> None:
+        while not stop.wait(reap_every_s):
+            reg.reap()
+            with reg.lock:
+                for sid in [s for s, i in infos.items() if not i.paused and s not in reg.sandboxes]:
+                    infos.pop(sid)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        thread = threading.Thread(target=reaper, name="e2b-ttl", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            reg.close()
+
+    app = FastAPI(
+        title="k3 sandbox (E2B)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+
+    @app.exception_handler(SandboxError)
+    async def bad_input(request: Request, exc: SandboxError):
+        return _error(400, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return _error(exc.status_code, str(exc.detail))
+
+    def client(request: Request) -> str:
+        key = request.headers.get("x-api-key", "")
+        for known, name in tokens.items():
+            if hmac.compare_digest(key.encode(), known.encode()):
+                return name
+        raise HTTPException(401, "Invalid API key")
+
+    def owned(sid: str, who: str) -> Info:
+        with reg.lock:
+            info = infos.get(sid)
+        if info is None or info.owner != who:
+            raise HTTPException(404, f"sandbox {sid} not found")
+        return info
+
+    def running(sid: str, who: str = Depends(client)) -> Info:
+        info = owned(sid, who)
+        if info.paused:
+            raise HTTPException(409, f"sandbox {sid} is paused")
+        return info
+
+    def sandbox_json(sid: str, info: Info) -> dict:
+        return {
+            "templateID": info.template,
+            "sandboxID": sid,
+            "clientID": "k3",
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": info.token,
+            "domain": None,
+        }
+
+    def detail_json(sid: str, info: Info) -> dict:
+        lim = info.entry.sandbox.limits
+        ends = datetime.fromtimestamp(info.ends or info.entry.sandbox._deadline, UTC)
+        return {
+            **sandbox_json(sid, info),
+            "startedAt": _iso(info.started),
+            "endAt": _iso(ends),
+            "cpuCount": max(1, round(lim.cpus)),
+            "memoryMB": lim.memory_mb,
+            "diskSizeMB": lim.disk_mb,
+            "state": "paused" if info.paused else "running",
+            "metadata": info.metadata,
+        }
+
+    def admit(who: str, count: int = 1) -> None:
+        with reg.lock:
+            if reg.live(who) + count > reg.quota:
+                raise HTTPException(
+                    429, f"client {who!r} already has {reg.live(who)} of its {reg.quota} live sandboxes"
+                )
+
+    def register(who: str, sbx: Sandbox, template: str, metadata: dict, envs: dict) -> tuple[str, Info]:
+        info = Info(who, template, EnvdSandbox(sbx, dict(envs)), secrets.token_urlsafe(24), dict(metadata))
+        with reg.lock:
+            reg.sandboxes[sbx.sandbox_id] = (who, sbx)
+            infos[sbx.sandbox_id] = info
+        return sbx.sandbox_id, info
+
+    def resolve(template: str, who: str) -> tuple[str, str, str | None]:
+        """(k3 template, backend, snapshot id) of an E2B template id."""
+        with reg.lock:
+            if reg.snapshots.get(template) == who:
+                return template, backend, template
+        name, _, chosen = template.partition("@")
+        return TEMPLATE_ALIASES.get(name, name), chosen or backend, None
+
+    def create(body: NewSandbox, who: str) -> JSONResponse:
+        admit(who)
+        name, chosen, snap = resolve(body.template_id, who)
+        sbx = Sandbox.create(
+            template=name,
+            timeout=min(body.timeout, max_ttl_s),
+            limits=limits,
+            backend=chosen,
+            allow_internet_access=bool(body.allow_internet_access),
+            snapshot=snap,
+            root=state_root,
+        )
+        sid, info = register(who, sbx, body.template_id, body.metadata or {}, body.env_vars or {})
+        return JSONResponse(sandbox_json(sid, info), status_code=201)
+
+    @app.post("/sandboxes")
+    def create_v1(body: NewSandbox, who: str = Depends(client)) -> JSONResponse:
+        return create(body, who)
+
+    @app.post("/v2/sandboxes")
+    def create_v2(body: NewSandbox, who: str = Depends(client)) -> JSONResponse:
+        return create(body, who)
+
+    def listing(who: str, state: str | None) -> list[dict]:
+        wanted = set(state.split(",")) if state else {"running", "paused"}
+        with reg.lock:
+            mine = [(sid, i) for sid, i in infos.items() if i.owner == who]
+        out = [detail_json(sid, i) for sid, i in mine if ("paused" if i.paused else "running") in wanted]
+        return sorted(out, key=lambda d: d["startedAt"])
+
+    @app.get("/sandboxes")
+    def list_v1(who: str = Depends(client)) -> list[dict]:
+        return listing(who, None)
+
+    @app.get("/v2/sandboxes")
+    def list_v2(state: str | None = None, who: str = Depends(client)) -> list[dict]:
+        return listing(who, state)
+
+    @app.get("/sandboxes/{sid}")
+    def get(sid: str, who: str = Depends(client)) -> dict:
+        return detail_json(sid, owned(sid, who))
+
+    @app.delete("/sandboxes/{sid}", status_code=204)
+    def kill(sid: str, who: str = Depends(client)) -> Response:
+        info = owned(sid, who)
+        with reg.lock:
+            infos.pop(sid, None)
+            reg.sandboxes.pop(sid, None)
+            was_paused = reg.snapshots.pop(sid, None) is not None
+        for w in info.entry.watchers.values():
+            w.stop()
+        if was_paused:
+            snapshots.delete(snapshots.load(state_root, sid))
+        else:
+            info.entry.sandbox.kill()
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sid}/timeout", status_code=204)
+    def set_timeout(sid: str, body: TimeoutBody, info: Info = Depends(running)) -> Response:
+        info.entry.sandbox.set_timeout(min(body.timeout, max_ttl_s))
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sid}/refreshes", status_code=204)
+    def refresh(sid: str, info: Info = Depends(running)) -> Response:
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sid}/pause", status_code=204)
+    def pause(sid: str, who: str = Depends(client)) -> Response:
+        info = owned(sid, who)
+        if info.paused:
+            raise HTTPException(409, f"sandbox {sid} is already paused")
+        for w in info.entry.watchers.values():
+            w.stop()
+        info.entry.watchers.clear()
+        with reg.lock:
+            reg.sandboxes.pop(sid, None)
+            reg.snapshots[sid] = who
+            info.paused = True
+            info.ends = info.entry.sandbox._deadline
+        info.entry.sandbox.pause()
+        return Response(status_code=204)
+
+    def resume(sid: str, timeout: int | None, who: str) -> JSONResponse:
+        info = owned(sid, who)
+        if not info.paused:
+            if timeout:
+                info.entry.sandbox.set_timeout(min(timeout, max_ttl_s))
+            return JSONResponse(sandbox_json(sid, info), status_code=200)
+        admit(who)
+        sbx = Sandbox.connect(sid, timeout=min(timeout or 300, max_ttl_s), root=state_root)
+        with reg.lock:
+            reg.snapshots.pop(sid, None)
+            reg.sandboxes[sid] = (who, sbx)
+            info.entry.sandbox, info.paused, info.ends = sbx, False, 0.0
+        return JSONResponse(sandbox_json(sid, info), status_code=201)
+
+    @app.post("/sandboxes/{sid}/resume")
+    def resume_v1(sid: str, body: ConnectBody, who: str = Depends(client)) -> JSONResponse:
+        return resume(sid, body.timeout, who)
+
+    @app.post("/sandboxes/{sid}/connect")
+    def connect_v1(sid: str, body: ConnectBody, who: str = Depends(client)) -> JSONResponse:
+        return resume(sid, body.timeout, who)
+
+    @app.post("/v2/sandboxes/{sid}/connect")
+    def connect_v2(sid: str, body: ConnectBody, who: str = Depends(client)) -> JSONResponse:
+        return resume(sid, body.timeout, who)
+
+    @app.post("/sandboxes/{sid}/snapshots", status_code=201)
+    def snapshot(sid: str, body: SnapshotBody, info: Info = Depends(running)) -> dict:
+        snap = info.entry.sandbox.create_snapshot()
+        with reg.lock:
+            reg.snapshots[snap.id] = info.owner
+        return {"snapshotID": snap.id, "names": [body.name] if body.name else []}
+
+    @app.delete("/templates/{template_id}", status_code=204)
+    def delete_snapshot(template_id: str, who: str = Depends(client)) -> Response:
+        with reg.lock:
+            if reg.snapshots.get(template_id) != who or template_id in infos:
+                raise HTTPException(404, f"snapshot {template_id} not found")
+            reg.snapshots.pop(template_id)
+        snapshots.delete(snapshots.load(state_root, template_id))
+        return Response(status_code=204)
+
+    @app.post("/sandboxes/{sid}/fork", status_code=201)
+    def fork(sid: str, body: ForkBody, info: Info = Depends(running)) -> list[dict]:
+        count = body.count or 1
+        admit(info.owner, count)
+        out = []
+        for child in info.entry.sandbox.fork(count):
+            if isinstance(child, Exception):
+                out.append({"error": {"code": 500, "message": str(child)}})
+                continue
+            if body.timeout:
+                child.set_timeout(min(body.timeout, max_ttl_s))
+            cid, cinfo = register(info.owner, child, info.template, info.metadata, info.entry.envs)
+            out.append({"sandbox": sandbox_json(cid, cinfo)})
+        return out
+
+    def lookup(sid: str, token: str) -> EnvdSandbox:
+        with reg.lock:
+            info = infos.get(sid)
+        if info is None or info.paused or not hmac.compare_digest(token.encode(), info.token.encode()):
+            raise ConnectError(Code.NOT_FOUND, f"sandbox {sid} not found")
+        return info.entry
+
+    app.include_router(envd_router(lookup))
+    app.mount("/k3", create_app(tokens, root=root, quota=quota, max_ttl_s=max_ttl_s, registry=reg))
+    app.state.registry = reg
+    connect = connect_apps(lookup)
+
+    async def asgi(scope, receive, send) -> None:
+        path = scope.get("path", "")
+        for prefix, target in connect.items():
+            if scope["type"] == "http" and path.startswith(prefix):
+                return await target(scope, receive, send)
+        return await app(scope, receive, send)
+
+    asgi.fastapi = app  # for tests: the FastAPI part
+    return asgi
