@@ -1,7 +1,8 @@
 """The files API, seen exactly as the sandbox's commands see it: every operation is a short command run in
 the sandbox as its user (uid 1000), so it reaches every path a command reaches (the workspace, /tmp, the
 home directory, the read-only template) with the same permissions, and a write into a read-only mount
-fails as it would for a command. Errors carry the errno's name (`FileError.code`: "ENOENT", "EACCES",
+fails as it would for a command. Symlinks resolve inside the sandbox, like a command's; FIFOs, sockets and
+devices are refused (reading one could wait forever). Errors carry the errno's name (`FileError.code`: "ENOENT", "EACCES",
 "EROFS", "ENOSPC", "EISDIR", "ENOTDIR", "EEXIST") so a server can map them like E2B's envd does."""
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ from k3.sandbox.types import SandboxError
 RECORD = r"%y\t%s\t%m\t%u\t%g\t%T@\t%l\t%p\0"
 SCRIPT = r"""op=$1; p=$2
 case $op in
-read) [ -d "$p" ] && { echo "$p: Is a directory" >&2; exit 1; }; exec cat -- "$p" ;;
-write) d=$(dirname -- "$p"); [ -d "$d" ] || mkdir -p -- "$d" || exit 1; exec cat > "$p" ;;
+read) [ -d "$p" ] && { echo "$p: Is a directory" >&2; exit 1; }
+  [ -e "$p" ] && [ ! -f "$p" ] && { echo "$p: not a regular file" >&2; exit 1; }; exec cat -- "$p" ;;
+write) [ -d "$p" ] && { echo "$p: Is a directory" >&2; exit 1; }
+  [ -e "$p" ] && [ ! -f "$p" ] && { echo "$p: not a regular file" >&2; exit 1; }
+  d=$(dirname -- "$p"); [ -d "$d" ] || mkdir -p -- "$d" || exit 1; exec cat > "$p" ;;
 list) [ -e "$p" ] || { echo "$p: No such file or directory" >&2; exit 1; }
   [ -d "$p" ] || { echo "$p: Not a directory" >&2; exit 1; }
   exec find "$p" -mindepth 1 -maxdepth "$3" -printf "$4" ;;

@@ -105,7 +105,13 @@ class Commands:
     ) -> CommandResult:
         """Run `cmd` with /bin/sh and wait for it. The timeout (seconds, capped by the sandbox's remaining
         lifetime) kills the command's whole process tree; the result says what stopped it (`killed_by`)."""
-        return result_of(self.start(cmd, timeout, cwd, envs, stdin).wait())
+        out = self.start(cmd, timeout, cwd, envs, stdin).wait()
+        sbx = self._sbx
+        if out.exit_code != 0 and out.stopped_by in (None, "killed") and not sbx._killed:
+            if not sbx._backend.alive():  # its kernel (gVisor) was killed from outside under the command
+                sbx._lost = True
+                raise SandboxError(f"sandbox {sbx.sandbox_id} is not running (killed from outside)")
+        return result_of(out)
 
     def list(self) -> list[Proc]:
         """The commands still running."""
@@ -157,6 +163,7 @@ class Sandbox:
         self._lock = threading.RLock()  # one command, snapshot or file operation at a time
         self._kill_lock = threading.Lock()
         self._killed = False
+        self._lost = False  # its processes were killed from outside (gVisor: its kernel is gone)
         self._reaper = subprocess.Popen(
             [sys.executable, "-S", "-I", str(REAPER)],
             stdin=subprocess.PIPE,
@@ -266,6 +273,8 @@ class Sandbox:
     def _check_alive(self) -> None:
         if self._killed:
             raise SandboxError(f"sandbox {self.sandbox_id} was killed")
+        if self._lost:
+            raise SandboxError(f"sandbox {self.sandbox_id} is not running (killed from outside)")
         if self._reaper.poll() is not None or self._remaining() <= 0:
             self.kill()
             raise SandboxError(f"sandbox {self.sandbox_id} reached the end of its lifetime and was removed")

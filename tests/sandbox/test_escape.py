@@ -79,24 +79,24 @@ def test_writes_outside_the_workspace_change_nothing_on_the_host(sbx, tmp_path):
     assert not Path("/tmp/k3-pwned").exists() and not Path("/k3-pwned").exists()
 
 
-def test_files_api_does_not_follow_planted_symlinks_or_block_on_fifos(sbx, backend):
+def test_files_api_stays_inside_the_sandbox_and_does_not_block_on_fifos(sbx, backend):
+    """The files API runs inside the sandbox: planted symlinks resolve in the sandbox's own root (its
+    /etc/passwd, read-only), never the host's, and a FIFO is refused instead of blocking."""
     before = _checksums([Path("/etc/passwd")])
     sbx.commands.run("ln -s /etc/passwd link; ln -s /etc dirlink; mkfifo fifo", timeout=20)
     started = time.monotonic()
+    sandbox_passwd = sbx.commands.run("cat /etc/passwd", timeout=20).stdout
+    assert sbx.files.read("link") == sandbox_passwd != Path("/etc/passwd").read_text()
     for attempt in (
-        lambda: sbx.files.read("fifo"),  # would block the host if opened plainly (gVisor keeps it inside)
-        lambda: sbx.files.read("link"),
+        lambda: sbx.files.read("fifo"),
+        lambda: sbx.files.write("fifo", "x"),
         lambda: sbx.files.write("link", "pwned"),
         lambda: sbx.files.write("dirlink/k3-pwned", "pwned"),
-        lambda: sbx.files.read("/etc/passwd"),
         lambda: sbx.files.write("../../etc/k3-pwned", "x"),
     ):
         with pytest.raises(SandboxError):
             attempt()
-    if backend == "bwrap":  # a real FIFO on the host's side of the workspace
-        with pytest.raises(SandboxError):  # ENXIO (no reader) or "not a regular file"
-            sbx.files.write("fifo", "x")
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < 15
     assert _checksums([Path("/etc/passwd")]) == before and not Path("/etc/k3-pwned").exists()
 
 
@@ -189,11 +189,11 @@ def test_fork_bomb_stops_at_the_pids_limit(sbx, backend):
     sbx.files.write("bomb.py", FORK_BOMB)
     started = time.monotonic()
     r = sbx.commands.run("python3 bomb.py", timeout=4)
-    forked = int(r.stdout.split()[1])
-    assert 10 <= forked < 32, r  # the limit is 32 processes in all
-    # bubblewrap sees the cgroup's pids.events and stops the command at once; gVisor's limit is
-    # RLIMIT_NPROC inside its kernel, which the host cannot observe, so the command runs to its timeout
-    assert r.killed_by == ("pids" if backend == "bwrap" else "timeout"), r
+    # bubblewrap: the command's cgroup stops forks at 32 and its pids.events ends the command; gVisor:
+    # k3-exec inside the guest counts the command's processes and ends the tree when it holds 32
+    assert r.killed_by == "pids", r
+    if backend == "bwrap":
+        assert 10 <= int(r.stdout.split()[1]) < 32, r
     assert time.monotonic() - started < 8
     t0 = time.monotonic()
     subprocess.run(["true"], check=True)
@@ -207,10 +207,8 @@ def test_memory_hog_is_killed_by_oom(sbx, backend):
     r = sbx.commands.run("python3 hog.py", timeout=30)
     assert r.killed_by == "oom", r
     assert int(r.stdout.split()[-1]) < 256 // 16 + 2  # ~256 MB at most, in 16 MB steps
-    if backend == "gvisor":  # the host OOM killer ends the whole sandbox kernel
-        assert not sbx.is_running()
-    else:
-        assert sbx.commands.run("echo alive", timeout=20).stdout == "alive\n"
+    assert sbx.is_running()  # the command ended, not the sandbox (gVisor: k3-exec killed it in the guest)
+    assert sbx.commands.run("echo alive", timeout=20).stdout == "alive\n"
 
 
 def test_cpu_spin_ends_at_its_deadline(sbx):

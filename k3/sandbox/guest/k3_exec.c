@@ -2,7 +2,9 @@
  * the command's supervisor inside the guest kernel. It forks ARGV with RLIMIT_NPROC = NPROC (the sandbox-wide
  * backstop) and the seccomp filter from FILTER (classic BPF, as k3/sandbox/seccomp.py writes it), makes
  * it the leader of a new session (which its processes keep, orphans included), and every TICK_MS sums the
- * tree's resident memory and counts its processes from the guest's /proc. When the tree passes MEMORY bytes
+ * tree's resident memory (less file-backed pages; as this guest counts a page shared after fork in each
+ * process, the figure is capped by the whole guest's AnonPages, which count it once) and counts its
+ * processes from the guest's /proc. When the tree passes MEMORY bytes
  * or holds PIDS processes, or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
  * writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
  * SIGINT and SIGHUP are passed to the command. It exits with the status of ARGV's first process (128 +
@@ -72,13 +74,26 @@ static int tree(pid_t self, pid_t *out, long long *rss) {
         int fd = open(path, O_RDONLY);
         ssize_t len = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
         if (fd >= 0) close(fd);
+        long long size, resident, shared;
         if (len > 0) {
-            buf[len] = 0;
-            char *sp = strchr(buf, ' ');
-            if (sp) *rss += atoll(sp + 1) * page;
+            buf[len] = 0; /* statm: size resident shared ...; file-backed pages (shared) are not the tree's */
+            if (sscanf(buf, "%lld %lld %lld", &size, &resident, &shared) == 3) *rss += (resident - shared) * page;
         }
     }
     return found - 1;
+}
+
+/* The whole sandbox's anonymous memory (the guest kernel's AnonPages, in which a page shared after fork
+ * counts once), in bytes; -1 if unknown. */
+static long long anon_bytes(void) {
+    char buf[4096];
+    int fd = open("/proc/meminfo", O_RDONLY);
+    ssize_t len = fd < 0 ? -1 : read(fd, buf, sizeof buf - 1);
+    if (fd >= 0) close(fd);
+    if (len <= 0) return -1;
+    buf[len] = 0;
+    char *at = strstr(buf, "AnonPages:");
+    return at ? atoll(at + 10) * 1024 : -1;
 }
 
 static void kill_tree(pid_t self) {
@@ -174,9 +189,10 @@ int main(int argc, char **argv) {
         int st;
         while ((p = waitpid(-1, &st, WNOHANG)) > 0)
             if (p == child) status = st, done = 1;
-        long long rss;
+        long long rss, anon;
         int n = tree(self, procs, &rss);
         if (done && (n == 0 || !holds_output(procs, n))) break;
+        if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
         else if (memory > 0 && rss > memory) why = "oom";
         else if (pids > 0 && n >= pids) why = "pids";
