@@ -122,15 +122,19 @@ class BwrapBackend:
             os.close(fd)
 
     def signal(self, proc: Proc, sig: int) -> None:
-        """SIGKILL ends the command's cgroup; other signals go to every process in it."""
+        """SIGKILL ends the command's cgroup; other signals go to every process of the command in it."""
         if sig == signal.SIGKILL:
             proc.stop("killed")
             return
         group = self.cgroup_type(self.cgroup.root, f"{self.cgroup.name}/c{proc.pid}")
         for p in group.pids():
-            try:
-                os.kill(p, sig)
-            except ProcessLookupError:
+            try:  # not the wrappers (sh joining the cgroup, setpriv, bwrap): they would die of it
+                if (
+                    Path(f"/proc/{p}/comm").read_text().strip() not in ("bwrap", "setpriv")
+                    and p != proc.host_pid
+                ):
+                    os.kill(p, sig)
+            except (ProcessLookupError, FileNotFoundError):
                 pass
 
     def stop(self) -> None:

@@ -68,6 +68,7 @@ class Proc:
             env=env,
             start_new_session=True,
         )
+        self.host_pid = self._proc.pid
         if stdin and not keep_stdin:
             threading.Thread(target=self._feed, args=(stdin,), daemon=True).start()
         elif stdin:

@@ -7,9 +7,10 @@
  * processes from the guest's /proc. When the tree passes MEMORY bytes
  * or holds PIDS processes, or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
  * writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
- * SIGINT and SIGHUP are passed to the command. It exits with the status of ARGV's first process (128 +
- * signal if killed) once that has ended and no process of the tree holds the command's stdout or stderr;
- * processes left in the background with their own output keep running, outside its watch. */
+ * SIGINT and SIGHUP are passed to the command. When ARGV's first process ends, the processes of its tree
+ * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and
+ * it exits with that first process's status (128 + signal if killed); processes started in the background
+ * with their own output (`nohup cmd >log 2>&1 &`) keep running, outside its watch. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
@@ -110,10 +111,12 @@ static void kill_tree(pid_t self) {
     }
 }
 
-/* Whether a process of the tree still holds this command's stdout or stderr (the host reads the command
- * until both close, so the supervisor watches as long as anyone can still write to them). */
-static int holds_output(const pid_t *procs, int n) {
+/* SIGKILL the processes of the tree that still hold this command's stdout or stderr (when its first
+ * process has ended they would keep the command open, as bubblewrap's pid namespace would not); those
+ * started with their own output live on. Returns how many there were. */
+static int end_holders(const pid_t *procs, int n) {
     char mine[2][64] = {{0}}, theirs[64], path[64];
+    int held = 0;
     for (int fd = 1; fd <= 2; fd++) {
         snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
         if (readlink(path, mine[fd - 1], sizeof mine[0] - 1) < 0) mine[fd - 1][0] = 0;
@@ -124,9 +127,13 @@ static int holds_output(const pid_t *procs, int n) {
             ssize_t len = readlink(path, theirs, sizeof theirs - 1);
             if (len < 0) continue;
             theirs[len] = 0;
-            if ((mine[0][0] && !strcmp(theirs, mine[0])) || (mine[1][0] && !strcmp(theirs, mine[1]))) return 1;
+            if ((mine[0][0] && !strcmp(theirs, mine[0])) || (mine[1][0] && !strcmp(theirs, mine[1]))) {
+                kill(procs[i], SIGKILL);
+                held++;
+                break;
+            }
         }
-    return 0;
+    return held;
 }
 
 static int load_filter(const char *file) {
@@ -191,7 +198,7 @@ int main(int argc, char **argv) {
             if (p == child) status = st, done = 1;
         long long rss, anon;
         int n = tree(self, procs, &rss);
-        if (done && (n == 0 || !holds_output(procs, n))) break;
+        if (done && (n == 0 || !end_holders(procs, n))) break;
         if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
         else if (memory > 0 && rss > memory) why = "oom";
