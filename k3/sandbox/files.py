@@ -2,8 +2,9 @@
 the sandbox as its user (uid 1000), so it reaches every path a command reaches (the workspace, /tmp, the
 home directory, the read-only template) with the same permissions, and a write into a read-only mount
 fails as it would for a command. Symlinks resolve inside the sandbox, like a command's; FIFOs, sockets and
-devices are refused (reading one could wait forever). Errors carry the errno's name (`FileError.code`: "ENOENT", "EACCES",
-"EROFS", "ENOSPC", "EISDIR", "ENOTDIR", "EEXIST") so a server can map them like E2B's envd does."""
+devices are refused (reading one could wait forever). Errors carry the errno's name (`FileError.code`:
+"ENOENT", "EACCES", "EROFS", "ENOSPC", "EISDIR", "ENOTDIR", "EEXIST") so a server can map them as E2B's
+envd does."""
 
 from __future__ import annotations
 
