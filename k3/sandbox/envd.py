@@ -403,8 +403,8 @@ def envd_router(lookup: Lookup) -> APIRouter:
     def entry_of(request: Request) -> EnvdSandbox | JSONResponse:
         try:
             return _sandbox_of(lookup, request.headers)
-        except ConnectError as e:
-            return _http_error(401 if e.code == Code.UNAUTHENTICATED else 404, e.message)
+        except ConnectError as e:  # as E2B's proxy answers for a sandbox it does not know
+            return _http_error(502, f"The sandbox was not found: {e.message}")
 
     @router.get("/health")
     async def health(request: Request) -> Response:

@@ -1,0 +1,199 @@
+"""The official `e2b` SDK (unchanged, pointed at the server by the `export E2B_...` lines it prints) against
+`k3 sandbox serve --e2b`, a real server process: the sandbox lifecycle on both backends, a wrong key,
+another key's sandbox, quotas, and 16 concurrent clients without cross-talk."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from e2b import (  # the official SDK, a dev dependency (pyproject's `dev` extra)
+    AuthenticationException,
+    CommandExitException,
+    RateLimitException,
+    Sandbox,
+    SandboxException,
+    SandboxNotFoundException,
+)
+from sandbox_testing import require
+
+QUOTA = 17  # carol runs 16 clients at once, then one more fits, then the next gets 429
+KEYS = {"alice-key-0123456789": "alice", "bob-key-0123456789": "bob", "carol-key-0123456789": "carol"}
+ALICE, BOB, CAROL = KEYS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(root, tmp_path_factory):
+    """`k3 sandbox serve --e2b` in its own process; its printed exports set in this process's environment."""
+    for backend in ("bwrap", "gvisor"):
+        require(backend)
+    tokens = tmp_path_factory.mktemp("e2b") / "tokens.json"
+    tokens.write_text(json.dumps(KEYS))
+    port = _free_port()
+    env = {**os.environ, "K3_SANDBOX_ROOT": str(root), "PYTHONPATH": str(Path(__file__).parents[2])}
+    argv = [sys.executable, "-m", "k3", "sandbox", "serve", "--e2b", "--port", str(port)]
+    argv += ["--tokens", str(tokens), "--quota", str(QUOTA), "--backend", "gvisor"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    saved = dict(os.environ)
+    try:
+        exports = [proc.stdout.readline().strip() for _ in range(4)]
+        assert all(line.startswith("export E2B_") for line in exports), exports  # nothing before them
+        for line in exports:
+            key, _, value = line.removeprefix("export ").partition("=")
+            os.environ[key] = value
+        assert os.environ["E2B_API_KEY"] == ALICE and os.environ["E2B_API_URL"].endswith(f":{port}")
+        for _ in range(200):
+            try:
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1)
+                break
+            except httpx.HTTPError:
+                time.sleep(0.05)
+        yield os.environ["E2B_API_URL"]
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        proc.terminate()
+        proc.wait(60)
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "gvisor"])
+def test_sdk_drives_a_sandbox(server, backend):
+    sbx = Sandbox.create(
+        template=f"base@{backend}", timeout=120, metadata={"run": "t1"}, envs={"GREETING": "hi"}
+    )
+    try:
+        # run, streaming: lines arrive one by one, before the command ends
+        seen = []
+        r = sbx.commands.run(
+            "echo $GREETING; for i in 1 2 3; do echo $i; sleep 0.2; done; echo oops >&2",
+            on_stdout=lambda line: seen.append((time.monotonic(), line)),
+        )
+        assert (r.stdout, r.stderr, r.exit_code) == ("hi\n1\n2\n3\n", "oops\n", 0)
+        assert [line for _, line in seen] == ["hi\n", "1\n", "2\n", "3\n"]
+        assert seen[-1][0] - seen[1][0] > 0.3  # streamed, not delivered at the end
+        with pytest.raises(CommandExitException) as e:
+            sbx.commands.run("exit 7")
+        assert e.value.exit_code == 7
+        # stdin
+        h = sbx.commands.run("cat; echo done", background=True, stdin=True)
+        sbx.commands.send_stdin(h.pid, "to stdin\n")
+        sbx.commands.close_stdin(h.pid)
+        assert h.wait().stdout == "to stdin\ndone\n"
+        # background + kill
+        bg = sbx.commands.run("sleep 60", background=True)
+        assert bg.pid in [p.pid for p in sbx.commands.list()]
+        assert sbx.commands.kill(bg.pid)
+        with pytest.raises(CommandExitException):
+            bg.wait()
+        assert bg.pid not in [p.pid for p in sbx.commands.list()]
+        # files both ways, in the workspace and /tmp; a read-only path fails
+        sbx.files.write("/tmp/a.txt", "via the API")
+        sbx.files.write("notes/b.txt", b"\x00\x01binary")
+        assert sbx.commands.run("cat /tmp/a.txt; wc -c < notes/b.txt").stdout == "via the API8\n"
+        sbx.commands.run("echo from-cmd > /tmp/c.txt")
+        assert sbx.files.read("/tmp/c.txt") == "from-cmd\n"
+        assert sbx.files.read("notes/b.txt", format="bytes") == b"\x00\x01binary"
+        assert {"a.txt", "c.txt"} <= {e.name for e in sbx.files.list("/tmp")}
+        sbx.files.remove("/tmp/a.txt")
+        assert not sbx.files.exists("/tmp/a.txt")
+        with pytest.raises(SandboxException):
+            sbx.files.write("/usr/k3-nope", "x")
+        # watch a directory
+        handle = sbx.files.watch_dir("/home/user")
+        sbx.files.write("/home/user/watched.txt", "w")
+        events = []
+        for _ in range(50):
+            events += handle.get_new_events()
+            if any(ev.name == "watched.txt" for ev in events):
+                break
+            time.sleep(0.1)
+        handle.stop()
+        assert ("watched.txt", "create") in {(ev.name, ev.type.value) for ev in events}, events
+        # timeout, info, listing
+        sbx.set_timeout(90)
+        info = sbx.get_info()
+        assert info.metadata == {"run": "t1"} and 80 < (info.end_at.timestamp() - time.time()) <= 91
+        assert sbx.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]
+        # pause and resume: the files survive (gVisor: running processes too)
+        sbx.files.write("/home/user/kept.txt", "kept")
+        if backend == "gvisor":
+            sbx.commands.run("nohup sleep 300 > /dev/null 2>&1 &")
+        sbx.pause()
+        assert Sandbox.get_info(sbx.sandbox_id).state.value == "paused"
+        resumed = Sandbox.connect(sbx.sandbox_id, timeout=60)
+        assert resumed.files.read("kept.txt") == "kept"
+        if backend == "gvisor":
+            assert "sleep 300" in resumed.commands.run("ps -e -o args=").stdout
+        sbx = resumed
+    finally:
+        sbx.kill()
+    assert not sbx.is_running()
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.connect(sbx.sandbox_id)
+
+
+def test_snapshot_is_a_template(server):
+    sbx = Sandbox.create(template="base@bwrap", timeout=60)
+    try:
+        sbx.files.write("state.txt", "snapshotted")
+        snap = sbx.create_snapshot()
+        child = Sandbox.create(template=snap.snapshot_id, timeout=60)
+        assert child.files.read("state.txt") == "snapshotted"
+        child.kill()
+        assert Sandbox.delete_snapshot(snap.snapshot_id)
+    finally:
+        sbx.kill()
+
+
+def test_wrong_key_and_other_keys_sandboxes(server):
+    with pytest.raises(AuthenticationException):
+        Sandbox.create(template="base@bwrap", api_key="not-a-key")
+    mine = Sandbox.create(template="base@bwrap", timeout=60)
+    try:
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.connect(mine.sandbox_id, api_key=BOB)
+        assert not Sandbox.kill(mine.sandbox_id, api_key=BOB)
+        assert mine.sandbox_id not in [s.sandbox_id for s in Sandbox.list(api_key=BOB).next_items()]
+        assert mine.commands.run("echo still mine").stdout == "still mine\n"
+    finally:
+        mine.kill()
+
+
+def test_sixteen_concurrent_clients_then_the_quota(server):
+    barrier = threading.Barrier(16)
+
+    def client(i: int) -> tuple[str, str, str]:
+        barrier.wait(60)
+        sbx = Sandbox.create(template="base@bwrap", timeout=120, api_key=CAROL, envs={"ME": str(i)})
+        sbx.files.write("/tmp/me.txt", f"client {i}")
+        out = sbx.commands.run("echo $ME; cat /tmp/me.txt; ls /tmp").stdout
+        return sbx.sandbox_id, out, sbx.files.read("/tmp/me.txt")
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(client, range(16)))
+    try:
+        assert len({sid for sid, _, _ in results}) == 16
+        for i, (_, out, read) in enumerate(results):
+            assert out == f"{i}\nclient {i}me.txt\n" and read == f"client {i}", (i, out)
+        extra = Sandbox.create(template="base@bwrap", timeout=60, api_key=CAROL)  # the 17th fits
+        with pytest.raises(RateLimitException):
+            Sandbox.create(template="base@bwrap", timeout=60, api_key=CAROL)
+        extra.kill()
+    finally:
+        for sid, _, _ in results:
+            Sandbox.kill(sid, api_key=CAROL)
