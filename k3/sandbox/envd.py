@@ -13,6 +13,7 @@ the sandbox's one (`user="root"`), recursive watches of more than 8 levels, netw
 from __future__ import annotations
 
 import asyncio
+import base64
 import email.parser
 import email.policy
 import signal
@@ -73,8 +74,6 @@ def _check_user(headers) -> None:
     """E2B names the user in `Authorization: Basic base64(user:)`; k3 sandboxes have one user."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("basic "):
-        import base64
-
         user = base64.b64decode(auth[6:] + "==").decode(errors="replace").partition(":")[0]
         if user and user != SANDBOX_USER:
             raise ConnectError(Code.PERMISSION_DENIED, f"k3 sandboxes run commands as {SANDBOX_USER!r} only")

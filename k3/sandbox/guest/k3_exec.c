@@ -27,6 +27,7 @@
 
 #define TICK_MS 5
 #define MAX_PROCS 4096
+#define GRACE_TICKS 40 /* after the first process ends, 200 ms for a background child to redirect its output */
 
 static volatile sig_atomic_t kill_requested = 0;
 static volatile pid_t child = -1;
@@ -111,10 +112,10 @@ static void kill_tree(pid_t self) {
     }
 }
 
-/* SIGKILL the processes of the tree that still hold this command's stdout or stderr (when its first
- * process has ended they would keep the command open, as bubblewrap's pid namespace would not); those
- * started with their own output live on. Returns how many there were. */
-static int end_holders(const pid_t *procs, int n) {
+/* SIGKILL (if `really`) the processes of the tree that still hold this command's stdout or stderr (when
+ * its first process has ended they would keep the command open, as bubblewrap's pid namespace would not);
+ * those started with their own output live on. Returns how many there were. */
+static int end_holders(const pid_t *procs, int n, int really) {
     char mine[2][64] = {{0}}, theirs[64], path[64];
     int held = 0;
     for (int fd = 1; fd <= 2; fd++) {
@@ -128,7 +129,7 @@ static int end_holders(const pid_t *procs, int n) {
             if (len < 0) continue;
             theirs[len] = 0;
             if ((mine[0][0] && !strcmp(theirs, mine[0])) || (mine[1][0] && !strcmp(theirs, mine[1]))) {
-                kill(procs[i], SIGKILL);
+                if (really) kill(procs[i], SIGKILL);
                 held++;
                 break;
             }
@@ -190,7 +191,7 @@ int main(int argc, char **argv) {
         _exit(127);
     }
     const char *why = NULL;
-    int status = 0, done = 0;
+    int status = 0, done = 0, ticks_done = 0;
     for (;;) {
         pid_t p;
         int st;
@@ -198,7 +199,7 @@ int main(int argc, char **argv) {
             if (p == child) status = st, done = 1;
         long long rss, anon;
         int n = tree(self, procs, &rss);
-        if (done && (n == 0 || !end_holders(procs, n))) break;
+        if (done && (n == 0 || !end_holders(procs, n, ++ticks_done > GRACE_TICKS))) break;
         if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
         else if (memory > 0 && rss > memory) why = "oom";
