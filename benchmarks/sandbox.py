@@ -6,7 +6,7 @@ Create-run-kill cycles per second with 1 and 2 workers; p50 / p95 of create, `py
 restore and fork (per child, forks of 4); snapshot sizes. Then the protocol's cost: create / run
 `python3 -c pass` / kill through the official `e2b` SDK and through k3's own client (`RemoteSandbox`),
 against one `k3 sandbox serve --e2b` started in this process, in the same run. Needs root, runsc and bwrap
-(make sandbox-tools) and the e2b SDK (the `dev` or `e2b` extra).
+(make sandbox-tools).
 The published figures come from other hardware (AgentEnv: microVMs on large servers; E2B: Firecracker in
 their cloud): they are context, not a like-for-like comparison. Timings on a shared machine are noisy; the
 load average is printed beside them.

@@ -104,10 +104,8 @@ def serve(
             print(f"bearer token (also in {path}, mode 600): {token}", flush=True)
     try:
         if e2b:
-            try:
-                from k3.sandbox.e2b import create_e2b_app
-            except ImportError as e:
-                fail(f"--e2b serves E2B's protocol with the e2b SDK's code: pip install 'k3[e2b]' ({e})")
+            from k3.sandbox.e2b import create_e2b_app
+
             app = create_e2b_app(table, quota=quota, max_ttl_s=max_ttl, backend=backend)
         else:
             app = create_app(table, quota=quota, max_ttl_s=max_ttl)
