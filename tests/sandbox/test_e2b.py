@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from e2b import (  # the official SDK, a dev dependency (pyproject's `dev` extra)
+from e2b import (  # the official SDK, unchanged
     AuthenticationException,
     CommandExitException,
     RateLimitException,
