@@ -76,6 +76,7 @@ class Info:
     started: datetime = field(default_factory=lambda: datetime.now(UTC))
     ends: float = 0.0
     paused: bool = False
+    pausing: bool = False  # being paused: the TTL reaper leaves its entry alone
 
 
 def _iso(t: datetime) -> str:
@@ -110,7 +111,9 @@ def create_e2b_app(
         while not stop.wait(reap_every_s):
             reg.reap()
             with reg.lock:
-                for sid in [s for s, i in infos.items() if not i.paused and s not in reg.sandboxes]:
+                for sid in [
+                    s for s, i in infos.items() if not (i.paused or i.pausing) and s not in reg.sandboxes
+                ]:
                     infos.pop(sid)
 
     @asynccontextmanager
@@ -275,12 +278,15 @@ def create_e2b_app(
         for w in info.entry.watchers.values():
             w.stop()
         info.entry.watchers.clear()
+        ends, info.pausing = info.entry.sandbox._deadline, True
+        try:
+            info.entry.sandbox.pause()  # on failure the sandbox stays as it was, and so does its entry
+        finally:
+            info.pausing = False
         with reg.lock:
             reg.sandboxes.pop(sid, None)
             reg.snapshots[sid] = who
-            info.paused = True
-            info.ends = info.entry.sandbox._deadline
-        info.entry.sandbox.pause()
+            info.paused, info.ends = True, ends
         return Response(status_code=204)
 
     def resume(sid: str, timeout: int | None, who: str) -> JSONResponse:

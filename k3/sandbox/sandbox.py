@@ -299,12 +299,18 @@ class Sandbox:
     # -- snapshots, fork, pause ------------------------------------------------------------------------
     def create_snapshot(self, snapshot_id: str | None = None) -> Snapshot:
         """Save this sandbox: "memory+fs" on gVisor (every process, paused for the checkpoint, then
-        resumed), "fs" on bubblewrap (the workspace files). The sandbox goes on running."""
+        resumed), "fs" on bubblewrap (the disk: workspace and /tmp). The sandbox goes on running. Commands
+        still running through the API are ended first (killed_by="killed"): their pipes to the host cannot
+        be saved; processes they left in the background with their own output are saved (gVisor)."""
         with self._lock:
             self._check_alive()
             sid = snapshot_id or f"snap-{secrets.token_hex(6)}"
             path = snapshots.directory(self.root, sid)
             kind = self._backend.snapshot_kind
+            for proc in list(self._procs.values()):  # their host-side pipes cannot be saved: end them first
+                if not proc.done:
+                    proc.stop("killed")
+                    proc.wait(KILL_TIMEOUT_S)
             try:
                 if kind == "memory+fs":
                     self._backend.checkpoint(path / "image")
