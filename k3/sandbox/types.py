@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from k3.errors import K3Error
 
-KILLED_BY = (None, "timeout", "oom", "pids", "output")
+KILLED_BY = (None, "timeout", "oom", "pids", "output", "killed")
 SNAPSHOT_KINDS = ("memory+fs", "fs")
 
 
@@ -17,9 +17,11 @@ class SandboxError(K3Error):
 
 @dataclass(frozen=True)
 class Limits:
-    """Hard limits of one sandbox. `cpus` is a CFS quota in cores; `memory_mb` caps RAM with no swap
-    (for gVisor it covers the whole sandbox kernel, which also caches the template's files); `pids` caps
-    processes; `disk_mb` is the size of the workspace tmpfs; `output_mb` caps stdout + stderr per command."""
+    """Hard limits. `cpus` is a CFS quota in cores for the whole sandbox; `memory_mb` (RAM, no swap) and
+    `pids` (processes) are limits of each command's process tree, and of all of them together on bubblewrap
+    (memory_mb, 2 x pids; gVisor: 2 x memory_mb + 256 MB for the whole sandbox kernel, 2 x pids processes);
+    `disk_mb` is the size of the sandbox's disk (the workspace and /tmp); `output_mb` caps stdout + stderr
+    per command."""
 
     cpus: float = 0.5
     memory_mb: int = 512
@@ -43,7 +45,8 @@ class Limits:
 class CommandResult:
     """What a command did. `killed_by` says why it was stopped early: "timeout" (its deadline), "oom"
     (the memory limit), "pids" (the process limit was reached), "output" (stdout + stderr passed the cap;
-    both are cut at it) or None (it ended by itself; `exit_code` is then its own)."""
+    both are cut at it), "killed" (stopped on request, or by the sandbox's end) or None (it ended by
+    itself; `exit_code` is then its own). A limit ends the command's process tree, never the sandbox."""
 
     stdout: str
     stderr: str

@@ -34,6 +34,24 @@ def test_v2_writes_limits_and_reads_counters(tmp_path):
     assert g.procs_files() == [d / "cgroup.procs"]
 
 
+def test_v2_command_group_nests_under_the_sandboxs(tmp_path):
+    """bubblewrap's layout: the sandbox's group (all commands: memory, 2 x pids, CPU) delegates to one
+    group per command (its own memory and pids, no CPU quota of its own); the sandbox's pids include them."""
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    sandbox = CgroupV2(tmp_path, "k3-sandbox/sbx-2")
+    sandbox.create(Limits(cpus=0.5, memory_mb=100, pids=8), pids=16)
+    command = CgroupV2(tmp_path, "k3-sandbox/sbx-2/c1000")
+    command.create(Limits(cpus=0.5, memory_mb=100, pids=8), cpu=False)
+    s, c = tmp_path / "k3-sandbox/sbx-2", tmp_path / "k3-sandbox/sbx-2/c1000"
+    assert (s / "pids.max").read_text() == "16" and (c / "pids.max").read_text() == "8"
+    assert (s / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"  # delegated to the command
+    assert (s / "cpu.max").read_text() == "50000 100000" and not (c / "cpu.max").exists()
+    assert (c / "memory.max").read_text() == str(100 << 20)
+    (s / "cgroup.procs").write_text("")
+    (c / "cgroup.procs").write_text("424242\n")
+    assert sandbox.pids() == {424242} and command.pids() == {424242}
+
+
 def test_limits_on_this_machines_cgroups():
     """Whichever version this machine mounts (v1 here), on its real hierarchy."""
     require("bwrap")  # root and cgroups
