@@ -102,9 +102,18 @@ def _end_event(proc: Proc) -> pr_pb.ProcessEvent:
     return pr_pb.ProcessEvent(event=Oneof("end", end))
 
 
-async def _follow(proc: Proc, start: int) -> AsyncIterator[pr_pb.ProcessEvent]:
-    """The command's output events from index `start` on, then its end."""
-    i, tick = start, FOLLOW_TICK_S[0]
+def _keepalive_s(ctx) -> float | None:
+    """The interval of keepalive events the client asked for (envd's `Keepalive-Ping-Interval`)."""
+    try:
+        return float(ctx.request_headers.get("keepalive-ping-interval", "")) or None
+    except ValueError:
+        return None
+
+
+async def _follow(proc: Proc, start: int, keepalive_s: float | None) -> AsyncIterator[pr_pb.ProcessEvent]:
+    """The command's output events from index `start` on, then its end; a keepalive event whenever
+    `keepalive_s` pass without one."""
+    i, tick, last = start, FOLLOW_TICK_S[0], time.monotonic()
     while True:
         done = proc.done
         batch = proc.events[i:]
@@ -115,6 +124,11 @@ async def _follow(proc: Proc, start: int) -> AsyncIterator[pr_pb.ProcessEvent]:
         if done and i >= len(proc.events):
             yield _end_event(proc)
             return
+        if batch:
+            last = time.monotonic()
+        elif keepalive_s and time.monotonic() - last >= keepalive_s:
+            last = time.monotonic()
+            yield pr_pb.ProcessEvent(event=Oneof("keepalive", pr_pb.ProcessEvent.KeepAlive()))
         tick = FOLLOW_TICK_S[0] if batch else min(FOLLOW_TICK_S[1], tick * 2)
         await asyncio.sleep(tick)
 
@@ -167,7 +181,7 @@ class ProcessService:
         yield pr_pb.StartResponse(
             event=pr_pb.ProcessEvent(event=Oneof("start", pr_pb.ProcessEvent.StartEvent(pid=proc.pid)))
         )
-        async for ev in _follow(proc, 0):
+        async for ev in _follow(proc, 0, _keepalive_s(ctx)):
             yield pr_pb.StartResponse(event=ev)
 
     async def connect(self, request: pr_pb.ConnectRequest, ctx) -> AsyncIterator[pr_pb.ConnectResponse]:
@@ -176,7 +190,7 @@ class ProcessService:
         yield pr_pb.ConnectResponse(
             event=pr_pb.ProcessEvent(event=Oneof("start", pr_pb.ProcessEvent.StartEvent(pid=proc.pid)))
         )
-        async for ev in _follow(proc, start):
+        async for ev in _follow(proc, start, _keepalive_s(ctx)):
             yield pr_pb.ConnectResponse(event=ev)
 
     async def update(self, request, ctx):

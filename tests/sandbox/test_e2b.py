@@ -197,3 +197,31 @@ def test_sixteen_concurrent_clients_then_the_quota(server):
     finally:
         for sid, _, _ in results:
             Sandbox.kill(sid, api_key=CAROL)
+
+
+def test_process_streams_keep_alive_while_silent():
+    """envd sends keepalive events at the interval the SDK asks for (`Keepalive-Ping-Interval`) while a
+    command is silent, so proxies and idle timeouts do not cut a long quiet command."""
+    import asyncio
+
+    from k3.sandbox.envd import _follow
+    from k3.sandbox.process import Outcome
+
+    class Quiet:  # a command that prints once after 0.35 s, then ends
+        events: list = []
+        done, outcome = False, None
+
+    async def drive() -> list[str]:
+        async def later() -> None:
+            await asyncio.sleep(0.35)
+            Quiet.events.append(("stdout", b"x"))
+            await asyncio.sleep(0.05)
+            Quiet.outcome, Quiet.done = Outcome(b"x", b"", 0, 0.4, None), True
+
+        task = asyncio.create_task(later())
+        kinds = [ev.event.field async for ev in _follow(Quiet, 0, 0.1)]
+        await task
+        return kinds
+
+    kinds = asyncio.run(drive())
+    assert kinds[-2:] == ["data", "end"] and 2 <= kinds.count("keepalive") <= 4, kinds
