@@ -81,16 +81,19 @@ class BwrapBackend:
 
     def exec(self, cmd: list[str], timeout: float, cwd: str, envs: dict[str, str], stdin: bytes,
               keep_stdin: bool, pid: int, output_cap: int) -> Proc:  # fmt: skip
-        """Start `cmd` in its own cgroup under the sandbox's (its memory and pids limits); a limit, a
-        timeout or an output overflow kills that cgroup only."""
+        """Start `cmd` in its own cgroup under the sandbox's (its memory, pids and CPU-time limits); a
+        limit, a timeout or an output overflow kills that cgroup only."""
         group = self.cgroup_type(self.cgroup.root, f"{self.cgroup.name}/c{pid}")
         group.create(self.limits, cpu=False)  # cpu: the sandbox's quota covers all its commands
         parent_oom0, parent_pids0 = self.cgroup.oom_kills(), self.cgroup.pids_limit_hits()
         fd = os.open(self.tools / "seccomp.bpf", os.O_RDONLY)
 
-        def pids_hit() -> str | None:
-            hit = group.pids_limit_hits() > 0 or self.cgroup.pids_limit_hits() > parent_pids0
-            return "pids" if hit else None
+        cpu_s = self.limits.cpu_s
+
+        def over_limit() -> str | None:
+            if group.pids_limit_hits() > 0 or self.cgroup.pids_limit_hits() > parent_pids0:
+                return "pids"
+            return "cpu" if cpu_s is not None and group.cpu_seconds() > cpu_s else None
 
         def ended(outcome: Outcome) -> None:
             oom = group.oom_kills() > 0 or (
@@ -111,7 +114,7 @@ class BwrapBackend:
                 timeout=timeout,
                 output_cap=output_cap,
                 kill_tree=group.kill_all,
-                check=pids_hit,
+                check=over_limit,
                 stdin=stdin,
                 keep_stdin=keep_stdin,
                 pass_fds=(fd,),

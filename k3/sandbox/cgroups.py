@@ -12,7 +12,7 @@ from pathlib import Path
 from k3.sandbox.types import Limits, SandboxError
 
 CFS_PERIOD_US = 100_000
-V1_CONTROLLERS = ("memory", "pids", "cpu")
+V1_CONTROLLERS = ("memory", "pids", "cpu", "cpuacct")  # cpu and cpuacct may be one mount (then twice)
 
 
 def _read_key(path: Path, key: str) -> int:
@@ -65,6 +65,10 @@ class Cgroup:
         raise NotImplementedError
 
     def pids_limit_hits(self) -> int:
+        raise NotImplementedError
+
+    def cpu_seconds(self) -> float:
+        """CPU time (user + system) the group's processes used, in seconds."""
         raise NotImplementedError
 
     def pids(self) -> set[int]:
@@ -128,7 +132,7 @@ class CgroupV1(Cgroup):
     def create(self, limits: Limits, cpu: bool = True, pids: int | None = None) -> None:
         for d in self.dirs():
             d.mkdir(parents=True, exist_ok=True)
-        mem, pid_dir, cpu_dir = self.dirs()
+        mem, pid_dir, cpu_dir, _ = self.dirs()
         memory = str(limits.memory_mb << 20)
         self._write(mem / "memory.limit_in_bytes", memory)
         if (mem / "memory.memsw.limit_in_bytes").exists():
@@ -143,6 +147,12 @@ class CgroupV1(Cgroup):
 
     def pids_limit_hits(self) -> int:
         return _read_key(self.dirs()[1] / "pids.events", "max")
+
+    def cpu_seconds(self) -> float:
+        try:
+            return int((self.dirs()[3] / "cpuacct.usage").read_text()) / 1e9
+        except (OSError, ValueError):
+            return 0.0
 
 
 class CgroupV2(Cgroup):
@@ -174,6 +184,9 @@ class CgroupV2(Cgroup):
 
     def pids_limit_hits(self) -> int:
         return _read_key(self.dirs()[0] / "pids.events", "max")
+
+    def cpu_seconds(self) -> float:
+        return _read_key(self.dirs()[0] / "cpu.stat", "usage_usec") / 1e6
 
     def kill_all(self, deadline_s: float = 5.0) -> None:
         kill = self.dirs()[0] / "cgroup.kill"

@@ -195,7 +195,8 @@ class GvisorBackend:
             argv.append(f"--env={k}={v}")
         pids = self.limits.pids
         argv += [self.cid, f"{GUEST_TOOLS}/k3-exec", f"{GUEST_TOOLS}/seccomp.bpf", str(NPROC_FACTOR * pids)]
-        argv += [str(pids), str(self.limits.memory_mb << 20), mark, *cmd]
+        cpu_ms = round(self.limits.cpu_s * 1000) if self.limits.cpu_s is not None else 0
+        argv += [str(pids), str(self.limits.memory_mb << 20), str(cpu_ms), mark, *cmd]
 
         def ended(outcome: Outcome) -> None:
             (self.home / "pids" / str(pid)).unlink(missing_ok=True)

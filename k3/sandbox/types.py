@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 
 from k3.errors import K3Error
 
-KILLED_BY = (None, "timeout", "oom", "pids", "output", "killed")
+KILLED_BY = (None, "timeout", "oom", "pids", "cpu", "output", "killed")
 SNAPSHOT_KINDS = ("memory+fs", "fs")
 
 
@@ -21,15 +21,19 @@ class Limits:
     `pids` (processes) are limits of each command's process tree, and of all of them together on bubblewrap
     (memory_mb, 2 x pids; gVisor: 2 x memory_mb + 256 MB for the whole sandbox kernel, 2 x pids processes);
     `disk_mb` is the size of the sandbox's disk (the workspace and /tmp); `output_mb` caps stdout + stderr
-    per command."""
+    per command; `cpu_s` (None: no limit) caps the CPU time of each command's tree, in seconds (its wall
+    time is the command's own `timeout`)."""
 
     cpus: float = 0.5
     memory_mb: int = 512
     pids: int = 64
     disk_mb: int = 256
     output_mb: int = 8
+    cpu_s: float | None = None
 
     def __post_init__(self) -> None:
+        if self.cpu_s is not None and not 0.01 <= self.cpu_s <= 86400:
+            raise SandboxError(f"Limits.cpu_s must be None or in [0.01, 86400] seconds, got {self.cpu_s}")
         if not 0.01 <= self.cpus <= 256:
             raise SandboxError(f"Limits.cpus must be in [0.01, 256] cores, got {self.cpus}")
         for name, low in (("memory_mb", 16), ("pids", 4), ("disk_mb", 1), ("output_mb", 1)):
@@ -44,7 +48,8 @@ class Limits:
 @dataclass(frozen=True)
 class CommandResult:
     """What a command did. `killed_by` says why it was stopped early: "timeout" (its deadline), "oom"
-    (the memory limit), "pids" (the process limit was reached), "output" (stdout + stderr passed the cap;
+    (the memory limit), "pids" (the process limit was reached), "cpu" (its tree used `cpu_s` seconds of
+    CPU), "output" (stdout + stderr passed the cap;
     both are cut at it), "killed" (stopped on request, or by the sandbox's end) or None (it ended by
     itself; `exit_code` is then its own). A limit ends the command's process tree, never the sandbox."""
 

@@ -61,7 +61,7 @@ def test_limits_on_this_machines_cgroups():
     try:
         g.create(Limits(cpus=0.5, memory_mb=64, pids=9))
         if kind is CgroupV1:
-            mem, pids, cpu = g.dirs()
+            mem, pids, cpu, _ = g.dirs()
             assert (mem / "memory.limit_in_bytes").read_text().strip() == str(64 << 20)
             assert (pids / "pids.max").read_text().strip() == "9"
             assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "50000"
@@ -77,12 +77,24 @@ def test_limits_on_this_machines_cgroups():
         )
         proc.communicate(timeout=20)
         assert g.pids_limit_hits() > 0
+        # and its CPU time: a busy loop of ~0.3 s of CPU, read from the group's accounting
+        busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.3: pass"
+        spin = f'for f in "$@"; do echo $$ > "$f"; done; exec python3 -c "{busy}"'
+        subprocess.run(["/bin/sh", "-c", spin, "sh", *map(str, g.procs_files())], timeout=30, check=True)
+        assert 0.25 <= g.cpu_seconds() < 5, g.cpu_seconds()
     finally:
         g.remove()
     assert not any(d.exists() for d in g.every_dir())
 
 
 def test_limits_reject_bad_values():
-    for bad in ({"cpus": 0}, {"memory_mb": 1}, {"pids": 0}, {"disk_mb": 0.5}, {"output_mb": -1}):
+    for bad in (
+        {"cpus": 0},
+        {"memory_mb": 1},
+        {"pids": 0},
+        {"disk_mb": 0.5},
+        {"output_mb": -1},
+        {"cpu_s": 0},
+    ):
         with pytest.raises(SandboxError):
             Limits(**bad)

@@ -1,8 +1,9 @@
 """A limit ends the command, never the sandbox; the files API sees what commands see. On both backends, in
-one sandbox: a memory hog, a fork bomb, a CPU spin and an output flood each stop at their limit with
-`killed_by` set, and after each the sandbox still answers, a file written before is intact, a command
-started before is still running, and fork() works. Files the API writes are what commands read, and the
-reverse, in /tmp and the workspace; writes into the read-only template fail with a clear error."""
+one sandbox: a memory hog, a fork bomb, a CPU spin (CPU time), a sleeper (wall time) and an output flood
+each stop at their limit with `killed_by` set, and after each the sandbox still answers, a file written
+before is intact, a command started before is still running, and fork() works. Files the API writes are
+what commands read, and the reverse, in /tmp and the workspace; writes into the read-only template fail
+with a clear error."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from k3.sandbox import Limits, Sandbox, SandboxError
 from k3.sandbox.files import FileError
 
-LIMITS = Limits(memory_mb=128, pids=24, disk_mb=16, output_mb=1)
+LIMITS = Limits(cpus=1.0, memory_mb=128, pids=24, disk_mb=16, output_mb=1, cpu_s=1.5)
 HOG = "python3 -c 'x = bytearray(1 << 30)'"  # 1 GiB, 8 x the limit
 BOMB = "f() { f | f & }; f; sleep 30"  # the classic, kept alive by its first shell
 SPIN = "while :; do :; done"
@@ -38,12 +39,19 @@ def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx, backend):
     sbx.files.write("/tmp/before.txt", "kept in tmp\n")
     sbx.commands.run("echo 'kept in the workspace' > before.txt", timeout=20)
     background = sbx.commands.start("sleep 100", timeout=100)
-    cases = ((HOG, 30, "oom"), (BOMB, 10, "pids"), (SPIN, 1.5, "timeout"), (FLOOD, 30, "output"))
+    cases = (
+        (HOG, 30, "oom"),
+        (BOMB, 6, "pids"),
+        (SPIN, 30, "cpu"),  # 1.5 s of CPU at a quota of one core
+        ("sleep 30", 1, "timeout"),
+        (FLOOD, 30, "output"),
+    )
     for cmd, timeout, why in cases:
         started = time.monotonic()
         r = sbx.commands.run(cmd, timeout=timeout)
-        # gVisor's ptrace platform under a fork bomb can starve k3-exec's count until the command's timeout
-        allowed = {why, "timeout"} if (backend, cmd) == ("gvisor", BOMB) else {why}
+        # gVisor's ptrace platform under a fork bomb can starve k3-exec's count (until the bomb's CPU time
+        # or the command's timeout ends it)
+        allowed = {why, "cpu", "timeout"} if (backend, cmd) == ("gvisor", BOMB) else {why}
         assert r.killed_by in allowed and r.exit_code == 128 + 9, (cmd, r)
         assert time.monotonic() - started < timeout + 8, (cmd, r.duration_s)
         if why == "output":

@@ -1,11 +1,11 @@
-/* k3-exec FILTER NPROC PIDS MEMORY MARK ARGV...: the first process of every command in a gVisor sandbox and
+/* k3-exec FILTER NPROC PIDS MEMORY CPU_MS MARK ARGV...: the first process of every command in a gVisor sandbox and
  * the command's supervisor inside the guest kernel. It forks ARGV with RLIMIT_NPROC = NPROC (the sandbox-wide
  * backstop) and the seccomp filter from FILTER (classic BPF, as k3/sandbox/seccomp.py writes it), makes
  * it the leader of a new session (which its processes keep, orphans included), and every TICK_MS sums the
  * tree's resident memory (less file-backed pages; as this guest counts a page shared after fork in each
  * process, the figure is capped by the whole guest's AnonPages, which count it once) and counts its
- * processes from the guest's /proc. When the tree passes MEMORY bytes
- * or holds PIDS processes, or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
+ * processes and their CPU time from the guest's /proc. When the tree passes MEMORY bytes, holds PIDS
+ * processes or has used CPU_MS milliseconds of CPU (0: no limit), or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
  * writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
  * SIGINT and SIGHUP are passed to the command. When ARGV's first process ends, the processes of its tree
  * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and
@@ -38,8 +38,9 @@ static void forward(int sig) { if (child > 0) kill(child, sig); }
 /* The command's processes: those in its session (the child's, made by setsid) and those under `self` by
  * parent links in /proc (this gVisor has no subreapers, so orphans go to init but keep their session).
  * Their pids go into `out` (out[0] is self, not counted), their resident bytes into `rss`. */
-static int tree(pid_t self, pid_t *out, long long *rss) {
+static int tree(pid_t self, pid_t *out, long long *rss, long long *cpu_ticks) {
     static pid_t pid[MAX_PROCS], ppid[MAX_PROCS], sid[MAX_PROCS];
+    static unsigned long ticks[MAX_PROCS];
     int n = 0, found = 0;
     DIR *d = opendir("/proc");
     struct dirent *e;
@@ -53,14 +54,19 @@ static int tree(pid_t self, pid_t *out, long long *rss) {
         close(fd);
         if (len <= 0) continue;
         buf[len] = 0;
-        char *close_paren = strrchr(buf, ')'); /* "pid (comm) state ppid pgrp session ..." */
+        char *close_paren = strrchr(buf, ')'); /* "pid (comm) state ppid pgrp session ... utime stime" */
         int pgrp;
-        if (!close_paren || sscanf(close_paren + 2, "%*c %d %d %d", &ppid[n], &pgrp, &sid[n]) != 3) continue;
+        unsigned long utime, stime;
+        if (!close_paren || sscanf(close_paren + 2, "%*c %d %d %d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ppid[n],
+                                   &pgrp, &sid[n], &utime, &stime) != 5)
+            continue;
+        ticks[n] = utime + stime;
         pid[n] = atoi(buf);
         n++;
     }
     if (d) closedir(d);
     *rss = 0;
+    *cpu_ticks = 0;
     long page = sysconf(_SC_PAGESIZE);
     static char in[MAX_PROCS];
     memset(in, 0, sizeof in);
@@ -70,6 +76,8 @@ static int tree(pid_t self, pid_t *out, long long *rss) {
     for (int i = 0; i < found && found < MAX_PROCS; i++) /* breadth-first from self and the session */
         for (int j = 0; j < n && found < MAX_PROCS; j++)
             if (!in[j] && ppid[j] == out[i] && pid[j] != self) out[found++] = pid[j], in[j] = 1;
+    for (int j = 0; j < n; j++)
+        if (in[j]) *cpu_ticks += ticks[j];
     for (int i = 1; i < found; i++) {
         char path[64], buf[128];
         snprintf(path, sizeof path, "/proc/%d/statm", out[i]);
@@ -98,12 +106,21 @@ static long long anon_bytes(void) {
     return at ? atoll(at + 10) * 1024 : -1;
 }
 
+/* CPU time of the command's processes already reaped (by this supervisor, or by their reaped parents), in
+ * clock ticks. */
+static long long reaped_ticks(void) {
+    struct rusage ru;
+    if (getrusage(RUSAGE_CHILDREN, &ru)) return 0;
+    long long us = (ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1000000LL + ru.ru_utime.tv_usec + ru.ru_stime.tv_usec;
+    return us * sysconf(_SC_CLK_TCK) / 1000000;
+}
+
 static void kill_tree(pid_t self) {
     static pid_t procs[MAX_PROCS];
-    long long rss;
+    long long rss, cpu;
     kill(-child, SIGKILL); /* the command's process group at once (a fork bomb cannot outrun it) */
     for (int pass = 0; pass < 1000; pass++) { /* then whoever left the group */
-        int n = tree(self, procs, &rss);
+        int n = tree(self, procs, &rss, &cpu);
         if (n == 0) return;
         for (int i = 1; i <= n; i++) kill(procs[i], SIGKILL);
         while (waitpid(-1, NULL, WNOHANG) > 0) {}
@@ -150,14 +167,16 @@ static int load_filter(const char *file) {
 
 int main(int argc, char **argv) {
     static pid_t procs[MAX_PROCS];
-    if (argc < 7) {
-        fprintf(stderr, "usage: k3-exec FILTER NPROC PIDS MEMORY MARK ARGV...\n");
+    if (argc < 8) {
+        fprintf(stderr, "usage: k3-exec FILTER NPROC PIDS MEMORY CPU_MS MARK ARGV...\n");
         return 127;
     }
     rlim_t nproc = strtoul(argv[2], NULL, 10);
     long pids = strtol(argv[3], NULL, 10);
     long long memory = strtoll(argv[4], NULL, 10);
-    const char *mark = argv[5];
+    long long cpu_ms = strtoll(argv[5], NULL, 10);
+    const char *mark = argv[6];
+    long clk_tck = sysconf(_SC_CLK_TCK);
     pid_t self = getpid();
     struct sigaction sa = {0};
     sa.sa_handler = on_usr1;
@@ -186,7 +205,7 @@ int main(int argc, char **argv) {
             perror("k3-exec: loading the seccomp filter");
             _exit(127);
         }
-        execvp(argv[6], argv + 6);
+        execvp(argv[7], argv + 7);
         perror("k3-exec: exec");
         _exit(127);
     }
@@ -197,13 +216,14 @@ int main(int argc, char **argv) {
         int st;
         while ((p = waitpid(-1, &st, WNOHANG)) > 0)
             if (p == child) status = st, done = 1;
-        long long rss, anon;
-        int n = tree(self, procs, &rss);
+        long long rss, anon, cpu;
+        int n = tree(self, procs, &rss, &cpu);
         if (done && (n == 0 || !end_holders(procs, n, ++ticks_done > GRACE_TICKS))) break;
         if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
         else if (memory > 0 && rss > memory) why = "oom";
         else if (pids > 0 && n >= pids) why = "pids";
+        else if (cpu_ms > 0 && (cpu + reaped_ticks()) * 1000 / clk_tck > cpu_ms) why = "cpu";
         if (why) {
             kill_tree(self);
             waitpid(child, &status, 0);
