@@ -18,7 +18,7 @@ from __future__ import annotations
 import hmac
 import secrets
 import threading
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -182,12 +182,23 @@ def create_e2b_app(
             "metadata": info.metadata,
         }
 
-    def admit(who: str, count: int = 1) -> None:
+    pending: dict[str, int] = {}  # sandboxes being started, per client (guarded by reg.lock)
+
+    @contextmanager
+    def admit(who: str, count: int = 1):
+        """Hold `count` places of the client's quota while its sandboxes start (429 if there are none)."""
         with reg.lock:
-            if reg.live(who) + count > reg.quota:
+            taken = reg.live(who) + pending.get(who, 0)
+            if taken + count > reg.quota:
                 raise HTTPException(
-                    429, f"client {who!r} already has {reg.live(who)} of its {reg.quota} live sandboxes"
+                    429, f"client {who!r} already has {taken} of its {reg.quota} live sandboxes"
                 )
+            pending[who] = pending.get(who, 0) + count
+        try:
+            yield
+        finally:
+            with reg.lock:
+                pending[who] -= count
 
     def register(who: str, sbx: Sandbox, template: str, metadata: dict, envs: dict) -> tuple[str, Info]:
         info = Info(who, template, EnvdSandbox(sbx, dict(envs)), secrets.token_urlsafe(24), dict(metadata))
@@ -205,18 +216,18 @@ def create_e2b_app(
         return TEMPLATE_ALIASES.get(name, name), chosen or backend, None
 
     def create(body: NewSandbox, who: str) -> JSONResponse:
-        admit(who)
         name, chosen, snap = resolve(body.template_id, who)
-        sbx = Sandbox.create(
-            template=name,
-            timeout=min(body.timeout, max_ttl_s),
-            limits=limits,
-            backend=chosen,
-            allow_internet_access=bool(body.allow_internet_access),
-            snapshot=snap,
-            root=state_root,
-        )
-        sid, info = register(who, sbx, body.template_id, body.metadata or {}, body.env_vars or {})
+        with admit(who):
+            sbx = Sandbox.create(
+                template=name,
+                timeout=min(body.timeout, max_ttl_s),
+                limits=limits,
+                backend=chosen,
+                allow_internet_access=bool(body.allow_internet_access),
+                snapshot=snap,
+                root=state_root,
+            )
+            sid, info = register(who, sbx, body.template_id, body.metadata or {}, body.env_vars or {})
         return JSONResponse(sandbox_json(sid, info), status_code=201)
 
     @app.post("/sandboxes")
@@ -295,12 +306,12 @@ def create_e2b_app(
             if timeout:
                 info.entry.sandbox.set_timeout(min(timeout, max_ttl_s))
             return JSONResponse(sandbox_json(sid, info), status_code=200)
-        admit(who)
-        sbx = Sandbox.connect(sid, timeout=min(timeout or 300, max_ttl_s), root=state_root)
-        with reg.lock:
-            reg.snapshots.pop(sid, None)
-            reg.sandboxes[sid] = (who, sbx)
-            info.entry.sandbox, info.paused, info.ends = sbx, False, 0.0
+        with admit(who):
+            sbx = Sandbox.connect(sid, timeout=min(timeout or 300, max_ttl_s), root=state_root)
+            with reg.lock:
+                reg.snapshots.pop(sid, None)
+                reg.sandboxes[sid] = (who, sbx)
+                info.entry.sandbox, info.paused, info.ends = sbx, False, 0.0
         return JSONResponse(sandbox_json(sid, info), status_code=201)
 
     @app.post("/sandboxes/{sid}/resume")
@@ -334,16 +345,16 @@ def create_e2b_app(
     @app.post("/sandboxes/{sid}/fork", status_code=201)
     def fork(sid: str, body: ForkBody, info: Info = Depends(running)) -> list[dict]:
         count = body.count or 1
-        admit(info.owner, count)
         out = []
-        for child in info.entry.sandbox.fork(count):
-            if isinstance(child, Exception):
-                out.append({"error": {"code": 500, "message": str(child)}})
-                continue
-            if body.timeout:
-                child.set_timeout(min(body.timeout, max_ttl_s))
-            cid, cinfo = register(info.owner, child, info.template, info.metadata, info.entry.envs)
-            out.append({"sandbox": sandbox_json(cid, cinfo)})
+        with admit(info.owner, count):
+            for child in info.entry.sandbox.fork(count):
+                if isinstance(child, Exception):
+                    out.append({"error": {"code": 500, "message": str(child)}})
+                    continue
+                if body.timeout:
+                    child.set_timeout(min(body.timeout, max_ttl_s))
+                cid, cinfo = register(info.owner, child, info.template, info.metadata, info.entry.envs)
+                out.append({"sandbox": sandbox_json(cid, cinfo)})
         return out
 
     def lookup(sid: str, token: str) -> EnvdSandbox:

@@ -5,8 +5,10 @@ a copy of a directory (`k3 sandbox template build NAME --from DIR`), used as the
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -82,7 +84,7 @@ def _write_template(dest: Path, name: str, source: Path | None) -> Template:
         binds = ()
     meta = {"name": name, "binds": list(binds), "host": source is None}
     (tmp / "template.json").write_text(json.dumps(meta))
-    old = dest.with_name(f".{name}.old{os.getpid()}")
+    old = dest.with_name(f".{name}.old{os.getpid()}.{secrets.token_hex(4)}")
     if dest.exists():
         dest.rename(old)
     try:
@@ -109,8 +111,13 @@ def resolve_template(root: Path, name: str) -> Template:
     if meta.exists():
         m = json.loads(meta.read_text())
         return Template(m["name"], dest / "rootfs", tuple(m["binds"]), m["host"])
-    if name in HOST_TEMPLATES:
-        return build_template(root, name)
+    if name in HOST_TEMPLATES:  # built once, however many sandboxes (threads, processes) start at once
+        meta.parent.parent.mkdir(parents=True, exist_ok=True)
+        with open(meta.parent.parent / ".build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if meta.exists():
+                return resolve_template(root, name)
+            return build_template(root, name)
     if os.path.isabs(name) and Path(name).is_dir():
         return Template(name, Path(name))
     known = sorted({*HOST_TEMPLATES, *(p.name for p in (Path(root) / "templates").glob("*") if p.is_dir())})

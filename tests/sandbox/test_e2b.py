@@ -174,12 +174,13 @@ def test_wrong_key_and_other_keys_sandboxes(server):
         mine.kill()
 
 
-def test_sixteen_concurrent_clients_then_the_quota(server):
+@pytest.mark.parametrize("backend", ["bwrap", pytest.param("gvisor", marks=pytest.mark.slow)])
+def test_sixteen_concurrent_clients_then_the_quota(server, backend):
     barrier = threading.Barrier(16)
 
     def client(i: int) -> tuple[str, str, str]:
         barrier.wait(60)
-        sbx = Sandbox.create(template="base@bwrap", timeout=120, api_key=CAROL, envs={"ME": str(i)})
+        sbx = Sandbox.create(template=f"base@{backend}", timeout=120, api_key=CAROL, envs={"ME": str(i)})
         sbx.files.write("/tmp/me.txt", f"client {i}")
         out = sbx.commands.run("echo $ME; cat /tmp/me.txt; ls /tmp").stdout
         return sbx.sandbox_id, out, sbx.files.read("/tmp/me.txt")
