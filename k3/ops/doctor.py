@@ -19,6 +19,7 @@ from k3.ops.decode.native import DECODE_EXTENSION
 from k3.ops.extension import NativeExtension, cache_root, native_status
 from k3.ops.kda.native import KDA_EXTENSION
 from k3.ops.mxfp4.native import MXFP4_EXTENSION
+from k3.ops.reproducible import product_checks
 
 # what each extension serves, and what runs instead without it
 KERNELS: tuple[tuple[NativeExtension, str, str], ...] = (
@@ -107,6 +108,7 @@ def diagnose() -> dict:
         },
         "native_cache": str(cache_root()),
         "kernels": kernels,
+        "products": product_checks(),
     }
 
 
@@ -125,6 +127,26 @@ def render(report: dict) -> str:
     lines.append(
         f"CPU features ({source}): "
         + ", ".join(f"{name} {'yes' if present else 'no'}" for name, present in features.items())
+    )
+    p = report["products"]
+    lines.append(
+        f"fp32 products (MKL_CBWR={p['mkl_cbwr'] or 'unset'}): "
+        + (
+            "the same bits at any memory alignment"
+            if p["alignment_independent"]
+            else "the bits DEPEND ON MEMORY ALIGNMENT (set MKL_CBWR=AUTO before torch runs: import k3 first)"
+        )
+        + "; 1 vs 2 threads: "
+        + (
+            "the same bits"
+            if p["thread_independent"]
+            else "other rounding"
+            + (
+                " (within the reordering bound)"
+                if p["within_order_bound"]
+                else ", BEYOND the reordering bound"
+            )
+        )
     )
     lines.append(f"native kernels (cache {report['native_cache']}):")
     for k in report["kernels"]:
