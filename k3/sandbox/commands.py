@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shlex
 import sys
 from pathlib import Path
 
@@ -18,9 +19,17 @@ template_app = typer.Typer(help="Sandbox templates (read-only roots).", no_args_
 sandbox_app.add_typer(template_app, name="template")
 
 
+def shell_line(cmd: list[str]) -> str:
+    """The /bin/sh -c line for `cmd`: one argument as written (`-- 'echo a | wc'`); several quoted one by one,
+    so that `-- python3 -c 'print(1)'` runs python3 with the two arguments `-c` and `print(1)`."""
+    return cmd[0] if len(cmd) == 1 else shlex.join(cmd)
+
+
 @sandbox_app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run(
-    cmd: list[str] = typer.Argument(..., help="The command (after --), run with /bin/sh -c."),
+    cmd: list[str] = typer.Argument(
+        ..., help="The command after --: one argument is a shell line (/bin/sh -c); several are an argv."
+    ),
     backend: str = typer.Option("gvisor", help="gvisor or bwrap."),
     timeout: float = typer.Option(30, help="Seconds before the command's whole process tree is killed."),
     template: str = typer.Option("python", help="A template name or an absolute directory."),
@@ -34,7 +43,7 @@ def run(
     try:
         limits = Limits(cpus=cpus, memory_mb=memory_mb, pids=pids)
         with Sandbox.create(template=template, backend=backend, limits=limits, timeout=timeout + 60) as sbx:
-            r = sbx.commands.run(" ".join(cmd), timeout=timeout)
+            r = sbx.commands.run(shell_line(cmd), timeout=timeout)
     except SandboxError as e:
         fail(str(e))
     sys.stdout.write(r.stdout)

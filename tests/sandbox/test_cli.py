@@ -34,6 +34,12 @@ def test_run_prints_output_and_exits_with_the_code(backend, root):
     assert (r.returncode, r.stdout, r.stderr) == (7, "out\n", "err\n")
 
 
+def test_run_passes_several_arguments_as_an_argv(backend, root):
+    """The README's example: joined with spaces, `print(1)` reached /bin/sh unquoted (a syntax error)."""
+    r = k3("sandbox", "run", "--backend", backend, "--", "python3", "-c", "print(1); print('a b')", root=root)
+    assert (r.returncode, r.stdout) == (0, "1\na b\n"), r.stderr
+
+
 def test_run_reports_a_timeout(root):
     require("bwrap")
     r = k3("sandbox", "run", "--backend", "bwrap", "--timeout", "1", "--", "sleep 30", root=root)
