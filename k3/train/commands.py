@@ -36,7 +36,9 @@ def train(
         str, typer.Option(help="mqar, copy, or a plain text file (tokenised with the k3 tokenizer).")
     ] = D.data,
     out: Annotated[str, typer.Option(help="Run folder; an existing run there is resumed.")] = D.out,
-    steps: Annotated[int, typer.Option(help="Optimizer steps.")] = D.steps,
+    steps: Annotated[
+        int, typer.Option(help="Optimizer steps (more than a finished run's continue it).")
+    ] = D.steps,
     batch_size: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = D.batch_size,
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = D.seq_len,
     accum: Annotated[
@@ -57,7 +59,7 @@ def train(
     min_lr_ratio: Annotated[float, typer.Option(help="Final learning rate as a fraction of the peak.")] = (
         D.min_lr_ratio
     ),
-    warmup: Annotated[int, typer.Option(help="Warm-up steps.")] = D.warmup,
+    warmup: Annotated[int, typer.Option(help="Warm-up steps (clipped to --steps).")] = D.warmup,
     schedule: Annotated[Schedule, typer.Option(help="Learning rate after warm-up.")] = D.schedule,
     weight_decay: Annotated[
         float, typer.Option(help="Decoupled weight decay (matrices only).")

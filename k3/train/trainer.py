@@ -11,7 +11,9 @@ A run lives in one folder:
 
 Rerunning a killed run continues from its newest checkpoint: the CSV is cut back to that step and the
 remaining steps see the same batches, RNG and optimizer state, so on CPU the losses equal an
-uninterrupted run's bit for bit.
+uninterrupted run's bit for bit. A larger `--steps` continues a finished run from its last checkpoint, on
+the schedule of the new length (the steps already taken keep the rates they had). A run shorter than its
+warm-up warms up over all of it (said once).
 
 Routing balance needs each MoE layer's router scores for the batch: the trainer records them, with the
 chosen experts, through `record_routing` (k3.model.routing), as the routers computed them. After the
@@ -39,6 +41,7 @@ import csv
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -74,6 +77,7 @@ EXPORT_DIR = "export"
 # Fields that may change between a run and its resumption without changing what is computed.
 _RESUMABLE_CHANGES = {"stop_after", "progress", "export", "nproc", "expert_parallel", "ep_policy", "ep_slots"}
 _RESUMABLE_CHANGES |= {"ep_replan_every", "ep_timeout", "ep_threshold"}
+_RESUMABLE_CHANGES |= {"steps"}  # a larger --steps continues a finished run (the schedule of the new length)
 
 
 def load_model_config(preset: str) -> K3Config:
@@ -215,6 +219,11 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     writes = par is None or par.writes
     if writes:
         write_run_config(tc, run / TRAIN_JSON, _RESUMABLE_CHANGES, TrainError)
+    warmup = min(tc.warmup, tc.steps)  # a run shorter than its warm-up warms up over all of it
+    if writes and warmup < tc.warmup:
+        print(
+            f"k3 train: warm-up clipped to the run's {tc.steps} steps (--warmup {tc.warmup})", file=sys.stderr
+        )
     if tc.threads:
         torch.set_num_threads(tc.threads)
     torch.manual_seed(tc.seed)
@@ -251,6 +260,8 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
     if checkpoints:
         meta = load_training_state(checkpoints[-1][1], model, optimizer, elsewhere)
         start = meta["step"]
+        if start > tc.steps:
+            raise TrainError(f"--steps {tc.steps}: {run} has already trained {start} steps (ask for more)")
     for layer, router in routers.items():  # the bias lives in the router buffer; the balancer reads it
         balancer.biases[layer] = router.e_score_correction_bias.detach().clone()
     log_path, loads_path = run / LOG_FILE, run / LOADS_FILE
@@ -281,7 +292,7 @@ def train(tc: TrainConfig, on_step: Callable[[dict], None] | None = None) -> Pat
         writer, loads_writer = csv.DictWriter(log_file, fieldnames=columns), csv.writer(loads_file)
         for step in range(start, last):
             began = time.perf_counter()
-            lr = pretraining_rate(step, tc.lr, tc.steps, tc.warmup, tc.schedule, tc.min_lr_ratio)
+            lr = pretraining_rate(step, tc.lr, tc.steps, warmup, tc.schedule, tc.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             if eplb and step % tc.ep_replan_every == 0 and step:

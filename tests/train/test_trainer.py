@@ -266,3 +266,27 @@ def test_cli_trains_and_plots(tmp_path: Path) -> None:
     bad = ["--balance", "deepseek", "--balance-refresh", "--out", str(tmp_path / "bad"), "--quiet"]
     result = CliRunner().invoke(train_app, bad)
     assert result.exit_code == 1 and "--balance-refresh: applies to --balance qb only" in result.output
+
+
+def test_a_run_shorter_than_its_warmup_runs_and_says_it_once(tmp_path: Path, capsys) -> None:
+    train(tiny(tmp_path / "short", steps=3, warmup=10, checkpoint_every=3))
+    err = capsys.readouterr().err
+    assert err.count("warm-up clipped to the run's 3 steps") == 1
+    assert column(tmp_path / "short", "step") == ["1", "2", "3"]
+    lrs = [float(x) for x in column(tmp_path / "short", "lr")]
+    assert lrs[0] < lrs[1] < lrs[2]  # still warming up: the warm-up spans the 3 steps
+
+
+def test_more_steps_continue_a_finished_run_and_fewer_are_refused(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    train(tiny(run, steps=4))
+    four = column(run, "lr")
+    assert four != column(uninterrupted, "lr")[:4]  # a 4-step schedule, not the 6-step run's
+    train(tiny(run, steps=6))
+    assert column(run, "step") == [str(s) for s in range(1, 7)]
+    assert column(run, "lr")[:4] == four  # continued from step 4, not started again on 6 steps
+    assert (run / "checkpoints" / "step-00000006").is_dir()
+    with pytest.raises(TrainError, match="already trained 6 steps"):
+        train(tiny(run, steps=5))
