@@ -39,7 +39,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("cli", "__main__"),
 )
 # Base utilities every room may use; they import no room themselves.
-BASE = ("errors", "terminal", "lazy", "__init__")
+BASE = ("errors", "terminal", "listen", "lazy", "__init__")
 LEVEL = {room: level for level, rooms in enumerate(LEVELS) for room in rooms}
 
 

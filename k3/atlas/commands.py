@@ -164,22 +164,22 @@ def _make_app(source: str, out: Path | None, scan_first: bool):
 @atlas_app.command("serve")
 def serve_command(
     source: str = typer.Argument(..., help=SERVE_SOURCE_HELP),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", help="0: any free port."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (127.0.0.1: this machine only)."),
     out: Path | None = typer.Option(None, "--out", help="Directory of atlas.sqlite (default: a cache dir)."),
     scan_first: bool = typer.Option(True, "--scan/--no-scan", help="Scan first if the scan is incomplete."),
 ) -> None:
     """Serve the atlas of a checkpoint (or of a config alone) on http://HOST:PORT/."""
-    import uvicorn
-
     from k3.errors import K3Error
+    from k3.listen import listening_socket, run_app, url_of
 
     try:
+        sock = listening_socket(host, port)
         app = _make_app(source, out, scan_first)
     except (K3Error, OSError) as e:
         fail(str(e))
-    print(f"atlas of {source}: http://{host}:{port}/", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    print(f"atlas of {source}: {url_of(sock)}", flush=True)
+    run_app(app, sock, "warning")
 
 
 @atlas_app.command("build")
@@ -212,13 +212,19 @@ def demo_command(
     directory: Path = typer.Option(
         Path("checkpoints/mini"), "--dir", help="Where the mini checkpoint lives."
     ),
-    port: int = typer.Option(8000, "--port", min=1, max=65535),
+    port: int = typer.Option(8000, "--port", help="0: any free port."),
     host: str = typer.Option("127.0.0.1", "--host"),
 ) -> None:
-    """Create the `mini` checkpoint if absent (k3 init --preset mini), scan it, serve its atlas."""
-    import uvicorn
-
+    """Create the `mini` checkpoint if absent (k3 init --preset mini), scan it, serve its atlas (on the next
+    free port if PORT is taken: the URL printed is the one bound)."""
     from k3.config import K3Config
+    from k3.errors import K3Error
+    from k3.listen import listening_socket, run_app, url_of
+
+    try:
+        sock = listening_socket(host, port, tries=20)
+    except K3Error as e:
+        fail(str(e))
 
     cfg = K3Config.preset("mini")
     if not (directory / "config.json").exists():
@@ -231,5 +237,6 @@ def demo_command(
 
         write_tokenizer(directory, cfg.vocab_size)
     app = _make_app(str(directory), None, scan_first=True)
-    print(f"atlas of {directory}: http://{host}:{port}/", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    taken = "" if sock.getsockname()[1] == port else f" (port {port} is taken)"
+    print(f"atlas of {directory}: {url_of(sock)}{taken}", flush=True)
+    run_app(app, sock, "warning")

@@ -318,11 +318,15 @@ def serve(
     /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise."""
     from pathlib import Path
 
-    import uvicorn
-
     from k3.engine.generate import Engine
     from k3.engine.server import create_app
+    from k3.errors import K3Error
+    from k3.listen import listening_socket, run_app, url_of
 
+    try:
+        sock = listening_socket(host, port)
+    except K3Error as e:
+        fail(str(e))
     model, tok = load(checkpoint, layers)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
@@ -339,4 +343,5 @@ def serve(
         request_timeout=request_timeout,
         api_key=api_key,
     )
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    print(f"k3 serve: {name} on {url_of(sock)}v1", flush=True)
+    run_app(app, sock, "info")

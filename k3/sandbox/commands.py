@@ -89,7 +89,13 @@ def serve(
     """Serve the sandbox API over HTTP; every request needs `Authorization: Bearer <token>` (with --e2b:
     `X-API-KEY`, as the `e2b` SDK sends it). With --e2b the `export E2B_...` lines that point an unchanged
     SDK at this server come first on stdout."""
-    import uvicorn
+    from k3.errors import K3Error
+    from k3.listen import listening_socket, run_app, url_of
+
+    try:
+        sock = listening_socket(host, port)
+    except K3Error as e:
+        fail(str(e))
 
     from k3.sandbox import SandboxError, default_root
     from k3.sandbox.server import create_app
@@ -121,11 +127,13 @@ def serve(
     except SandboxError as e:
         fail(str(e))
     if e2b:
-        url = f"http://{host}:{port}"
+        url = url_of(sock).rstrip("/")
         for line in e2b_exports(next(iter(table)), url):
             print(line)
         print(f"# k3's own API: {url}/k3 (Bearer token = the API key)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    else:
+        print(f"sandbox API on {url_of(sock)}", flush=True)
+    run_app(app, sock, "warning")
 
 
 def e2b_exports(api_key: str, url: str) -> list[str]:

@@ -1,0 +1,76 @@
+"""Where k3's servers listen (k3.listen): a port that is not one or is taken is a one-line error before
+anything slow happens; `k3 atlas demo` moves to the next free port; the URL printed is the one bound."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from k3.listen import ListenError, listening_socket, url_of
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def k3(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    return subprocess.run(
+        [sys.executable, "-m", "k3", *args], env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture
+def taken():
+    """A port some other program listens on."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        yield other.getsockname()[1]
+
+
+def test_a_port_out_of_range_is_one_line():
+    r = k3("serve", "no-such-checkpoint", "--port", "99999")
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        "error: --port 99999: a port is a number in 0..65535 (0: any free one)"
+    ], r.stderr
+
+
+@pytest.mark.parametrize("command", [["serve", "no-such-checkpoint"], ["atlas", "serve", "tiny"]])
+def test_a_taken_port_is_said_before_anything_is_loaded(command, taken):
+    r = k3(*command, "--port", str(taken))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and f"port {taken} on 127.0.0.1 is taken" in lines[0], (
+        r.stderr
+    )
+
+
+def test_tries_move_to_the_next_free_port(taken):
+    with listening_socket("127.0.0.1", taken, tries=20) as sock:
+        assert sock.getsockname()[1] != taken
+        assert url_of(sock) == f"http://127.0.0.1:{sock.getsockname()[1]}/"
+    with pytest.raises(ListenError, match="is taken"):
+        listening_socket("127.0.0.1", taken)
+
+
+def test_the_printed_url_is_the_one_serving(tmp_path):
+    """`k3 sandbox serve --port 0`: uvicorn serves on the socket bound first, at the URL printed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "K3_SANDBOX_ROOT": str(tmp_path)}
+    args = [sys.executable, "-m", "k3", "sandbox", "serve", "--port", "0"]
+    with subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as server:
+        try:
+            lines = [server.stdout.readline() for _ in range(2)]
+            url = next(
+                line.split(" on ", 1)[1].strip() for line in lines if line.startswith("sandbox API on")
+            )
+            assert not url.endswith(":0/")
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url + "sandboxes", timeout=30)
+            assert refused.value.code == 401  # no bearer token: the sandbox API answered
+        finally:
+            server.terminate()
