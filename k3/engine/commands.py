@@ -323,6 +323,10 @@ def serve(
     from k3.errors import K3Error
     from k3.listen import listening_socket, run_app, url_of
 
+    if request_timeout is not None and not request_timeout > 0:
+        fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    if max_batch < 1 or max_queue < 0:
+        fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     try:
         sock = listening_socket(host, port)
     except K3Error as e:
@@ -331,10 +335,6 @@ def serve(
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
     )
-    if request_timeout is not None and not request_timeout > 0:
-        fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
-    if max_batch < 1 or max_queue < 0:
-        fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     app = create_app(
         Engine(model, max_batch=max_batch),
         tok,

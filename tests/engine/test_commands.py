@@ -70,16 +70,20 @@ def test_chat_reads_piped_turns(checkpoint: Path) -> None:
 
 def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`k3 serve` binds 127.0.0.1 by default and hands --max-queue, --request-timeout and the API key
-    (from K3_API_KEY) to the app (uvicorn.run is replaced by a recorder; the app is driven in-process)."""
-    import uvicorn
+    (from K3_API_KEY) to the app (k3.listen.run_app is replaced by a recorder; the app is driven in-process)."""
     from fastapi.testclient import TestClient
 
+    import k3.listen
+
     seen: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr(k3.listen, "run_app", lambda app, sock, level: seen.update(app=app, sock=sock))
     monkeypatch.setenv("K3_API_KEY", "k")
-    result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "3", "--request-timeout", "9"])
+    args = ["serve", str(checkpoint), "--max-queue", "3", "--request-timeout", "9", "--port", "0"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+    with seen["sock"] as sock:
+        host, port = sock.getsockname()
+    assert host == "127.0.0.1" and f"on http://127.0.0.1:{port}/v1" in result.output
     served = seen["app"]
     assert served.state.worker.capacity == 16 + 3 and served.state.request_timeout == 9
     with TestClient(served) as client:
