@@ -188,6 +188,10 @@ class Tokenizer:
     def from_dir(cls, directory: str | Path) -> Tokenizer:
         """Load `tiktoken.model` + `tokenizer_config.json` from a checkpoint directory."""
         d = Path(directory)
+        if not d.exists():
+            raise TokenizerError(f"{d}: no such directory")
+        if not d.is_dir():
+            raise TokenizerError(f"{d}: not a directory (a checkpoint is a directory)")
         if not (d / TIKTOKEN_FILE).is_file():
             raise TokenizerError(
                 f"{d}: no {TIKTOKEN_FILE} (is this a checkpoint directory with a tokenizer?)"

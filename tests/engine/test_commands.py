@@ -42,7 +42,11 @@ def test_tokenize_shows_pieces(checkpoint: Path) -> None:
     r = runner.invoke(app, ["tokenize", "<|open|>hola", "--special", "--vocab-size", "1024"])
     assert r.exit_code == 0 and "771" in r.output  # <|open|> as one special id
     r = runner.invoke(app, ["tokenize", "x", "--checkpoint", str(checkpoint / "missing")])
-    assert r.exit_code == 1 and "no tiktoken.model" in r.output
+    assert r.exit_code == 1 and "missing: no such directory" in r.output
+    r = runner.invoke(app, ["generate", str(checkpoint / "missing"), "--prompt", "x"])
+    assert r.exit_code == 1 and "missing: no such directory" in r.output
+    r = runner.invoke(app, ["tokenize", "x", "--checkpoint", str(checkpoint / "config.json")])
+    assert r.exit_code == 1 and "config.json: not a directory" in r.output
 
 
 def test_generate_streams_the_greedy_continuation(checkpoint: Path) -> None:
