@@ -169,13 +169,15 @@ def census_of(target: str) -> Census:
     """
     from pathlib import Path
 
-    from k3.config import PRESETS
+    from k3.config import PRESETS, no_such_source
 
     if target in PRESETS:
         return census_from_config(K3Config.preset(target))
     path = Path(target)
     if path.is_file():
         return census_from_config(K3Config.from_json(path))
+    if "://" not in target and not path.exists():
+        raise no_such_source(target)
     from k3.checkpoint import open_checkpoint  # the checkpoint layer knows nothing of the census
 
     with open_checkpoint(target) as ckpt:

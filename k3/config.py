@@ -397,9 +397,18 @@ class K3Config:
         if isinstance(target, str) and target in PRESETS:
             return cls.preset(target)
         path = Path(target)
+        if not path.exists():
+            raise no_such_source(str(target))
         if path.is_dir():
             path = path / "config.json"
         return cls.from_json(path)
+
+
+def no_such_source(target: str) -> ConfigError:
+    """The error for a model source that is neither a preset nor an existing path: it lists the presets."""
+    return ConfigError(
+        f"{target}: no such preset, config.json or checkpoint directory (presets: {', '.join(PRESETS)})"
+    )
 
 
 def published_fields() -> list[Field]:

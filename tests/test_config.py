@@ -267,3 +267,23 @@ def test_transformers_names_are_read_ours_win_and_theirs_stay():
     assert cfg.num_shared_experts == 2 and cfg.extra["n_shared_experts"] == 7
     assert cfg.moe_renormalize is False and "norm_topk_prob" not in cfg.extra
     assert cfg.to_dict()["text_config"]["moe_renormalize"] is False
+
+
+def test_a_source_that_is_neither_preset_nor_path_lists_the_presets(tmp_path):
+    """`--preset minii` and the like: every command that takes a preset says which there are."""
+    from typer.testing import CliRunner
+
+    from k3.cli import app
+
+    with pytest.raises(ConfigError, match="minii: no such preset, config.json or checkpoint directory"):
+        K3Config.from_pretrained("minii")
+    for args in (
+        ["train", "--preset", "minii", "--out", str(tmp_path / "run"), "--quiet"],
+        ["census", "minii"],
+        ["atlas", "serve", "minii", "--port", "0"],
+        ["init", str(tmp_path / "ckpt"), "--preset", "minii"],
+    ):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 1 and "minii" in result.output, (args, result.output)
+        assert ", ".join(PRESETS) in result.output and "Traceback" not in result.output, args
+    assert not (tmp_path / "run").exists() and not (tmp_path / "ckpt").exists()

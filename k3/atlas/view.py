@@ -14,7 +14,7 @@ from typing import Any
 
 from k3.atlas.db import AtlasDB, LogicalTensor
 from k3.atlas.stats import STAT_KEYS
-from k3.config import FFN, PRESETS, K3Config
+from k3.config import FFN, PRESETS, K3Config, no_such_source
 
 GRID_MATRICES_MAX = 4  # matrix kinds shown in the expert grid
 
@@ -54,6 +54,8 @@ class Atlas:
         path = Path(source)
         if path.is_file() and path.suffix == ".json":
             return cls(source, K3Config.from_json(path), [], None, None)
+        if "://" not in source and not path.exists():
+            raise no_such_source(source)
         from k3.atlas.db import fingerprint, logical_tensors
         from k3.atlas.scan import resolve_db_path
         from k3.checkpoint import open_checkpoint

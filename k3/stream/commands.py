@@ -12,7 +12,7 @@ import typer
 from typer.core import TyperGroup
 
 from k3.errors import K3Error
-from k3.terminal import fail
+from k3.terminal import fail, remove_if_empty
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
 _UNITS |= {"GIB": 2**30, "TIB": 2**40}
@@ -156,6 +156,7 @@ def run(
                 source, ids, out, options, scratch_dir=scratch, remote=remote, report=report
             )
         except (K3Error, OSError) as e:
+            remove_if_empty(out)  # created for the run, nothing written: gone again
             fail(str(e))
         bar.update(task, completed=1.0, description="done")
     s = result.summary

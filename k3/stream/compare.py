@@ -105,10 +105,16 @@ def _last(f: Logits, p: int) -> torch.Tensor:
     return f.values[p, _length(f, p) - 1][None] if f.values.dim() == 3 else f.values[p][None]
 
 
-def _check_prompts(a: Logits, b: Logits, p: int, stop: int) -> None:
-    """The token ids both files name must agree (position 0 aside: llama.cpp puts BOS there)."""
-    if a.input_ids is None or b.input_ids is None or a.values.dim() != 3 or b.values.dim() != 3:
+def _check_prompts(a: Logits, b: Logits, p: int, stop: int | None = None) -> None:
+    """Where both files name their token ids, prompt p's must agree up to `stop` (default: the whole prompt,
+    whose lengths must then agree too), position 0 aside: llama.cpp puts BOS there."""
+    if a.input_ids is None or b.input_ids is None:
         return
+    if stop is None:
+        n, m = (int(f.lengths[p]) if f.lengths is not None else f.input_ids.shape[1] for f in (a, b))
+        if n != m:
+            raise CompareError(f"prompt {p}: {n} tokens in one file, {m} in the other: not the same prompts")
+        stop = n
     x, y = a.input_ids[p, 1:stop], b.input_ids[p, 1:stop]
     n = min(len(x), len(y))
     differ = (x[:n] != y[:n]).nonzero()
@@ -141,6 +147,7 @@ def compare_logits(ours: Logits, other: Logits, tolerance: float = 1e-3) -> list
             x, y = a[p, start:stop].double(), b[p, start:stop].double()
             floor = other.floor[p, start:stop, None].double() if other.floor is not None else None
         else:  # one file has the last positions only: compare those
+            _check_prompts(ours, other, p)
             start, floor = 0, None
             x, y = _last(ours, p).double(), _last(other, p).double()
         out.append(_compare(p, start, x, y, floor, as_logprobs, tolerance))

@@ -126,6 +126,21 @@ def test_bad_prompts_are_one_line_errors(ckpt, tmp_path, line, message):
         app, ["stream", str(ckpt), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "o")]
     )
     assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "o").exists()  # a failed command leaves no empty output folder behind
+
+
+def test_a_failed_run_leaves_no_empty_folder_but_keeps_resumable_state(tmp_path):
+    from k3.terminal import remove_if_empty
+
+    (tmp_path / "empty" / "scratch" / "deeper").mkdir(parents=True)
+    remove_if_empty(tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()
+    (tmp_path / "kept" / "scratch").mkdir(parents=True)
+    (tmp_path / "kept" / "other").mkdir()
+    (tmp_path / "kept" / "scratch" / "state.safetensors").write_bytes(b"x")
+    remove_if_empty(tmp_path / "kept")
+    assert (tmp_path / "kept" / "scratch" / "state.safetensors").is_file()
+    assert not (tmp_path / "kept" / "other").exists()
 
 
 def test_text_over_http_takes_the_url_s_tokenizer_and_sizes_parse(ckpt, tmp_path):
