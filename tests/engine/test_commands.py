@@ -74,7 +74,7 @@ def test_chat_reads_piped_turns(checkpoint: Path) -> None:
 
 def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`k3 serve` binds 127.0.0.1 by default and hands --max-queue, --request-timeout and the API key
-    (from K3_API_KEY) to the app (k3.listen.run_app is replaced by a recorder; the app is driven in-process)."""
+    (from K3_API_KEY) to the app (k3.listen.run_app is replaced by a recorder; the app runs in-process)."""
     from fastapi.testclient import TestClient
 
     import k3.listen

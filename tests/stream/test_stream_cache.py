@@ -75,7 +75,7 @@ def test_the_cache_stays_under_its_cap(checkpoints, tmp_path):
     with RangeServer(ckpt) as server:
         args = ["stream", server.url, "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "out")]
         args += ["--max-new-tokens", "2", "--cache-dir", str(tmp_path / "cache"), "--cache-size", str(cap)]
-        args += ["--threads", "1"]  # the reference's: bits are claimed at one thread count (k3.ops.reproducible)
+        args += ["--threads", "1"]  # the reference's: bits hold at one thread count (k3.ops.reproducible)
         result = CliRunner().invoke(app, args)
         assert result.exit_code == 0, result.output
     files = cache_files(tmp_path / "cache")
