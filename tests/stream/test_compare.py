@@ -91,14 +91,10 @@ def test_last_positions_against_every_position_and_bad_files(checkpoints, tmp_pa
     rows = compare_logits(read_logits(tmp_path / "all"), read_logits(tmp_path / "last"))
     assert [r.positions for r in rows] == [1, 1] and all(r.max_abs <= 1e-5 for r in rows)
     assert torch.allclose(every.outputs["logits"][1, 5], last.outputs["logits"][1], atol=1e-5)
-    stream_to_dir(
-        checkpoints("tiny"), [[5, 6, 7], [1, 2, 3, 4, 9, 6]], tmp_path / "other", StreamOptions()
-    )
+    stream_to_dir(checkpoints("tiny"), [[5, 6, 7], [1, 2, 3, 4, 9, 6]], tmp_path / "other", StreamOptions())
     with pytest.raises(CompareError, match="prompt 1: the files' token ids differ at position 4"):
         compare_logits(read_logits(tmp_path / "last"), read_logits(tmp_path / "other"))
-    stream_to_dir(
-        checkpoints("tiny"), [[5, 6, 7], [1, 2, 3, 4, 5]], tmp_path / "shorter", StreamOptions()
-    )
+    stream_to_dir(checkpoints("tiny"), [[5, 6, 7], [1, 2, 3, 4, 5]], tmp_path / "shorter", StreamOptions())
     with pytest.raises(CompareError, match="prompt 1: 6 tokens in one file, 5 in the other"):
         compare_logits(read_logits(tmp_path / "all"), read_logits(tmp_path / "shorter"))
     save_file({"scores": torch.zeros(2, 3)}, tmp_path / "bad.safetensors")
