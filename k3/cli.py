@@ -118,7 +118,7 @@ def _register_rooms() -> None:
     from k3.distill.commands import distill_app
     from k3.engine.commands import chat, serve, tokenize
     from k3.export.commands import export_app
-    from k3.model.commands import init as write_random_weights
+    from k3.model.commands import say_written, write_random_checkpoint
     from k3.ops.commands import doctor
     from k3.rl.commands import rl_app
     from k3.sandbox.commands import sandbox_app
@@ -138,10 +138,11 @@ def _register_rooms() -> None:
         """Write a random checkpoint in the published layout (shards, index, config.json, MXFP4 experts)
         and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary."""
         from k3.config import K3Config
-        from k3.tokenizer.build import write_tokenizer
+        from k3.tokenizer.build import CONFIG_FILE, TIKTOKEN_FILE, write_tokenizer
 
-        write_random_weights(out, preset, seed, overwrite)
+        files = write_random_checkpoint(out, preset, seed, overwrite)
         write_tokenizer(out, K3Config.preset(preset).vocab_size)
+        say_written(preset, seed, out, [*files, out / TIKTOKEN_FILE, out / CONFIG_FILE])
 
     for command in (tokenize, generate, chat, serve):
         app.command()(command)

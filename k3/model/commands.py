@@ -21,6 +21,11 @@ def init(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already in OUT."),
 ) -> None:
     """Write a random checkpoint (shards, index, config.json; MXFP4 experts) in the published layout."""
+    say_written(preset, seed, out, write_random_checkpoint(out, preset, seed, overwrite))
+
+
+def write_random_checkpoint(out: Path, preset: str, seed: int, overwrite: bool) -> list[Path]:
+    """`k3 init`'s files (shards, index, config.json), or a one-line error."""
     from k3.config import PRESETS, K3Config
     from k3.layout import published_tensors
     from k3.model.init import init_checkpoint
@@ -35,9 +40,12 @@ def init(
             raise K3Error(
                 f"{out}: {preset} needs {total / 1e9:.1f} GB on disk, only {free / 1e9:.1f} GB free"
             )
-        files = init_checkpoint(cfg, out, seed=seed, overwrite=overwrite)
+        return init_checkpoint(cfg, out, seed=seed, overwrite=overwrite)
     except K3Error as e:
         fail(str(e))
+
+
+def say_written(preset: str, seed: int, out: Path, files: list[Path]) -> None:
     written = sum(f.stat().st_size for f in files)
     Console().print(f"wrote {preset} (seed {seed}) to {out}: {len(files)} files, {written / 1e9:.3f} GB")
 

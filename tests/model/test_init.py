@@ -136,3 +136,13 @@ def test_init_keeps_mini_activations_sane():
     assert len(sizes) == 2 * cfg.num_hidden_layers
     assert all(0.01 < s < 10 for s in sizes), sizes  # every sublayer writes O(1) updates
     assert logits.isfinite().all() and 0.3 < logits.std() < 3
+
+
+def test_k3_init_counts_every_file_it_writes(tmp_path):
+    """`k3 init` (weights + the built-in tokenizer) says as many files as the folder holds."""
+    from k3.cli import app as k3_app
+
+    result = CliRunner().invoke(k3_app, ["init", str(tmp_path / "ckpt"), "--preset", "tiny"])
+    assert result.exit_code == 0, result.output
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert "tiktoken.model" in files and f": {len(files)} files," in result.output, (files, result.output)
