@@ -10,10 +10,12 @@ STAMP  := $(VENV)/.k3-installed
 .PHONY: demo test lint native browser sandbox-tools census bench clean
 
 $(STAMP): pyproject.toml
+	@echo "== setting up $(VENV): k3 and its dev extra (the first time about 3 minutes of pip)"
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[dev]'
-	$(PY) -m pip install -q --no-deps nemo-automodel==0.7.0
+	$(PY) -m pip install --progress-bar on -e '.[dev]'
+	$(PY) -m pip install --progress-bar on --no-deps nemo-automodel==0.7.0
 	touch $(STAMP)
+	@echo "== $(VENV) ready: run k3 as $(VENV)/bin/k3, or after 'source $(VENV)/bin/activate' as k3"
 
 # The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions).
 # k3 compiles them on first use into ~/.cache/k3/native (pure torch without a compiler); this warms it.
@@ -24,6 +26,7 @@ native: $(STAMP)
 # CI=true (where no test may skip) this target fails instead.
 browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  echo "== installing chromium with apt-get (for the atlas browser tests; a minute or two)" && \
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null); } || \
 	{ if [ "$(CI)" = true ]; then echo "error: CI=true but chromium cannot be installed" >&2; exit 1; \
 	  else echo "note: chromium not installed; browser tests will be skipped"; fi; }
@@ -32,11 +35,13 @@ browser:
 # Where they cannot be had the sandbox tests skip, saying why; under CI=true this target fails instead.
 sandbox-tools:
 	@{ command -v runsc && command -v bwrap && command -v cc; } >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && \
+	  echo "== installing runsc (gVisor), bubblewrap and gcc with apt-get (for the sandbox tests)" && \
 	  (apt-get update -qq && apt-get install -y -qq runsc bubblewrap gcc libc6-dev >/dev/null); } || \
 	{ if [ "$(CI)" = true ]; then echo "error: CI=true but runsc/bubblewrap cannot be installed" >&2; exit 1; \
 	  else echo "note: runsc/bubblewrap not installed; sandbox tests will be skipped"; fi; }
 
 test: $(STAMP) native browser sandbox-tools
+	@echo "== running the test suite (about 10 minutes on 2 cores)"
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
