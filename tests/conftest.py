@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import pytest
 
+import k3  # noqa: F401  (sets MKL_CBWR before any test's first MKL product: k3.ops.reproducible)
+
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
