@@ -12,17 +12,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from k3.cli import app
 from k3.listen import ListenError, listening_socket, url_of
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def k3(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "k3", *args], env=env, capture_output=True, text=True, timeout=timeout
-    )
 
 
 @pytest.fixture
@@ -35,18 +30,18 @@ def taken():
 
 
 def test_a_port_out_of_range_is_one_line():
-    r = k3("serve", "no-such-checkpoint", "--port", "99999")
-    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+    r = CliRunner().invoke(app, ["serve", "no-such-checkpoint", "--port", "99999"])
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
         "error: --port 99999: a port is a number in 0..65535 (0: any free one)"
-    ], r.stderr
+    ], r.output
 
 
 @pytest.mark.parametrize("command", [["serve", "no-such-checkpoint"], ["atlas", "serve", "tiny"]])
 def test_a_taken_port_is_said_before_anything_is_loaded(command, taken):
-    r = k3(*command, "--port", str(taken))
-    lines = r.stderr.strip().splitlines()
-    assert r.returncode == 1 and len(lines) == 1 and f"port {taken} on 127.0.0.1 is taken" in lines[0], (
-        r.stderr
+    r = CliRunner().invoke(app, [*command, "--port", str(taken)])
+    lines = r.output.strip().splitlines()
+    assert r.exit_code == 1 and len(lines) == 1 and f"port {taken} on 127.0.0.1 is taken" in lines[0], (
+        r.output
     )
 
 
