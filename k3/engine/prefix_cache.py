@@ -16,9 +16,11 @@ states from one-token decode steps differ in rounding from a prefill's, so the n
 prefills the reply again (the blocks of the previous prompt are reused).
 
 Memory: LRU by bytes under `max_bytes`. A block is useless without its ancestors, so evicting one evicts
-its cached descendants with it, and a lookup refreshes a chain from its deepest block up to the root (the
-root ends most recent). A block larger than the whole budget is not stored; a full cache never fails a
-request (it evicts, or stores nothing).
+its cached descendants with it; storing or finding a block refreshes its chain from the deepest block up
+to the root (the root ends most recent), so the least recently used block is a leaf. Storing a block
+never evicts its own ancestors: under a budget too small for a whole prompt the first blocks stay (the
+prefix other prompts most likely share). A block that does not fit is not stored; a full cache never
+fails a request.
 
 On disk (`state_dir`): every block is also a safetensors file `<key>.safetensors` (`k3.engine.state_store`:
 atomic, format + checkpoint identity + checksum in the metadata), deleted when the block is evicted, read
@@ -79,7 +81,15 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens not prefilled thanks to the cache
     inserted: int = 0
     evicted: int = 0
-    refused_files: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)  # why each refused file was refused
+
+
+def cached_tokens(per_choice: list[int], prompts: int) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of a request: choices come prompt by prompt (n each);
+    each prompt counts once, with the fewest tokens any of its choices restored (n > 1 of a new prompt:
+    the first choice computes it, the others reuse it, and the prompt still cost a full prefill)."""
+    n = len(per_choice) // prompts if prompts else 0
+    return sum(min(per_choice[i * n : (i + 1) * n], default=0) for i in range(prompts))
 
 
 def block_key(parent: bytes, ids: list[int]) -> bytes:
@@ -151,9 +161,12 @@ class PrefixCache:
         if experts is not None:
             tensors["experts"] = experts.to(torch.int16)
         block = Block(key, parent, end, tensors)
-        if not self._make_room(block.nbytes) or (parent != self.root and parent not in self.blocks):
+        chain = self._chain(parent)
+        if not self._make_room(block.nbytes, keep=set(chain)):
             return key
         self._put(block)
+        for k in chain:  # deepest first: the root ends most recent, so the oldest block is always a leaf
+            self.blocks.move_to_end(k)
         if self.state_dir is not None:
             self._write(block)
         return key
@@ -164,11 +177,23 @@ class PrefixCache:
         self.bytes += block.nbytes
         self.stats.inserted += 1
 
-    def _make_room(self, nbytes: int) -> bool:
+    def _chain(self, key: bytes) -> list[bytes]:
+        """The keys of a cached block and its ancestors, deepest first."""
+        out = []
+        while key != self.root:
+            out.append(key)
+            key = self.blocks[key].parent
+        return out
+
+    def _make_room(self, nbytes: int, keep: set[bytes] = frozenset()) -> bool:  # type: ignore[assignment]
+        """Evict least recently used blocks (never those in `keep`) until nbytes fit; False if they cannot."""
         if nbytes > self.max_bytes:
             return False
-        while self.bytes + nbytes > self.max_bytes and self.blocks:
-            self._drop(next(iter(self.blocks)), evicted=True)
+        while self.bytes + nbytes > self.max_bytes:
+            victim = next((k for k in self.blocks if k not in keep), None)
+            if victim is None:
+                return False
+            self._drop(victim, evicted=True)
         return True
 
     def _drop(self, key: bytes, evicted: bool = False) -> None:
@@ -249,4 +274,4 @@ class PrefixCache:
         """Log and skip a file (left in place: another checkpoint's may be someone else's; one of ours is
         overwritten when its block is computed again)."""
         log.warning("prefix cache: refused %s (recomputed when needed): %s", path, why)
-        self.stats.refused_files.append(path.name)
+        self.stats.refused.append(why)
