@@ -316,7 +316,7 @@ def serve(
         True, "--prefix-cache/--no-prefix-cache", help="Reuse the states of earlier prompts' prefixes."
     ),
     state_interval: int = typer.Option(
-        256, "--state-interval", help="Prefix cache: keep the state every this many prompt tokens."
+        2048, "--state-interval", help="Prefix cache: keep the state every this many prompt tokens."
     ),
     prefix_cache_bytes: int = typer.Option(
         2**30, "--prefix-cache-bytes", help="Prefix cache: most bytes of states kept (least recent go)."
