@@ -47,6 +47,7 @@ from k3.config import K3Config, Mixer
 from k3.engine import state_store
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams, draw
+from k3.engine.state_store import SequenceState
 from k3.errors import K3Error
 from k3.model.cache import KDAState, MLAState, ModelCache
 from k3.model.routing import record_routing
@@ -96,14 +97,6 @@ class Sequence:
     def num_tokens(self) -> int:
         """Tokens in context: prompt + generated."""
         return len(self.prompt) + len(self.output)
-
-
-@dataclass
-class SequenceState:
-    """One sequence's state: `cache` (batch 1) holds positions 0..len(tokens) of `tokens`."""
-
-    tokens: list[int]
-    cache: ModelCache
 
 
 @dataclass(frozen=True)
@@ -493,18 +486,11 @@ class Engine:
 
     def save_state(self, state: SequenceState, path: str) -> None:
         """Write a sequence state to a safetensors file (atomic; identity and format in its metadata)."""
-        n = len(state.tokens)
-        tensors = state_store.cut(state.cache, 0, 0, n)
-        tensors["tokens"] = torch.tensor(state.tokens, dtype=torch.int32)
-        state_store.write(Path(path), tensors, self.identity(), {"kind": "sequence", "end": str(n)})
+        state_store.save_sequence(Path(path), state, self.identity())
 
     def load_state(self, path: str) -> SequenceState:
         """Read a state written by `save_state` for these weights (StateFileError otherwise)."""
-        tensors, meta = state_store.read(Path(path), self.identity())
-        tokens = tensors["tokens"].tolist()
-        if meta.get("kind") != "sequence" or meta.get("end") != str(len(tokens)):
-            raise state_store.StateFileError(f"{Path(path).name}: not a sequence state")
-        return SequenceState(tokens, state_store.join(self.model.new_cache(1), [tensors], len(tokens)))
+        return state_store.load_sequence(Path(path), self.identity(), self.model.new_cache(1))
 
     # ---- weights -----------------------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +37,14 @@ from k3.model.cache import KDAState, MLAState, ModelCache
 
 FORMAT = "k3-state-1"  # bump when the tensors or their meaning change: older files are then refused
 Tensors = dict[str, torch.Tensor]
+
+
+@dataclass
+class SequenceState:
+    """One sequence's state: `cache` (batch 1) holds positions 0..len(tokens) of `tokens`."""
+
+    tokens: list[int]
+    cache: ModelCache
 
 
 class StateFileError(K3Error):
@@ -131,3 +140,20 @@ def read(path: Path, identity: str) -> tuple[Tensors, dict[str, str]]:
     if meta.get("sha256") != checksum(tensors):
         raise StateFileError(f"{path.name}: the tensor data does not match its checksum (corrupt)")
     return tensors, meta
+
+
+def save_sequence(path: Path, state: SequenceState, identity: str) -> None:
+    """One sequence's whole state (all its MLA rows) as a state file."""
+    n = len(state.tokens)
+    tensors = cut(state.cache, 0, 0, n)
+    tensors["tokens"] = torch.tensor(state.tokens, dtype=torch.int32)
+    write(path, tensors, identity, {"kind": "sequence", "end": str(n)})
+
+
+def load_sequence(path: Path, identity: str, empty: ModelCache) -> SequenceState:
+    """A state written by `save_sequence` for `identity`, into `empty` (a fresh batch-1 cache)."""
+    tensors, meta = read(path, identity)
+    tokens = tensors["tokens"].tolist()
+    if meta.get("kind") != "sequence" or meta.get("end") != str(len(tokens)):
+        raise StateFileError(f"{path.name}: not a sequence state")
+    return SequenceState(tokens, join(empty, [tensors], len(tokens)))
