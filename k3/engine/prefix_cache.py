@@ -149,11 +149,13 @@ class PrefixCache:
         key = block_key(parent, ids)
         known = self.blocks.get(key)
         if known is not None:
-            if experts is not None and known.experts is None:  # a recording sequence completes it
-                self._drop(key)
-            else:
-                self.blocks.move_to_end(key)
-                return key
+            extra = experts.to(torch.int16) if experts is not None and known.experts is None else None
+            if extra is not None and self._make_room(extra.nbytes, keep=set(self._chain(key))):
+                known.tensors["experts"] = extra  # a recording sequence completes the block
+                self.bytes += extra.nbytes
+                if self.state_dir is not None:
+                    self._write(known)
+            return key
         if parent != self.root and parent not in self.blocks:
             return key  # its ancestors were evicted: unreachable, not worth storing
         tensors = state_store.cut(cache, 0, end - self.interval, end)
@@ -161,21 +163,24 @@ class PrefixCache:
         if experts is not None:
             tensors["experts"] = experts.to(torch.int16)
         block = Block(key, parent, end, tensors)
-        chain = self._chain(parent)
-        if not self._make_room(block.nbytes, keep=set(chain)):
-            return key
-        self._put(block)
-        for k in chain:  # deepest first: the root ends most recent, so the oldest block is always a leaf
-            self.blocks.move_to_end(k)
-        if self.state_dir is not None:
+        if self._admit(block) and self.state_dir is not None:
             self._write(block)
         return key
 
-    def _put(self, block: Block) -> None:
+    def _admit(self, block: Block) -> bool:
+        """Store a block whose parent is cached, evicting others (never its ancestors); False if it does
+        not fit. Its chain is refreshed deepest first: the root ends most recent, so the least recently
+        used block is always a leaf."""
+        chain = self._chain(block.parent)
+        if not self._make_room(block.nbytes, keep=set(chain)):
+            return False
         self.blocks[block.key] = block
         self.children.setdefault(block.parent, set()).add(block.key)
         self.bytes += block.nbytes
         self.stats.inserted += 1
+        for k in chain:
+            self.blocks.move_to_end(k)
+        return True
 
     def _chain(self, key: bytes) -> list[bytes]:
         """The keys of a cached block and its ancestors, deepest first."""
@@ -260,8 +265,12 @@ class PrefixCache:
         for block in sorted(found, key=lambda b: b.end):  # parents before children
             if block.parent != self.root and block.parent not in self.blocks:
                 self._refuse(self._path(block.key), "its parent block is missing")
-            elif self._make_room(block.nbytes):
-                self._put(block)
+            elif not self._admit(block):
+                self._path(block.key).unlink(missing_ok=True)  # over the budget: as if evicted
+        for block in found:  # oldest file first: the last used chains end most recent
+            if block.key in self.blocks:
+                for k in self._chain(block.key):
+                    self.blocks.move_to_end(k)
         self.stats.inserted = 0
         log.info(
             "prefix cache: %d blocks (%d bytes) read back from %s",
