@@ -238,7 +238,10 @@ class PrefixCache:
             "end": str(block.end),
             "interval": str(self.interval),
         }
-        state_store.write(self._path(block.key), block.tensors, self.identity, meta)
+        try:
+            state_store.write(self._path(block.key), block.tensors, self.identity, meta)
+        except OSError as e:  # a full or read-only disk costs the restart, never a request
+            log.warning("prefix cache: could not write %s: %s", self._path(block.key), e)
 
     def load_dir(self) -> None:
         """Read back the blocks of `state_dir` (oldest file first, so LRU order survives), refusing what is
