@@ -137,7 +137,7 @@ def main() -> None:
         model, pc, [rand(args.new_tokens) for _ in range(args.turns)], args.reply, "chat"
     )
 
-    blocks = len(pc.blocks)
+    blocks = max(len(pc.blocks), 1)
     per_block = cache_bytes_formula(cfg, args.interval)["total"] + 4 * args.interval  # + the ids (int32)
     result["bytes_per_cached_token"] = {
         "measured": round(pc.bytes / (blocks * args.interval), 1),
