@@ -3,7 +3,7 @@ without it in the same run; bytes per cached token against the formula; long pro
 peak RSS.
 
     .venv/bin/python benchmarks/prefix_cache.py [--preset mini] [--turns 10] [--new-tokens 2048]
-        [--reply 32] [--interval 2048] [--agent-steps 8] [--long 32768 131072] [--threads 2]
+        [--reply 32] [--interval 2048] [--agent-steps 8] [--long 32768 131072] [--threads 1]
 
 Chat: turn t's prompt is turn t-1's prompt, its greedy reply and `--new-tokens` new ids (a user message in
 ids: the chat template does not change what is measured). Each turn runs on two engines over the same
@@ -118,7 +118,9 @@ def main() -> None:
     ap.add_argument("--interval", type=int, default=2048)
     ap.add_argument("--agent-steps", type=int, default=8)
     ap.add_argument("--long", type=int, nargs="*", default=[32768, 131072])
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--threads", type=int, default=1, help="torch threads (2 on a loaded 2-core machine spin)"
+    )
     ap.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
