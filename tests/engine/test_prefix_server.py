@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
@@ -126,24 +127,28 @@ def test_16_concurrent_clients_equal_their_runs_alone(tiny_checkpoint, tok, live
 
 
 def test_tiny_byte_budget_never_fails_a_request(tiny_checkpoint, tok, live_server) -> None:
-    """Room for 3 blocks, two 4-turn chats that would store many more: every turn is answered, the budget
-    holds; the first chat keeps its first blocks (storing never evicts a block's ancestors) and reuses
-    them, the second chat's evict them and are reused in turn."""
+    """Room for 3 blocks, two 4-turn conversations in token ids (completions) that would store many more:
+    every turn is answered, the budget holds; the first keeps its first 3 blocks (storing never evicts a
+    block's ancestors) and reuses them; the second's evict them and are reused in turn."""
     model = K3ForCausalLM.from_pretrained(tiny_checkpoint)
     probe = PrefixCache(INTERVAL, 2**30, state_store.checkpoint_identity(model))
     Engine(model, prefix_cache=probe).generate([list(range(40))], SamplingParams(temperature=0, max_tokens=1))
     per_block = next(iter(probe.blocks.values())).nbytes
     ctx, cache = serve(tiny_checkpoint, tok, live_server, max_bytes=per_block * 3)
+    gen = torch.Generator().manual_seed(0)
     with ctx as base:
-        for system in (SYSTEM, "Otro sistema: responde en verso, con rima y sin prisa, siempre en español."):
-            cached = []
-            for _, reply in conversation(base, system):
-                assert reply.choices[0].finish_reason in ("stop", "length")
+        c = client(base)
+        for _ in range(2):
+            prompt, cached = [], []
+            for _turn in range(4):
+                prompt = prompt + torch.randint(0, 1000, (30,), generator=gen).tolist()
+                r = c.completions.create(model="k3-tiny", prompt=prompt, max_tokens=4, temperature=0)
+                assert r.choices[0].finish_reason in ("stop", "length")
                 assert cache is not None and cache.bytes <= cache.max_bytes
-                cached.append(reply.usage.prompt_tokens_details.cached_tokens)
-            assert cached[0] <= INTERVAL  # at most the chat template's opening is shared
-            assert cached[-1] == 3 * INTERVAL  # the chat's own first 3 blocks
-    assert cache.stats.evicted >= 2
+                cached.append(r.usage.prompt_tokens_details.cached_tokens)
+                prompt = prompt + tok.encode(r.choices[0].text)[:4]
+            assert cached == [0, 16, 48, 48]  # 30 ids: 1 block stored; 64: 3; then no room for a 4th
+    assert cache.stats.evicted == 3
 
 
 def test_restart_with_state_dir_and_a_damaged_file(tiny_checkpoint, tok, live_server, tmp_path) -> None:
