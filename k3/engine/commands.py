@@ -312,6 +312,18 @@ def serve(
         envvar="K3_API_KEY",
         help="Require `Authorization: Bearer KEY` on every request (or set K3_API_KEY).",
     ),
+    prefix_cache: bool = typer.Option(
+        True, "--prefix-cache/--no-prefix-cache", help="Reuse the states of earlier prompts' prefixes."
+    ),
+    state_interval: int = typer.Option(
+        2048, "--state-interval", help="Prefix cache: keep the state every this many prompt tokens."
+    ),
+    prefix_cache_bytes: int = typer.Option(
+        2**30, "--prefix-cache-bytes", help="Prefix cache: most bytes of states kept (least recent go)."
+    ),
+    state_dir: str = typer.Option(
+        None, "--state-dir", help="Prefix cache: keep the states in this folder too, read back at start."
+    ),
     layers: int = LAYERS,
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
@@ -335,8 +347,15 @@ def serve(
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
     )
+    cache = None
+    if prefix_cache:
+        cache = prefix_cache_of(model, state_interval, prefix_cache_bytes, state_dir)
+    elif state_dir is not None:
+        fail(
+            "--state-dir keeps the prefix cache's states: it needs the prefix cache (drop --no-prefix-cache)"
+        )
     app = create_app(
-        Engine(model, max_batch=max_batch),
+        Engine(model, max_batch=max_batch, prefix_cache=cache),
         tok,
         name,
         max_queue=max_queue,
@@ -345,3 +364,18 @@ def serve(
     )
     print(f"k3 serve: {name} on {url_of(sock)}v1", flush=True)
     run_app(app, sock, "info")
+
+
+def prefix_cache_of(model, interval: int, max_bytes: int, state_dir: str | None):
+    """The serve command's prefix cache (a one-line error for bad flags); logs what it read back."""
+    import logging
+
+    from k3.engine.prefix_cache import PrefixCache
+    from k3.engine.state_store import checkpoint_identity
+    from k3.errors import K3Error
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s:     %(message)s")
+    try:
+        return PrefixCache(interval, max_bytes, checkpoint_identity(model), state_dir)
+    except (K3Error, OSError) as e:
+        fail(str(e))

@@ -26,6 +26,11 @@ of training loops); `load_weights` swaps the weights between requests.
 Prefill chunks are sized so the attention scores of MLA layers, [heads, chunk, context] fp32, stay within
 `attention_budget` bytes; with the default 2048-token chunks and a 512 MiB budget a 100k-token prompt
 on `mini` prefills in chunks of ~160 tokens at its end.
+
+With a `PrefixCache` (k3.engine.prefix_cache) chunks also end at every multiple of its interval, where the
+state is stored; a prompt resumes from the deepest stored state of its prefix (`Sequence.cached` tokens).
+`state_of` / `save_state` / `load_state` and `submit(state=...)` keep one sequence's state across requests
+or a restart (llama.cpp's slot save/restore).
 """
 
 from __future__ import annotations
@@ -34,11 +39,15 @@ import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 
 import torch
 
 from k3.config import K3Config, Mixer
+from k3.engine import state_store
+from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams, draw
+from k3.engine.state_store import SequenceState
 from k3.errors import K3Error
 from k3.model.cache import KDAState, MLAState, ModelCache
 from k3.model.routing import record_routing
@@ -78,6 +87,11 @@ class Sequence:
     prompt_logprobs: list[float | None] = field(default_factory=list)  # params.prompt_logprobs set
     prompt_top: list[TopLogprobs | None] = field(default_factory=list)
     experts: list[torch.Tensor] = field(default_factory=list)  # [rows, n_moe, k] per forward it was in
+    cached: int = 0  # prompt tokens restored (prefix cache or a given state), not prefilled
+    block_key: bytes | None = None  # prefix cache: the key of its last stored boundary
+    standard_chunks: bool = True  # every chunk so far was the engine's standard one (then it may store)
+    keep_state: bool = False  # keep its state when it finishes (`Engine.state_of`)
+    state: SequenceState | None = None  # given to submit, or kept at the end (keep_state)
 
     @property
     def num_tokens(self) -> int:
@@ -168,6 +182,7 @@ class Engine:
         prefill_chunk: int = 2048,
         attention_budget: int = 512 * 2**20,
         record_logits: bool = False,
+        prefix_cache: PrefixCache | None = None,
     ) -> None:
         self.model = model.eval()
         self.cfg: K3Config = model.config
@@ -183,6 +198,7 @@ class Engine:
         self.policy_version = 0
         self.steps = 0  # calls of `step` that ran a forward
         self._moe_layers = sorted(model.routers())
+        self.prefix_cache = prefix_cache
 
     # ---- requests ----------------------------------------------------------------------------------------
     def submit(
@@ -192,7 +208,11 @@ class Engine:
         request_id: str | None = None,
         *,
         record_experts: bool = False,
+        state: SequenceState | None = None,
+        keep_state: bool = False,
     ) -> Sequence:
+        """Queue a prompt. `state`: continue that sequence state (the prompt must extend its tokens by at
+        least one); `keep_state`: keep the state at the end (`state_of`)."""
         if not prompt:
             raise EngineError("the prompt is empty: at least one token is needed")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -211,7 +231,17 @@ class Engine:
             generator=params.make_generator(),
             seen=set(prompt) if params.repetition_penalty != 1.0 else set(),
             record_experts=record_experts,
+            keep_state=keep_state,
         )
+        if state is not None:
+            n = len(state.tokens)
+            if len(prompt) <= n or prompt[:n] != state.tokens:
+                raise EngineError(f"the prompt must extend the state's {n} tokens by at least one")
+            if record_experts or params.prompt_logprobs is not None:
+                raise EngineError(
+                    "a sequence continued from a state has no experts or log-probs of its start"
+                )
+            seq.state = state
         self.waiting.append(seq)
         return seq
 
@@ -223,6 +253,7 @@ class Engine:
             self.waiting.remove(seq)
             seq.cache = None
         elif seq in self.running:
+            seq.keep_state = False
             self._drop_rows([self.running.index(seq)])
         seq.status, seq.finish_reason = Status.FINISHED, "cancelled"
 
@@ -257,6 +288,8 @@ class Engine:
         """Tokens in the next prefill chunk: bounded by `prefill_chunk` and the MLA scores' budget (and,
         when every position's logits are kept, by their [size, V] fp32 within the same budget)."""
         size = min(self.prefill_chunk, remaining)
+        if self.prefix_cache is not None:  # end at the next boundary, where the state is stored
+            size = min(size, self.prefix_cache.interval - done % self.prefix_cache.interval)
         if self.cfg.mla_layers:
             # scores + probabilities: 2 x [heads, size, done + size] fp32
             per_query = 2 * 4 * self.cfg.num_attention_heads * (done + size)
@@ -282,27 +315,57 @@ class Engine:
                 seq.experts.append(rows)
         return logits
 
+    def _start(self, seq: Sequence) -> ModelCache:
+        """The cache a sequence's prefill starts from: a given state, the prefix cache's deepest stored
+        state of its prompt (not for prompt log-probs: they need every position's logits), or empty."""
+        if seq.params.prompt_logprobs is not None:
+            seq.prompt_logprobs, seq.prompt_top = [None], [None]  # nothing predicts the first token
+        if seq.state is not None:
+            seq.cached = len(seq.state.tokens)
+            cache = seq.state.cache.select([0])  # a copy: the state may serve again
+        elif self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+            found = self.prefix_cache.resume(seq.prompt, self.model.new_cache(1), seq.record_experts)
+            cache, seq.cached, seq.block_key = found.cache, found.tokens, found.key
+            if found.experts is not None and found.tokens:
+                seq.experts.append(found.experts)
+        else:
+            cache = self.model.new_cache(1)
+            seq.block_key = None if self.prefix_cache is None else self.prefix_cache.root
+        seq.prefilled = seq.cached
+        return cache
+
+    def _store_block(self, seq: Sequence) -> None:
+        """At a boundary of the prefix cache, store the state there (see k3.engine.prefix_cache)."""
+        pc, end = self.prefix_cache, seq.prefilled
+        if pc is None or seq.block_key is None or not seq.standard_chunks or end % pc.interval:
+            return
+        experts = _cat_experts(seq)[end - pc.interval : end] if seq.record_experts else None
+        ids = seq.prompt[end - pc.interval : end]
+        seq.block_key = pc.add(seq.block_key, ids, seq.cache, end, experts)  # type: ignore[arg-type]
+
     def _prefill_chunk(self, seq: Sequence) -> list[Event]:
         if seq.cache is None:
-            seq.cache = self.model.new_cache(1)
-            if seq.params.prompt_logprobs is not None:
-                seq.prompt_logprobs, seq.prompt_top = [None], [None]  # nothing predicts the first token
+            seq.cache = self._start(seq)
         scoring = seq.params.prompt_logprobs is not None
         start = seq.prefilled
         size = self.chunk_size(start, len(seq.prompt) - start, all_logits=scoring)
+        seq.standard_chunks &= size == self.chunk_size(start, len(seq.prompt) - start)
         chunk = torch.tensor([seq.prompt[start : start + size]])  # [1, size]
         logits = self._forward(chunk, seq.cache, [seq], keep=0 if scoring else 1)  # [1, size or 1, V]
         seq.prefilled += size
+        self._store_block(seq)
         if scoring:
             self._score_prompt(seq, logits[0], start)
         if seq.prefilled < len(seq.prompt):
             return []
         self.waiting.remove(seq)
         if seq.params.max_tokens == 0:  # scoring only
+            self._keep(seq, seq.cache, 0)
             seq.status, seq.finish_reason, seq.cache = Status.FINISHED, "length", None
             return [Event(seq, None, "length")]
         event = self._sample(seq, logits[0, -1])
         if seq.status is Status.FINISHED:
+            self._keep(seq, seq.cache, 0)
             seq.cache = None
             return [event]
         seq.status = Status.RUNNING
@@ -322,6 +385,7 @@ class Engine:
             return (
                 seq.prefilled == 0
                 and seq.cache is None
+                and seq.state is None
                 and len(seq.prompt) == n
                 and seq.params.prompt_logprobs is None
                 and seq.params.max_tokens > 0
@@ -343,7 +407,9 @@ class Engine:
             self.waiting.remove(seq)
             seq.prefilled = len(seq.prompt)
             events.append(self._sample(seq, logits[row]))
-            if seq.status is not Status.FINISHED:
+            if seq.status is Status.FINISHED:
+                self._keep(seq, cache, row)
+            else:
                 seq.status = Status.RUNNING
                 keep.append(row)
         if keep:
@@ -369,6 +435,8 @@ class Engine:
         return events
 
     def _drop_rows(self, rows: list[int]) -> None:
+        for r in rows:
+            self._keep(self.running[r], self.batch, r)  # type: ignore[arg-type]
         keep = [r for r in range(len(self.running)) if r not in rows]
         self.running = [self.running[r] for r in keep]
         self.batch = self.batch.select(keep) if keep and self.batch is not None else None
@@ -393,6 +461,36 @@ class Engine:
         if len(seq.output) >= p.max_tokens or seq.num_tokens >= self.max_context:
             seq.status, seq.finish_reason = Status.FINISHED, "length"
         return Event(seq, token, seq.finish_reason, kept, logprob, top)
+
+    # ---- one sequence's state (llama.cpp's slot save/restore) ---------------------------------------------
+    def _keep(self, seq: Sequence, cache: ModelCache, row: int) -> None:
+        """At the end of a keep_state sequence: its state (row of cache) becomes `seq.state`."""
+        if seq.keep_state:
+            n = int(cache.tokens[row])
+            seq.state = SequenceState((seq.prompt + seq.output)[:n], cache.select([row]))
+
+    def state_of(self, seq: Sequence) -> SequenceState:
+        """The state of a running sequence (a copy), or of a finished one submitted with keep_state: it
+        covers the prompt and the generated tokens fed so far (all but the last, unless it stopped)."""
+        if seq.status is Status.RUNNING and self.batch is not None:
+            row = self.running.index(seq)
+            n = int(self.batch.tokens[row])
+            return SequenceState((seq.prompt + seq.output)[:n], self.batch.select([row]))
+        if seq.status is Status.FINISHED and seq.state is not None and seq.keep_state:
+            return seq.state
+        raise EngineError(f"sequence {seq.id} holds no state now (running, or finished with keep_state)")
+
+    def identity(self) -> str:
+        """Names the weights (and policy version) that states are valid for (k3.engine.state_store)."""
+        return state_store.checkpoint_identity(self.model, self.policy_version)
+
+    def save_state(self, state: SequenceState, path: str) -> None:
+        """Write a sequence state to a safetensors file (atomic; identity and format in its metadata)."""
+        state_store.save_sequence(Path(path), state, self.identity())
+
+    def load_state(self, path: str) -> SequenceState:
+        """Read a state written by `save_state` for these weights (StateFileError otherwise)."""
+        return state_store.load_sequence(Path(path), self.identity(), self.model.new_cache(1))
 
     # ---- weights -----------------------------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
@@ -435,6 +533,8 @@ class Engine:
             for name, tensor in state_dict.items():
                 own[name].copy_(tensor)
         self.policy_version = version
+        if self.prefix_cache is not None:  # states of the old weights are no use any more
+            self.prefix_cache.rekey(self.identity())
 
     # ---- conveniences ------------------------------------------------------------------------------------
     def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:

@@ -55,6 +55,7 @@ from k3.engine.outputs import (
     merge_legacy,
     token_text,
 )
+from k3.engine.prefix_cache import cached_tokens
 from k3.engine.protocol import (
     APIError,
     ChatBody,
@@ -326,9 +327,15 @@ def create_app(
             task.cancel()  # a no-op once done
         task.result()  # raises the choices' first error
 
-    def usage(prompts: list[list[int]], completion: int) -> dict:
+    def usage(prompts: list[list[int]], completion: int, handles: list[Handle]) -> dict:
         prompt = sum(len(p) for p in prompts)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = cached_tokens([h.seq.cached if h.seq else 0 for h in handles], len(prompts))
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def streamed(chunks: AsyncIterator[str]) -> StreamingResponse:
         async def body() -> AsyncIterator[str]:
@@ -423,7 +430,9 @@ def create_app(
                     if text or piece.finish_reason or (logprobs and logprobs["tokens"]):
                         yield sse(chunk([one(index, text, logprobs, piece.finish_reason)]))
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**chunk([]), "usage": usage([ids for ids, _ in prompts], sum(counts))})
+                    yield sse(
+                        {**chunk([]), "usage": usage([ids for ids, _ in prompts], sum(counts), handles)}
+                    )
 
             return streamed(stream())
 
@@ -445,7 +454,7 @@ def create_app(
                     for i, o in enumerate(outcomes)
                 ]
             ),
-            "usage": usage([ids for ids, _ in prompts], sum(o.count for o in outcomes)),
+            "usage": usage([ids for ids, _ in prompts], sum(o.count for o in outcomes), handles),
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
@@ -534,7 +543,7 @@ def create_app(
                             )
                         )
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**chunk([]), "usage": usage([prompt], sum(counts))})
+                    yield sse({**chunk([]), "usage": usage([prompt], sum(counts), handles)})
 
             return streamed(stream())
 
@@ -563,7 +572,7 @@ def create_app(
             "created": now,
             "model": model_name,
             "choices": choices,
-            "usage": usage([prompt], sum(o.count for o in outcomes)),
+            "usage": usage([prompt], sum(o.count for o in outcomes), handles),
         }
 
     # ---- /tokenize, /detokenize, /tokenizer_info (vLLM's shapes) -----------------------------------------
