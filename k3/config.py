@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from k3.errors import K3Error
+from k3.vision.config import VisionConfig
 
 PRESETS = ("k3", "kimi-linear-48b", "mini", "tiny", "k3-slice")
 
@@ -155,6 +156,9 @@ class K3Config:
     # The published form this config came from: "kimi_k3" (nested) or "kimi_linear" (flat).
     published_form: str = field(default="kimi_k3", metadata=_NOT_PUBLISHED)
     outer_extra: dict[str, Any] = field(default_factory=dict, repr=False, metadata=_NOT_PUBLISHED)
+    # The vision tower (top-level `vision_config`, `media_placeholder_token_id`): None = text only.
+    vision_config: VisionConfig | None = field(default=None, repr=False, metadata=_NOT_PUBLISHED)
+    media_placeholder_token_id: int | None = field(default=None, metadata=_NOT_PUBLISHED)
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -281,6 +285,15 @@ class K3Config:
         for key in ("rms_norm_eps", "mla_latent_norm_eps", "kda_l2norm_eps"):
             if not isinstance(getattr(self, key), int | float) or not getattr(self, key) > 0:
                 fail(key, f"must be a positive number, got {getattr(self, key)!r}")
+        if self.vision_config is not None:
+            pad = self.media_placeholder_token_id
+            if not isinstance(pad, int) or not 0 <= pad < self.vocab_size:
+                fail("media_placeholder_token_id", f"must be a token id below {self.vocab_size}, got {pad!r}")
+            if self.vision_config.text_hidden_size != self.hidden_size:
+                fail(
+                    "vision_config.text_hidden_size",
+                    f"{self.vision_config.text_hidden_size} differs from hidden_size {self.hidden_size}",
+                )
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
         if self.experts_mxfp4 and self.num_experts:
@@ -332,11 +345,15 @@ class K3Config:
                 value = [i - 1 for i in value]
             values[f.name] = value
         values["quantization_config"] = values.get("quantization_config") or outer.get("quantization_config")
+        vision = outer.pop("vision_config", None)
+        media_pad = outer.pop("media_placeholder_token_id", None)
         cfg = cls(
             **values,
             extra={**text, **({"linear_attn_config": lin} if lin else {})},  # whatever else they held
             published_form=form,
             outer_extra=outer,
+            vision_config=None if vision is None else VisionConfig.from_dict(vision),
+            media_placeholder_token_id=media_pad,
         )
         if not cfg.mla_use_nope:
             raise ConfigError("mla_use_nope: false (rotary MLA) is not part of the K3 family")
@@ -364,7 +381,12 @@ class K3Config:
         lin.update(lin_extra)
         if self.published_form == "kimi_linear":
             return text
-        return {"model_type": "kimi_k3", **self.outer_extra, "text_config": text}
+        vision = {}
+        if self.vision_config is not None:
+            vision["vision_config"] = self.vision_config.to_dict()
+        if self.media_placeholder_token_id is not None:
+            vision["media_placeholder_token_id"] = self.media_placeholder_token_id
+        return {"model_type": "kimi_k3", **self.outer_extra, "text_config": text, **vision}
 
     @classmethod
     def from_json(cls, path: str | Path) -> K3Config:
