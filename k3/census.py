@@ -14,7 +14,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from k3.config import FFN, ConfigError, K3Config, Mixer
-from k3.layout import COMPONENTS, DTYPE_BYTES, classify, parameters_of, prefixes, published_tensors
+from k3.layout import (
+    COMPONENTS,
+    DTYPE_BYTES,
+    VISION_COMPONENTS,
+    checkpoint_tensors,
+    classify,
+    parameters_of,
+    prefixes,
+    published_tensors,
+    vision_tensors,
+)
 
 
 @dataclass
@@ -25,12 +35,18 @@ class Census:
     layer_params: list[int]  # parameters per layer (index 0-based)
     source: str = "config"
     findings: list[str] = field(default_factory=list)  # disagreements between checkpoint and config
-    other_params: int = 0  # tensors outside the text model (a vision tower, say)
+    other_params: int = 0  # tensors outside the text model and the vision path
+    # the vision tower and projector (a config with vision_config): parameters per part, outside `components`
+    vision: dict[str, int] = field(default_factory=lambda: dict.fromkeys(VISION_COMPONENTS, 0))
 
     # ---- headline figures ---------------------------------------------------------------------------------
     @property
     def total_params(self) -> int:
         return sum(self.components.values())
+
+    @property
+    def vision_params(self) -> int:
+        return sum(self.vision.values())
 
     @property
     def params_per_expert_matrix(self) -> int:
@@ -94,6 +110,8 @@ class Census:
             "layer_kinds": self.params_by_layer_kind(),
             "layer_params": self.layer_params,
             "other_params": self.other_params,
+            "vision_params": self.vision_params,
+            "vision_components": self.vision,
             "findings": self.findings,
         }
 
@@ -111,7 +129,11 @@ def census_from_config(cfg: K3Config) -> Census:
         disk[_storage_format(t.name, t.dtype)] += t.nbytes
         if t.layer is not None:
             layer_params[t.layer] += t.params
-    return Census(cfg, components, dict(disk), layer_params)
+    vision = dict.fromkeys(VISION_COMPONENTS, 0)
+    for t in vision_tensors(cfg):
+        vision[t.component] += t.params
+        disk[t.dtype] += t.nbytes
+    return Census(cfg, components, dict(disk), layer_params, vision=vision)
 
 
 def census_from_headers(
@@ -122,12 +144,17 @@ def census_from_headers(
     disk: dict[str, int] = defaultdict(int)
     layer_params = [0] * cfg.num_hidden_layers
     other = 0
+    vision = dict.fromkeys(VISION_COMPONENTS, 0)
     model_prefix, lm_head = prefixes(cfg)
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     for name, dtype, shape in tensors:
         numel = math.prod(shape)
         params = parameters_of(name, dtype, numel)
         disk[_storage_format(name, dtype)] += numel * DTYPE_BYTES.get(dtype, 0)
+        if (part := classify(name, cfg)[0]) in VISION_COMPONENTS:
+            vision[part] += params
+            found[name] = (dtype, tuple(shape))
+            continue
         if not (name.startswith(model_prefix) or name == lm_head):
             other += params
             continue
@@ -139,14 +166,16 @@ def census_from_headers(
         components[component] += params
         if layer is not None and layer < cfg.num_hidden_layers:
             layer_params[layer] += params
-    census = Census(cfg, components, dict(disk), layer_params, source=source, other_params=other)
+    census = Census(
+        cfg, components, dict(disk), layer_params, source=source, other_params=other, vision=vision
+    )
     census.findings = _compare_with_config(cfg, found)
     return census
 
 
 def _compare_with_config(cfg: K3Config, found: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
     """Names missing, unexpected or mis-shaped against the published layout (first few of each)."""
-    expected = {t.name: t.shape for t in published_tensors(cfg)}
+    expected = {t.name: t.shape for t in checkpoint_tensors(cfg)}
     missing = [n for n in expected if n not in found]
     unexpected = [n for n in found if n not in expected]
     misshaped = [

@@ -79,8 +79,11 @@ def print_census(c: Census, title: str) -> None:
         + ")",
         highlight=False,
     )
+    if j["vision_params"]:
+        parts = ", ".join(f"{k} {v:,}" for k, v in j["vision_components"].items())
+        console.print(f"vision path, besides the total: {j['vision_params']:,} parameters ({parts})")
     if j["other_params"]:
-        console.print(f"outside the text model (vision tower, ...): {j['other_params']:,} parameters")
+        console.print(f"outside the text model and the vision path: {j['other_params']:,} parameters")
     for finding in j["findings"]:
         console.print(f"[yellow]finding:[/] {finding}", highlight=False)
 

@@ -29,6 +29,9 @@ COMPONENTS = (
     "attn_res",
 )
 
+# The vision path's parts (a checkpoint with a `vision_config`), counted apart from the text model.
+VISION_COMPONENTS = ("vision_tower", "mm_projector")
+
 DTYPE_BYTES = {
     "BF16": 2,
     "F16": 2,
@@ -213,6 +216,39 @@ def published_tensors(
         yield TensorSpec(lm_head, (V, H), "BF16", "lm_head")
 
 
+def vision_tensors(cfg: K3Config) -> Iterator[TensorSpec]:
+    """The vision tower's and projector's tensors (none without a vision_config), all BF16, no biases
+    (../shared/spec/K3-vision.md section 3)."""
+    v = cfg.vision_config
+    if v is None:
+        return
+    D, Q, P, M = v.vt_hidden_size, v.qkv_hidden_size, v.patch_size, v.projector_in
+
+    def tower(name: str, shape: tuple[int, ...]) -> TensorSpec:
+        return TensorSpec(f"vision_tower.{name}", shape, "BF16", "vision_tower")
+
+    yield tower("patch_embed.proj.weight", (D, 3, P, P))
+    yield tower("patch_embed.pos_emb.weight", (v.init_pos_emb_height, v.init_pos_emb_width, D))
+    for i in range(v.vt_num_hidden_layers):
+        b = f"encoder.blocks.{i}."
+        yield tower(f"{b}norm0.weight", (D,))
+        yield tower(f"{b}norm1.weight", (D,))
+        yield tower(f"{b}wqkv.weight", (3 * Q, D))
+        yield tower(f"{b}wo.weight", (D, Q))
+        yield tower(f"{b}mlp.fc0.weight", (v.vt_intermediate_size, D))
+        yield tower(f"{b}mlp.fc1.weight", (D, v.vt_intermediate_size))
+    yield tower("encoder.final_layernorm.weight", (D,))
+    yield TensorSpec("mm_projector.proj.0.weight", (M, M), "BF16", "mm_projector")
+    yield TensorSpec("mm_projector.proj.2.weight", (v.text_hidden_size, M), "BF16", "mm_projector")
+    yield TensorSpec("mm_projector.post_norm.weight", (v.text_hidden_size,), "BF16", "mm_projector")
+
+
+def checkpoint_tensors(cfg: K3Config, *, layers: int | None = None) -> Iterator[TensorSpec]:
+    """Everything a checkpoint of `cfg` holds: the text model, then the vision path (the last shards)."""
+    yield from published_tensors(cfg, layers=layers)
+    yield from vision_tensors(cfg)
+
+
 # ---- classifying names found in a checkpoint ---------------------------------------------------------
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _RULES: list[tuple[re.Pattern[str], str]] = [
@@ -231,8 +267,11 @@ _RULES: list[tuple[re.Pattern[str], str]] = [
 def classify(name: str, cfg: K3Config | None = None) -> tuple[str, int | None]:
     """(component, layer) of a tensor name; attention is split by the layer plan when a config is given.
 
-    Names that belong to no K3 component (a vision tower, say) come back as ("other", layer).
+    The vision path's names come back as ("vision_tower", None) or ("mm_projector", None); names that
+    belong to no K3 component as ("other", layer).
     """
+    if name.startswith(("vision_tower.", "mm_projector.")):
+        return name.split(".", 1)[0], None
     m = _LAYER.search(name)
     layer = int(m.group(1)) if m else None
     if ".self_attn." in name:

@@ -27,6 +27,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "k3"
 # Rooms that other issues are about to add are listed already, so that they land in the right place.
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("ops",),
+    ("vision",),
     ("config",),
     ("layout",),
     ("checkpoint",),

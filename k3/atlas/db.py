@@ -112,7 +112,7 @@ class LogicalTensor:
 
 def logical_tensors(infos: Sequence[Any], cfg: Any = None) -> list[LogicalTensor]:
     """Group a checkpoint's TensorInfos (file order) into logical tensors, pairing MXFP4 packed/scale."""
-    from k3.layout import classify
+    from k3.layout import VISION_COMPONENTS, classify
 
     by_name = {t.name: t for t in infos}
     out: list[LogicalTensor] = []
@@ -133,7 +133,7 @@ def logical_tensors(infos: Sequence[Any], cfg: Any = None) -> list[LogicalTensor
         for d in shape:
             params *= d
         component, layer = classify(name, cfg)
-        if layer is None and (g := _GENERIC_LAYER.search(name)):
+        if layer is None and component not in VISION_COMPONENTS and (g := _GENERIC_LAYER.search(name)):
             layer = int(g.group(1))
         m = _EXPERT.search(name)
         expert, matrix = (int(m.group(1)), m.group(2)) if m else (None, None)

@@ -7,7 +7,8 @@ about one tensor, which is what lets `k3 init --preset k3-slice` (6.8 B paramete
 The distributions keep activations finite and O(1) through every layer:
 * matrices [out, in]: normal(0, 1/sqrt(in)); matrices writing into the residual stream (o_proj,
   down_proj, w2, routed_expert_up_proj) are further scaled by 1/sqrt(2 * layers);
-* embeddings normal(0, 1); norms 1; router bias 0; AttnRes projections normal(0, 1/sqrt(hidden));
+* embeddings and the vision position grid normal(0, 1); the patch conv normal(0, 1/sqrt(3*P*P));
+  norms 1; router bias 0; AttnRes projections normal(0, 1/sqrt(hidden));
 * KDA as transformers/fla: A_log = log(uniform(1, 16)), dt_bias = softplus^-1(loguniform(1e-3, 1e-1)),
   short convs uniform(+-1/sqrt(ks)) (nn.Conv1d's default);
 * routed experts are drawn in fp32 and quantized to MXFP4 (weight_packed + weight_scale, U8).
@@ -24,7 +25,7 @@ import torch
 
 from k3.checkpoint import TORCH_DTYPES, save_checkpoint
 from k3.config import K3Config
-from k3.layout import published_tensors
+from k3.layout import checkpoint_tensors, published_tensors
 from k3.ops.mxfp4 import quantize_mxfp4
 
 _RESIDUAL_WRITERS = (".o_proj.weight", ".down_proj.weight", ".w2.weight", "routed_expert_up_proj.weight")
@@ -50,7 +51,7 @@ def draw(
     """Initial values of the tensor `name` (logical shape, e.g. an expert's [out, in] before packing)."""
     if name.endswith("e_score_correction_bias"):
         return torch.zeros(shape, dtype=dtype)
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+    if name.endswith(("norm.weight", "layernorm.weight", ".norm0.weight", ".norm1.weight")):
         return torch.ones(shape, dtype=dtype)
     if name.endswith("_res_proj.weight"):
         return _normal(shape, cfg.hidden_size**-0.5, dtype, gen)
@@ -62,8 +63,10 @@ def draw(
     if name.endswith("conv1d.weight"):
         bound = shape[-1] ** -0.5
         return torch.empty(shape).uniform_(-bound, bound, generator=gen).to(dtype)
-    if name.endswith("embed_tokens.weight"):
+    if name.endswith(("embed_tokens.weight", "pos_emb.weight")):
         return _normal(shape, 1.0, dtype, gen)
+    if name.endswith("patch_embed.proj.weight"):  # a conv [D, 3, P, P]: fan-in 3*P*P
+        return _normal(shape, math.prod(shape[1:]) ** -0.5, dtype, gen)
     std = shape[-1] ** -0.5
     if name.endswith(_RESIDUAL_WRITERS):
         std /= math.sqrt(2 * cfg.num_hidden_layers)
@@ -71,11 +74,13 @@ def draw(
 
 
 def random_tensors(
-    cfg: K3Config, *, seed: int = 0, layers: int | None = None
+    cfg: K3Config, *, seed: int = 0, layers: int | None = None, vision: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(published name, tensor in the published dtype) for every tensor of the layout, in layout order."""
+    """(published name, tensor in the published dtype) for every tensor of the layout, in layout order;
+    `vision`: the vision tower and projector too (the checkpoint's last tensors)."""
     pending_scale: tuple[str, torch.Tensor] | None = None
-    for spec in published_tensors(cfg, layers=layers):
+    specs = checkpoint_tensors(cfg, layers=layers) if vision else published_tensors(cfg, layers=layers)
+    for spec in specs:
         if spec.name.endswith(".weight_scale"):
             assert pending_scale is not None and pending_scale[0] == spec.name
             yield pending_scale
@@ -112,7 +117,7 @@ def init_checkpoint(
     """
     out = Path(out_dir)
     files = save_checkpoint(
-        random_tensors(cfg, seed=seed),
+        random_tensors(cfg, seed=seed, vision=True),
         cfg,
         out,
         max_shard_size=max_shard_size,

@@ -26,7 +26,7 @@ from k3.checkpoint import open_checkpoint
 from k3.checkpoint.reader import is_url
 from k3.config import FFN, K3Config
 from k3.errors import K3Error
-from k3.layout import TensorSpec, prefixes, published_tensors
+from k3.layout import TensorSpec, prefixes, published_tensors, vision_tensors
 from k3.model.on_demand import ExpertsOnDemand, expert_of
 
 _LAYER = re.compile(r"\blayers\.(\d+)\.")
@@ -34,6 +34,7 @@ _TRANSFORMERS_DENSE = re.compile(r"^(.*layers\.(\d+)\.)block_sparse_moe\.((?:gat
 _LIST_AT_MOST = 12
 # The model class loaded into (K3ForCausalLM: k3.model.model calls in here, never the other way round).
 Model = TypeVar("Model", bound=nn.Module)
+VISION_PREFIXES = ("vision_tower.", "mm_projector.")
 
 
 class ModelLoadError(K3Error):
@@ -45,6 +46,8 @@ def model_name(cfg: K3Config, published: str) -> str:
     model_prefix, lm_head = prefixes(cfg)
     if published == lm_head:
         return "lm_head.weight"
+    if published.startswith(VISION_PREFIXES):
+        return published  # the multimodal model's own `vision_tower.…`, `mm_projector.…`
     if not published.startswith(model_prefix):
         raise ModelLoadError(f"{published}: not a tensor of the text model")
     return "model." + published[len(model_prefix) :]
@@ -116,6 +119,39 @@ def match_layout(
     return by_canonical
 
 
+def match_vision(cfg: K3Config, found: dict[str, tuple[str, tuple[int, ...]]], where: str) -> dict[str, str]:
+    """The vision path's tensors {name: name}, checked against `vision_tensors(cfg)` as match_layout does:
+    ModelLoadError names each missing, unexpected, mis-shaped or wrongly typed tensor."""
+    if cfg.vision_config is None:
+        raise ModelLoadError(f"{where}: the config has no vision_config (a text-only checkpoint)")
+    expected = {s.name: s for s in vision_tensors(cfg)}
+    have = {n for n in found if n.startswith(VISION_PREFIXES)}
+    missing = [n for n in expected if n not in have]
+    unexpected = sorted(have - set(expected))
+    misshaped = [
+        f"{n}: {list(found[n][1])} in the checkpoint, {list(s.shape)} expected"
+        for n, s in expected.items()
+        if n in have and tuple(found[n][1]) != s.shape
+    ]
+    mistyped = [
+        f"{n}: {found[n][0]} in the checkpoint, BF16 expected"
+        for n in expected
+        if n in have and found[n][0] not in ("F32", "BF16", "F16", "F64")
+    ]
+    items = [
+        ("missing", missing),
+        ("unexpected", unexpected),
+        ("mis-shaped", misshaped),
+        ("wrong dtype", mistyped),
+    ]
+    if any(found_ for _, found_ in items):
+        parts = [_listing(title, names) for title, names in items if names]
+        raise ModelLoadError(
+            f"{where}: the vision tower does not match its vision_config:\n" + "\n".join(parts)
+        )
+    return {n: n for n in expected}
+
+
 def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, requires_grad: bool = True) -> None:
     """Make `tensor` the parameter or buffer `name` of `model` (no copy); a floating parameter is trainable
     only with `requires_grad` (inference: no gradient, so no autograd keeps copies of weights)."""
@@ -154,6 +190,9 @@ def load_model(
         found = {t.name: (t.dtype, tuple(t.shape)) for t in ckpt.tensors()}
         names = match_layout(cfg, found, n, str(source))
         specs = {s.name: s for s in published_tensors(cfg, layers=n)}
+        if getattr(cls, "loads_vision", False):
+            names.update(match_vision(cfg, found, str(source)))
+            specs.update({s.name: s for s in vision_tensors(cfg)})
         with torch.device("meta"):
             model = cls(cfg, num_layers=n, compute_dtype=compute_dtype or dtype or torch.float32)
 

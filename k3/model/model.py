@@ -118,13 +118,16 @@ class K3Model(nn.Module):
         cache: ModelCache | None = None,
         lengths: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> final hidden states [B, T, hidden] (normalised)."""
+        """input_ids [B, T] -> final hidden states [B, T, hidden] (normalised). `inputs_embeds` [B, T, H]:
+        the input rows instead of the embeddings of input_ids (images scattered in: k3.model.multimodal)."""
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
         counts = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         stream = ResidualStream(
-            as_dtype(self.embed_tokens(input_ids), compute_dtype),
+            as_dtype(embeds, compute_dtype),
             self.config.attn_res_block_size,
             stacked=self.fast_decode and input_ids.shape[1] == 1,
         )
@@ -145,6 +148,8 @@ class K3Model(nn.Module):
 
 class K3ForCausalLM(nn.Module):
     """Ids in, logits out. Build with `from_pretrained` (a checkpoint) or `from_config` (random weights)."""
+
+    loads_vision = False  # the vision tower and projector too (k3.model.multimodal)
 
     def __init__(
         self,
@@ -180,6 +185,7 @@ class K3ForCausalLM(nn.Module):
         *,
         lengths: torch.Tensor | list[int] | None = None,
         logits_to_keep: int = 0,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, V] (the last `logits_to_keep` positions if > 0).
 
@@ -190,7 +196,7 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if cache is not None and cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids {input_ids.shape[0]}")
-        h = self.model(input_ids, cache, lengths, self.compute_dtype)
+        h = self.model(input_ids, cache, lengths, self.compute_dtype, inputs_embeds)
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = (
@@ -272,7 +278,8 @@ class K3ForCausalLM(nn.Module):
 
         with torch.device("meta"):
             model = cls(cfg, num_layers=num_layers, compute_dtype=compute_dtype)
-        for name, tensor in random_tensors(cfg, seed=seed, layers=model.num_layers):
+        vision = cls.loads_vision
+        for name, tensor in random_tensors(cfg, seed=seed, layers=model.num_layers, vision=vision):
             assign_tensor(
                 model, model_name(cfg, name), tensor.float() if tensor.is_floating_point() else tensor
             )

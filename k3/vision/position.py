@@ -42,8 +42,7 @@ class PositionGrid(nn.Module):
     def __init__(self, height: int, width: int, frames: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(height, width, dim))
-        self.frames = frames
-        self.register_buffer("time_weight", time_table(frames, dim), persistent=False)  # [frames, D]
+        self.frames = frames  # the time table's rows are computed when a clip needs them (no buffer)
 
     def forward(self, x: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
         """x [sum t*h*w, D] -> x plus each item's position embedding. Frame k of a clip (t > 1) also gets
@@ -54,7 +53,7 @@ class PositionGrid(nn.Module):
                 raise ValueError(f"a clip of {t} frames; this tower takes 1..{self.frames}")
             pos = resample_grid(self.weight, h, w)  # [h*w, D]
             if t > 1:
-                time = self.time_weight[:t].to(pos.dtype)  # [t, D]
+                time = time_table(t, pos.shape[-1]).to(pos.device, pos.dtype)  # [t, D]
                 pos = (pos[None] + time[:, None]).flatten(0, 1)  # [t*h*w, D]
             parts.append(pos)
         return x + torch.cat(parts).to(x.dtype)
