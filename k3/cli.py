@@ -127,6 +127,7 @@ def _register_rooms() -> None:
     from k3.sandbox.commands import sandbox_app
     from k3.stream.commands import stream_app
     from k3.train.commands import train_app
+    from k3.vision.commands import vision_app
 
     app.command("inspect")(inspect_command(cross_check=_census_findings))
     app.command("doctor")(doctor)
@@ -156,6 +157,7 @@ def _register_rooms() -> None:
     app.add_typer(export_app, name="export")
     app.add_typer(rl_app, name="rl")
     app.add_typer(distill_app, name="distill")
+    app.add_typer(vision_app, name="vision")
 
 
 _register_rooms()

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from k3.census import census_from_config, census_from_headers
 from k3.cli import app
 from k3.config import K3Config
-from k3.layout import published_tensors
+from k3.layout import checkpoint_tensors
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_census_is_fast_and_allocates_no_weights():
 @pytest.mark.parametrize("preset", ["tiny", "mini", "kimi-linear-48b"])
 def test_headers_census_equals_config_census(preset):
     cfg = K3Config.preset(preset)
-    headers = [(t.name, t.dtype, t.shape) for t in published_tensors(cfg)]
+    headers = [(t.name, t.dtype, t.shape) for t in checkpoint_tensors(cfg)]
     from_headers = census_from_headers(cfg, headers, source="test")
     from_config = census_from_config(cfg)
     assert from_headers.components == from_config.components
@@ -66,7 +66,7 @@ def test_headers_census_equals_config_census(preset):
 
 def test_headers_census_reports_disagreements():
     cfg = K3Config.preset("tiny")
-    headers = [(t.name, t.dtype, t.shape) for t in published_tensors(cfg)]
+    headers = [(t.name, t.dtype, t.shape) for t in checkpoint_tensors(cfg)]
     name, dtype, shape = headers.pop(3)  # one missing
     headers.append(("language_model.model.layers.0.surprise.weight", "BF16", (2, 2)))
     headers[5] = (headers[5][0], headers[5][1], (7,))
@@ -125,7 +125,7 @@ def test_census_of_checkpoint_directory_and_non_k3_checkpoint(tmp_path):
     cfg = K3Config.preset("tiny")
     tensors = (
         (t.name, torch.zeros(t.shape, dtype=torch.uint8 if t.dtype == "U8" else torch.float32))
-        for t in published_tensors(cfg)
+        for t in checkpoint_tensors(cfg)
     )
     save_checkpoint(tensors, cfg, tmp_path / "tiny", max_shard_size=200_000)
     out = CliRunner().invoke(app, ["census", str(tmp_path / "tiny"), "--json"])
@@ -142,10 +142,25 @@ def test_census_of_checkpoint_directory_and_non_k3_checkpoint(tmp_path):
 @pytest.mark.parametrize("preset", ["k3", "kimi-linear-48b", "mini", "tiny", "k3-slice"])
 def test_cli_figures_unchanged(preset):
     """`k3 census PRESET --json` prints what it printed at commit bdc7ed8 (tests/census/, written then),
-    before the config's field list was derived from the dataclass."""
+    before the config's field list was derived from the dataclass; the text figures unchanged since, the
+    vision keys (and the vision tower's BF16 bytes on disk) added with issue 34."""
     from pathlib import Path
 
     result = CliRunner().invoke(app, ["census", preset, "--json"])
     assert result.exit_code == 0, result.output
     expected = (Path(__file__).parent / "census" / f"{preset}.json").read_text()
     assert result.stdout == expected
+
+
+def test_k3_vision_hand_count(k3):
+    """The published tower and projector, counted from K3-vision.md section 3's shapes."""
+    D, Q, I, P, T = 1024, 1536, 4096, 14, 7168
+    block = 2 * D + 3 * Q * D + D * Q + 2 * I * D
+    assert block == 14_682_112
+    tower = D * 3 * P * P + 64 * 64 * D + 27 * block + D
+    projector = 4096 * 4096 + T * 4096 + T
+    assert (tower, projector) == (401_214_464, 46_144_512)
+    assert k3["vision_components"] == {"vision_tower": tower, "mm_projector": projector}
+    assert k3["vision_params"] == 447_358_976
+    # BF16 on disk: the text model's BF16 bytes plus the vision path's
+    assert k3["disk_bytes_by_format"]["BF16"] == 113_465_051_136 + 2 * 447_358_976

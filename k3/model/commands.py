@@ -27,7 +27,7 @@ def init(
 def write_random_checkpoint(out: Path, preset: str, seed: int, overwrite: bool) -> list[Path]:
     """`k3 init`'s files (shards, index, config.json), or a one-line error."""
     from k3.config import PRESETS, K3Config
-    from k3.layout import published_tensors
+    from k3.layout import published_tensors, vision_tensors
     from k3.model.init import init_checkpoint
 
     try:
@@ -35,6 +35,7 @@ def write_random_checkpoint(out: Path, preset: str, seed: int, overwrite: bool) 
             raise K3Error(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
         cfg = K3Config.preset(preset)
         total = sum(s.nbytes for s in published_tensors(cfg, expand_experts=False))
+        total += sum(s.nbytes for s in vision_tensors(cfg))
         free = _free_bytes(out)
         if free is not None and total > free:
             raise K3Error(

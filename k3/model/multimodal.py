@@ -56,7 +56,7 @@ class K3ForConditionalGeneration(K3ForCausalLM):
     def image_features(
         self, pixels: torch.Tensor, grids: Sequence[tuple[int, int, int]]
     ) -> list[torch.Tensor]:
-        """Patches [N, 3, P, P] of several images or clips -> per item [tokens, hidden] rows (compute dtype)."""
+        """Patches [N, 3, P, P] of several images or clips -> per item [tokens, hidden] (compute dtype)."""
         if self.vision_tower.patch_embed.proj.weight.dtype != self.vision_dtype:
             self.vision_tower.to(self.vision_dtype)  # once: e.g. BF16 checkpoint weights for an fp32 tower
             self.mm_projector.to(self.vision_dtype)

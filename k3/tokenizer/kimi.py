@@ -54,6 +54,10 @@ NAMED_SPECIALS = {
     3: "<|open|>",
     4: "<|close|>",
     5: "<|sep|>",
+    18: "<|media_begin|>",  # the vision path's prompt tokens (K3: 163602-163605)
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
     254: "[UNK]",
     255: "[PAD]",
 }

@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 from k3.checkpoint import open_checkpoint
 from k3.checkpoint.writer import with_converter_keys
 from k3.config import K3Config
-from k3.layout import published_tensors
-from k3.model import K3ForCausalLM
+from k3.layout import checkpoint_tensors
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 from k3.model.commands import init
 
 # Every tensor name pattern of K3.md section 3, with its published dtype.
@@ -47,6 +47,11 @@ SPEC_PATTERNS = {
     L + r"block_sparse_moe\.routed_expert_norm\.weight": "BF16",
     L + r"block_sparse_moe\.experts\.\d+\.w[123]\.weight_(packed|scale)": "U8",
     L + r"block_sparse_moe\.shared_experts\.(gate|up|down)_proj\.weight": "BF16",
+    # the vision path (K3-vision.md section 3): BF16, no biases
+    r"vision_tower\.patch_embed\.(proj|pos_emb)\.weight": "BF16",
+    r"vision_tower\.encoder\.blocks\.\d+\.(norm0|norm1|wqkv|wo|mlp\.fc0|mlp\.fc1)\.weight": "BF16",
+    r"vision_tower\.encoder\.final_layernorm\.weight": "BF16",
+    r"mm_projector\.(proj\.0|proj\.2|post_norm)\.weight": "BF16",
 }
 
 
@@ -72,7 +77,7 @@ def test_every_spec_pattern_with_its_dtype(tiny_init):
     assert not unmatched
     # and exactly the names, shapes and dtypes of the layout table
     cfg = K3Config.preset("tiny")
-    layout = {s.name: (s.dtype, s.shape) for s in published_tensors(cfg)}
+    layout = {s.name: (s.dtype, s.shape) for s in checkpoint_tensors(cfg)}
     assert {n: (t.dtype, tuple(t.shape)) for n, t in found.items()} == layout
     kda = "language_model.model.layers.1.self_attn."
     assert found[kda + "A_log"].shape == (max(cfg.kda_num_heads, cfg.kda_head_dim),)
@@ -96,7 +101,7 @@ def test_passes_validation_with_config_and_index(tiny_init):
 
 
 def test_loads_back_identically(tiny_init):
-    model = K3ForCausalLM.from_pretrained(tiny_init)
+    model = K3ForConditionalGeneration.from_pretrained(tiny_init)
     state = model.state_dict()
     with safe_open(tiny_init / "model-00001-of-00001.safetensors", "pt") as f:
         for name in f.keys():
@@ -108,7 +113,7 @@ def test_loads_back_identically(tiny_init):
             stored = f.get_tensor(name)
             assert ours.dtype == stored.dtype and torch.equal(ours, stored), name
     # from_config draws the same values as `k3 init` for the same seed
-    fresh = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=5).state_dict()
+    fresh = K3ForConditionalGeneration.from_config(K3Config.preset("tiny"), seed=5).state_dict()
     for name, t in state.items():
         assert torch.equal(fresh[name], t.float() if t.is_floating_point() else t), name
 
