@@ -12,7 +12,7 @@ from helpers import k3_features, k3_modules, random_weights, rel_rms, small_conf
 
 from k3.vision import naive
 from k3.vision.config import OTHER_ENGINES_EPS, TORCH_DEFAULT_RMS_EPS, VisionConfig
-from k3.vision.position import rope_angles, rope_frequencies, resample_grid, time_table
+from k3.vision.position import resample_grid, rope_angles, rope_frequencies, time_table
 from k3.vision.tower import rms_norm, tpool_merge
 
 
