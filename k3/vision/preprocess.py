@@ -92,12 +92,23 @@ def navit_geometry(w: int, h: int, cfg: MediaConfig = MediaConfig()) -> Geometry
     )
 
 
+def header_size(data: bytes) -> tuple[int, int] | None:
+    """(w, h) a PNG or GIF header states (Pillow refuses a zero side as an unknown format), else None."""
+    if data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and len(data) >= 24:
+        return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    if data[:6] in (b"GIF87a", b"GIF89a") and len(data) >= 10:
+        return int.from_bytes(data[6:8], "little"), int.from_bytes(data[8:10], "little")
+    return None
+
+
 def open_image(data: bytes, *, max_bytes: int = MAX_IMAGE_BYTES) -> Image.Image:
     """Decode and fully load an image from its bytes, or raise ImageError naming the problem."""
     if len(data) == 0:
         raise ImageError("an empty image file (0 bytes)")
     if len(data) > max_bytes:
         raise ImageError(f"an image of {len(data):,} bytes, over the limit of {max_bytes:,}")
+    if (size := header_size(data)) is not None and min(size) == 0:
+        raise ImageError(f"a zero-size image ({size[0]}x{size[1]})")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
