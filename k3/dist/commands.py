@@ -15,12 +15,14 @@ from __future__ import annotations
 import io
 import resource
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
 
 from k3.dist.group import torchrun_env
 from k3.engine.commands import (
+    IMAGES,
     LAYERS,
     MAX_TOKENS,
     PENALTY,
@@ -51,6 +53,7 @@ def generate(
     seed: int = SEED,
     layers: int = LAYERS,
     nproc: int = NPROC,
+    image: list[Path] = IMAGES,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; with
     `--nproc N` the routed experts are sharded over N processes."""
@@ -58,7 +61,9 @@ def generate(
     if torchrun_env():
         _generate_on_ranks(checkpoint, prompt, sampling, layers)
     elif nproc == 1:
-        generate_on_one_process(checkpoint, prompt, *sampling, layers)
+        generate_on_one_process(checkpoint, prompt, *sampling, layers, image)
+    elif image:
+        fail("--image runs on one process (without --nproc)")
     else:
         from k3.dist.launch import launch
         from k3.errors import K3Error

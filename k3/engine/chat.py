@@ -3,8 +3,8 @@
 A request maps onto the release encoder's arguments (docs/chat.md has the table):
 
 * `messages`: passed as they are (OpenAI message dicts, with `name`, `tool_calls`, `tool_call_id`,
-  `reasoning_content`); `developer` is `system`; content parts must be text (the server has no vision
-  tower yet: the encoder writes image parts as placeholders, k3.chat.encoder);
+  `reasoning_content`); `developer` is `system`; image parts only with `image_prompts` (a model with a
+  vision tower: each part becomes its image's prompt in place, k3.chat.encoder), else text parts only;
 * `tools` -> the tool declarations; `tool_choice` "required" / "none" -> the tool-choice system
   message ("auto" and a named function write nothing, as in the release); `response_format` as is;
 * `reasoning_effort` -> `thinking_effort`: minimal/low -> low, medium, high, xhigh/max -> max, and
@@ -71,8 +71,10 @@ def chat_prompt(
     response_format: Any = None,
     reasoning_effort: str | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    image_prompts: list[str] | None = None,
 ) -> ChatPrompt:
-    """The encoder's arguments for an OpenAI chat request's fields (see the module)."""
+    """The encoder's arguments for an OpenAI chat request's fields (see the module). `image_prompts`: the
+    prompt text of each image part, in order (k3.vision.prompt), for a model with a vision tower."""
     options: dict[str, Any] = {"thinking": True, "thinking_effort": DEFAULT_THINKING_EFFORT}
     if reasoning_effort == "none":
         options["thinking"] = False
@@ -94,11 +96,14 @@ def chat_prompt(
         options["tool_choice"] = tool_choice
     if response_format is not None:
         options["response_format"] = response_format
+    if image_prompts is not None:
+        options["image_prompts"] = image_prompts
     for m in messages:
         if isinstance(m.get("content"), list) and not all(_is_text_part(p) for p in m["content"]):
-            raise ChatRequestError(
-                "only text content parts are supported (image parts need the vision tower)", "messages"
-            )
+            if image_prompts is None:
+                raise ChatRequestError(
+                    "only text content parts are supported (image parts need the vision tower)", "messages"
+                )
     roles = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     return ChatPrompt(roles, tools, options)
 
@@ -107,7 +112,7 @@ def _is_text_part(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
 
 
-def request_prompt(body: Any, messages: list[Any]) -> ChatPrompt:
+def request_prompt(body: Any, messages: list[Any], image_prompts: list[str] | None = None) -> ChatPrompt:
     """The prompt of a request body (k3.engine.protocol's ChatFormatBody fields) and its messages."""
     return chat_prompt(
         [m.as_dict() for m in messages],
@@ -116,6 +121,7 @@ def request_prompt(body: Any, messages: list[Any]) -> ChatPrompt:
         body.response_format,
         body.reasoning_effort,
         body.chat_template_kwargs,
+        image_prompts,
     )
 
 

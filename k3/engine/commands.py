@@ -106,13 +106,17 @@ def chat_ids(tok, text: str) -> list[int]:
 
 def load(checkpoint: str, layers: int | None):
     """Model + tokenizer of a checkpoint directory or URL, or a one-line error."""
+    from k3.checkpoint import open_checkpoint
     from k3.errors import K3Error
-    from k3.model import K3ForCausalLM
+    from k3.model import K3ForCausalLM, K3ForConditionalGeneration
     from k3.tokenizer.kimi import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_source(checkpoint)
-        model = K3ForCausalLM.from_pretrained(checkpoint, layers=layers)
+        with open_checkpoint(checkpoint) as ckpt:  # a config with vision_config: the tower too
+            vision = ckpt.config is not None and ckpt.config.vision_config is not None
+        model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
+        model = model_class.from_pretrained(checkpoint, layers=layers)
     except (K3Error, OSError) as e:
         fail(f"{e}")
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -150,6 +154,21 @@ TOP_P = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (1 = off).")
 PENALTY = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeating tokens.")
 SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 LAYERS = typer.Option(None, "--layers", help="Run only the first N layers (a depth-truncated model).")
+IMAGES = typer.Option(None, "--image", help="An image before the prompt (repeat for more); needs a tower.")
+
+
+def load_images(paths: list | None) -> list:
+    """k3.engine.images.ImageInput per path, or a one-line error naming the file and the problem."""
+    from k3.engine.images import load_image
+    from k3.errors import K3Error
+
+    out = []
+    for path in paths or []:
+        try:
+            out.append(load_image(path.read_bytes()))
+        except (K3Error, OSError) as e:
+            fail(f"{path}: {e}")
+    return out
 
 
 def generate(
@@ -162,34 +181,44 @@ def generate(
     repetition_penalty: float = PENALTY,
     seed: int = SEED,
     layers: int = LAYERS,
+    image: list[Path] = IMAGES,
 ) -> None:
-    """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal."""
+    """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; `--image`:
+    the images' prompts (media tokens, size, pads) come first."""
+    images = load_images(image)
     model, tok = load(checkpoint, layers)
     params = sampling_params(
         max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos}
     )
-    prompt_tokens, count, elapsed = complete_to(sys.stdout, model, tok, prompt, params)
+    prompt_tokens, count, elapsed = complete_to(sys.stdout, model, tok, prompt, params, images)
     Console(stderr=True).print(f"[dim]{rate_line(prompt_tokens, count, elapsed)}[/]")
 
 
-def complete_to(out: TextIO, model, tok, prompt: str, params) -> tuple[int, int, float]:
+def complete_to(out: TextIO, model, tok, prompt: str, params, images=None) -> tuple[int, int, float]:
     """Write the prompt and its continuation to `out` as the tokens come; returns (prompt tokens,
-    generated tokens, seconds)."""
+    generated tokens, seconds). `images` (ImageInput) go before the prompt."""
     import time
 
     from k3.engine.generate import Engine
+    from k3.engine.images import image_prompt_ids
+    from k3.errors import K3Error
     from k3.tokenizer.kimi import StreamDecoder
 
-    ids = tok.encode(prompt)
+    if images and not hasattr(model, "encode_images"):
+        fail("--image: this checkpoint has no vision tower (its config has no vision_config)")
+    ids = [t for im in images or [] for t in image_prompt_ids(tok, im)] + tok.encode(prompt)
     if not ids:
         fail("the prompt is empty")
     decoder = StreamDecoder(tok)
     out.write(prompt)
     start, count = time.perf_counter(), 0
-    for token in Engine(model).stream(ids, params):
-        out.write(decoder.push(token))
-        out.flush()
-        count += 1
+    try:
+        for token in Engine(model).stream(ids, params, images):
+            out.write(decoder.push(token))
+            out.flush()
+            count += 1
+    except K3Error as e:
+        fail(str(e))
     out.write(decoder.flush() + "\n")
     return len(ids), count, time.perf_counter() - start
 
@@ -325,10 +354,17 @@ def serve(
         None, "--state-dir", help="Prefix cache: keep the states in this folder too, read back at start."
     ),
     layers: int = LAYERS,
+    allow_remote_images: bool = typer.Option(
+        False, "--allow-remote-images", help="Fetch http(s) image URLs (size-capped, 10 s timeout)."
+    ),
+    max_images: int = typer.Option(8, "--max-images", help="Most images in one request."),
+    max_image_tokens: int = typer.Option(
+        None, "--max-image-tokens", help="Most tokens one image may take after resizing (default: any)."
+    ),
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise."""
-    from pathlib import Path
+    /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise. Chat messages may
+    hold `image_url` parts (data URLs) when the checkpoint has a vision tower."""
 
     from k3.engine.generate import Engine
     from k3.engine.server import create_app
@@ -361,6 +397,9 @@ def serve(
         max_queue=max_queue,
         request_timeout=request_timeout,
         api_key=api_key,
+        allow_remote_images=allow_remote_images,
+        max_images=max_images,
+        max_image_tokens=max_image_tokens,
     )
     print(f"k3 serve: {name} on {url_of(sock)}v1", flush=True)
     run_app(app, sock, "info")

@@ -45,12 +45,14 @@ import torch
 
 from k3.config import K3Config, Mixer
 from k3.engine import state_store
+from k3.engine.images import ImageCache
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams, draw
 from k3.engine.state_store import SequenceState
 from k3.errors import K3Error
 from k3.model.cache import KDAState, MLAState, ModelCache
 from k3.model.routing import record_routing
+from k3.vision.prompt import expand_placeholders
 
 TopLogprobs = list[tuple[int, float]]  # (token id, log-prob), most likely first
 
@@ -92,6 +94,7 @@ class Sequence:
     standard_chunks: bool = True  # every chunk so far was the engine's standard one (then it may store)
     keep_state: bool = False  # keep its state when it finishes (`Engine.state_of`)
     state: SequenceState | None = None  # given to submit, or kept at the end (keep_state)
+    image_rows: torch.Tensor | None = None  # [pads, hidden]: its images' rows in prompt order
 
     @property
     def num_tokens(self) -> int:
@@ -199,6 +202,7 @@ class Engine:
         self.steps = 0  # calls of `step` that ran a forward
         self._moe_layers = sorted(model.routers())
         self.prefix_cache = prefix_cache
+        self.image_cache = ImageCache()  # the tower's rows by image content hash
 
     # ---- requests ----------------------------------------------------------------------------------------
     def submit(
@@ -210,9 +214,12 @@ class Engine:
         record_experts: bool = False,
         state: SequenceState | None = None,
         keep_state: bool = False,
+        images: list | None = None,
     ) -> Sequence:
         """Queue a prompt. `state`: continue that sequence state (the prompt must extend its tokens by at
-        least one); `keep_state`: keep the state at the end (`state_of`)."""
+        least one); `keep_state`: keep the state at the end (`state_of`). `images`: k3.engine.images.
+        ImageInput per image of the prompt, in order (its pads expanded); such a prompt bypasses the prefix
+        cache (its ids do not say which pixels its pads stand for)."""
         if not prompt:
             raise EngineError("the prompt is empty: at least one token is needed")
         bad = [t for t in prompt if not 0 <= t < self.cfg.vocab_size]
@@ -242,8 +249,17 @@ class Engine:
                     "a sequence continued from a state has no experts or log-probs of its start"
                 )
             seq.state = state
+        if images:
+            seq.image_rows = self._image_rows(seq.prompt, images)
         self.waiting.append(seq)
         return seq
+
+    def _image_rows(self, prompt: list[int], images: list) -> torch.Tensor:
+        """The images' rows [pads, hidden] (encoded once per content hash), checked against the pads."""
+        rows = self.image_cache.rows(self.model, images)
+        if expand_placeholders(prompt, self.model.media_pad_id, [r.shape[0] for r in rows]) != prompt:
+            raise EngineError("the prompt must hold each image's placeholders expanded (one pad per row)")
+        return torch.cat(rows)
 
     def cancel(self, seq: Sequence) -> None:
         """Stop a sequence now and free its cache (e.g. its client went away)."""
@@ -298,12 +314,15 @@ class Engine:
             size = min(size, max(16, self.attention_budget // (2 * 4 * self.cfg.vocab_size)))
         return size
 
-    def _forward(self, ids: torch.Tensor, cache: ModelCache, seqs: list[Sequence], keep: int) -> torch.Tensor:
-        """logits of ids [B, T] (row b continues seqs[b]); appends each row's experts to seqs that record."""
+    def _forward(
+        self, ids: torch.Tensor, cache: ModelCache, seqs: list[Sequence], keep: int, **images
+    ) -> torch.Tensor:
+        """logits of ids [B, T] (row b continues seqs[b]); appends each row's experts to seqs that record.
+        `images`: `features=[rows]` for the image pads of a one-sequence chunk."""
         if not any(seq.record_experts for seq in seqs):
-            return self.model(ids, cache, logits_to_keep=keep)
+            return self.model(ids, cache, logits_to_keep=keep, **images)
         with record_routing(self.model, scores=False, weights=False) as trace:
-            logits = self.model(ids, cache, logits_to_keep=keep)
+            logits = self.model(ids, cache, logits_to_keep=keep, **images)
         B, T = ids.shape
         k = self.cfg.num_experts_per_token
         chosen = [trace.indices(layer) for layer in trace.layers]  # per layer [B * T, k], row-major
@@ -323,14 +342,15 @@ class Engine:
         if seq.state is not None:
             seq.cached = len(seq.state.tokens)
             cache = seq.state.cache.select([0])  # a copy: the state may serve again
-        elif self.prefix_cache is not None and seq.params.prompt_logprobs is None:
+        elif self.prefix_cache is not None and seq.params.prompt_logprobs is None and seq.image_rows is None:
             found = self.prefix_cache.resume(seq.prompt, self.model.new_cache(1), seq.record_experts)
             cache, seq.cached, seq.block_key = found.cache, found.tokens, found.key
             if found.experts is not None and found.tokens:
                 seq.experts.append(found.experts)
         else:
             cache = self.model.new_cache(1)
-            seq.block_key = None if self.prefix_cache is None else self.prefix_cache.root
+            images = seq.image_rows is not None  # never stored: the same ids may hold other pixels
+            seq.block_key = None if self.prefix_cache is None or images else self.prefix_cache.root
         seq.prefilled = seq.cached
         return cache
 
@@ -351,7 +371,12 @@ class Engine:
         size = self.chunk_size(start, len(seq.prompt) - start, all_logits=scoring)
         seq.standard_chunks &= size == self.chunk_size(start, len(seq.prompt) - start)
         chunk = torch.tensor([seq.prompt[start : start + size]])  # [1, size]
-        logits = self._forward(chunk, seq.cache, [seq], keep=0 if scoring else 1)  # [1, size or 1, V]
+        images = {}
+        if seq.image_rows is not None:  # this chunk's pads take the next rows
+            pad = self.model.media_pad_id
+            done = sum(t == pad for t in seq.prompt[:start])
+            images["features"] = [seq.image_rows[done : done + int((chunk == pad).sum())]]
+        logits = self._forward(chunk, seq.cache, [seq], keep=0 if scoring else 1, **images)
         seq.prefilled += size
         self._store_block(seq)
         if scoring:
@@ -386,6 +411,7 @@ class Engine:
                 seq.prefilled == 0
                 and seq.cache is None
                 and seq.state is None
+                and seq.image_rows is None
                 and len(seq.prompt) == n
                 and seq.params.prompt_logprobs is None
                 and seq.params.max_tokens > 0
@@ -537,9 +563,9 @@ class Engine:
             self.prefix_cache.rekey(self.identity())
 
     # ---- conveniences ------------------------------------------------------------------------------------
-    def stream(self, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    def stream(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> Iterator[int]:
         """Generate for one prompt, yielding tokens as they come (drives `step` itself: single-user use)."""
-        seq = self.submit(prompt, params)
+        seq = self.submit(prompt, params, images=images)
         try:
             while seq.status is not Status.FINISHED:
                 for event in self.step():

@@ -45,6 +45,7 @@ from k3.engine.chat import (
     tool_call_deltas,
 )
 from k3.engine.generate import Engine, Event
+from k3.engine.images import image_inputs
 from k3.engine.outputs import (
     LegacyLogprobs,
     Piece,
@@ -72,6 +73,7 @@ from k3.engine.sampling import SamplingError, SamplingParams
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer, tokenizer_config
+from k3.vision.prompt import image_prompt
 
 DISCONNECT_POLL_S = 0.25  # plain requests: how often a waiting request checks that its client is there
 
@@ -160,8 +162,13 @@ def create_app(
     default_max_tokens: int = 256,
     request_timeout: float | None = None,
     api_key: str | None = None,
+    allow_remote_images: bool = False,
+    max_images: int = 8,
+    max_image_tokens: int | None = None,
 ) -> FastAPI:
-    """The FastAPI app; starts the engine thread on startup and stops it on shutdown."""
+    """The FastAPI app; starts the engine thread on startup and stops it on shutdown. Images (chat
+    `image_url` parts, k3.engine.images): data URLs; http(s) with `allow_remote_images`; at most
+    `max_images` a request and `max_image_tokens` an image."""
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
     stop_ids = frozenset({tokenizer.special.eos, tokenizer.special.end_of_msg})
@@ -262,12 +269,14 @@ def create_app(
         except SamplingError as e:
             raise invalid(str(e)) from e
 
-    def submit_all(requests: list[tuple[list[int], SamplingParams]]) -> list[Handle]:
+    def submit_all(
+        requests: list[tuple[list[int], SamplingParams]], images: list | None = None
+    ) -> list[Handle]:
         """Admit every choice or none (429 with Retry-After when the queue is full)."""
         handles: list[Handle] = []
         try:
             for prompt, params in requests:
-                handles.append(worker.submit(prompt, params))
+                handles.append(worker.submit(prompt, params, images))
         except QueueFull as e:
             for handle in handles:
                 worker.cancel(handle)
@@ -458,9 +467,14 @@ def create_app(
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
-    def prepare_chat(body: ChatFormatBody, messages: list[ChatMessageBody]) -> ChatPrompt:
+    def prepare_chat(
+        body: ChatFormatBody, messages: list[ChatMessageBody], images: list | None = None
+    ) -> ChatPrompt:
+        """The encoder's arguments; `images` (k3.engine.images.ImageInput): their prompts in place of the
+        image parts, in order."""
+        prompts = None if images is None else [image_prompt(im.original, im.tokens) for im in images]
         try:
-            return request_prompt(body, messages)
+            return request_prompt(body, messages, prompts)
         except ChatRequestError as e:
             raise invalid(str(e), e.param) from e
 
@@ -470,17 +484,39 @@ def create_app(
         except ChatRequestError as e:
             raise invalid(str(e), e.param) from e
 
+    def with_images(messages: list[ChatMessageBody]) -> bool:
+        return any(
+            isinstance(m.content, list) and any(p.get("type") == "image_url" for p in m.content)
+            for m in messages
+        )
+
+    def chat_images(messages: list[ChatMessageBody]) -> list:
+        """The images of a conversation's image_url parts, in order, validated and preprocessed (400 naming
+        a bad one); the tower runs later on the engine thread (once per content hash)."""
+        if not hasattr(engine.model, "encode_images"):
+            raise invalid(
+                "messages: this model has no vision tower (its config has no vision_config)", "messages"
+            )
+        try:
+            return image_inputs(
+                messages, allow_remote=allow_remote_images, max_images=max_images, max_tokens=max_image_tokens
+            )
+        except K3Error as e:
+            raise invalid(f"{e}", "messages") from e
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        chat = prepare_chat(body, body.messages)
+        images = chat_images(body.messages) if with_images(body.messages) else None
+        chat = prepare_chat(body, body.messages, images)
         prompt = chat_ids(chat)
         max_tokens = budget(body, prompt, "messages", zero_ok=False)
         top = body.top_logprobs or 0
         StopStrings(body.stop)
-        handles = submit_all([(prompt, sampling(body, max_tokens, j, logprobs=top)) for j in range(body.n)])
+        choices = [(prompt, sampling(body, max_tokens, j, logprobs=top)) for j in range(body.n)]
+        handles = submit_all(choices, images)
         rid, now, end = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), deadline()
         sources = [
             choice_pieces(events(h, end), reply_parser(tokenizer, chat), StopStrings(body.stop))

@@ -31,6 +31,7 @@ class Handle:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     seq: Sequence | None = None
+    images: list | None = None  # k3.engine.images.ImageInput per image of the prompt
 
     def deliver(self, item: Event | BaseException | None) -> None:
         """Called from the worker thread."""
@@ -61,15 +62,16 @@ class EngineWorker:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def submit(self, prompt: list[int], params: SamplingParams) -> Handle:
-        """Queue a request (call from the event loop). Raises QueueFull when at capacity."""
+    def submit(self, prompt: list[int], params: SamplingParams, images: list | None = None) -> Handle:
+        """Queue a request (call from the event loop). Raises QueueFull when at capacity. `images` are
+        encoded on the worker thread (Engine.submit)."""
         with self._lock:
             if self._in_flight >= self.capacity:
                 raise QueueFull(
                     f"the server is at capacity ({self.capacity} requests in flight); retry later"
                 )
             self._in_flight += 1
-        handle = Handle(prompt, params, asyncio.get_running_loop())
+        handle = Handle(prompt, params, asyncio.get_running_loop(), images=images)
         self._inbox.put(("submit", handle))
         return handle
 
@@ -101,7 +103,7 @@ class EngineWorker:
             kind, handle = item
             if kind == "submit":
                 try:
-                    handle.seq = self.engine.submit(handle.prompt, handle.params)
+                    handle.seq = self.engine.submit(handle.prompt, handle.params, images=handle.images)
                     self._handles[id(handle.seq)] = handle
                 except K3Error as e:
                     self._finish(handle, e)
