@@ -209,7 +209,7 @@ BAD = [  # path, body (dict, or raw bytes), status, the param named, a word the 
         {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
         400,
         "messages",
-        "text",
+        "no vision tower",  # a text-only model (K3ForCausalLM) served
     ),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 422, "top_logprobs", "less"),
