@@ -15,6 +15,7 @@ from typing import Any
 from k3.atlas.db import AtlasDB, LogicalTensor
 from k3.atlas.stats import STAT_KEYS
 from k3.config import FFN, PRESETS, K3Config, no_such_source
+from k3.layout import VISION_COMPONENTS
 
 GRID_MATRICES_MAX = 4  # matrix kinds shown in the expert grid
 
@@ -223,7 +224,10 @@ class Atlas:
         return {"index": index, "tensors": self._tensor_rows(tensors)}
 
     def other_tensors(self) -> dict[str, Any]:
-        return {"tensors": self._tensor_rows([t for t in self._tensors if t.layer is None])}
+        """Tensors outside the layers; `parts`: the vision tower's and the projector's, each a part."""
+        rows = self._tensor_rows([t for t in self._tensors if t.layer is None])
+        parts = {p: [r for r in rows if r["component"] == p] for p in VISION_COMPONENTS}
+        return {"tensors": rows, "parts": {p: r for p, r in parts.items() if r}}
 
     def _tensor_rows(self, tensors: list[LogicalTensor]) -> list[dict[str, Any]]:
         if self.db is None:

@@ -332,7 +332,13 @@ function applyVisibility() {
 async function drawOtherTensors() {
   if (K3.summary.kind !== "checkpoint") return;
   const doc = await K3.get("api/tensors/other.json");
-  document.getElementById("other-tensors").innerHTML = tensorTable(doc.tensors);
+  const parts = doc.parts || {};
+  const inParts = new Set(Object.values(parts).flat().map((t) => t.id));
+  let html = tensorTable(doc.tensors.filter((t) => !inParts.has(t.id)));
+  for (const [part, tensors] of Object.entries(parts)) {
+    html += `<h3>${escapeHtml(K3.t(`tensors.${part}`))}</h3>` + tensorTable(tensors);
+  }
+  document.getElementById("other-tensors").innerHTML = html;
 }
 
 function redrawAll() {
