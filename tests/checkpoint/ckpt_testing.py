@@ -17,7 +17,7 @@ import torch
 
 from k3.checkpoint.serve import RANGE, RangeRequestHandler, RangeServer
 from k3.config import K3Config
-from k3.layout import published_tensors
+from k3.layout import checkpoint_tensors
 
 TORCH = {
     "BF16": torch.bfloat16,
@@ -44,9 +44,10 @@ def random_tensor(shape: tuple[int, ...], dtype: str, gen: torch.Generator) -> t
 
 
 def tiny_tensors(cfg: K3Config, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    """Random tensors in the published layout of `cfg` (MXFP4 tensors as random uint8)."""
+    """Random tensors in the published layout of `cfg`, vision tower included (MXFP4 tensors as random
+    uint8)."""
     gen = torch.Generator().manual_seed(seed)
-    for spec in published_tensors(cfg):
+    for spec in checkpoint_tensors(cfg):
         yield spec.name, random_tensor(spec.shape, spec.dtype, gen)
 
 

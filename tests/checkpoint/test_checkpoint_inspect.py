@@ -30,7 +30,8 @@ def test_json_listing(tiny):
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     census = census_from_config(K3Config.preset("tiny"))
-    assert report["total_params"] == census.total_params  # MXFP4 bytes count 2, scales 0
+    # MXFP4 bytes count 2, scales 0; the vision tower's parameters are counted apart in the census
+    assert report["total_params"] == census.total_params + census.vision_params
     assert report["total_bytes"] == census.disk_bytes
     assert report["findings"] == []
     assert report["total_tensors"] == report["shown_tensors"] == len(report["tensors"])
@@ -51,7 +52,7 @@ def test_table(tiny):
     assert result.exit_code == 0
     assert "language_model.model.embed_tokens.weight" in result.stdout
     assert "[1024, 64]" in result.stdout and "65,536" in result.stdout and "131,072" in result.stdout
-    assert "1 of 320 tensors shown" in result.stdout
+    assert "1 of 338 tensors shown" in result.stdout  # 320 of the text model + 18 of the vision path
 
 
 def test_findings_for_non_k3_checkpoint(tmp_path):
