@@ -199,9 +199,8 @@ def main() -> None:
     import tempfile
 
     gemm = gemm_gflops(3)
-    print(
-        f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads"
-    )
+    threads = torch.get_num_threads()
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads")
     print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s; published widths, {args.layers} of 27 layers")
     print(
         f"{'image':>10} {'tokens':>6} {'dtype':>5} {'impl':>5} {'time s':>8} {'GFLOP/s':>8} {'% GEMM':>7} "
