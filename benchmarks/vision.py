@@ -154,13 +154,14 @@ def ttft(repeats: int) -> None:
     from PIL import Image
 
     from k3.config import K3Config
-    from k3.engine.chat import Message, encode_chat
+    from k3.engine.chat import chat_prompt
     from k3.engine.generate import Engine
-    from k3.engine.images import chat_parts, encode_with_images
+    from k3.engine.images import image_inputs
     from k3.engine.sampling import SamplingParams
     from k3.model import K3ForConditionalGeneration
     from k3.model.init import init_checkpoint
     from k3.tokenizer.build import builtin_tokenizer
+    from k3.vision.prompt import image_prompt
 
     with tempfile.TemporaryDirectory() as tmp:
         init_checkpoint(K3Config.preset("mini"), tmp)
@@ -170,11 +171,13 @@ def ttft(repeats: int) -> None:
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (448, 448, 3), dtype=np.uint8)).save(buf, "PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
     part = {"type": "image_url", "image_url": {"url": url}}
-    message = type("M", (), {"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]})()
+    content = [part, {"type": "text", "text": "What is this?"}]
+    message = type("M", (), {"role": "user", "content": content})()
 
     def first_token() -> None:
-        parts, images = chat_parts([message])
-        ids = encode_with_images(lambda ms: encode_chat(tok, [Message(r, t) for r, t in ms]), tok, parts)
+        images = image_inputs([message])
+        prompts = [image_prompt(im.original, im.tokens) for im in images]
+        ids = chat_prompt([{"role": "user", "content": content}], image_prompts=prompts).ids(tok)
         engine = Engine(model)  # a fresh engine: no cached image
         next(engine.stream(ids, SamplingParams(temperature=0, max_tokens=1), images))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 
-from k3.engine.chat import encode_chat
+from k3.chat.encoder import encode_chat
 from k3.engine.generate import Engine
 from k3.engine.server import create_app
 from k3.model import K3ForConditionalGeneration
@@ -61,18 +61,18 @@ def client(served):
 
 
 def expected_prompt(tok: Tokenizer, data: bytes, text: str) -> tuple[list[int], object]:
-    """The spec's prompt (K3-vision.md section 6) written out here: the chat frame of encode_chat around
-    `<|media_begin|>image WxH<|media_content|>` + N pads + `<|media_end|>` + the text."""
+    """The spec's image prompt (K3-vision.md section 6) written out here,
+    `<|media_begin|>image WxH<|media_content|>` + N pads + `<|media_end|>`, placed by K3's chat encoder
+    (k3.chat, checked against the release's) where the image part is."""
     item = prepare([open_image(data)])
-    sp = tok.special_tokens
     w, h = item.geometry.original
-    image = [sp["<|media_begin|>"], *tok.encode(f"image {w}x{h}"), sp["<|media_content|>"]]
-    image += [sp["<|media_pad|>"]] * item.tokens + [sp["<|media_end|>"]]
-    frame = encode_chat(tok, [{"role": "user", "content": ""}])
-    at = len([tok.special.open, *tok.encode('message role="user"'), tok.special.sep])
-    assert frame[:at] == encode_chat(tok, [{"role": "user", "content": "x"}])[:at]
-    # the user's content sits after `<|open|>message role="user"<|sep|>`
-    ids = frame[:at] + image + tok.encode(text) + frame[at:]
+    prompt = f"<|media_begin|>image {w}x{h}<|media_content|>{'<|media_pad|>' * item.tokens}<|media_end|>"
+    content = [{"type": "image_url", "image_url": {"url": "x"}}, {"type": "text", "text": text}]
+    ids = encode_chat(tok, [{"role": "user", "content": content}], image_prompts=[prompt])
+    sp = tok.special_tokens
+    start = ids.index(sp["<|media_begin|>"])
+    assert ids[start + 1 + len(tok.encode(f"image {w}x{h}"))] == sp["<|media_content|>"]
+    assert ids.count(sp["<|media_pad|>"]) == item.tokens
     return ids, item
 
 
