@@ -289,11 +289,6 @@ class K3Config:
             pad = self.media_placeholder_token_id
             if not isinstance(pad, int) or not 0 <= pad < self.vocab_size:
                 fail("media_placeholder_token_id", f"must be a token id below {self.vocab_size}, got {pad!r}")
-            if self.vision_config.text_hidden_size != self.hidden_size:
-                fail(
-                    "vision_config.text_hidden_size",
-                    f"{self.vision_config.text_hidden_size} differs from hidden_size {self.hidden_size}",
-                )
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
         if self.experts_mxfp4 and self.num_experts:

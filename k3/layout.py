@@ -239,8 +239,9 @@ def vision_tensors(cfg: K3Config) -> Iterator[TensorSpec]:
         yield tower(f"{b}mlp.fc1.weight", (D, v.vt_intermediate_size))
     yield tower("encoder.final_layernorm.weight", (D,))
     yield TensorSpec("mm_projector.proj.0.weight", (M, M), "BF16", "mm_projector")
-    yield TensorSpec("mm_projector.proj.2.weight", (v.text_hidden_size, M), "BF16", "mm_projector")
-    yield TensorSpec("mm_projector.post_norm.weight", (v.text_hidden_size,), "BF16", "mm_projector")
+    # the projector writes rows of the text model's width (as NeMo and vLLM: text_config.hidden_size)
+    yield TensorSpec("mm_projector.proj.2.weight", (cfg.hidden_size, M), "BF16", "mm_projector")
+    yield TensorSpec("mm_projector.post_norm.weight", (cfg.hidden_size,), "BF16", "mm_projector")
 
 
 def checkpoint_tensors(cfg: K3Config, *, layers: int | None = None) -> Iterator[TensorSpec]:

@@ -46,7 +46,7 @@ class K3ForConditionalGeneration(K3ForCausalLM):
             cfg, num_layers=num_layers, quantized_experts=quantized_experts, compute_dtype=compute_dtype
         )
         self.vision_tower = VisionTower(cfg.vision_config)
-        self.mm_projector = Projector(cfg.vision_config)
+        self.mm_projector = Projector(cfg.vision_config, cfg.hidden_size)
         self.vision_dtype = vision_dtype
 
     @property

@@ -13,13 +13,13 @@ class Projector(nn.Module):
     """`mm_projector`: z [M, 4*D] (sub-token-major) -> proj.0 -> exact GELU -> proj.2 -> post_norm
     (RMSNorm, eps projector_ln_eps) -> [M, text hidden]."""
 
-    def __init__(self, cfg: VisionConfig) -> None:
+    def __init__(self, cfg: VisionConfig, out_size: int | None = None) -> None:
+        """`out_size`: the text model's hidden size (default `text_hidden_size`; NeMo and vLLM use the text
+        config's hidden_size where the two differ)."""
         super().__init__()
-        n = cfg.projector_in
-        self.proj = nn.Sequential(
-            nn.Linear(n, n, bias=False), nn.GELU(), nn.Linear(n, cfg.text_hidden_size, bias=False)
-        )
-        self.post_norm = RMSNorm(cfg.text_hidden_size, cfg.projector_ln_eps)
+        n, out = cfg.projector_in, out_size or cfg.text_hidden_size
+        self.proj = nn.Sequential(nn.Linear(n, n, bias=False), nn.GELU(), nn.Linear(n, out, bias=False))
+        self.post_norm = RMSNorm(out, cfg.projector_ln_eps)
 
     def forward(self, merged: list[torch.Tensor]) -> list[torch.Tensor]:
         """merged: per item [M_i, 4, D] -> per item [M_i, text hidden]."""

@@ -38,6 +38,7 @@ def random_weights(cfg: VisionConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     1 + normal(0, 0.2) (not ones, so that a norm's weight matters)."""
     text = K3Config.preset("tiny")
     text.vision_config, text.media_placeholder_token_id = cfg, 0
+    text.hidden_size = cfg.text_hidden_size  # the projector writes rows of the text model's width
     g = torch.Generator().manual_seed(seed)
     out = {}
     for spec in vision_tensors(text):

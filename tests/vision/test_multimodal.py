@@ -124,3 +124,13 @@ def test_text_only_checkpoint_loads_as_today(tmp_path):
     K3ForCausalLM.from_pretrained(tmp_path / "t")
     with pytest.raises(Exception, match="no vision_config"):
         K3ForConditionalGeneration.from_pretrained(tmp_path / "t")
+
+
+def test_projector_width_is_the_text_models():
+    """Where vision_config.text_hidden_size and the text model's hidden_size differ, the projector writes the
+    text model's width, as NeMo (`_projector_config`) and vLLM do."""
+    raw = K3Config.preset("tiny").to_dict()
+    raw["vision_config"]["text_hidden_size"] = 7
+    model = K3ForConditionalGeneration.from_config(K3Config.from_dict(raw))
+    rows = model.encode_images([prepare([noise_image(30, 30)])])[0]
+    assert rows.shape == (4, 64) and model.mm_projector.post_norm.weight.shape == (64,)
