@@ -36,6 +36,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("tasks",),
     ("rl",),
     ("distill",),
+    ("conform",),
     ("cli", "__main__"),
 )
 # Base utilities every room may use; they import no room themselves.
