@@ -78,7 +78,7 @@ class EngineClient:
         lp = choice.get("logprobs") or {}
         returned = []
         for text, value, alts in zip(
-            lp.get("tokens", []), lp.get("token_logprobs", []), lp.get("top_logprobs", [])
+            lp.get("tokens", []), lp.get("token_logprobs", []), lp.get("top_logprobs", []), strict=False
         ):
             if text not in self.by_text:
                 raise EngineCallError(

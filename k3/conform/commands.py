@@ -1,4 +1,4 @@
-"""`k3 golden CKPT --out DIR`, `k3 golden verify DIR` and `k3 conform --engine URL (--checkpoint | --golden)`."""
+"""`k3 golden CKPT --out DIR`, `k3 golden verify DIR`, `k3 conform --engine URL (--checkpoint | --golden)`."""
 
 from __future__ import annotations
 

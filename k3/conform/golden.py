@@ -4,14 +4,15 @@
                              k3's version, dtype, expert format, tolerances, the sequences, data hashes
     DIR/data.safetensors     per sequence i (prompt + greedy continuation):
                                seq.i.ids [T] int64
-                               seq.i.top_ids [T, 20] int64, seq.i.top_logprobs [T, 20] f32  (row p: after ids[:p+1])
+                               seq.i.top_ids [T, 20] int64, seq.i.top_logprobs [T, 20] f32
+                                 (row p: the token after ids[:p + 1])
                                seq.i.next_logprob [T - 1] f32   the logprob of the token that follows
                                seq.i.hidden_rms [L, T] f32      RMS of the residual stream after each layer
                                seq.i.experts [T, n_moe, k] int64  routed expert ids (in memory only)
                              hidden.{layer} [T0, H] f32: full hidden states of sequence 0 after chosen layers
                              kda.{layer} [n, heads, K, V] f32: KDA states of the longest sequence at every
                                64-token boundary (kda_boundaries [n]; manifest kda_sequence; in memory only)
-    DIR/logits.safetensors   the prompt sequences' full logits in `k3 stream compare`'s format (small vocabularies)
+    DIR/logits.safetensors   the prompts' full logits in `k3 stream compare`'s format (when under 64 MB)
     DIR/prompts.jsonl        their token ids, for `k3 stream ... --prompts`
 
 Small checkpoints are computed in memory (`K3ForCausalLM`); large ones through `k3 stream` (bounded memory:
@@ -218,7 +219,7 @@ def _through_stream(ckpt, sequences, continuation, hidden_layers):
     return data, _logits_file(prompt_logits, sequences), described
 
 
-# ---- writing, reading, verifying ----------------------------------------------------------------------------
+# ---- writing, reading, verifying ---------------------------------------------------------------------------
 def write_golden(
     ckpt: Path,
     out: Path,
@@ -301,7 +302,7 @@ def read_manifest(pack: Path) -> dict:
 
 
 def read_sequences(pack: Path) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """(ids, top ids [T, 20], top logprobs [T, 20]) of every sequence (k3.conform.reference.GoldenReference)."""
+    """(ids, top ids [T, 20], top logprobs [T, 20]) of every sequence (for conform's GoldenReference)."""
     manifest = read_manifest(pack)
     data = load_file(Path(pack) / "data.safetensors")
     return [

@@ -1,14 +1,15 @@
 """The scenarios `k3 conform` drives an engine through; each holds every returned logprob against k3's.
 
-| scenario   | what it sends | what breaks it (the public bug it stands for) |
-|---|---|---|
-| prefix     | a chat growing turn by turn, then its last turn one-shot | cached state restored at the wrong boundary (llama.cpp K3 `--cache-reuse`) |
-| tools      | 10 turns, each extending the last with a tool call and result | the same, over many turns (partial prompt-cache reuse) |
-| concurrent | N equal-length prompts at once, then each alone | requests sharing a KDA state slot (tt-metal) |
-| cancel     | a streamed request dropped mid-generation, then new requests | a cancelled sequence's state left behind |
-| long       | a prompt near the engine's limit; one past it (must be a 4xx) | NaN/garbage at long context (vLLM #51039), a 5xx past the limit |
-| repeat     | one request three times | nondeterminism, state carried between requests |
-| tokenize   | the chat prompts through `/tokenize` (where offered) | a chat template other than k3's |
+* prefix: a chat growing turn by turn, then its last turn one-shot. Catches a cached state restored at
+  the wrong boundary (llama.cpp's K3 with `--cache-reuse`: correct only with `--cache-reuse 0`).
+* tools: 10 turns, each extending the last with a tool call and its result (partial prompt-cache reuse).
+* concurrent: N equal-length prompts at once, then each alone (one user's KDA state leaking into
+  another's, tt-metal; batching).
+* cancel: a streamed request dropped mid-generation, then new requests (a cancelled sequence's state).
+* long: a prompt near the engine's limit, and one past it, which must be a 4xx (NaN logits after a long
+  prompt, vLLM #51039; a 5xx past the limit).
+* repeat: one request three times (nondeterminism, state carried between requests).
+* tokenize: the chat prompts through `/tokenize` where offered (a chat template other than k3's).
 
 Generation is greedy (`temperature: 0`); the position of a generated token is its index in the request's
 sequence (prompt + generated). k3's distribution there is computed on the tokens the engine saw and chose.
@@ -124,7 +125,10 @@ def repeat(run: Run, result: ScenarioResult, times: int = 3) -> None:
         if g.tokens != gens[0].tokens:
             result.fail(f"repeat {i} chose other tokens than repeat 1: not deterministic")
         else:
-            d = max((abs(a.logprob - b.logprob) for a, b in zip(g.returned, gens[0].returned)), default=0.0)
+            d = max(
+                (abs(a.logprob - b.logprob) for a, b in zip(g.returned, gens[0].returned, strict=True)),
+                default=0.0,
+            )
             if d > 1e-6:
                 result.notes.append(f"repeat {i}: logprobs differ from repeat 1 by up to {d:.3g}")
 
@@ -140,7 +144,10 @@ def tokenize(run: Run, result: ScenarioResult) -> None:
             result.requests += 1
             result.positions += len(want)
             if ids != want:
-                j = next((i for i, (a, b) in enumerate(zip(ids, want)) if a != b), min(len(ids), len(want)))
+                j = next(
+                    (i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b),
+                    min(len(ids), len(want)),
+                )
                 result.fail(f"{name} turn {k + 1}: the engine's chat ids part from k3's at token {j}")
                 return
             result.top1_agree += len(want)

@@ -13,18 +13,20 @@ from k3.tokenizer.kimi import Tokenizer
 
 # Real text in several languages and scripts (the Spanish from a published article on Kimi K3).
 PROMPTS = {
-    "es": "La tesis central de Kimi K3 es que el avance en la frontera de la IA requiere escalar dos recursos "
-    "complementarios: la capacidad del modelo antes de su despliegue y el cómputo consumido después, durante "
-    "inferencias largas con razonamiento, herramientas y ejecuciones agentivas.",
+    "es": "La tesis central de Kimi K3 es que el avance en la frontera de la IA requiere escalar dos "
+    "recursos complementarios: la capacidad del modelo antes de su despliegue y el cómputo consumido "
+    "después, durante inferencias largas con razonamiento, herramientas y ejecuciones agentivas.",
     "en": "The river had been rising for three days, and by the fourth morning the old bridge at the edge of "
     "the village was no more than a line of wet stones under brown water.",
-    "fr": "Le musée ouvre ses portes à dix heures ; les visiteurs qui arrivent plus tôt peuvent attendre dans "
-    "le jardin, où l'on sert du café et des croissants.",
+    "fr": "Le musée ouvre ses portes à dix heures ; les visiteurs qui arrivent plus tôt peuvent attendre "
+    "dans le jardin, où l'on sert du café et des croissants.",
     "de": "Die Messung wurde dreimal wiederholt, weil das erste Ergebnis deutlich von den Erwartungen abwich "
     "und niemand an einen Fehler im Versuchsaufbau glauben wollte.",
-    "zh": "模型并不逐字阅读，而是读取词元，也就是词语的片段。每个词元都会完整地穿过模型，从第一层到最后一层。",
+    "zh": "模型并不逐字阅读，而是读取词元，也就是词语的片段。"
+    "每个词元都会完整地穿过模型，从第一层到最后一层。",
     "ja": "駅から歩いて十分ほどの所に小さな図書館があり、週末になると子どもたちが絵本を読みに集まってくる。",
-    "ru": "Вечером поезд остановился на маленькой станции, и пассажиры вышли на платформу подышать свежим воздухом.",
+    "ru": "Вечером поезд остановился на маленькой станции, и пассажиры вышли на платформу "
+    "подышать свежим воздухом.",
     "code": "def fibonacci(n: int) -> list[int]:\n    out = [0, 1]\n    while len(out) < n:\n"
     "        out.append(out[-1] + out[-2])\n    return out[:n]\n",
 }
