@@ -165,3 +165,17 @@ def test_the_edges_tell_the_eps_apart(tiny_base, tmp_path, edge, other_eps):
     than the tolerance, so the agreement above reads NeMo's choice (1e-6) rather than passing regardless."""
     ckpt = edge_checkpoint(tiny_base, tmp_path / "ckpt", edge, k3_only=other_eps)
     assert compare(ckpt, random_ids(1024), check=False)["logits"] > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("edge", ["top-1", "uncapped situ"])
+def test_the_fixed_edges_decode_as_they_prefill(tiny_base, tmp_path, edge):
+    """Decode steps take the fused native paths (top-1: the native router; uncapped SiTU: the torch
+    fallback, the kernels cap the up projection): one token at a time equals the full forward."""
+    model = K3ForCausalLM.from_pretrained(edge_checkpoint(tiny_base, tmp_path / "ckpt", edge))
+    ids = random_ids(1024, (1, 12))
+    with torch.no_grad():
+        full = model(ids)[0, 7:11]  # after ids[:8] ... ids[:11]
+        cache = model.new_cache(1)
+        steps = [model(ids[:, :8], cache)[0, -1]]
+        steps += [model(ids[:, t : t + 1], cache)[0, -1] for t in range(8, 11)]
+    assert (torch.stack(steps) - full).abs().max() <= 1e-5 * full.abs().max()
