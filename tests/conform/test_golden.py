@@ -155,3 +155,29 @@ def test_conform_against_the_golden_pack(pack, checkpoint, serve):
     report = json.loads((pack.parent / "rep.json").read_text())
     assert report["passed"] and [s["name"] for s in report["scenarios"]] == ["prefix", "repeat", "long"]
     assert report["scenarios"][2]["skipped"]  # no near-limit document in the default suite
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["golden", "/nonexistent", "--out", "x"], "not a checkpoint folder"),
+        (["golden", "verify", "/nonexistent"], "not a golden pack"),
+        (["conform", "--engine", "http://127.0.0.1:9/v1"], "give exactly one of --checkpoint"),
+        (
+            ["conform", "--engine", "http://127.0.0.1:9/v1", "--golden", "g", "--scenarios", "x"],
+            "unknown scenarios",
+        ),
+        (
+            ["conform", "--engine", "http://127.0.0.1:9/v1", "--golden", "g", "--expert-format", "x"],
+            "--expert-format",
+        ),
+    ],
+)
+def test_bad_input_is_one_line(args, message):
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1 and message in result.output and "Traceback" not in result.output
+
+
+def test_an_engine_that_is_not_there_is_one_line(pack):
+    result = runner.invoke(app, ["conform", "--engine", "http://127.0.0.1:9/v1", "--golden", str(pack)])
+    assert result.exit_code == 1 and "ConnectError" in result.output and len(result.output.splitlines()) == 1
