@@ -2,13 +2,15 @@
 documents. Everything is a function of the tokenizer only, so `k3 golden` and `k3 conform` build the same
 token sequences and a golden pack can answer every request a scenario makes.
 
-`chat_ids` is the one place the chat format is encoded (k3.engine.chat today): when the engine's encoder
-changes (the release's XTML format), golden packs and conform follow it.
+`chat_ids` is the one place the chat format is encoded: k3's server's own mapping of a chat request onto
+K3's encoder (k3.engine.chat, the release's XTML format), so golden packs and conform follow it.
 """
 
 from __future__ import annotations
 
-from k3.engine.chat import encode_chat
+import json
+
+from k3.engine.chat import chat_prompt
 from k3.tokenizer.kimi import Tokenizer
 
 # Real text in several languages and scripts (the Spanish from a published article on Kimi K3).
@@ -45,8 +47,9 @@ TOOL_TURNS = 10
 
 
 def chat_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of a chat prompt (ending by opening the assistant's turn), as the engine encodes it."""
-    return encode_chat(tokenizer, messages, add_generation_prompt=True)
+    """Token ids of a chat request with these messages (defaults otherwise: thinking on, effort max),
+    ending by opening the assistant's turn, as k3's server encodes it."""
+    return chat_prompt(messages).ids(tokenizer, add_generation_prompt=True)
 
 
 def growing_chat() -> list[list[dict]]:
@@ -63,16 +66,21 @@ def growing_chat() -> list[list[dict]]:
 
 def tool_chat() -> list[list[dict]]:
     """A 10-turn conversation in which turn k extends turn k-1 with a tool call and its result."""
-    messages: list[dict] = [{"role": "system", "content": SYSTEM + " You may call the tool `weather(city)`."}]
+    messages: list[dict] = [{"role": "system", "content": SYSTEM + " You may call the tool `weather`."}]
     cities = ["Madrid", "Lima", "Oslo", "Nairobi", "Kyoto", "Quito", "Perth", "Tunis", "Riga", "Hanoi"]
     requests = []
     for k, city in enumerate(cities[:TOOL_TURNS]):
         messages.append({"role": "user", "content": f"What is the weather in {city} today?"})
         requests.append([dict(m) for m in messages])
-        messages.append({"role": "assistant", "content": f'<tool_call>weather(city="{city}")</tool_call>'})
-        messages.append(
-            {"role": "tool", "content": f'{{"city": "{city}", "celsius": {12 + 2 * k}, "sky": "clear"}}'}
-        )
+        arguments = json.dumps({"city": city})
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "weather", "arguments": arguments},
+        }
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        result = json.dumps({"city": city, "celsius": 12 + 2 * k, "sky": "clear"})
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": result})
     return requests
 
 

@@ -1,4 +1,4 @@
-"""A `tiny` checkpoint with a 2,048-token context (so `long` reaches the limit cheaply) and a tokenizer; apps
+"""A `tiny` checkpoint with a 4,096-token context (so `long` reaches the limit cheaply) and a tokenizer; apps
 of k3's server on it, whole or broken (broken_engines.py), served on a local port."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from k3.config import K3Config
 from k3.model.init import init_checkpoint
 from k3.tokenizer.build import write_tokenizer
 
-CONTEXT = 2048
+CONTEXT = 4096
 
 
 @pytest.fixture(autouse=True, scope="package")
@@ -32,7 +32,7 @@ def _one_thread():
 def checkpoint(tmp_path_factory):
     raw = json.loads(json.dumps(K3Config.preset("tiny").to_dict()))
     raw["text_config"]["max_position_embeddings"] = CONTEXT
-    out = tmp_path_factory.mktemp("tiny2048")
+    out = tmp_path_factory.mktemp("tiny4096")
     init_checkpoint(K3Config.from_dict(raw), out, seed=3)
     write_tokenizer(out, 1024)
     return out
