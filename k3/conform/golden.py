@@ -31,7 +31,14 @@ from safetensors.torch import load_file, save_file
 
 import k3
 from k3.conform.report import THRESHOLDS
-from k3.conform.texts import chat_ids, growing_chat, long_document, prompt_ids, tool_chat
+from k3.conform.texts import (
+    chat_ids,
+    equal_length_prompts,
+    growing_chat,
+    long_document,
+    prompt_ids,
+    tool_chat,
+)
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer
 
@@ -64,10 +71,12 @@ def checkpoint_identity(ckpt: Path) -> dict:
 
 
 def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int) -> list[tuple[str, list[int]]]:
-    """(name, prompt ids) of a suite: the scenarios' prompts, their chats, or long documents."""
+    """(name, prompt ids) of a suite: the scenarios' prompts (and `concurrent`'s, cut to one length), their
+    chats, or long documents."""
     if suite not in SUITES:
         raise GoldenError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
     out = [(f"prompt {name}", ids) for name, ids in prompt_ids(tokenizer).items()]
+    out += [(f"concurrent {i}", ids) for i, ids in enumerate(equal_length_prompts(tokenizer))]
     if suite in ("default", "chat"):
         out += [(f"growing turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(growing_chat())]
         out += [(f"tools turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(tool_chat())]
