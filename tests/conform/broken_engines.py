@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from k3.engine.generate import Engine
@@ -45,6 +47,16 @@ class WrongBoundaryCache(Engine):
 
 
 class SharedSlot(Engine):
+    WINDOW = 0.2  # seconds a lone waiting prompt waits for company (batching windows, as servers have)
+
+    def step(self):
+        if len(self.waiting) == 1 and not self.running:
+            since = self.__dict__.setdefault("_since", {}).setdefault(self.waiting[0].id, time.monotonic())
+            if time.monotonic() - since < self.WINDOW:  # so that concurrent requests are batched for sure
+                time.sleep(0.005)
+                return []
+        return super().step()
+
     def _prefill_together(self, seqs):
         before = len(self.running)
         events = super()._prefill_together(seqs)
