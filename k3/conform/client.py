@@ -76,6 +76,10 @@ class EngineClient:
         body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": top}
         choice = self._ok(self.post("/completions", body), "POST /v1/completions")["choices"][0]
         lp = choice.get("logprobs") or {}
+        if choice.get("text") and not lp.get("tokens"):
+            raise EngineCallError(
+                "POST /v1/completions returned text but no logprobs (conform asks logprobs: 5)"
+            )
         returned = []
         for text, value, alts in zip(
             lp.get("tokens", []), lp.get("token_logprobs", []), lp.get("top_logprobs", []), strict=False
@@ -97,8 +101,12 @@ class EngineClient:
             "top_logprobs": top,
         }
         choice = self._ok(self.post("/chat/completions", body), "POST /v1/chat/completions")["choices"][0]
+        entries = (choice.get("logprobs") or {}).get("content") or []
+        message = choice.get("message") or {}
+        if (message.get("content") or message.get("reasoning_content")) and not entries:
+            raise EngineCallError("POST /v1/chat/completions returned a message but no logprobs")
         returned = []
-        for entry in (choice.get("logprobs") or {}).get("content") or []:
+        for entry in entries:
             token = self.by_bytes.get(bytes(entry.get("bytes") or []))
             if token is None:
                 raise EngineCallError(f"the engine returned a token {entry.get('token')!r} of unknown bytes")

@@ -179,3 +179,25 @@ def test_bad_input_is_one_line(args, message):
 def test_an_engine_that_is_not_there_is_one_line(pack):
     result = runner.invoke(app, ["conform", "--engine", "http://127.0.0.1:9/v1", "--golden", str(pack)])
     assert result.exit_code == 1 and "ConnectError" in result.output and len(result.output.splitlines()) == 1
+
+
+def test_an_engine_without_logprobs_is_told_so(pack, checkpoint, serve):
+    """A server that ignores `logprobs` fails each scenario with that reason, not with a parting."""
+    from fastapi import FastAPI
+
+    app_ = FastAPI()
+
+    @app_.get("/v1/models")
+    def models():
+        return {"data": [{"id": "m", "max_model_len": 4096}]}
+
+    @app_.post("/v1/completions")
+    def completions():
+        return {"choices": [{"text": "hola", "logprobs": None, "finish_reason": "length"}]}
+
+    tokenizer = Tokenizer.from_source(pack)
+    with serve(app_) as base:
+        client = EngineClient(f"{base}/v1", tokenizer)
+        [result] = run_scenarios(Run(client, GoldenReference(read_sequences(pack)), 1e-3, 4), ["repeat"])
+        client.close()
+    assert not result.passed and "no logprobs" in result.notes[0]
