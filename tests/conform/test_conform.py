@@ -13,7 +13,9 @@ from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
 from k3.conform.texts import chat_ids, equal_length_prompts, growing_chat, prompt_ids
 from k3.engine.generate import Engine
+from k3.engine.prefix_cache import PrefixCache
 from k3.engine.server import create_app
+from k3.engine.state_store import checkpoint_identity
 from k3.model import K3ForCausalLM
 from k3.tokenizer.kimi import Tokenizer
 
@@ -34,12 +36,19 @@ def failing(results) -> set[str]:
     return {name for name, r in results.items() if not r.passed}
 
 
-def test_k3_serve_passes_every_scenario(serve, checkpoint):
-    results = conform(serve, checkpoint, Engine(K3ForCausalLM.from_pretrained(checkpoint)), ALL)
+@pytest.mark.parametrize("interval", [2048, 64, None])
+def test_k3_serve_passes_every_scenario(serve, checkpoint, interval):
+    """k3's engine as `k3 serve` builds it: with its exact prefix cache (the default interval, 2,048 prompt
+    tokens, and 64) and without (`--no-prefix-cache`)."""
+    model = K3ForCausalLM.from_pretrained(checkpoint)
+    cache = PrefixCache(interval, 2**30, checkpoint_identity(model), None) if interval else None
+    results = conform(serve, checkpoint, Engine(model, prefix_cache=cache), ALL)
     assert not failing(results), {n: r.notes for n, r in results.items()}
     assert all(r.skipped is None for r in results.values())
     assert max(r.max_dlogprob for r in results.values()) < 1e-4  # float rounding only
     assert all(r.top1 == 1.0 for r in results.values())
+    if interval == 64:
+        assert cache.stats.hits > 0  # the chats did resume from cached states
 
 
 def broken_engine(checkpoint, break_: str) -> Engine:
