@@ -117,6 +117,7 @@ def _register_rooms() -> None:
     """Each room's commands, imported light (their heavy imports happen when a command runs)."""
     from k3.atlas.commands import atlas_app
     from k3.checkpoint.commands import inspect_command
+    from k3.conform.commands import conform, golden_app
     from k3.dist.commands import generate  # the engine's `k3 generate`, plus --nproc N (expert parallel)
     from k3.distill.commands import distill_app
     from k3.engine.commands import chat, serve, tokenize
@@ -155,6 +156,8 @@ def _register_rooms() -> None:
     app.add_typer(sandbox_app, name="sandbox")
     app.add_typer(stream_app, name="stream")
     app.add_typer(export_app, name="export")
+    app.add_typer(golden_app, name="golden")
+    app.command("conform")(conform)
     app.add_typer(rl_app, name="rl")
     app.add_typer(distill_app, name="distill")
     app.add_typer(vision_app, name="vision")

@@ -122,7 +122,7 @@ class K3Config:
     # activation, residual stream, norms
     hidden_act: str = "silu"
     activation_situ_beta: float = 4.0
-    activation_situ_linear_beta: float = 25.0
+    activation_situ_linear_beta: float | None = 25.0  # null: no cap on the up projection (as the release)
     attn_res_block_size: int | None = None  # None = a plain pre-norm residual stream
     rms_norm_eps: float = 1e-5
     # eps of the MLA latent norms (q_a_layernorm, kv_a_layernorm) and of KDA's q/k L2 norm. Not published

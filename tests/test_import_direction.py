@@ -37,6 +37,7 @@ LEVELS: tuple[tuple[str, ...], ...] = (
     ("tasks",),
     ("rl",),
     ("distill",),
+    ("conform",),
     ("cli", "__main__"),
 )
 # Base utilities every room may use; they import no room themselves.

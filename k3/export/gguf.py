@@ -109,6 +109,8 @@ def check_supported(cfg: K3Config) -> None:
         raise ExportError(
             "llama.cpp's kimi-k3 needs the whole K3 form: attn_res_block_size, use_full_rank_gate, situ"
         )
+    elif cfg.activation_situ_linear_beta is None:
+        raise ExportError("activation_situ_linear_beta: null (no cap): llama.cpp's kimi-k3 always caps")
 
 
 def _f32(t: torch.Tensor) -> np.ndarray:
@@ -311,7 +313,7 @@ def write_metadata(w: gguf.GGUFWriter, cfg: K3Config, name: str, file_type: int)
     w.add_leading_dense_block_count(cfg.first_k_dense_replace)
     w.add_expert_weights_scale(cfg.routed_scaling_factor)
     if arch == "kimi-k3":
-        w.add_expert_weights_norm(cfg.moe_renormalize)
+        w.add_expert_weights_norm(cfg.moe_renormalize and cfg.num_experts_per_token > 1)  # as the release
         if cfg.is_latent_moe:
             w.add_uint32(f"{arch}.expert_latent_length", cfg.expert_input_size)
         w.add_float32(f"{arch}.activation.situ_beta", cfg.activation_situ_beta)

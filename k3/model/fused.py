@@ -179,6 +179,8 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
 
 def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
     """ffn(norm(y)) for y [B, 1, hidden]; None: take the general path."""
+    if ffn.situ is not None and ffn.situ[1] is None:  # an uncapped SiTU: the kernels cap the up projection
+        return None
     if isinstance(ffn, MLP):
         return mlp_update(norm, ffn, y)
     return moe_update(norm, ffn, y) if isinstance(ffn, MoE) else None

@@ -2,7 +2,7 @@
 
     s        = sigmoid(gate(x))                      fp32, [N, E]
     chosen   = top-k of s + e_score_correction_bias  (noaux_tc: the bias only steers the choice)
-    p        = s[chosen] / sum(s[chosen]) * routed_scaling_factor
+    p        = s[chosen] / sum(s[chosen]) * routed_scaling_factor     (renormalised only when k > 1)
     z        = routed_expert_down_proj(x)            the latent [N, L] (Kimi Linear: z = x)
     r        = routed_expert_up_proj(rms(sum_e p_e w2(act(w1 z, w3 z)), routed_expert_norm))
     out      = r + shared_experts(x)
@@ -46,7 +46,9 @@ class Router(nn.Module):
             cfg.num_expert_group,
             cfg.topk_group,
         )
-        self.renormalize, self.scaling = cfg.moe_renormalize, cfg.routed_scaling_factor
+        # the release renormalises only when top-k > 1 (one chosen weight stays its sigmoid score)
+        self.renormalize = cfg.moe_renormalize and self.top_k > 1
+        self.scaling = cfg.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> Routing:
         """x [N, hidden] -> the routing of its N tokens."""

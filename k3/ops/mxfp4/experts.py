@@ -25,11 +25,11 @@ from k3.ops.mxfp4.native import load_native
 Expert = tuple[nn.Module, nn.Module, nn.Module]  # (w1 gate [m, L], w3 up [m, L], w2 down [L, m]), bias-free
 
 
-def _act(gate: torch.Tensor, up: torch.Tensor, situ: tuple[float, float] | None) -> torch.Tensor:
+def _act(gate: torch.Tensor, up: torch.Tensor, situ: tuple[float, float | None] | None) -> torch.Tensor:
     if situ is None:
         return F.silu(gate) * up
-    b, c = situ
-    return b * torch.tanh(gate / b) * torch.sigmoid(gate) * (c * torch.tanh(up / c))
+    b, c = situ  # c None: the up projection uncapped
+    return b * torch.tanh(gate / b) * torch.sigmoid(gate) * (up if c is None else c * torch.tanh(up / c))
 
 
 def experts_one_token_torch(
@@ -57,6 +57,8 @@ def experts_one_token(
 ) -> torch.Tensor:
     """z [1, L], the token's k experts, weights [k] -> sum_j p_j expert_j(z) [1, L] (native where it can)."""
     native = load_native() if z.device.type == "cpu" and z.dtype == torch.float32 else None
+    if situ is not None and situ[1] is None:  # an uncapped SiTU: the native kernels cap the up projection
+        native = None
     matrices = [w for expert in experts for w in expert]  # (w1, w3, w2) per expert
     args = (weights.to(torch.float32).contiguous().view(-1), 0 if situ is None else 1, *(situ or (0.0, 0.0)))
     if native is not None and all(isinstance(w, MXFP4Linear) and w.bias is None for w in matrices):

@@ -1,0 +1,351 @@
+"""Golden packs: k3's exact numbers for a checkpoint, in a versioned folder another engine is held against.
+
+    DIR/manifest.json        format k3-golden/1: the checkpoint's identity (every file's size and sha256),
+                             k3's version, dtype, expert format, tolerances, the sequences, data hashes
+    DIR/data.safetensors     per sequence i (prompt + greedy continuation):
+                               seq.i.ids [T] int64
+                               seq.i.top_ids [T, 20] int64, seq.i.top_logprobs [T, 20] f32
+                                 (row p: the token after ids[:p + 1])
+                               seq.i.next_logprob [T - 1] f32   the logprob of the token that follows
+                               seq.i.hidden_rms [L, T] f32      RMS of the residual stream after each layer
+                               seq.i.experts [T, n_moe, k] int64  routed expert ids (in memory only)
+                             hidden.{layer} [T0, H] f32: full hidden states of sequence 0 after chosen layers
+                             kda.{layer} [n, heads, K, V] f32: KDA states of the longest sequence at every
+                               64-token boundary (kda_boundaries [n]; manifest kda_sequence; in memory only)
+    DIR/logits.safetensors   the prompts' full logits in `k3 stream compare`'s format (when under 64 MB)
+    DIR/prompts.jsonl        their token ids, for `k3 stream ... --prompts`
+
+Small checkpoints are computed in memory (`K3ForCausalLM`); large ones through `k3 stream` (bounded memory:
+no routed expert ids or KDA states then, and hidden RMS only for the dumped layers; the manifest says so).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import k3
+from k3.conform.report import THRESHOLDS
+from k3.conform.texts import (
+    chat_ids,
+    equal_length_prompts,
+    growing_chat,
+    long_document,
+    prompt_ids,
+    tool_chat,
+)
+from k3.errors import K3Error
+from k3.tokenizer.kimi import Tokenizer
+
+FORMAT = "k3-golden/1"
+TOP = 20
+KDA_EVERY = 64
+SUITES = ("default", "chat", "long")
+LOGITS_CAP = 64 * 2**20  # bytes of full logits kept for `k3 stream compare` (else the file is left out)
+
+
+class GoldenError(K3Error):
+    """A golden pack that cannot be written, read or verified."""
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(2**22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def checkpoint_identity(ckpt: Path) -> dict:
+    """Every file of the checkpoint folder: name, size, sha256."""
+    files = [p for p in sorted(Path(ckpt).iterdir()) if p.is_file()]
+    return {
+        "source": str(Path(ckpt).resolve()),
+        "files": [{"name": p.name, "bytes": p.stat().st_size, "sha256": sha256(p)} for p in files],
+    }
+
+
+def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int) -> list[tuple[str, list[int]]]:
+    """(name, prompt ids) of a suite: the scenarios' prompts (and `concurrent`'s, cut to one length), their
+    chats, or long documents."""
+    if suite not in SUITES:
+        raise GoldenError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
+    out = [(f"prompt {name}", ids) for name, ids in prompt_ids(tokenizer).items()]
+    out += [(f"concurrent {i}", ids) for i, ids in enumerate(equal_length_prompts(tokenizer))]
+    if suite in ("default", "chat"):
+        out += [(f"growing turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(growing_chat())]
+        out += [(f"tools turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(tool_chat())]
+    if suite == "long":
+        out += [(f"document {n}", long_document(tokenizer, n)) for n in (long_tokens // 4, long_tokens)]
+    return out
+
+
+def expert_format(cfg) -> str:
+    return "mxfp4" if cfg.experts_mxfp4 else "plain"
+
+
+# ---- computing ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    cache = model.new_cache(1)
+    logits = model(torch.tensor([prompt]), cache, logits_to_keep=1)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(logits[0, -1].argmax()))
+        if len(out) < n:
+            logits = model(torch.tensor([[out[-1]]]), cache)
+    return out
+
+
+@torch.no_grad()
+def _in_memory(model, ids: list[int]) -> dict[str, torch.Tensor]:
+    """One sequence: logits, per-layer RMS and hidden states, routed experts."""
+    from k3.model.routing import record_routing
+
+    rms, hidden = [], []
+
+    def hook(module, args, output):
+        stream = args[0]
+        total = sum(stream.blocks) + (stream.partial if stream.partial is not None else 0)  # [1, T, H]
+        hidden.append(total[0].float())
+        rms.append(total[0].float().pow(2).mean(-1).sqrt())
+
+    handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
+    try:
+        with record_routing(model, scores=False, weights=False) as trace:
+            logits = model(torch.tensor([ids]))[0]
+    finally:
+        for h in handles:
+            h.remove()
+    experts = [trace.indices(layer) for layer in trace.layers]  # [T, k] each
+    return {
+        "logits": logits.float(),
+        "hidden_rms": torch.stack(rms),
+        "hidden": torch.stack(hidden),
+        "experts": torch.stack(experts, 1) if experts else torch.empty(len(ids), 0, 0, dtype=torch.long),
+    }
+
+
+@torch.no_grad()
+def _kda_states(model, ids: list[int]) -> dict[str, torch.Tensor]:
+    """The KDA recurrent states after every KDA_EVERY tokens of ids, chunk by chunk through a cache."""
+    from k3.model.cache import KDAState
+
+    cache = model.new_cache(1)
+    states: dict[int, list[torch.Tensor]] = {}
+    boundaries = []
+    for start in range(0, len(ids) - KDA_EVERY + 1, KDA_EVERY):
+        model(torch.tensor([ids[start : start + KDA_EVERY]]), cache, logits_to_keep=1)
+        boundaries.append(start + KDA_EVERY)
+        for i, state in enumerate(cache.layers):
+            if isinstance(state, KDAState) and state.recurrent is not None:
+                states.setdefault(i, []).append(state.recurrent[0].float().clone())
+    out = {f"kda.{i}": torch.stack(s) for i, s in states.items()}
+    out["kda_boundaries"] = torch.tensor(boundaries, dtype=torch.long)
+    return out
+
+
+def _rows(logits: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
+    lp = logits.double().log_softmax(-1)  # [T, V]
+    top = lp.topk(min(TOP, lp.shape[-1]), -1)
+    nxt = lp[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0] if len(ids) > 1 else lp.new_zeros(0)
+    return {"top_ids": top.indices, "top_logprobs": top.values.float(), "next_logprob": nxt.float()}
+
+
+def compute(
+    ckpt: Path,
+    sequences: list[tuple[str, list[int]]],
+    continuation: int,
+    via_stream: bool,
+    hidden_layers: tuple[int, ...],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
+    """(data tensors, logits tensors of the prompt sequences, sequence descriptions)."""
+    if via_stream:
+        return _through_stream(ckpt, sequences, continuation, hidden_layers)
+    from k3.model import K3ForCausalLM
+
+    model = K3ForCausalLM.from_pretrained(ckpt)
+    data: dict[str, torch.Tensor] = {}
+    described, prompt_logits = [], []
+    for i, (name, prompt) in enumerate(sequences):
+        ids = prompt + _greedy(model, prompt, continuation)
+        out = _in_memory(model, ids)
+        data |= {f"seq.{i}.{k}": v for k, v in _rows(out["logits"], ids).items()}
+        data[f"seq.{i}.ids"] = torch.tensor(ids)
+        data[f"seq.{i}.hidden_rms"] = out["hidden_rms"]
+        data[f"seq.{i}.experts"] = out["experts"]
+        if i == 0:
+            data |= {f"hidden.{layer}": out["hidden"][layer] for layer in hidden_layers}
+            data |= _kda_states(model, max((s for _, s in sequences), key=len))  # the longest prompt
+        if name.startswith("prompt "):
+            prompt_logits.append(out["logits"][: len(prompt)])
+        described.append({"name": name, "prompt_tokens": len(prompt), "tokens": len(ids)})
+    return data, _logits_file(prompt_logits, sequences), described
+
+
+def _logits_file(rows: list[torch.Tensor], sequences) -> dict[str, torch.Tensor]:
+    """`k3 stream compare`'s format for the prompt sequences: logits [P, T, V], lengths, input_ids."""
+    T, V = max(r.shape[0] for r in rows), rows[0].shape[-1]
+    if len(rows) * T * V * 4 > LOGITS_CAP:
+        return {}
+    logits = torch.zeros(len(rows), T, V)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    for p, r in enumerate(rows):
+        logits[p, : r.shape[0]] = r
+        ids[p, : r.shape[0]] = torch.tensor(sequences[p][1])
+    return {"logits": logits, "lengths": torch.tensor([r.shape[0] for r in rows]), "input_ids": ids}
+
+
+def _through_stream(ckpt, sequences, continuation, hidden_layers):
+    """The same through `k3 stream` (bounded memory): a greedy pass, then every position of prompt +
+    continuation with the chosen layers dumped."""
+    from k3.stream.api import stream_logits
+    from k3.stream.runner import StreamOptions
+
+    prompts = [p for _, p in sequences]
+    gen = stream_logits(ckpt, prompts, StreamOptions(max_new_tokens=continuation)).outputs["generated"]
+    full = [p + gen[i].tolist() for i, p in enumerate(prompts)]
+    options = StreamOptions(all_positions=True, top_k=TOP, dump_hidden=hidden_layers)
+    out = stream_logits(ckpt, full, options).outputs
+    data: dict[str, torch.Tensor] = {}
+    described, prompt_logits = [], []
+    for i, ((name, prompt), ids) in enumerate(zip(sequences, full, strict=True)):
+        logits = out["logits"][i, : len(ids)]
+        data |= {f"seq.{i}.{k}": v for k, v in _rows(logits, ids).items()}
+        data[f"seq.{i}.ids"] = torch.tensor(ids)
+        rms = [out[f"hidden.{layer}"][i, : len(ids)].pow(2).mean(-1).sqrt() for layer in hidden_layers]
+        data[f"seq.{i}.hidden_rms"] = torch.stack(rms)
+        if i == 0:
+            data |= {f"hidden.{layer}": out[f"hidden.{layer}"][0, : len(ids)] for layer in hidden_layers}
+        if name.startswith("prompt "):
+            prompt_logits.append(logits[: len(prompt)])
+        described.append({"name": name, "prompt_tokens": len(prompt), "tokens": len(ids)})
+    return data, _logits_file(prompt_logits, sequences), described
+
+
+# ---- writing, reading, verifying ---------------------------------------------------------------------------
+def write_golden(
+    ckpt: Path,
+    out: Path,
+    suite: str = "default",
+    continuation: int = 8,
+    via_stream: bool | None = None,
+    long_tokens: int = 2048,
+) -> dict:
+    """Compute and write a golden pack; returns its manifest. `via_stream` None: in memory below 4 GB."""
+    from k3.config import K3Config
+
+    ckpt, out = Path(ckpt), Path(out)
+    if not (ckpt / "config.json").is_file():
+        raise GoldenError(f"{ckpt}: not a checkpoint folder (no config.json)")
+    cfg = K3Config.from_pretrained(ckpt)
+    tokenizer = Tokenizer.from_source(ckpt)
+    identity = checkpoint_identity(ckpt)
+    if via_stream is None:
+        via_stream = sum(f["bytes"] for f in identity["files"]) > 4 * 10**9
+    n = cfg.num_hidden_layers
+    hidden_layers = tuple(sorted({0, n // 2, n - 1}))
+    sequences = suite_sequences(tokenizer, suite, long_tokens)
+    data, logits, described = compute(ckpt, sequences, continuation, via_stream, hidden_layers)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_save(data, out / "data.safetensors")
+    files = ["data.safetensors"]
+    for name in ("tiktoken.model", "tokenizer_config.json"):  # the pack reads its own token ids back
+        if (ckpt / name).is_file():
+            _atomic_text(out / name, (ckpt / name).read_text())
+            files.append(name)
+    if logits:
+        _atomic_save(logits, out / "logits.safetensors")
+        files.append("logits.safetensors")
+        lines = [json.dumps({"input_ids": ids}) for name, ids in sequences if name.startswith("prompt ")]
+        _atomic_text(out / "prompts.jsonl", "\n".join(lines) + "\n")
+        files.append("prompts.jsonl")
+    manifest = {
+        "format": FORMAT,
+        "k3_version": k3.__version__,
+        "suite": suite,
+        "checkpoint": identity,
+        "dtype": "float32",
+        "expert_format": expert_format(cfg),
+        "computed": "k3 stream" if via_stream else "in memory",
+        "continuation": continuation,
+        "top_k": TOP,
+        "hidden_layers": list(hidden_layers),
+        "kda_every": None if via_stream else KDA_EVERY,
+        "kda_sequence": None
+        if via_stream
+        else max(range(len(sequences)), key=lambda i: len(sequences[i][1])),
+        "tolerances": {"max_dlogprob": THRESHOLDS, "recompute_max_dlogprob": 1e-4},
+        "sequences": described,
+        "data": {name: sha256(out / name) for name in files},
+    }
+    _atomic_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata={"format": FORMAT})
+    os.replace(tmp, path)
+
+
+def _atomic_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_manifest(pack: Path) -> dict:
+    path = Path(pack) / "manifest.json"
+    if not path.is_file():
+        raise GoldenError(f"{pack}: not a golden pack (no manifest.json)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise GoldenError(f"{pack}: format {manifest.get('format')!r}, this k3 reads {FORMAT}")
+    return manifest
+
+
+def read_sequences(pack: Path) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """(ids, top ids [T, 20], top logprobs [T, 20]) of every sequence (for conform's GoldenReference)."""
+    manifest = read_manifest(pack)
+    data = load_file(Path(pack) / "data.safetensors")
+    return [
+        (data[f"seq.{i}.ids"].tolist(), data[f"seq.{i}.top_ids"], data[f"seq.{i}.top_logprobs"])
+        for i in range(len(manifest["sequences"]))
+    ]
+
+
+def verify_golden(pack: Path, ckpt: Path | None = None, sample: int = 2) -> list[str]:
+    """Problems found (empty: the pack is sound): the data files' hashes; the checkpoint's files against
+    the identity (when `ckpt` is given), and `sample` sequences recomputed and held to the tolerance."""
+    pack = Path(pack)
+    manifest = read_manifest(pack)
+    problems = [
+        f"{name}: sha256 differs from the manifest (changed or damaged)"
+        for name, digest in manifest["data"].items()
+        if not (pack / name).is_file() or sha256(pack / name) != digest
+    ]
+    if problems or ckpt is None:
+        return problems
+    have = {f["name"]: f for f in checkpoint_identity(ckpt)["files"]}
+    for f in manifest["checkpoint"]["files"]:
+        if have.get(f["name"], {}).get("sha256") != f["sha256"]:
+            problems.append(f"checkpoint file {f['name']}: not the one the pack was made from")
+    if problems:
+        return problems
+    from k3.model import K3ForCausalLM
+
+    model = K3ForCausalLM.from_pretrained(ckpt)
+    tolerance = manifest["tolerances"]["recompute_max_dlogprob"]
+    for i, (ids, top_ids, top_lp) in enumerate(read_sequences(pack)[:sample]):
+        with torch.no_grad():
+            lp = model(torch.tensor([ids]))[0].double().log_softmax(-1)
+        d = float((lp.gather(1, top_ids) - top_lp.double()).abs().max())
+        if d > tolerance:
+            problems.append(f"sequence {i}: recomputed top-20 logprobs differ by {d:.3g} (> {tolerance:g})")
+    return problems

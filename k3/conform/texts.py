@@ -1,0 +1,101 @@
+"""The fixed material of the scenarios and golden packs: multilingual prompts, chat conversations, long
+documents. Everything is a function of the tokenizer only, so `k3 golden` and `k3 conform` build the same
+token sequences and a golden pack can answer every request a scenario makes.
+
+`chat_ids` is the one place the chat format is encoded: k3's server's own mapping of a chat request onto
+K3's encoder (k3.engine.chat, the release's XTML format), so golden packs and conform follow it.
+"""
+
+from __future__ import annotations
+
+import json
+
+from k3.engine.chat import chat_prompt
+from k3.tokenizer.kimi import Tokenizer
+
+# Real text in several languages and scripts (the Spanish from a published article on Kimi K3).
+PROMPTS = {
+    "es": "La tesis central de Kimi K3 es que el avance en la frontera de la IA requiere escalar dos "
+    "recursos complementarios: la capacidad del modelo antes de su despliegue y el cómputo consumido "
+    "después, durante inferencias largas con razonamiento, herramientas y ejecuciones agentivas.",
+    "en": "The river had been rising for three days, and by the fourth morning the old bridge at the edge of "
+    "the village was no more than a line of wet stones under brown water.",
+    "fr": "Le musée ouvre ses portes à dix heures ; les visiteurs qui arrivent plus tôt peuvent attendre "
+    "dans le jardin, où l'on sert du café et des croissants.",
+    "de": "Die Messung wurde dreimal wiederholt, weil das erste Ergebnis deutlich von den Erwartungen abwich "
+    "und niemand an einen Fehler im Versuchsaufbau glauben wollte.",
+    "zh": "模型并不逐字阅读，而是读取词元，也就是词语的片段。"
+    "每个词元都会完整地穿过模型，从第一层到最后一层。",
+    "ja": "駅から歩いて十分ほどの所に小さな図書館があり、週末になると子どもたちが絵本を読みに集まってくる。",
+    "ru": "Вечером поезд остановился на маленькой станции, и пассажиры вышли на платформу "
+    "подышать свежим воздухом.",
+    "code": "def fibonacci(n: int) -> list[int]:\n    out = [0, 1]\n    while len(out) < n:\n"
+    "        out.append(out[-1] + out[-2])\n    return out[:n]\n",
+}
+
+SYSTEM = "You are a careful assistant. Answer briefly."
+
+# a conversation that grows turn by turn (the assistant's replies fixed, so every turn is reproducible)
+GROWING = [
+    ("¿Qué es una ventana de contexto?", "Es la cantidad de tokens que el modelo puede leer a la vez."),
+    ("And what happens beyond it?", "The engine refuses the request or drops the oldest tokens."),
+    ("Donne un exemple concret.", "Un document de deux cents pages dépasse une petite fenêtre."),
+    ("Summarise the three answers in one line.", None),
+]
+
+TOOL_TURNS = 10
+
+
+def chat_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of a chat request with these messages (defaults otherwise: thinking on, effort max),
+    ending by opening the assistant's turn, as k3's server encodes it."""
+    return chat_prompt(messages).ids(tokenizer, add_generation_prompt=True)
+
+
+def growing_chat() -> list[list[dict]]:
+    """The growing conversation's requests: turn k holds turns 1..k (replies of earlier turns included)."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM}]
+    requests = []
+    for question, answer in GROWING:
+        messages.append({"role": "user", "content": question})
+        requests.append([dict(m) for m in messages])
+        if answer is not None:
+            messages.append({"role": "assistant", "content": answer})
+    return requests
+
+
+def tool_chat() -> list[list[dict]]:
+    """A 10-turn conversation in which turn k extends turn k-1 with a tool call and its result."""
+    messages: list[dict] = [{"role": "system", "content": SYSTEM + " You may call the tool `weather`."}]
+    cities = ["Madrid", "Lima", "Oslo", "Nairobi", "Kyoto", "Quito", "Perth", "Tunis", "Riga", "Hanoi"]
+    requests = []
+    for k, city in enumerate(cities[:TOOL_TURNS]):
+        messages.append({"role": "user", "content": f"What is the weather in {city} today?"})
+        requests.append([dict(m) for m in messages])
+        arguments = json.dumps({"city": city})
+        call = {
+            "id": f"call_{k}",
+            "type": "function",
+            "function": {"name": "weather", "arguments": arguments},
+        }
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        result = json.dumps({"city": city, "celsius": 12 + 2 * k, "sky": "clear"})
+        messages.append({"role": "tool", "tool_call_id": f"call_{k}", "content": result})
+    return requests
+
+
+def prompt_ids(tokenizer: Tokenizer) -> dict[str, list[int]]:
+    return {name: tokenizer.encode(text) for name, text in PROMPTS.items()}
+
+
+def equal_length_prompts(tokenizer: Tokenizer, n: int = 4, cap: int = 48) -> list[list[int]]:
+    """n different prompts cut to one length (engines batch equal-length prompts into one forward)."""
+    prompts = list(prompt_ids(tokenizer).values())[:n]
+    length = min(cap, *(len(p) for p in prompts))
+    return [p[:length] for p in prompts]
+
+
+def long_document(tokenizer: Tokenizer, tokens: int) -> list[int]:
+    """`tokens` ids of real text: the prompts one after another, repeated as needed."""
+    unit = [t for ids in prompt_ids(tokenizer).values() for t in ids]
+    return (unit * (tokens // len(unit) + 1))[:tokens]

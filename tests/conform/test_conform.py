@@ -1,0 +1,89 @@
+"""`k3 conform` against k3's own server (every scenario passes) and against servers built on k3's engine
+with one deliberate break each: exactly the scenarios the break affects fail, and the report names the
+request and the position where the engine first parts from k3."""
+
+from __future__ import annotations
+
+import pytest
+from broken_engines import SharedSlot, WrongBoundaryCache, drop_attn_res_read
+
+from k3.conform.client import EngineClient
+from k3.conform.reference import CheckpointReference
+from k3.conform.report import THRESHOLDS
+from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
+from k3.conform.texts import chat_ids, equal_length_prompts, growing_chat, prompt_ids
+from k3.engine.generate import Engine
+from k3.engine.prefix_cache import PrefixCache
+from k3.engine.server import create_app
+from k3.engine.state_store import checkpoint_identity
+from k3.model import K3ForCausalLM
+from k3.tokenizer.kimi import Tokenizer
+
+ALL = list(SCENARIOS)
+
+
+def conform(serve, checkpoint, engine: Engine, names: list[str], max_tokens: int = 4):
+    tokenizer = Tokenizer.from_source(checkpoint)
+    with serve(create_app(engine, tokenizer, "tiny")) as base:
+        client = EngineClient(f"{base}/v1", tokenizer)
+        reference = CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint))
+        results = run_scenarios(Run(client, reference, THRESHOLDS["exact"], max_tokens), names)
+        client.close()
+    return {r.name: r for r in results}
+
+
+def failing(results) -> set[str]:
+    return {name for name, r in results.items() if not r.passed}
+
+
+@pytest.mark.parametrize("interval", [2048, 64, None])
+def test_k3_serve_passes_every_scenario(serve, checkpoint, interval):
+    """k3's engine as `k3 serve` builds it: with its exact prefix cache (the default interval, 2,048 prompt
+    tokens, and 64) and without (`--no-prefix-cache`)."""
+    model = K3ForCausalLM.from_pretrained(checkpoint)
+    cache = PrefixCache(interval, 2**30, checkpoint_identity(model), None) if interval else None
+    results = conform(serve, checkpoint, Engine(model, prefix_cache=cache), ALL)
+    assert not failing(results), {n: r.notes for n, r in results.items()}
+    assert all(r.skipped is None for r in results.values())
+    assert max(r.max_dlogprob for r in results.values()) < 1e-4  # float rounding only
+    assert all(r.top1 == 1.0 for r in results.values())
+    if interval == 64:
+        assert cache.stats.hits > 0  # the chats did resume from cached states
+
+
+def broken_engine(checkpoint, break_: str) -> Engine:
+    model = K3ForCausalLM.from_pretrained(checkpoint)
+    if break_ == "boundary":
+        return WrongBoundaryCache(model, Tokenizer.from_source(checkpoint).special.end_of_msg)
+    if break_ == "slot":
+        return SharedSlot(model)
+    drop_attn_res_read(model, 3)
+    return Engine(model)
+
+
+FAILS = {
+    "boundary": {"prefix", "tools"},  # the chats, whose later turns restore an earlier turn's state
+    "slot": {"concurrent"},  # only prompts prefilled together share a slot
+    "attn_res": {"prefix", "tools", "concurrent", "cancel", "long", "repeat"},  # every decode step
+}
+
+
+@pytest.mark.parametrize("break_", list(FAILS))
+def test_each_break_fails_exactly_its_scenarios(serve, checkpoint, break_):
+    tokenizer = Tokenizer.from_source(checkpoint)
+    results = conform(serve, checkpoint, broken_engine(checkpoint, break_), ALL)
+    assert failing(results) == FAILS[break_], {n: r.notes for n, r in results.items()}
+    if break_ == "boundary":
+        # turn 1 filled the cache; turn 2 is the first to restore it, and parts at its first generated token
+        parting = results["prefix"].parting
+        assert (parting.request, parting.position) == ("turn 2", len(chat_ids(tokenizer, growing_chat()[1])))
+        assert results["tools"].parting.request == "turn 2"
+    elif break_ == "slot":
+        # the lone requests agree; the first token comes from the (right) prefill, the second is the first
+        # decoded on the shared state
+        parting = results["concurrent"].parting
+        assert parting.request.endswith("(concurrent)")
+        assert parting.position == len(equal_length_prompts(tokenizer)[0]) + 1
+    else:
+        parting = results["repeat"].parting
+        assert (parting.request, parting.position) == ("repeat 1", len(prompt_ids(tokenizer)["en"]) + 1)
