@@ -66,7 +66,7 @@ from k3.distill.teachers import (
 from k3.rl.config import RESUMABLE_CHANGES
 from k3.rl.evaluation import held_out_accuracy
 from k3.rl.policy import pack, token_logprobs
-from k3.rl.rollout import Trajectory, answer_ids, generate
+from k3.rl.rollout import Trajectory, generate
 from k3.tasks.codec import CharCodec
 from k3.tasks.registry import make_task
 from k3.tasks.task import Task
@@ -150,7 +150,7 @@ def _batch(dc: DistillConfig, setup: Setup, it: int) -> tuple[list[Trajectory], 
         for p, problem in enumerate(task.problems(dc.seed, it, dc.prompts)):
             gid = (it * len(setup.tasks) + d) * dc.prompts + p
             for k in range(dc.samples):
-                trajs.append(Trajectory(gid, k, setup.codec.encode(problem.prompt)))
+                trajs.append(Trajectory(gid, k, task.prompt_ids(problem, setup.codec)))
                 problems.append(problem)
                 domain_of.append(name)
     return trajs, problems, domain_of
@@ -162,8 +162,8 @@ def _generate(engines: dict[str, object], setup: Setup, trajs, domain_of, dc: Di
     for name, task in setup.tasks.items():
         mine = [t for t, d in zip(trajs, domain_of, strict=True) if d == name]
         tokens += generate(
-            engines[name], mine, seed=dc.seed, temperature=dc.temperature, stop_id=setup.codec.eos,
-            max_tokens=task.max_tokens,
+            engines[name], mine, seed=dc.seed, temperature=dc.temperature, stop_id=task.stop_id(setup.codec),
+            max_tokens=task.max_tokens, tool=task.tool(setup.codec),
         )  # fmt: skip
     return tokens
 
@@ -181,13 +181,13 @@ def _evaluate(engine, setup: Setup, dc: DistillConfig) -> dict:
     trajs, domain_of, problems = [], [], []
     for d, (name, task) in enumerate(setup.tasks.items()):
         for i, problem in enumerate(task.held_out(dc.seed)[: dc.eval_samples]):
-            trajs.append(Trajectory(EVAL_STREAM - d * 10**6 - i, 0, setup.codec.encode(problem.prompt)))
+            trajs.append(Trajectory(EVAL_STREAM - d * 10**6 - i, 0, task.prompt_ids(problem, setup.codec)))
             domain_of.append(name)
             problems.append(problem)
     _generate(dict.fromkeys(setup.tasks, engine), setup, trajs, domain_of, dc)
     for name, task in setup.tasks.items():
         rows = [i for i, d in enumerate(domain_of) if d == name]
-        texts = [setup.codec.decode(answer_ids(trajs[i], setup.codec.eos)) for i in rows]
+        texts = [task.reply(trajs[i].tokens, trajs[i].env, setup.codec) for i in rows]
         right = task.grade([problems[i] for i in rows], texts)
         row[f"sampled_acc_{name}"] = f"{sum(right) / len(rows):.6f}"
     teacher_of = [setup.domains[d] for d in domain_of]
@@ -216,7 +216,7 @@ def _on_policy(setup: Setup, optimizer, dc: DistillConfig, it: int, trajs, probl
     rewards = torch.zeros(len(trajs))
     for name, task in setup.tasks.items():
         rows = [i for i, d in enumerate(domain_of) if d == name]
-        texts = [codec.decode(answer_ids(trajs[i], codec.eos)) for i in rows]
+        texts = [task.reply(trajs[i].tokens, trajs[i].env, codec) for i in rows]
         rewards[rows] = torch.tensor(task.grade([problems[i] for i in rows], texts))
     behaviour = torch.zeros(len(trajs), max(len(t.tokens) for t in trajs))  # [N, T] as score's rows
     generated = torch.zeros_like(behaviour)
@@ -291,7 +291,7 @@ def _off_policy(
     row = {"loss": repr(sum(losses) / len(losses)), "grad_norm": f"{norm:.6g}"}
     for name, task in setup.tasks.items():
         rows = [i for i, d in enumerate(domain_of) if d == name]
-        texts = [codec.decode(answer_ids(trajs[i], codec.eos)) for i in rows]
+        texts = [task.reply(trajs[i].tokens, trajs[i].env, codec) for i in rows]
         right = task.grade([problems[i] for i in rows], texts)
         row[f"score_{name}"] = f"{sum(right) / len(right):.6f}"  # the teacher's samples
     return row

@@ -12,10 +12,11 @@ iteration by the current weights (the engine is given prompt + tokens so far as 
 tokens carry several versions. A trajectory ends on the task's stop id ("stop"), on the task's token budget
 ("length", a truncation) or when its tail is a loop ("loop", see `loop_length`).
 
-Multi-turn (a `Tool`): a model turn that ends in the tool's call id stops there; the environment's answer
-is appended as token ids (`env` marks them: behaviour log-prob 0, version -1, loss mask 0 in
-k3.rl.policy.pack) and the model's next turn is generated in the same call, from prompt + everything so
-far, up to the tool's `max_calls` calls.
+Multi-turn (a `Tool`): every model turn ends on the stop id; the tool reads the turn and, if it called
+the tool, answers with token ids that are appended (the tool's results and the opening of the model's next
+turn; `env` marks them: behaviour log-prob 0, version -1, loss mask 0 in k3.rl.policy.pack) and the
+model's next turn is generated in the same call, from prompt + everything so far, up to the tool's
+`max_calls` answered turns; a turn that called nothing ends the trajectory ("stop").
 
 Draws are keyed by (run seed, group, sample, position) (`SamplingParams.seed_position`): a rerun of an
 iteration draws the same tokens, and a trajectory continued over several segments draws at each position
@@ -134,10 +135,14 @@ def generate(
 
 
 def _answer_tool(t: Trajectory, tool: Tool | None, max_tokens: int) -> bool:
-    """If t's turn ended in a tool call, append the tool's answer (env tokens) and reopen t."""
+    """If t's turn called the tool, append the tool's answer (env tokens) and reopen t."""
     if tool is None or t.finish_reason != "call":
         return False
-    ids = tool.respond(list(t.tokens))
+    start = max((i + 1 for i, e in enumerate(t.env) if e), default=0)  # the turn: after the last env id
+    ids = tool.respond(t.tokens[start:])
+    if ids is None:  # no call: the answer is finished
+        t.finish_reason = "stop"
+        return False
     if len(t.tokens) + len(ids) >= max_tokens:  # no room for another turn: cut here, the reply unfed
         t.finish_reason = "length"
         return False
@@ -157,12 +162,11 @@ def _turn(
     params = []
     for t in todo:
         room = max_tokens - len(t.tokens)
-        calls = tool is not None and t.tool_calls < tool.max_calls
         params.append(
             SamplingParams(
                 temperature=temperature,
                 max_tokens=room if budget is None else min(room, budget),
-                stop_ids=frozenset({stop_id, tool.call_id} if calls else {stop_id}),
+                stop_ids=frozenset({stop_id}),
                 seed=trajectory_seed(seed, t.group, t.sample),
                 seed_position=len(t.tokens),  # position-keyed: a continuation draws as one generation would
             )
@@ -177,8 +181,8 @@ def _turn(
             t.env += [False] * len(c.tokens)
         t.experts = c.experts
         generated += len(c.tokens)
-        if c.finish_reason == "stop" and tool is not None and c.tokens[-1] == tool.call_id:
-            t.finish_reason = "call"  # (for _answer_tool: reopened or ended at once)
+        if c.finish_reason == "stop" and tool is not None and t.tool_calls < tool.max_calls:
+            t.finish_reason = "call"  # (for _answer_tool: answered and reopened, or ended as "stop")
         elif c.finish_reason == "stop":
             t.finish_reason = "stop"
         elif loop_length(t.tokens, loop_repeats):
@@ -186,8 +190,3 @@ def _turn(
         elif len(t.tokens) >= max_tokens or c.finish_reason != "length" or not c.tokens:
             t.finish_reason = "length"  # the task's budget (or the model's context) is used up
     return generated
-
-
-def answer_ids(t: Trajectory, stop_id: int) -> list[int]:
-    """The generated ids without the stop id."""
-    return t.tokens[:-1] if t.finish_reason == "stop" and t.tokens and t.tokens[-1] == stop_id else t.tokens

@@ -43,7 +43,7 @@ from k3.rl.config import RESUMABLE_CHANGES, RLConfig, RLError  # (trainer's name
 from k3.rl.evaluation import held_out_accuracy
 from k3.rl.losses import grpo_loss, k2_loss, kl_estimate, rest_loss, shape_rewards
 from k3.rl.policy import check_consistency, forward_logprobs, pack
-from k3.rl.rollout import Trajectory, answer_ids, generate
+from k3.rl.rollout import Trajectory, generate
 from k3.tasks.codec import CharCodec
 from k3.tasks.registry import make_task
 from k3.tasks.task import Problem, Task
@@ -214,13 +214,13 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
             for p, problem in enumerate(task.problems(rc.seed, it, max(0, rc.prompts - waiting))):
                 gid = it * rc.prompts + p
                 problems[gid] = problem
-                pool += [Trajectory(gid, k, codec.encode(problem.prompt)) for k in range(rc.samples)]
+                pool += [Trajectory(gid, k, task.prompt_ids(problem, codec)) for k in range(rc.samples)]
             gen_tokens = generate(
                 engine,
                 pool,
                 seed=rc.seed,
                 temperature=rc.temperature,
-                stop_id=codec.eos,
+                stop_id=task.stop_id(codec),
                 max_tokens=task.max_tokens,
                 budget=rc.partial_budget or None,
                 loop_repeats=rc.loop_repeats,
@@ -269,7 +269,7 @@ def _train_on(
 ) -> dict:
     """Grade, check consistency, update; the log row's figures."""
     trajs = [t for g in groups for t in g]
-    texts = [codec.decode(answer_ids(t, codec.eos)) for t in trajs]
+    texts = [task.reply(t.tokens, t.env, codec) for t in trajs]
     scores = torch.tensor(task.grade([problems[t.group] for t in trajs], texts), dtype=torch.float64)
     lengths = torch.tensor([len(t.tokens) for t in trajs])
     truncated = torch.tensor([t.finish_reason != "stop" for t in trajs])

@@ -22,8 +22,11 @@ class Mixture(Task):
     parts: tuple[Task, ...] = field(default=())
 
     def __post_init__(self) -> None:
-        if len(self.parts) < 2 or any(p.name == "code" for p in self.parts):
-            raise TaskError("a mixture takes two or more tasks, none of them code")
+        if len(self.parts) < 2 or any(p.name in ("code", "calculator") for p in self.parts):
+            raise TaskError(
+                "a mixture takes two or more tasks, none of them code or calculator (whose prompts are in "
+                "K3's chat format)"
+            )
         self.name = "+".join(p.name for p in self.parts)
         self.max_tokens = max(p.max_tokens for p in self.parts)
 

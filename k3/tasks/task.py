@@ -7,9 +7,11 @@ reward in [0, 1], and holds out a fixed set of problems that training never draw
     problems = task.problems(seed=0, iteration=3, count=16)      # never one of task.held_out(seed=0)
     rewards = task.grade(problems, ["579", "12"])                 # 1.0 right, 0.0 wrong
 
-Prompts and answers are ASCII text (k3.tasks.codec turns them into ids); `max_tokens` is the task's token
-budget for an answer (its end-of-answer id included). Graders are pure functions of (problem, response),
-except the code task's, which runs the program in a sandbox (k3.tasks.code_task).
+Prompts and answers are ASCII text; a task turns a prompt into ids (`prompt_ids`), names the id that ends a
+model turn (`stop_id`) and reads the graded text back from the generated ids (`reply`): by default the
+character codec's (k3.tasks.codec), the calculator task K3's chat format (k3.tasks.tool_task). `max_tokens`
+is the task's token budget for an answer (its end-of-answer id included). Graders are pure functions of
+(problem, response), except the code task's, which runs the program in a sandbox (k3.tasks.code_task).
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ class Task(ABC):
         None: single-turn."""
         return None
 
+    def prompt_ids(self, problem: Problem, codec) -> list[int]:
+        """The ids the model is prompted with: the prompt's characters (k3.tasks.codec) by default."""
+        return codec.encode(problem.prompt)
+
+    def stop_id(self, codec) -> int:
+        """The id that ends a model turn (an answer, or a turn that calls the tool)."""
+        return codec.eos
+
+    def reply(self, tokens: list[int], env: list[bool], codec) -> str:
+        """The text graded, from the generated ids (`env`: per id, written by the tool; empty: none was):
+        by default the ids decoded (the stop id is no character)."""
+        return codec.decode(tokens)
+
     def problems(self, seed: int, iteration: int, count: int) -> list[Problem]:
         """Training problems of one iteration: a pure function of (seed, iteration), none held out."""
         rng = np.random.default_rng([seed, iteration])
@@ -99,9 +114,10 @@ def operands(digits: int, rng: np.random.Generator) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Tool:
-    """An environment the model calls mid-answer: generating `call_id` ends its turn, and
-    `respond(tokens so far)` gives the ids inserted before its next turn (at most `max_calls` times)."""
+    """An environment the model calls between its turns. A model turn ends on the task's stop id;
+    `respond(turn)` (the ids of that turn, stop id included) gives the ids appended before the model's next
+    turn (the tool's results and the opening of that turn), or None when the turn called no tool (the
+    answer is finished); at most `max_calls` turns per answer are answered."""
 
-    call_id: int
-    respond: Callable[[list[int]], list[int]]
+    respond: Callable[[list[int]], list[int] | None]
     max_calls: int = 1

@@ -2,7 +2,7 @@
 
 The engine's log-probs of the model's own tokens (each turn conditioned on the tool's tokens before it)
 equal the trainer's teacher-forced forward; the logits that predict tool tokens get exactly zero
-gradient from the loss; the calculator task's tool and grader on planted values; the task in the loop."""
+gradient from the loss; the calculator task in the loop (its chat format: tests/rl/test_tool_chat.py)."""
 
 import copy
 
@@ -15,10 +15,7 @@ from k3.rl.losses import k2_loss
 from k3.rl.policy import check_consistency, pack, token_logprobs
 from k3.rl.rollout import Trajectory, generate
 from k3.rl.trainer import RLConfig, train_rl
-from k3.tasks.codec import CharCodec
-from k3.tasks.registry import make_task
-from k3.tasks.task import Problem, Tool
-from k3.tasks.tool_task import calculate
+from k3.tasks.task import Tool
 
 REPLY = [50, 51, 52]
 T = 0.05  # nearly greedy: every sample's first token is the call id chosen below
@@ -30,14 +27,14 @@ def _rollouts():
     first = Engine(copy.deepcopy(model)).generate([prompts[0]], _greedy())[0][0]
     seen: list[list[int]] = []
 
-    def respond(ids: list[int]) -> list[int]:
-        seen.append(ids)
+    def respond(turn: list[int]) -> list[int]:
+        seen.append(turn)
         return REPLY
 
     trajs = [Trajectory(group=i, sample=s, prompt=p) for i, p in enumerate(prompts) for s in range(2)]
-    tool = Tool(call_id=first, respond=respond)
+    tool = Tool(respond=respond)  # every turn ends on `first` (the stop id), the first one is answered
     generate(
-        Engine(copy.deepcopy(model)), trajs, seed=0, temperature=T, stop_id=769, max_tokens=10, tool=tool
+        Engine(copy.deepcopy(model)), trajs, seed=0, temperature=T, stop_id=first, max_tokens=10, tool=tool
     )
     return model, trajs, first, seen
 
@@ -96,23 +93,6 @@ def test_tool_tokens_get_zero_gradient():
             elif g.abs().max() > 0:
                 model_rows += 1
     assert env_rows >= 3 and model_rows > 0
-
-
-def test_calculator_tool_and_grader():
-    assert (
-        calculate("347*29?") == "=10063;" and calculate("x;12+30?") == "=42;" and calculate("9-") == "=error;"
-    )
-    task = make_task("calculator", digits=3)
-    p = Problem("347*29=", "10063")
-    assert task.grade([p] * 4, ["347*29?=10063;10063", "10063", "347*29?=10063;10064", "=10063;"]) == [
-        1.0,
-        1.0,
-        0.0,
-        0.0,
-    ]
-    codec = CharCodec(1024)
-    tool = task.tool(codec)
-    assert codec.decode(tool.respond(codec.encode("12*3?"))) == "=36;" and tool.call_id == ord("?")
 
 
 def test_calculator_task_in_the_loop(tmp_path):
