@@ -47,7 +47,7 @@ def ptx_batch(
     """(inputs, labels) [B, L] of optimizer step `step`; labels IGNORE where no loss is taken. `text`:
     `ptx_text`'s ids, or None for the task's reference answers."""
     if text is None:
-        return sft_batch(task.problems(rc.seed, PTX_STREAM + step, rc.ptx_batch), codec)
+        return sft_batch(task.problems(rc.seed, PTX_STREAM + step, rc.ptx_batch), codec, task=task)
     rng = np.random.default_rng([rc.seed, PTX_STREAM + step])
     starts = rng.integers(0, len(text) - PTX_WINDOW, size=rc.ptx_batch)
     rows = torch.tensor([text[s : s + PTX_WINDOW + 1] for s in starts])  # [B, W + 1]

@@ -28,7 +28,7 @@ from k3.tasks.codec import CharCodec
 from k3.tasks.effort import plant_pad_noise
 from k3.tasks.exact_match import Arithmetic
 from k3.tasks.registry import make_task
-from k3.tasks.task import Problem, TaskError
+from k3.tasks.task import Problem, Task, TaskError
 
 IGNORE = -100
 WRONG_CARRY_STREAM = 2**31 - 2  # the random stream of the planted errors (beside k3.tasks.task's streams)
@@ -78,10 +78,16 @@ def plant_wrong_carry(
     return out
 
 
-def sft_batch(problems, codec: CharCodec, skip=None) -> tuple[torch.Tensor, torch.Tensor]:
+def sft_batch(
+    problems, codec: CharCodec, skip=None, task: Task | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, labels) [B, L]: prompt + answer + EOS shifted by one; labels only on answer and EOS, but
-    not on answer character `skip[b]` of problem b where given (a planted digit: k3.tasks.effort)."""
-    seqs = [(codec.encode(p.prompt), codec.encode(p.answer) + [codec.eos]) for p in problems]
+    not on answer character `skip[b]` of problem b where given (a planted digit: k3.tasks.effort). With a
+    `task`, its own prompt and reference ids (the calculator's: K3's chat format, k3.tasks.tool_task)."""
+    if task is None:
+        seqs = [(codec.encode(p.prompt), codec.encode(p.answer) + [codec.eos]) for p in problems]
+    else:
+        seqs = [(task.prompt_ids(p, codec), task.reference_ids(p, codec)) for p in problems]
     L = max(len(q) + len(a) for q, a in seqs) - 1
     inputs = torch.zeros(len(seqs), L, dtype=torch.long)
     labels = torch.full((len(seqs), L), IGNORE, dtype=torch.long)
@@ -134,7 +140,7 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
             if sc.pad_noise:
                 rng = np.random.default_rng([sc.seed, step, PAD_NOISE_STREAM])
                 problems, skip = plant_pad_noise(problems, sc.pad_noise, rng, task.effort == "fix")
-            inputs, labels = sft_batch(problems, codec, skip)
+            inputs, labels = sft_batch(problems, codec, skip, task)
             logits = model(inputs)
             loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE)
             loss.backward()

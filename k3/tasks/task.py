@@ -81,6 +81,10 @@ class Task(ABC):
         """The ids the model is prompted with: the prompt's characters (k3.tasks.codec) by default."""
         return codec.encode(problem.prompt)
 
+    def reference_ids(self, problem: Problem, codec) -> list[int]:
+        """The reference answer as the model writes it, stop id included (what `k3 rl sft` trains on)."""
+        return codec.encode(problem.answer) + [codec.eos]
+
     def stop_id(self, codec) -> int:
         """The id that ends a model turn (an answer, or a turn that calls the tool)."""
         return codec.eos

@@ -111,6 +111,15 @@ class Calculator(Task):
         messages = [{"role": "user", "content": problem.prompt}]
         return encode_chat(codec.tokenizer, messages, TOOLS, **self._options())
 
+    def reference_ids(self, problem: Problem, codec: CharCodec) -> list[int]:
+        """The reference as the model writes it: a direct answer (no call), to the end of its turn."""
+        messages = [
+            {"role": "user", "content": problem.prompt},
+            {"role": "assistant", "content": problem.answer},
+        ]
+        whole = encode_chat(codec.tokenizer, messages, TOOLS, add_generation_prompt=False, **self._options())
+        return whole[len(self.prompt_ids(problem, codec)) :]  # (the generation prompt opens that message)
+
     def stop_id(self, codec: CharCodec) -> int:
         return codec.tokenizer.special.end_of_msg
 

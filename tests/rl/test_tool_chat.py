@@ -145,6 +145,21 @@ def test_a_direct_answer_ends_the_rollout(release) -> None:
     assert t.prompt + t.tokens == whole and task.reply(t.tokens, t.env, codec) == "10063"
 
 
+def test_the_sft_reference_is_the_release_answer(release) -> None:
+    """`k3 rl sft` (and PTX) on the calculator: the prompt, then a direct answer as the release writes it;
+    labels on exactly the answer's ids."""
+    from k3.rl.sft import IGNORE, sft_batch
+
+    codec = CharCodec(VOCAB)
+    task = make_task("calculator", digits=3)
+    messages = [{"role": "user", "content": PROBLEM.prompt}, {"role": "assistant", "content": "10063"}]
+    prompt, turns, whole, _ = script(release, messages, {"thinking": True, "thinking_effort": EFFORT})
+    assert task.reference_ids(PROBLEM, codec) == turns[tuple(prompt)]
+    inputs, labels = sft_batch([PROBLEM], codec, task=task)
+    assert inputs[0].tolist() == whole[:-1]
+    assert [x for x in labels[0].tolist() if x != IGNORE] == turns[tuple(prompt)]
+
+
 def test_the_calculator_itself() -> None:
     from k3.chat.parser import ToolCall
     from k3.tasks.tool_task import calculate, result
