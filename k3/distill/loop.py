@@ -80,7 +80,7 @@ EVAL_STREAM = -1  # group ids of the evaluation samples are negative (training g
 
 def make_tasks(dc: DistillConfig, domains: list[str]) -> dict[str, Task]:
     def one(name: str) -> Task:
-        options = {"digits": dc.digits} if name.startswith("arithmetic") else {}
+        options = {"digits": dc.digits} if name.startswith(("arithmetic", "calculator")) else {}
         return make_task(name, held_out_size=dc.held_out, **options)
 
     return {name: one(name) for name in domains}

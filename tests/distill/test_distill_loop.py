@@ -140,6 +140,36 @@ def test_sigkill_resume_gives_identical_logs_export_and_plot(tmp_path, policies)
     assert _rows(tmp_path / "again")[1]["rkl_e"]
 
 
+def test_a_calculator_domain_is_distilled_in_the_chat_format(tmp_path, policies, monkeypatch):
+    """The calculator domain's samples are the task's chat-format rollouts (its prompts, its stop id
+    `<|end_of_msg|>`, its tool), and a teacher equal to the student scores them with reverse KL 0."""
+    import k3.distill.loop
+    from k3.tasks.codec import CharCodec
+    from k3.tasks.registry import make_task
+
+    calls = []
+    real = k3.distill.loop.generate
+
+    def spy(engine, trajs, **kw):
+        calls.append(([list(t.prompt) for t in trajs], kw["stop_id"], kw["tool"]))
+        return real(engine, trajs, **kw)
+
+    monkeypatch.setattr(k3.distill.loop, "generate", spy)
+    p0 = str(policies[0])
+    dc = DistillConfig(student=p0, teachers=[f"c={p0}:calculator"], out=str(tmp_path / "run"), iterations=1,
+                       **{**SMALL, "held_out": 2, "eval_samples": 1})  # fmt: skip
+    train_distill(dc)
+    row = _rows(tmp_path / "run")[1]
+    assert float(row["rkl_c"]) == 0.0 and row["acc_calculator"]
+    task, codec = make_task("calculator", digits=1, held_out_size=2), CharCodec(1024)
+    want = {tuple(task.prompt_ids(p, codec)) for i in range(2) for p in task.problems(dc.seed, i, 1)}
+    want |= {tuple(task.prompt_ids(p, codec)) for p in task.held_out(dc.seed)}
+    assert calls and all(
+        stop == codec.tokenizer.special.end_of_msg and tool is not None for _, stop, tool in calls
+    )
+    assert {tuple(p) for prompts, _, _ in calls for p in prompts} <= want
+
+
 def test_off_policy_generalist_counts_teacher_tokens(tmp_path, policies):
     dc = DistillConfig(
         student=str(policies[0]),
