@@ -33,7 +33,10 @@ def rl(
         str, _option("Start from: a preset, a published checkpoint or a policy folder.")
     ] = D.init,
     task: Annotated[
-        str, _option("arithmetic, sort, recall, code (graded in a sandbox) or calculator (a tool turn).")
+        str,
+        _option(
+            "arithmetic, sort, recall, code (graded in a sandbox) or calculator (tool calls, chat format)."
+        ),
     ] = D.task,
     out: Annotated[str, _option("Run folder; an existing run there is resumed.")] = D.out,
     iterations: Annotated[int, _option("RL iterations (one policy version each).")] = D.iterations,

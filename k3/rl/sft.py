@@ -2,7 +2,8 @@
 competent (RL needs some initial success to learn from).
 
 Each step trains on `batch_size` problems of the task (the training stream, never the held-out set):
-`prompt answer [EOS]` as character ids, the loss on the answer and EOS only. The result is a policy
+`prompt answer [EOS]` as character ids (the calculator: its chat-format prompt and a direct answer to the
+end of the turn, k3.tasks.tool_task), the loss on the answer and EOS only. The result is a policy
 folder (`RUN/policy/`: config.json + policy.safetensors) that `k3 rl --init RUN/policy` starts from, and
 RUN/log.csv (step, loss, lr, eval_acc) that `k3 train plot RUN` draws; each evaluation also keeps the
 policy of that step (`RUN/policy-000150/`), to pick a base of the competence wanted.
@@ -109,7 +110,8 @@ def sft(sc: SFTConfig, on_step=None) -> Path:
 
     if sc.threads:
         torch.set_num_threads(sc.threads)
-    options = {"digits": sc.digits} if "arithmetic" in sc.task else {}  # also at an effort, mixed
+    digits = "arithmetic" in sc.task or sc.task == "calculator"  # arithmetic also at an effort, mixed
+    options = {"digits": sc.digits} if digits else {}
     task = make_task(sc.task, held_out_size=sc.held_out, **options)
     if sc.wrong_carry and not isinstance(task, Arithmetic):
         raise TaskError(f"--wrong-carry needs the plain arithmetic task, not {sc.task!r}")
