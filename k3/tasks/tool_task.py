@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from k3.chat.encoder import chat_segments, encode_chat, render_chat, segment_ids
+from k3.chat.encoder import chat_segments, encode_chat, segment_ids
 from k3.chat.parser import ToolCall, parse_reply
 from k3.tasks.codec import CharCodec
 from k3.tasks.task import Problem, Task, TaskError, Tool, operands
@@ -86,8 +86,8 @@ class Calculator(Task):
         return {"thinking": self.thinking, "thinking_effort": EFFORT if self.thinking else None}
 
     def _budget(self) -> int:
-        """A bound on the ids of a call, its result and the answer with the largest operands: their bytes
-        as the encoder renders them (a byte-level BPE never writes more ids than bytes), plus 8."""
+        """A bound on the ids of a call, its result and the answer with the largest operands, for any
+        byte-level BPE: one id per marker, at most one per byte of every other segment, plus 8."""
         a = 10**self.digits - 1
         history = [{"role": "user", "content": f"{a}*{a}="}]
         call = {
@@ -99,9 +99,9 @@ class Calculator(Task):
             {"role": "tool", "tool_call_id": call["id"], "content": str(a * a)},
             {"role": "assistant", "content": str(a * a)},
         ]
-        prompt = render_chat(history[:1], TOOLS, **self._options())
-        full = render_chat(history, TOOLS, add_generation_prompt=False, **self._options())
-        return len(full.encode()) - len(prompt.encode()) + 8
+        prompt = chat_segments(history[:1], TOOLS, **self._options())
+        full = chat_segments(history, TOOLS, add_generation_prompt=False, **self._options())
+        return sum(1 if s.special else len(s.text.encode()) for s in full[len(prompt) :]) + 8
 
     def sample(self, rng: np.random.Generator) -> Problem:
         a, b = operands(self.digits, rng)

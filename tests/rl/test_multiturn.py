@@ -97,6 +97,6 @@ def test_tool_tokens_get_zero_gradient():
 
 def test_calculator_task_in_the_loop(tmp_path):
     rc = RLConfig(task="calculator", digits=1, out=str(tmp_path / "run"), iterations=1, prompts=2, samples=2,
-                  minibatches=1, held_out=4, eval_every=1, threads=1, lr=0.0)  # fmt: skip
+                  minibatches=1, held_out=1, eval_every=1, threads=1, lr=0.0)  # fmt: skip
     rows = (train_rl(rc) / "log.csv").read_text().splitlines()
     assert len(rows) == 3 and rows[2].startswith("1,")

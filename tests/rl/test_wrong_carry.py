@@ -58,7 +58,9 @@ def test_sft_trains_on_the_planted_answers(monkeypatch, tmp_path):
     monkeypatch.setattr(
         k3.rl.sft,
         "sft_batch",
-        lambda problems, codec, skip=None: seen.append(problems) or real(problems, codec, skip),
+        lambda problems, codec, skip=None, task=None: (
+            seen.append(problems) or real(problems, codec, skip, task)
+        ),
     )
     sc = SFTConfig(
         out=str(tmp_path), steps=2, batch_size=64, digits=2, held_out=3, eval_every=9, wrong_carry=1.0
