@@ -15,12 +15,15 @@
 //     tile_n * tile_k floats per thread, independent of the matrix size. Parallel over n-tiles.
 //
 // The SIMD code is AVX2 + FMA, compiled per function with __attribute__((target)) so that the module
-// itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called.
+// itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called. The
+// small-M path also has an AVX-512 variant (_native_rows512.h, bit for bit the AVX2 results), taken where
+// the CPU has AVX-512 F/BW/DQ/VL/VBMI; `gemv_variant()` names the one in use.
 
 #include <torch/extension.h>
 
 #include "_native_common.h"
 #include "_native_rows.h"
+#include "_native_rows512.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 
@@ -70,11 +74,27 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
               "inconsistent shapes: x ", x.sizes(), ", packed ", packed.sizes(), ", scale ", scale.sizes());
 }
 
-// Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W.
-torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+// "avx512" where the CPU has what _native_rows512.h needs, else "avx2".
+std::string gemv_variant() { return mxfp4_rows512::cpu_supported() ? "avx512" : "avx2"; }
+
+// Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W. Each output
+// is computed by one thread in a fixed order, so results do not depend on the number of threads; both
+// variants give the same bits. `variant`: "auto" (gemv_variant()), "avx2" or "avx512".
+torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const std::string& variant) {
+  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
+              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
+  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
+  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
+  std::vector<float> paired;  // [M, K]: x in the AVX-512 kernels' pair-of-blocks order
+  if (wide) {
+    paired.resize(M * K);
+    for (int64_t r = 0; r < M; ++r) mxfp4_rows512::pair_layout(xp + r * K, K, paired.data() + r * K);
+    xp = paired.data();
+  }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -82,12 +102,13 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
   at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
     if (M == 1) {
-      gemv_one_row(xp, pp, sp, K, op, n_begin, n_end);
+      (wide ? mxfp4_rows512::gemv_one_row : gemv_one_row)(xp, pp, sp, K, op, n_begin, n_end);
       return;
     }
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
-      kGemvRows[rows](xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
+      const GemvRowsFn rows_fn = wide ? mxfp4_rows512::kGemvRows[rows] : kGemvRows[rows];
+      rows_fn(xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
     }
   });
   return out;
@@ -124,9 +145,9 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
 }
 
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                     int64_t gemv_max_m, int64_t tile_n, int64_t tile_k) {
+                     int64_t gemv_max_m, int64_t tile_n, int64_t tile_k, const std::string& variant) {
   check_inputs(x, packed, scale);
-  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale);
+  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale, variant);
   return matmul_tiled(x, packed, scale, tile_n, tile_k);
 }
 
@@ -278,7 +299,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA) and the atlas scan's byte histograms";
   m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
-        py::arg("tile_k"));
+        py::arg("tile_k"), py::arg("variant") = "auto");
+  m.def("gemv_variant", &gemv_variant, "the small-M kernels in use: 'avx512' or 'avx2'");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
         py::arg("data"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,

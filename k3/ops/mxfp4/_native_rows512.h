@@ -1,0 +1,173 @@
+// AVX-512 versions of the small-M MXFP4 GEMVs of _native_rows.h, bit for bit the same results.
+//
+// The AVX2 kernels run every block of 32 codes as four 8-lane groups: g = 0..3 holds elements 8g..8g+7.
+// Here one 16-lane register holds group g of two consecutive blocks, b (lanes 0-7) and b+1 (lanes 8-15),
+// so every lane performs exactly the operations, in the same order, that its AVX2 lane performs:
+//   * M = 1 (gemv_one_row): AVX2 accumulates even blocks into acc_even and odd ones into acc_odd; here
+//     lanes 0-7 are acc_even and lanes 8-15 acc_odd (a pair starts at an even block);
+//   * M <= 8 (gemv_rows): AVX2 adds each block's partial sum into one accumulator, block after block;
+//     here the pair's two partial sums are computed in one register, then added in block order.
+// x is read in the same pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
+// pair p of blocks, group g, lanes [x[64p + 8g .. +8) | x[64p + 32 + 8g .. +8)]. An odd last block runs
+// the AVX2 code. Decoding a pair: the 32 packed bytes and their high nibbles form 64 nibble bytes, one
+// byte permutation (AVX-512 VBMI) puts element 8g+i of block b+h at byte 16g + 8h + i, and each 16 bytes
+// are widened to 16 lane indices into a 16-float table of the E2M1 codes times two (+0 for code 8, as the
+// AVX2 integer path gives).
+#pragma once
+
+#include "_native_rows.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mxfp4_rows512 {
+
+using mxfp4_rows::kBlock;
+using mxfp4_rows::kBlockBytes;
+using mxfp4_rows::kHalfScale;
+using mxfp4_rows::kMaxRows;
+
+#define K3_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi");
+}
+
+// E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
+alignas(64) constexpr float kCodeTimesTwoF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Byte 16g + 8h + i of the result takes nibble byte (element 8g + i of block b + h): element e of block
+// b + h is in byte e/2 of that block, low nibble (bytes 0-31 of the nibble vector) for even e, high
+// nibble (bytes 32-63) for odd e.
+struct PairPermutation {
+  alignas(64) uint8_t index[64];
+  constexpr PairPermutation() : index() {
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 8; ++i) {
+          const int e = 8 * g + i;
+          index[16 * g + 8 * h + i] = static_cast<uint8_t>((e % 2) * 32 + 16 * h + e / 2);
+        }
+  }
+};
+inline constexpr PairPermutation kPairPermutation;
+
+// xp[64p + 16g + 8h + i] = x[64p + 32h + 8g + i] for the blocks_even = 2 * (K/64) leading blocks; the
+// rest (one odd block) is copied as is.
+inline void pair_layout(const float* x, int64_t K, float* xp) {
+  const int64_t pairs = K / (2 * kBlock);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 8; ++i) xp[64 * p + 16 * g + 8 * h + i] = x[64 * p + 32 * h + 8 * g + i];
+  for (int64_t k = pairs * 2 * kBlock; k < K; ++k) xp[k] = x[k];
+}
+
+// The 64 codes of blocks b, b+1 (32 packed bytes) as four 16-lane groups of "code times two" floats.
+K3_AVX512 inline void decode_pair(const uint8_t* bytes, __m512 w[4]) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+  const __m512i nibbles = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+  const __m512i placed =
+      _mm512_permutexvar_epi8(_mm512_load_si512(reinterpret_cast<const void*>(kPairPermutation.index)), nibbles);
+  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
+  w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(placed)), table);
+  w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 1)), table);
+  w[2] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 2)), table);
+  w[3] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 3)), table);
+}
+
+// [half_scale(block b) x 8 | half_scale(block b+1) x 8]
+K3_AVX512 inline __m512 pair_scale(const uint8_t* row_scale, int64_t b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[row_scale[b]]),
+                            _mm256_set1_ps(kHalfScale.value[row_scale[b + 1]]), 1);
+}
+
+// mxfp4_rows::gemv_one_row, x given in pair layout (xp).
+K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                                   float* out, int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock, paired = blocks - blocks % 2;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m512 acc = _mm512_setzero_ps();  // lanes 0-7: acc_even, 8-15: acc_odd
+    for (int64_t b = 0; b < paired; b += 2) {
+      __m512 w[4];
+      decode_pair(row_bytes + b * kBlockBytes, w);
+      const float* xb = xp + b * kBlock;
+      __m512 left = _mm512_mul_ps(w[0], _mm512_loadu_ps(xb));
+      __m512 right = _mm512_mul_ps(w[1], _mm512_loadu_ps(xb + 16));
+      left = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(xb + 32), left);
+      right = _mm512_fmadd_ps(w[3], _mm512_loadu_ps(xb + 48), right);
+      acc = _mm512_fmadd_ps(pair_scale(row_scale, b), _mm512_add_ps(left, right), acc);
+    }
+    __m256 acc_even = _mm512_castps512_ps256(acc);
+    const __m256 acc_odd = _mm512_extractf32x8_ps(acc, 1);
+    if (paired < blocks) {  // the last block, even-numbered: as the AVX2 kernel runs it
+      __m256 w[4];
+      mxfp4_rows::decode_block(row_bytes + paired * kBlockBytes, w);
+      const float* xb = xp + paired * kBlock;
+      __m256 left = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      __m256 right = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+      left = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), left);
+      right = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), right);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[paired]]);
+      acc_even = _mm256_fmadd_ps(s, _mm256_add_ps(left, right), acc_even);
+    }
+    out[n] = mxfp4_rows::horizontal_sum(_mm256_add_ps(acc_even, acc_odd));
+  }
+}
+
+// mxfp4_rows::gemv_rows<ROWS>, x given in pair layout (row stride K).
+template <int ROWS>
+K3_AVX512 void gemv_rows(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K, int64_t N,
+                         float* out, int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock, paired = blocks - blocks % 2;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < paired; b += 2) {
+      __m512 w[4];
+      decode_pair(row_bytes + b * kBlockBytes, w);
+      const __m512 s = pair_scale(row_scale, b);
+      for (int i = 0; i < 4; ++i) w[i] = _mm512_mul_ps(w[i], s);
+      const float* xb = xp + b * kBlock;
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xr = xb + r * K;
+        __m512 partial = _mm512_mul_ps(w[0], _mm512_loadu_ps(xr));
+        for (int i = 1; i < 4; ++i) partial = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xr + 16 * i), partial);
+        acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(partial));     // block b
+        acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(partial, 1));  // then block b+1
+      }
+    }
+    if (paired < blocks) {
+      __m256 w[4];
+      mxfp4_rows::decode_block(row_bytes + paired * kBlockBytes, w);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[paired]]);
+      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
+      const float* xb = xp + paired * kBlock;
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xr = xb + r * K;
+        __m256 partial = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
+        for (int i = 1; i < 4; ++i) partial = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), partial);
+        acc[r] = _mm256_add_ps(acc[r], partial);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) out[r * N + n] = mxfp4_rows::horizontal_sum(acc[r]);
+  }
+}
+
+using GemvRowsFn = mxfp4_rows::GemvRowsFn;
+constexpr GemvRowsFn kGemvRows[kMaxRows + 1] = {nullptr,       gemv_rows<1>, gemv_rows<2>,
+                                                 gemv_rows<3>, gemv_rows<4>, gemv_rows<5>,
+                                                 gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
+
+#undef K3_AVX512
+
+}  // namespace mxfp4_rows512
