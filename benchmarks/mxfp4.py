@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from k3.ops.mxfp4 import dequantize_mxfp4, mxfp4_matmul, native_available
+from k3.ops.mxfp4.matmul import NATIVE_GEMV_MAX_M, NATIVE_TILE_K, NATIVE_TILE_N
 from k3.ops.mxfp4.native import load_native
 from k3.ops.roofline import machine_line, references, references_line
 
@@ -60,6 +61,18 @@ def median_ms(
 
 def matmul_native(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return mxfp4_matmul(x, *packed_scale, backend="native")
+
+
+def matmul_native_avx2(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The native kernels with the AVX2 GEMV forced (the same bits as the AVX-512 one: its baseline)."""
+    return load_native().matmul(
+        x,
+        *packed_scale,
+        gemv_max_m=NATIVE_GEMV_MAX_M,
+        tile_n=NATIVE_TILE_N,
+        tile_k=NATIVE_TILE_K,
+        variant="avx2",
+    )
 
 
 def matmul_torch(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -109,6 +122,8 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
             methods: dict[str, tuple[Callable[..., torch.Tensor], list, int]] = {}
             if native_available():
                 methods["mxfp4 native"] = (matmul_native, packed_scales, mxfp4_bytes)
+                if m <= NATIVE_GEMV_MAX_M:  # above it both run the tiled path
+                    methods["mxfp4 avx2"] = (matmul_native_avx2, packed_scales, mxfp4_bytes)
             methods["mxfp4 torch"] = (matmul_torch, packed_scales[:2], mxfp4_bytes)
             methods["dense bf16"] = (linear_bf16, dense_bf16, n * k * 2)
             methods["dense fp32"] = (linear_fp32, dense_fp32, n * k * 4)
@@ -172,8 +187,8 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["mxfp4 native", "mxfp4 torch", "dense bf16", "dense fp32"],
-        help="which of: 'mxfp4 native' 'mxfp4 torch' 'dense bf16' 'dense fp32'",
+        default=["mxfp4 native", "mxfp4 avx2", "mxfp4 torch", "dense bf16", "dense fp32"],
+        help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
     )
     args = parser.parse_args()
     native = load_native()

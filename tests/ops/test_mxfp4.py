@@ -286,6 +286,28 @@ def test_native_gemv_variants_and_thread_counts_give_the_same_bits():
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
+@pytest.mark.parametrize("act", [0, 1])
+def test_native_experts_one_token_variants_give_the_same_bits(act):
+    """One token's routed experts (one-row GEMVs) with the AVX-512 and the AVX2 GEMV: the same bits.
+    L = 96 is 3 blocks (w1 and w3 end on an unpaired block), m = 64 is 2."""
+    native = load_native()
+    k, L, m = 3, 96, 64
+    packed, scale = [], []
+    for i in range(3 * k):
+        rows, cols = (L, m) if i % 3 == 2 else (m, L)
+        p, s = random_pairs(rows, cols, seed=100 + i, scale_low=118, scale_high=130)
+        packed.append(p)
+        scale.append(s)
+    z = torch.randn(1, L, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(k, generator=torch.Generator().manual_seed(2))
+    outs = [
+        native.experts_one_token(z, packed, scale, weights, act, 3.0, 5.0, variant=v)
+        for v in (["avx2", "avx512"] if native.gemv_variant() == "avx512" else ["avx2"])
+    ]
+    assert outs[0].abs().max() > 0 and all(same_bits(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_tiled_path_runs_under_inference_mode():
     """The tiled path's worker threads update an inference tensor: they must run in inference mode too."""
     n, k, m = 300, 4192, 257  # m above the GEMV limit: the tiled path, split across threads

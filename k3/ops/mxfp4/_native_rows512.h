@@ -1,13 +1,12 @@
-// AVX-512 versions of the small-M MXFP4 GEMVs of _native_rows.h, bit for bit the same results.
+// An AVX-512 version of the one-row (M = 1, decode) MXFP4 GEMV of _native_rows.h: bit for bit its results.
 //
 // The AVX2 kernels run every block of 32 codes as four 8-lane groups: g = 0..3 holds elements 8g..8g+7.
 // Here one 16-lane register holds group g of two consecutive blocks, b (lanes 0-7) and b+1 (lanes 8-15),
-// so every lane performs exactly the operations, in the same order, that its AVX2 lane performs:
-//   * M = 1 (gemv_one_row): AVX2 accumulates even blocks into acc_even and odd ones into acc_odd; here
-//     lanes 0-7 are acc_even and lanes 8-15 acc_odd (a pair starts at an even block);
-//   * M <= 8 (gemv_rows): AVX2 adds each block's partial sum into one accumulator, block after block;
-//     here the pair's two partial sums are computed in one register, then added in block order.
-// x is read in the same pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
+// so every lane performs exactly the operations, in the same order, that its AVX2 lane performs: AVX2
+// accumulates even blocks into acc_even and odd ones into acc_odd; here lanes 0-7 are acc_even and lanes
+// 8-15 acc_odd (a pair starts at an even block). (The M > 1 kernels gained nothing from 16 lanes here,
+// neither for the products nor for the decoding alone: measured, then left out; they stay AVX2.)
+// x is read in the pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
 // pair p of blocks, group g, lanes [x[64p + 8g .. +8) | x[64p + 32 + 8g .. +8)]. An odd last block runs
 // the AVX2 code. Decoding a pair: the 32 packed bytes and their high nibbles form 64 nibble bytes, one
 // byte permutation (AVX-512 VBMI) puts element 8g+i of block b+h at byte 16g + 8h + i, and each 16 bytes
@@ -26,7 +25,6 @@ namespace mxfp4_rows512 {
 using mxfp4_rows::kBlock;
 using mxfp4_rows::kBlockBytes;
 using mxfp4_rows::kHalfScale;
-using mxfp4_rows::kMaxRows;
 
 #define K3_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
 
@@ -121,52 +119,6 @@ K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const
     out[n] = mxfp4_rows::horizontal_sum(_mm256_add_ps(acc_even, acc_odd));
   }
 }
-
-// mxfp4_rows::gemv_rows<ROWS>, x given in pair layout (row stride K).
-template <int ROWS>
-K3_AVX512 void gemv_rows(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K, int64_t N,
-                         float* out, int64_t n_begin, int64_t n_end) {
-  const int64_t blocks = K / kBlock, paired = blocks - blocks % 2;
-  for (int64_t n = n_begin; n < n_end; ++n) {
-    const uint8_t* row_bytes = packed + n * (K / 2);
-    const uint8_t* row_scale = scale + n * blocks;
-    __m256 acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < paired; b += 2) {
-      __m512 w[4];
-      decode_pair(row_bytes + b * kBlockBytes, w);
-      const __m512 s = pair_scale(row_scale, b);
-      for (int i = 0; i < 4; ++i) w[i] = _mm512_mul_ps(w[i], s);
-      const float* xb = xp + b * kBlock;
-      for (int r = 0; r < ROWS; ++r) {
-        const float* xr = xb + r * K;
-        __m512 partial = _mm512_mul_ps(w[0], _mm512_loadu_ps(xr));
-        for (int i = 1; i < 4; ++i) partial = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xr + 16 * i), partial);
-        acc[r] = _mm256_add_ps(acc[r], _mm512_castps512_ps256(partial));     // block b
-        acc[r] = _mm256_add_ps(acc[r], _mm512_extractf32x8_ps(partial, 1));  // then block b+1
-      }
-    }
-    if (paired < blocks) {
-      __m256 w[4];
-      mxfp4_rows::decode_block(row_bytes + paired * kBlockBytes, w);
-      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[paired]]);
-      for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(w[i], s);
-      const float* xb = xp + paired * kBlock;
-      for (int r = 0; r < ROWS; ++r) {
-        const float* xr = xb + r * K;
-        __m256 partial = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-        for (int i = 1; i < 4; ++i) partial = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xr + 8 * i), partial);
-        acc[r] = _mm256_add_ps(acc[r], partial);
-      }
-    }
-    for (int r = 0; r < ROWS; ++r) out[r * N + n] = mxfp4_rows::horizontal_sum(acc[r]);
-  }
-}
-
-using GemvRowsFn = mxfp4_rows::GemvRowsFn;
-constexpr GemvRowsFn kGemvRows[kMaxRows + 1] = {nullptr,       gemv_rows<1>, gemv_rows<2>,
-                                                 gemv_rows<3>, gemv_rows<4>, gemv_rows<5>,
-                                                 gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
 
 #undef K3_AVX512
 
