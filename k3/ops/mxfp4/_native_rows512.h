@@ -8,10 +8,10 @@
 // neither for the products nor for the decoding alone: measured, then left out; they stay AVX2.)
 // x is read in the pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
 // pair p of blocks, group g, lanes [x[64p + 8g .. +8) | x[64p + 32 + 8g .. +8)]. An odd last block runs
-// the AVX2 code. Decoding a pair: the 32 packed bytes and their high nibbles form 64 nibble bytes, one
-// byte permutation (AVX-512 VBMI) puts element 8g+i of block b+h at byte 16g + 8h + i, and each 16 bytes
-// are widened to 16 lane indices into a 16-float table of the E2M1 codes times two (+0 for code 8, as the
-// AVX2 integer path gives).
+// the AVX2 code. Decoding a pair: the 32 packed bytes and the same shifted right by 4 hold every code in
+// some byte's low 4 bits; per group, one byte permutation (AVX-512 VBMI) brings element 8g+i of block b+h
+// into lane 8h+i, and a lookup (vpermps) in a 16-float table of the E2M1 codes times two (+0 for code 8,
+// as the AVX2 integer path gives) turns it into its value.
 #pragma once
 
 #include "_native_rows.h"
@@ -38,17 +38,18 @@ inline bool cpu_supported() {
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
 alignas(64) constexpr float kCodeTimesTwoF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// Byte 16g + 8h + i of the result takes nibble byte (element 8g + i of block b + h): element e of block
-// b + h is in byte e/2 of that block, low nibble (bytes 0-31 of the nibble vector) for even e, high
-// nibble (bytes 32-63) for odd e.
+// Group g's byte permutation: lane 8h + i (its low byte, 4 (8h + i)) takes the byte whose low 4 bits are
+// the code of element e = 8g + i of block b + h: byte e/2 of that block, from the packed bytes (bytes 0-31
+// of the source) for even e, from the packed bytes shifted right by 4 (bytes 32-63) for odd e. The other
+// bytes of a lane are don't-cares: vpermps reads only an index's low 4 bits.
 struct PairPermutation {
-  alignas(64) uint8_t index[64];
+  alignas(64) uint8_t index[4][64];
   constexpr PairPermutation() : index() {
     for (int g = 0; g < 4; ++g)
       for (int h = 0; h < 2; ++h)
         for (int i = 0; i < 8; ++i) {
           const int e = 8 * g + i;
-          index[16 * g + 8 * h + i] = static_cast<uint8_t>((e % 2) * 32 + 16 * h + e / 2);
+          index[g][4 * (8 * h + i)] = static_cast<uint8_t>((e % 2) * 32 + 16 * h + e / 2);
         }
   }
 };
@@ -65,18 +66,16 @@ inline void pair_layout(const float* x, int64_t K, float* xp) {
   for (int64_t k = pairs * 2 * kBlock; k < K; ++k) xp[k] = x[k];
 }
 
-// The 64 codes of blocks b, b+1 (32 packed bytes) as four 16-lane groups of "code times two" floats.
+// The 64 codes of blocks b, b+1 (32 packed bytes) as four 16-lane groups of "code times two" floats:
+// one byte permutation and one 16-entry table lookup per group.
 K3_AVX512 inline void decode_pair(const uint8_t* bytes, __m512 w[4]) {
   const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
   const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
-  const __m512i nibbles = _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
-  const __m512i placed =
-      _mm512_permutexvar_epi8(_mm512_load_si512(reinterpret_cast<const void*>(kPairPermutation.index)), nibbles);
   const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
-  w[0] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_castsi512_si128(placed)), table);
-  w[1] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 1)), table);
-  w[2] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 2)), table);
-  w[3] = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(placed, 3)), table);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i order = _mm512_load_si512(reinterpret_cast<const void*>(kPairPermutation.index[g]));
+    w[g] = _mm512_permutexvar_ps(_mm512_permutexvar_epi8(order, both), table);
+  }
 }
 
 // [half_scale(block b) x 8 | half_scale(block b+1) x 8]
