@@ -178,6 +178,9 @@ def main() -> None:
     for H in args.heads:
         for T in args.lengths:
             bench_one_length(args, T, H, gemm)
+    # on a shared machine the reference moves too: measured again, a share above reads against the best
+    again = references(args.repeats)["gemm_flop_per_s"] / 1e9
+    print(f"fp32 GEMM measured again after the prefill rows: {again:.1f} GFLOP/s (before: {gemm:.1f})")
     H = args.heads[0]
     print(f"\ndecode: recurrent_kda_step, one token per call, B=1 H={H} K=V={K}")
     for context in args.decode_contexts:

@@ -197,6 +197,8 @@ def main() -> None:
     checks: list[tuple[str, bool]] = []
     for threads in args.threads or [torch.get_num_threads()]:
         bench_threads(args, threads, checks)
+    print("\n(CPU ms: process CPU time per call; at 2 threads it did not count both threads' time for the")
+    print(" native kernels here, so read it at 1 thread only)")
     print("\ntargets:")
     for description, ok in checks:
         print(f"  [{'ok' if ok else 'MISSED'}] {description}")
