@@ -68,14 +68,17 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
 
 
 def kernel_variant(module) -> str | None:
-    """The SIMD code a native module runs here: "avx512" where its small-M MXFP4 rows take their AVX-512
-    variant (MXFP4 and decode modules, a CPU with AVX-512 F/BW/DQ/VL/VBMI), else "avx2"; None without it."""
+    """The SIMD code a native module runs here: "avx512" where its one-row MXFP4 GEMV takes its AVX-512
+    variant (the MXFP4 module, a CPU with AVX-512 F/BW/DQ/VL/VBMI), else "avx2"; None without it."""
     if module is None:
         return None
     return module.gemv_variant() if hasattr(module, "gemv_variant") else "avx2"
 
 
-VARIANT_TEXT = {"avx512": "AVX-512 for the MXFP4 rows (small M), AVX2 + FMA elsewhere", "avx2": "AVX2 + FMA"}
+VARIANT_TEXT = {
+    "avx512": "AVX-512 for the one-row MXFP4 GEMV (M = 1), AVX2 + FMA elsewhere",
+    "avx2": "AVX2 + FMA",
+}
 
 
 def diagnose() -> dict:

@@ -30,7 +30,7 @@ def test_doctor_reports_the_kernels_in_use():
         status = native_status(ext)
         assert kernel["name"] == ext.name
         assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
-        # KDA has AVX2 kernels only; MXFP4 and decode say which MXFP4 row kernels they picked
+        # KDA and decode have AVX2 kernels only; MXFP4 says which one-row GEMV it picked
         assert kernel["variant"] == (
             None if not status.in_use else getattr(status.module, "gemv_variant", lambda: "avx2")()
         )
