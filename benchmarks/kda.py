@@ -1,9 +1,14 @@
 """Benchmark the KDA ops: k3's chunk_kda against transformers' chunk fallback and the per-token loop.
 
 One run, same inputs for everyone: B=1, H=8, K=V=128, fp32, K3's bounded gate, L2-normalised q/k.
-For each T it prints time, tokens/s, achieved GFLOP/s and its share of this machine's fp32 GEMM
-throughput (a 2048^3 torch.mm measured in the same run), the speed-up over transformers, and
-forward+backward time. Then the decode step: time per token after contexts of 1k and 64k tokens
+For each T and H it prints time, tokens/s, achieved GFLOP/s and its share of this machine's fp32 GEMM
+rate (a 2048^3 torch.mm measured in the same run, k3.ops.roofline, beside the CPU, its SIMD features,
+threads, load and streaming read bandwidth), the speed-up over transformers, and forward+backward time
+with its ratio to the forward.
+
+Two FLOP counts: fla's chunk count, 6 T d^2 + 3 T C d + T C^2 per head with C = 64 whatever chunk k3
+runs (issue 40's target 4: >= 70 % of GEMM at T = 4096, H = 8 and H = 96, d = 128), and k3's own count of
+what its chunks compute: Then the decode step: time per token after contexts of 1k and 64k tokens
 (the state is [B, H, K, V] whatever the context, so the time must not grow).
 
 FLOPs counted for chunk_kda, per token and head, with base chunks of s = 16 tokens merged up to
@@ -13,7 +18,7 @@ triangular inverses and every elementwise op are not):
     merges   c (3 K + V) for each level c = s, 2s, ..., C / 2
     loop     [q Gamma; W] S 4 K V, S <- Gamma_C S + K_hat^T u 2 K V
     output   o = q Gamma S + P u 2 C V
-    (C = s = 16, K = V = 128: 118,784; C = 64: 155,648)
+    (C = s = 16, K = V = 128: 118,784; C = 64: 155,648; fla's count at C = 64: 126,976)
 With the native kernels built (`make native`) chunk_kda runs the fused forward and backward of
 k3/ops/kda/fused.py here (K3's gate, chunk 16); without them, the torch path (autograd through the
 parallel parts, the hand-written adjoint loop of StatePassing). The same FLOPs are counted for both.
@@ -23,8 +28,8 @@ The forward's kept states are large fresh buffers (twice the inputs), so how the
 them matters: ``--train-allocator`` times everything with freed memory kept in the process, as
 ``k3 train`` runs.
 
-Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--skip-peer-above 4096]
-[--train-allocator]``.
+Run: ``.venv/bin/python benchmarks/kda.py [--lengths 1024 4096 16384] [--heads 8 96]
+[--skip-peer-above 4096] [--train-allocator]``.
 Timings on a shared machine are noisy: each figure is the best of ``--repeats`` runs.
 """
 
@@ -38,6 +43,7 @@ from collections.abc import Callable
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
+from k3.ops.roofline import machine_line, references, references_line
 from k3.train.allocator import keep_freed_memory
 
 
@@ -52,9 +58,9 @@ def best_time(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> f
     return min(times)
 
 
-def gemm_gflops(repeats: int) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
+def fla_chunk_flops(T: int, H: int, d: int, C: int = 64) -> float:
+    """fla's count for the chunked forward: 6 T d^2 + 3 T C d + T C^2 per head (d = K = V, chunk C)."""
+    return H * (6 * T * d * d + 3 * T * C * d + T * C * C)
 
 
 def chunk_kda_flops(T: int, H: int, K: int, V: int, chunk_size: int, base: int = 16) -> float:
@@ -86,24 +92,25 @@ def transformers_chunk():
     return chunk_kimi_delta_attention
 
 
-def bench_one_length(args: argparse.Namespace, T: int, gemm: float) -> None:
-    H, K, V, C = args.heads, args.head_dim, args.head_dim, args.chunk_size
+def bench_one_length(args: argparse.Namespace, T: int, H: int, gemm: float) -> None:
+    K, V, C = args.head_dim, args.head_dim, args.chunk_size
     q, k, v, g, beta = make_inputs(T, H, K, V)
     t_k3 = best_time(lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), args.repeats)
     rate = chunk_kda_flops(T, H, K, V, C) / t_k3 / 1e9
-    peer = transformers_chunk() if T <= args.skip_peer_above else None
+    fla_rate = fla_chunk_flops(T, H, K) / t_k3 / 1e9
+    peer = transformers_chunk() if T <= args.skip_peer_above and H <= args.skip_peer_heads_above else None
     t_peer = None
     if peer is not None:
         run_peer = lambda: peer(q, k, v, g=g, beta=beta, chunk_size=64, use_qk_l2norm_in_kernel=True)  # noqa: E731
         t_peer = best_time(run_peer, repeats=1, warm_up=False)
     speedup = f"{t_peer / t_k3:8.1f}x" if t_peer else f"{'-':>9}"
-    share = f"{100 * rate / gemm:6.1f}%"
-    print(f"{T:>6} {'k3 chunk_kda':<14} {t_k3:9.4f} {T / t_k3:10.0f} {rate:8.1f} {share} {speedup}")
+    shares = f"{fla_rate:8.1f} {100 * fla_rate / gemm:6.1f}% {rate:8.1f} {100 * rate / gemm:6.1f}%"
+    print(f"{T:>6} {H:>3} {'k3 chunk_kda':<14} {t_k3:9.4f} {T / t_k3:10.0f} {shares} {speedup}")
     if t_peer:
-        print(f"{T:>6} {'transformers':<14} {t_peer:9.4f} {T / t_peer:10.0f}")
-    if T <= args.naive_max:
+        print(f"{T:>6} {H:>3} {'transformers':<14} {t_peer:9.4f} {T / t_peer:10.0f}")
+    if T <= args.naive_max and H <= args.skip_peer_heads_above:
         t_naive = best_time(lambda: naive_recurrent_kda(q, k, v, g, beta, use_qk_l2norm=True), 1, False)
-        print(f"{T:>6} {'naive loop':<14} {t_naive:9.4f} {T / t_naive:10.0f}")
+        print(f"{T:>6} {H:>3} {'naive loop':<14} {t_naive:9.4f} {T / t_naive:10.0f}")
     if T <= args.backward_max:
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
         weight = torch.randn(1, T, H, V)
@@ -114,11 +121,12 @@ def bench_one_length(args: argparse.Namespace, T: int, gemm: float) -> None:
 
         for keep_states, name in [(True, "fwd+bwd"), (False, "  recomputing")]:
             t_fb = best_time(functools.partial(forward_backward, keep_states), max(1, args.repeats // 2))
-            print(f"{T:>6} {name:<14} {t_fb:9.4f} {T / t_fb:10.0f} {'':>8} {'':>7} {t_fb / t_k3:7.2f}x fwd")
+            blank = f"{'':>33}"
+            print(f"{T:>6} {H:>3} {name:<14} {t_fb:9.4f} {T / t_fb:10.0f} {blank} {t_fb / t_k3:7.2f}x fwd")
 
 
 def bench_decode_after(args: argparse.Namespace, context: int) -> None:
-    H, K, V = args.heads, args.head_dim, args.head_dim
+    H, K, V = args.heads[0], args.head_dim, args.head_dim
     q, k, v, g, beta = make_inputs(context + args.decode_tokens, H, K, V, seed=1)
     prefix = (x[:, :context] for x in (q, k, v, g, beta))
     _, state = chunk_kda(*prefix, use_qk_l2norm=True, output_final_state=True)
@@ -138,11 +146,12 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--heads", type=int, nargs="+", default=[8, 96], help="heads H (K3 has 96)")
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--chunk-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-peer-above", type=int, default=4096, help="skip transformers above this T")
+    parser.add_argument("--skip-peer-heads-above", type=int, default=8, help="and above this H")
     parser.add_argument("--naive-max", type=int, default=1024, help="run the per-token loop up to this T")
     parser.add_argument("--backward-max", type=int, default=16384, help="time forward+backward up to this T")
     parser.add_argument("--decode-contexts", type=int, nargs="+", default=[1024, 65536])
@@ -159,13 +168,20 @@ def main() -> None:
     if args.train_allocator:
         print(f"glibc keeps freed memory (as in k3 train): {keep_freed_memory()}")
 
-    gemm = gemm_gflops(args.repeats)
-    print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s ({torch.get_num_threads()} threads)")
-    H, K, C = args.heads, args.head_dim, args.chunk_size
-    print(f"\nprefill: B=1 H={H} K=V={K} fp32, chunk_size={C}, threads={torch.get_num_threads()}")
-    print(f"{'T':>6} {'impl':<14} {'time s':>9} {'tok/s':>10} {'GFLOP/s':>8} {'% GEMM':>7} {'speed-up':>9}")
-    for T in args.lengths:
-        bench_one_length(args, T, gemm)
+    refs = references(args.repeats)
+    gemm = refs["gemm_flop_per_s"] / 1e9
+    print(f"{machine_line()}\n{references_line(refs)}")
+    K, C = args.head_dim, args.chunk_size
+    print(f"\nprefill: B=1 K=V={K} fp32, chunk_size={C}; GFLOP/s by fla's count (C = 64), then by k3's own")
+    columns = f"{'fla GF/s':>8} {'% GEMM':>7} {'own GF/s':>8} {'% GEMM':>7}"
+    print(f"{'T':>6} {'H':>3} {'impl':<14} {'time s':>9} {'tok/s':>10} {columns} {'speed-up':>9}")
+    for H in args.heads:
+        for T in args.lengths:
+            bench_one_length(args, T, H, gemm)
+    # on a shared machine the reference moves too: measured again, a share above reads against the best
+    again = references(args.repeats)["gemm_flop_per_s"] / 1e9
+    print(f"fp32 GEMM measured again after the prefill rows: {again:.1f} GFLOP/s (before: {gemm:.1f})")
+    H = args.heads[0]
     print(f"\ndecode: recurrent_kda_step, one token per call, B=1 H={H} K=V={K}")
     for context in args.decode_contexts:
         bench_decode_after(args, context)

@@ -2,7 +2,8 @@
 
 :func:`diagnose` returns it as a dict (``k3 doctor --json`` prints it); ``k3 doctor`` prints it as text.
 CPU features are detected at run time: from /proc/cpuinfo's flags and, where a native module loaded, from
-the compiler's ``__builtin_cpu_supports`` inside it (the check the kernels themselves rely on).
+the compiler's ``__builtin_cpu_supports`` inside it (the check the kernels themselves rely on); each
+native kernel says which SIMD variant it runs here (AVX-512 or AVX2).
 """
 
 from __future__ import annotations
@@ -66,6 +67,20 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
     return {"model": model or platform.processor() or platform.machine(), "features": features}
 
 
+def kernel_variant(module) -> str | None:
+    """The SIMD code a native module runs here: "avx512" where its one-row MXFP4 GEMV takes its AVX-512
+    variant (the MXFP4 module, a CPU with AVX-512 F/BW/DQ/VL/VBMI), else "avx2"; None without it."""
+    if module is None:
+        return None
+    return module.gemv_variant() if hasattr(module, "gemv_variant") else "avx2"
+
+
+VARIANT_TEXT = {
+    "avx512": "AVX-512 for the one-row MXFP4 GEMV (M = 1), AVX2 + FMA elsewhere",
+    "avx2": "AVX2 + FMA",
+}
+
+
 def diagnose() -> dict:
     """Everything `k3 doctor` reports, as plain data."""
     import k3
@@ -80,6 +95,7 @@ def diagnose() -> dict:
                 "name": extension.name,
                 "serves": serves,
                 "in_use": "native" if status.in_use else "torch fallback",
+                "variant": kernel_variant(status.module),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -152,4 +168,6 @@ def render(report: dict) -> str:
     for k in report["kernels"]:
         why = f"; {k['reason']}; instead: {k['fallback']}" if k["reason"] else f" ({k['path']})"
         lines.append(f"  {k['name']}: {k['in_use']}{why}\n    serves {k['serves']}")
+        if k["variant"]:
+            lines.append(f"    runs {VARIANT_TEXT[k['variant']]}")
     return "\n".join(lines)

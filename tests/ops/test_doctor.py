@@ -30,11 +30,23 @@ def test_doctor_reports_the_kernels_in_use():
         status = native_status(ext)
         assert kernel["name"] == ext.name
         assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
+        # KDA and decode have AVX2 kernels only; MXFP4 says which one-row GEMV it picked
+        assert kernel["variant"] == (
+            None if not status.in_use else getattr(status.module, "gemv_variant", lambda: "avx2")()
+        )
+    assert report["kernels"][1]["variant"] in (None, "avx2")
+    mxfp4 = report["kernels"][0]
+    if mxfp4["variant"] is not None:  # AVX-512 only where the CPU has it
+        cpu = report["cpu"]["features"]
+        assert (mxfp4["variant"] == "avx512") <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512vl"])
     assert report["torch"]["threads"] >= 1 and report["cpu"]["logical_cpus"] >= 1
     if report["cpu"]["features_native"] is not None:  # two run-time detections of the same CPU agree
         assert report["cpu"]["features_native"] == report["cpu"]["features"]
     text = CliRunner().invoke(app, ["doctor"]).output
     assert "k3.ops.kda._native:" in text and "torch 2." in text and "CPU features" in text
+    if mxfp4["variant"] is not None:
+        assert ("runs AVX2 + FMA" in text) == (report["kernels"][1]["variant"] == "avx2")  # KDA
+        assert ("runs AVX-512" in text) == (mxfp4["variant"] == "avx512")
 
 
 def test_doctor_says_why_a_kernel_is_not_in_use():

@@ -252,6 +252,62 @@ def test_native_paths_with_small_tiles(m):
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_gemv_variants_and_thread_counts_give_the_same_bits():
+    """The AVX-512 GEMVs run every lane's operations in the AVX2 order: same bits, at any thread count.
+    Odd block counts (7, 131) exercise the AVX2 tail; -0 inputs, subnormal, huge and NaN scales planted.
+    (The default path, AVX-512 where the CPU has it, is checked against float64 products above.)"""
+    native = load_native()
+    variants = ["avx2", "avx512"] if native.gemv_variant() == "avx512" else ["avx2"]
+    threads = torch.get_num_threads()
+    for n, k in [(70, 224), (33, 4192), (40, 3584)]:
+        packed, scale = random_pairs(n, k, seed=k, scale_low=90, scale_high=160)
+        scale[0, 3], scale[1], scale[2, 1] = 255, 0, 254  # NaN; 2^-127 (subnormal products); 2^127
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            x *= 2.0 ** torch.randint(-8, 8, (k,), generator=torch.Generator().manual_seed(-m))
+            x[:, ::7] = -0.0
+            outs = []
+            for variant in variants:
+                for t in sorted({1, max(2, threads)}):
+                    torch.set_num_threads(t)
+                    try:
+                        outs.append(
+                            native.matmul(
+                                x, packed, scale, gemv_max_m=9, tile_n=32, tile_k=96, variant=variant
+                            )
+                        )
+                    finally:
+                        torch.set_num_threads(threads)
+            assert all(same_bits(out, outs[0]) for out in outs[1:]), (n, k, m)
+            assert outs[0][:, 0].isnan().all() and outs[0][:, 3:].isfinite().all()
+            assert (outs[0][:, 1].abs() < 1e-30).all() and (outs[0][:, 1] != 0).any()
+    with pytest.raises(RuntimeError, match="variant"):
+        native.matmul(x, packed, scale, gemv_max_m=9, tile_n=32, tile_k=96, variant="sse")
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
+@pytest.mark.parametrize("act", [0, 1])
+def test_native_experts_one_token_variants_give_the_same_bits(act):
+    """One token's routed experts (one-row GEMVs) with the AVX-512 and the AVX2 GEMV: the same bits.
+    L = 96 is 3 blocks (w1 and w3 end on an unpaired block), m = 64 is 2."""
+    native = load_native()
+    k, L, m = 3, 96, 64
+    packed, scale = [], []
+    for i in range(3 * k):
+        rows, cols = (L, m) if i % 3 == 2 else (m, L)
+        p, s = random_pairs(rows, cols, seed=100 + i, scale_low=118, scale_high=130)
+        packed.append(p)
+        scale.append(s)
+    z = torch.randn(1, L, generator=torch.Generator().manual_seed(1))
+    weights = torch.rand(k, generator=torch.Generator().manual_seed(2))
+    outs = [
+        native.experts_one_token(z, packed, scale, weights, act, 3.0, 5.0, variant=v)
+        for v in (["avx2", "avx512"] if native.gemv_variant() == "avx512" else ["avx2"])
+    ]
+    assert outs[0].abs().max() > 0 and all(same_bits(out, outs[0]) for out in outs[1:])
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_tiled_path_runs_under_inference_mode():
     """The tiled path's worker threads update an inference tensor: they must run in inference mode too."""
     n, k, m = 300, 4192, 257  # m above the GEMV limit: the tiled path, split across threads

@@ -15,12 +15,15 @@
 //     tile_n * tile_k floats per thread, independent of the matrix size. Parallel over n-tiles.
 //
 // The SIMD code is AVX2 + FMA, compiled per function with __attribute__((target)) so that the module
-// itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called.
+// itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called. The
+// M = 1 GEMV also has an AVX-512 variant (_native_rows512.h, bit for bit the AVX2 results), taken where
+// the CPU has AVX-512 F/BW/DQ/VL/VBMI; `gemv_variant()` names the one in use.
 
 #include <torch/extension.h>
 
 #include "_native_common.h"
 #include "_native_rows.h"
+#include "_native_rows512.h"
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -29,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <string>
 #include <vector>
 
 
@@ -70,11 +74,29 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
               "inconsistent shapes: x ", x.sizes(), ", packed ", packed.sizes(), ", scale ", scale.sizes());
 }
 
-// Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W.
-torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+// The M = 1 GEMV in use: "avx512" where the CPU has what _native_rows512.h needs, else "avx2".
+std::string gemv_variant() { return mxfp4_rows512::cpu_supported() ? "avx512" : "avx2"; }
+
+// Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W. Each output
+// is computed by one thread in a fixed order, so results do not depend on the number of threads; both M = 1
+// variants give the same bits. `variant`: "auto" (gemv_variant()), "avx2" or "avx512".
+torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                          const std::string& variant) {
+  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
+              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
+  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
+  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
+  // M = 1: x in the AVX-512 kernel's pair-of-blocks order; torch's allocator aligns it to 64 bytes, so (K
+  // being a multiple of 32) no 64-byte load of it straddles two cache lines
+  torch::Tensor paired;
+  if (wide && M == 1) {
+    paired = torch::empty({K}, x.options());
+    mxfp4_rows512::pair_layout(xp, K, paired.data_ptr<float>());
+    xp = paired.data_ptr<float>();
+  }
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -82,7 +104,7 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
   at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
     if (M == 1) {
-      gemv_one_row(xp, pp, sp, K, op, n_begin, n_end);
+      (wide ? mxfp4_rows512::gemv_one_row : gemv_one_row)(xp, pp, sp, K, op, n_begin, n_end);
       return;
     }
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
@@ -124,9 +146,9 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
 }
 
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
-                     int64_t gemv_max_m, int64_t tile_n, int64_t tile_k) {
+                     int64_t gemv_max_m, int64_t tile_n, int64_t tile_k, const std::string& variant) {
   check_inputs(x, packed, scale);
-  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale);
+  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale, variant);
   return matmul_tiled(x, packed, scale, tile_n, tile_k);
 }
 
@@ -228,7 +250,11 @@ torch::Tensor run_experts(const torch::Tensor& z, int64_t k, int64_t m, const Ge
 // MXFP4 experts: w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32].
 torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& packed,
                                 const std::vector<torch::Tensor>& scale, const torch::Tensor& weights,
-                                int64_t act, double beta, double linear_beta) {
+                                int64_t act, double beta, double linear_beta, const std::string& variant) {
+  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
+              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
+  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
+  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
   const int64_t k = static_cast<int64_t>(packed.size()) / 3;
   TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
               "packed and scale: (w1, w3, w2) of each expert, in expert order");
@@ -247,7 +273,12 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
   }
   auto gemv = [&](int64_t j, int matrix, const float* x, float* out) {
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
-    gemv_one_row(x, packed[i].data_ptr<uint8_t>(), scale[i].data_ptr<uint8_t>(), cols, out, 0, rows);
+    const uint8_t* pp = packed[i].data_ptr<uint8_t>();
+    const uint8_t* sp = scale[i].data_ptr<uint8_t>();
+    if (!wide) return gemv_one_row(x, pp, sp, cols, out, 0, rows);
+    torch::Tensor paired = torch::empty({cols}, z.options());  // x in pair order, 64-byte aligned
+    mxfp4_rows512::pair_layout(x, cols, paired.data_ptr<float>());
+    mxfp4_rows512::gemv_one_row(paired.data_ptr<float>(), pp, sp, cols, out, 0, rows);
   };
   return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);
 }
@@ -278,7 +309,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA) and the atlas scan's byte histograms";
   m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
-        py::arg("tile_k"));
+        py::arg("tile_k"), py::arg("variant") = "auto");
+  m.def("gemv_variant", &gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
         py::arg("data"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,
@@ -287,7 +319,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts_one_token", &experts_one_token,
         "sum_j weight_j W2_j act(W1_j z, W3_j z) over one token's MXFP4 experts ((w1, w3, w2) per expert)",
         py::arg("z"), py::arg("packed"), py::arg("scale"), py::arg("weights"), py::arg("act"), py::arg("beta"),
-        py::arg("linear_beta"));
+        py::arg("linear_beta"), py::arg("variant") = "auto");
   m.def("experts_one_token_dense", &experts_one_token_dense,
         "the same for plain float32 experts", py::arg("z"), py::arg("dense"), py::arg("weights"),
         py::arg("act"), py::arg("beta"), py::arg("linear_beta"));

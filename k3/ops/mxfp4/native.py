@@ -13,7 +13,9 @@ from types import ModuleType
 from k3.ops.extension import NativeExtension, native_status
 
 HERE = Path(__file__).resolve().parent
-MXFP4_EXTENSION = NativeExtension("k3.ops.mxfp4._native", HERE / "_native.cpp", (HERE / "_native_rows.h",))
+MXFP4_EXTENSION = NativeExtension(
+    "k3.ops.mxfp4._native", HERE / "_native.cpp", (HERE / "_native_rows.h", HERE / "_native_rows512.h")
+)
 
 
 @functools.cache

@@ -1,0 +1,124 @@
+// An AVX-512 version of the one-row (M = 1, decode) MXFP4 GEMV of _native_rows.h: bit for bit its results.
+//
+// The AVX2 kernels run every block of 32 codes as four 8-lane groups: g = 0..3 holds elements 8g..8g+7.
+// Here one 16-lane register holds group g of two consecutive blocks, b (lanes 0-7) and b+1 (lanes 8-15),
+// so every lane performs exactly the operations, in the same order, that its AVX2 lane performs: AVX2
+// accumulates even blocks into acc_even and odd ones into acc_odd; here lanes 0-7 are acc_even and lanes
+// 8-15 acc_odd (a pair starts at an even block). (The M > 1 kernels gained nothing from 16 lanes here,
+// neither for the products nor for the decoding alone: measured, then left out; they stay AVX2.)
+// x is read in the pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
+// pair p of blocks, group g, lanes [x[64p + 8g .. +8) | x[64p + 32 + 8g .. +8)]. An odd last block runs
+// the AVX2 code. Decoding a pair: the 32 packed bytes and the same shifted right by 4 hold every code in
+// some byte's low 4 bits; per group, one byte permutation (AVX-512 VBMI) brings element 8g+i of block b+h
+// into lane 8h+i, and a lookup (vpermps) in a 16-float table of the E2M1 codes times two (+0 for code 8,
+// as the AVX2 integer path gives) turns it into its value.
+#pragma once
+
+#include "_native_rows.h"
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace mxfp4_rows512 {
+
+using mxfp4_rows::kBlock;
+using mxfp4_rows::kBlockBytes;
+using mxfp4_rows::kHalfScale;
+
+#define K3_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+
+inline bool cpu_supported() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512vbmi");
+}
+
+// E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
+alignas(64) constexpr float kCodeTimesTwoF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Group g's byte permutation: lane 8h + i (its low byte, 4 (8h + i)) takes the byte whose low 4 bits are
+// the code of element e = 8g + i of block b + h: byte e/2 of that block, from the packed bytes (bytes 0-31
+// of the source) for even e, from the packed bytes shifted right by 4 (bytes 32-63) for odd e. The other
+// bytes of a lane are don't-cares: vpermps reads only an index's low 4 bits.
+struct PairPermutation {
+  alignas(64) uint8_t index[4][64];
+  constexpr PairPermutation() : index() {
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 8; ++i) {
+          const int e = 8 * g + i;
+          index[g][4 * (8 * h + i)] = static_cast<uint8_t>((e % 2) * 32 + 16 * h + e / 2);
+        }
+  }
+};
+inline constexpr PairPermutation kPairPermutation;
+
+// xp[64p + 16g + 8h + i] = x[64p + 32h + 8g + i] for the blocks_even = 2 * (K/64) leading blocks; the
+// rest (one odd block) is copied as is.
+inline void pair_layout(const float* x, int64_t K, float* xp) {
+  const int64_t pairs = K / (2 * kBlock);
+  for (int64_t p = 0; p < pairs; ++p)
+    for (int g = 0; g < 4; ++g)
+      for (int h = 0; h < 2; ++h)
+        for (int i = 0; i < 8; ++i) xp[64 * p + 16 * g + 8 * h + i] = x[64 * p + 32 * h + 8 * g + i];
+  for (int64_t k = pairs * 2 * kBlock; k < K; ++k) xp[k] = x[k];
+}
+
+// The 64 codes of blocks b, b+1 (32 packed bytes) as four 16-lane groups of "code times two" floats:
+// one byte permutation and one 16-entry table lookup per group.
+K3_AVX512 inline void decode_pair(const uint8_t* bytes, __m512 w[4]) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
+  for (int g = 0; g < 4; ++g) {
+    const __m512i order = _mm512_load_si512(reinterpret_cast<const void*>(kPairPermutation.index[g]));
+    w[g] = _mm512_permutexvar_ps(_mm512_permutexvar_epi8(order, both), table);
+  }
+}
+
+// [half_scale(block b) x 8 | half_scale(block b+1) x 8]
+K3_AVX512 inline __m512 pair_scale(const uint8_t* row_scale, int64_t b) {
+  return _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[row_scale[b]]),
+                            _mm256_set1_ps(kHalfScale.value[row_scale[b + 1]]), 1);
+}
+
+// mxfp4_rows::gemv_one_row, x given in pair layout (xp).
+K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                                   float* out, int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock, paired = blocks - blocks % 2;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m512 acc = _mm512_setzero_ps();  // lanes 0-7: acc_even, 8-15: acc_odd
+    for (int64_t b = 0; b < paired; b += 2) {
+      __m512 w[4];
+      decode_pair(row_bytes + b * kBlockBytes, w);
+      const float* xb = xp + b * kBlock;
+      __m512 left = _mm512_mul_ps(w[0], _mm512_loadu_ps(xb));
+      __m512 right = _mm512_mul_ps(w[1], _mm512_loadu_ps(xb + 16));
+      left = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(xb + 32), left);
+      right = _mm512_fmadd_ps(w[3], _mm512_loadu_ps(xb + 48), right);
+      acc = _mm512_fmadd_ps(pair_scale(row_scale, b), _mm512_add_ps(left, right), acc);
+    }
+    __m256 acc_even = _mm512_castps512_ps256(acc);
+    const __m256 acc_odd = _mm512_extractf32x8_ps(acc, 1);
+    if (paired < blocks) {  // the last block, even-numbered: as the AVX2 kernel runs it
+      __m256 w[4];
+      mxfp4_rows::decode_block(row_bytes + paired * kBlockBytes, w);
+      const float* xb = xp + paired * kBlock;
+      __m256 left = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+      __m256 right = _mm256_mul_ps(w[1], _mm256_loadu_ps(xb + 8));
+      left = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), left);
+      right = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), right);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[paired]]);
+      acc_even = _mm256_fmadd_ps(s, _mm256_add_ps(left, right), acc_even);
+    }
+    out[n] = mxfp4_rows::horizontal_sum(_mm256_add_ps(acc_even, acc_odd));
+  }
+}
+
+#undef K3_AVX512
+
+}  // namespace mxfp4_rows512
