@@ -101,11 +101,13 @@ def install_cpu_kernels() -> None:
 
 
 def published_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint folder under its published name."""
+    """Every text-model tensor of a checkpoint folder under its published name (the vision tower and its
+    projector are left out: NeMo's KimiK3ForCausalLM is the text model; tests/vision holds the tower)."""
     out = {}
     for shard in sorted(Path(ckpt).glob("*.safetensors")):
         with safe_open(shard, "pt") as f:
-            out.update({name: f.get_tensor(name) for name in f.keys()})
+            keep = [n for n in f.keys() if not n.startswith(("vision_tower.", "mm_projector."))]
+            out.update({name: f.get_tensor(name) for name in keep})
     return out
 
 

@@ -178,20 +178,33 @@ def test_restart_with_state_dir_and_a_damaged_file(tiny_checkpoint, tok, live_se
 
 
 def test_serve_flags(tiny_checkpoint, monkeypatch, tmp_path) -> None:
-    import uvicorn
+    import k3.listen
 
     app = typer.Typer()
     app.command()(commands.serve)
     seen: dict = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app))
-    args = ["--state-interval", "32", "--prefix-cache-bytes", "1000000", "--state-dir", str(tmp_path)]
+    monkeypatch.setattr(
+        k3.listen, "run_app", lambda app, sock, *a, **kw: (seen.update(app=app), sock.close())
+    )
+    args = [
+        "--port",
+        "0",
+        "--state-interval",
+        "32",
+        "--prefix-cache-bytes",
+        "1000000",
+        "--state-dir",
+        str(tmp_path),
+    ]
     r = CliRunner().invoke(app, [str(tiny_checkpoint), *args])
     assert r.exit_code == 0, r.output
     pc = seen["app"].state.worker.engine.prefix_cache
     assert (pc.interval, pc.max_bytes, pc.state_dir) == (32, 1_000_000, tmp_path)
-    r = CliRunner().invoke(app, [str(tiny_checkpoint), "--no-prefix-cache"])
+    r = CliRunner().invoke(app, [str(tiny_checkpoint), "--port", "0", "--no-prefix-cache"])
     assert r.exit_code == 0 and seen["app"].state.worker.engine.prefix_cache is None
-    r = CliRunner().invoke(app, [str(tiny_checkpoint), "--no-prefix-cache", "--state-dir", str(tmp_path)])
+    r = CliRunner().invoke(
+        app, [str(tiny_checkpoint), "--port", "0", "--no-prefix-cache", "--state-dir", str(tmp_path)]
+    )
     assert r.exit_code == 1 and "--state-dir" in r.output
-    r = CliRunner().invoke(app, [str(tiny_checkpoint), "--state-interval", "0"])
+    r = CliRunner().invoke(app, [str(tiny_checkpoint), "--port", "0", "--state-interval", "0"])
     assert r.exit_code == 1 and "--state-interval must be >= 1" in r.output
