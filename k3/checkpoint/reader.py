@@ -21,6 +21,7 @@ from urllib.parse import quote
 import torch
 
 from k3.checkpoint.header import TensorInfo, load_json_object, parse_header
+from k3.checkpoint.hub import HF_SCHEME, HubClient, HubRef, parse_hub_source
 from k3.checkpoint.mirror import MirroredSource
 from k3.checkpoint.remote import FetchStats, HttpClient, HttpSource, RemoteNotFound, RemoteOptions
 from k3.checkpoint.source import ByteSource, CheckpointError, LocalSource
@@ -86,6 +87,7 @@ class Checkpoint:
         """`sources`: shard name -> source, in shard order (they are owned, and closed, from here on).
         `workers`: headers read at once (remote shards: each header is one or two round trips)."""
         self.location = location
+        self.revision: str | None = None  # the commit hash a Hub source was resolved to
         self._sources = sources
         self._http = http
         self._closed = False
@@ -272,7 +274,8 @@ class Checkpoint:
 
 # ---- opening --------------------------------------------------------------------------------------------
 def is_url(source: str | Path) -> bool:
-    return isinstance(source, str) and source.startswith(("http://", "https://"))
+    """A remote source: an http(s) URL or a Hub source (`hf://ORG/REPO[@REVISION]`)."""
+    return isinstance(source, str) and source.startswith(("http://", "https://", HF_SCHEME))
 
 
 def open_checkpoint(
@@ -285,6 +288,9 @@ def open_checkpoint(
     every shard is mirrored into a sparse file in that folder (`k3.checkpoint.mirror`), so `read` returns
     tensors memory-mapped from local disk instead of fetched into anonymous memory.
     """
+    hub = parse_hub_source(source)
+    if hub is not None:
+        return _open_hub(hub, remote or RemoteOptions(), mirror)
     if is_url(source):
         return _open_remote(str(source), remote or RemoteOptions(), mirror)
     return _open_local(Path(source))
@@ -438,3 +444,69 @@ def _open_remote(url: str, options: RemoteOptions, mirror: Path | None) -> Check
         http=http,
         workers=options.parallel,
     )
+
+
+def _open_hub(ref: HubRef, options: RemoteOptions, mirror: Path | None) -> Checkpoint:
+    """A Hub repository at one commit: files in the local Hugging Face cache are read from there, the rest
+    by ranged requests through huggingface_hub (`k3.checkpoint.hub`). No safetensors file is downloaded."""
+    hub = HubClient(ref, options)
+    try:
+        location = hub.location
+
+        def small(name: str) -> bytes | bytearray | None:
+            if name not in hub.files:
+                return None
+            cached = hub.local_file(name)
+            return cached.read_bytes() if cached is not None else hub.get(hub.url(name))
+
+        weight_map: dict[str, str] | None = None
+        index_metadata: dict[str, Any] | None = None
+        if ref.file is not None:
+            if ref.file not in hub.files:
+                raise CheckpointError(f"{hub.url(ref.file)}: file not found in {location} (HTTP 404)")
+            shard_names = [ref.file]
+        elif INDEX_NAME in hub.files:
+            weight_map, index_metadata = _parse_index(small(INDEX_NAME) or b"", f"{location}/{INDEX_NAME}")
+            shard_names = _shard_order(weight_map)
+            if missing := [s for s in shard_names if s not in hub.files]:
+                raise CheckpointError(f"{location}/{INDEX_NAME}: shard {missing[0]} is missing (HTTP 404)")
+        elif SINGLE_NAME in hub.files:
+            shard_names = [SINGLE_NAME]
+        else:
+            pickles = sorted(f for f in hub.files if f.endswith(PICKLE_SUFFIXES))
+            why = (
+                f"only pickle-based weights ({', '.join(pickles[:3])}), never unpickled"
+                if pickles
+                else "none"
+            )
+            raise CheckpointError(f"{location}: no {INDEX_NAME} or {SINGLE_NAME} ({why})")
+        raw_config, config_error = _parse_config(small(CONFIG_NAME), f"{location}/{CONFIG_NAME}")
+
+        def source(shard: str) -> ByteSource:
+            cached = hub.local_file(shard)
+            if cached is not None:
+                return LocalSource(cached)
+            remote_source = HttpSource(hub.url(shard), hub)
+            return (
+                MirroredSource(remote_source, mirror, parallel=options.parallel) if mirror else remote_source
+            )
+
+        with ThreadPoolExecutor(options.parallel) as pool:  # each remote source fetches its first range
+            sources: dict[str, ByteSource] = dict(
+                zip(shard_names, pool.map(source, shard_names), strict=True)
+            )
+    except BaseException:
+        hub.close()
+        raise
+    ckpt = Checkpoint(
+        location,
+        sources,
+        weight_map=weight_map,
+        index_metadata=index_metadata,
+        raw_config=raw_config,
+        config_error=config_error,
+        http=hub,
+        workers=options.parallel,
+    )
+    ckpt.revision = hub.commit
+    return ckpt
