@@ -25,6 +25,7 @@ from k3.errors import K3Error
 from k3.vision.config import VisionConfig
 
 PRESETS = ("k3", "kimi-linear-48b", "mini", "tiny", "k3-slice")
+MXFP4_FORMAT = "mxfp4-pack-quantized"  # the one compressed-tensors format k3 implements
 
 
 class ConfigError(K3Error):
@@ -153,6 +154,10 @@ class K3Config:
     quantization_config: dict[str, Any] | None = None
     # Keys k3 does not interpret, kept so that saving writes them back.
     extra: dict[str, Any] = field(default_factory=dict, repr=False, metadata=_NOT_PUBLISHED)
+    # K3 components whose Linear weights are MXFP4-packed (`weight_packed` + `weight_scale`): what a
+    # checkpoint's headers say (k3.checkpoint.quant). None = the release's rule: the routed experts when
+    # the quantization_config says mxfp4-pack-quantized, nothing otherwise.
+    mxfp4_components: tuple[str, ...] | None = field(default=None, metadata=_NOT_PUBLISHED)
     # The published form this config came from: "kimi_k3" (nested) or "kimi_linear" (flat).
     published_form: str = field(default="kimi_k3", metadata=_NOT_PUBLISHED)
     outer_extra: dict[str, Any] = field(default_factory=dict, repr=False, metadata=_NOT_PUBLISHED)
@@ -204,10 +209,24 @@ class K3Config:
         return self.attn_res_block_size is not None
 
     @property
+    def quantization(self) -> dict[str, Any] | None:
+        """The quantization_config wherever the published config holds it: in text_config (the release) or
+        at the top level (derived repos; transformers hoists it there at runtime)."""
+        found = self.quantization_config or self.outer_extra.get("quantization_config")
+        return found if isinstance(found, dict) else None
+
+    @property
+    def packed_components(self) -> tuple[str, ...]:
+        """The components whose weights are MXFP4-packed (see `mxfp4_components`)."""
+        if self.mxfp4_components is not None:
+            return self.mxfp4_components
+        q = self.quantization or {}
+        return ("routed_experts",) if q.get("format") == MXFP4_FORMAT else ()
+
+    @property
     def experts_mxfp4(self) -> bool:
         """True when routed experts are stored as MXFP4 (`mxfp4-pack-quantized`)."""
-        q = self.quantization_config or {}
-        return q.get("format") == "mxfp4-pack-quantized"
+        return "routed_experts" in self.packed_components
 
     @property
     def attn_res_blocks(self) -> list[list[int]]:
@@ -291,6 +310,7 @@ class K3Config:
                 fail("media_placeholder_token_id", f"must be a token id below {self.vocab_size}, got {pad!r}")
         if self.attn_res_block_size is not None and self.attn_res_block_size <= 0:
             fail("attn_res_block_size", f"must be positive, got {self.attn_res_block_size}")
+        self._validate_quantization(fail)
         if self.experts_mxfp4 and self.num_experts:
             for key, size in (
                 ("routed_expert_hidden_size", self.expert_input_size),
@@ -298,6 +318,40 @@ class K3Config:
             ):
                 if size % 32:
                     fail(key, f"{size} is not a multiple of 32, the MXFP4 block size")
+
+    def _validate_quantization(self, fail: Any) -> None:
+        """A quantization format (or scheme) k3 does not implement is refused by name: never misread."""
+        q = self.quantization
+        if q is None:
+            return
+        groups = q.get("config_groups") or {}
+        formats = {q.get("format")} | {g.get("format") for g in groups.values() if isinstance(g, dict)}
+        for fmt in sorted(f for f in formats if f is not None and f != MXFP4_FORMAT):
+            fail(
+                "quantization_config.format",
+                f"{fmt!r} is a format k3 does not implement (only {MXFP4_FORMAT})",
+            )
+        for name, group in groups.items():
+            weights = group.get("weights") if isinstance(group, dict) else None
+            if not isinstance(weights, dict):
+                continue
+            scheme = {k: weights.get(k) for k in ("num_bits", "type", "group_size")}
+            if scheme != {"num_bits": 4, "type": "float", "group_size": 32}:
+                fail(
+                    f"quantization_config.config_groups.{name}.weights",
+                    f"{scheme} is not MXFP4 (4-bit float, groups of 32)",
+                )
+        unknown = set(self.mxfp4_components or ()) - {
+            "routed_experts",
+            "latent_projections",
+            "shared_experts",
+        }
+        if unknown:
+            fail(
+                "quantization_config",
+                "k3 runs MXFP4 only for routed experts, latent projections and shared experts, "
+                f"not {sorted(unknown)}",
+            )
 
     # ---- loading and saving -------------------------------------------------------------------------------
     @classmethod

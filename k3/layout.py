@@ -135,6 +135,18 @@ def _mla(cfg: K3Config, p: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
     yield f"{p}o_proj.weight", (H, heads * cfg.v_head_dim), "BF16"
 
 
+def linear_tensors(
+    name: str, out: int, inp: int, dtype: str, packed: bool
+) -> Iterator[tuple[str, tuple[int, ...], str]]:
+    """A Linear weight `name` (`....weight`) [out, inp]: plain, or MXFP4-packed as compressed-tensors writes
+    it (`weight_packed` U8 [out, inp/2] + `weight_scale` U8 [out, inp/32], one E8M0 byte per 32)."""
+    if packed:
+        yield f"{name}_packed", (out, inp // 2), "U8"
+        yield f"{name}_scale", (out, inp // MXFP4_BLOCK), "U8"
+    else:
+        yield name, (out, inp), dtype
+
+
 def routed_expert_tensors(cfg: K3Config, prefix: str) -> Iterator[tuple[str, tuple[int, ...], str]]:
     """The tensors of one routed expert; `prefix` ends in `experts.{e}.`."""
     m, L = cfg.moe_intermediate_size, cfg.expert_input_size
@@ -179,11 +191,13 @@ def layer_tensors(cfg: K3Config, i: int, *, expand_experts: bool = True) -> Iter
     yield spec(f"{q}gate.weight", (E, H), "BF16", "router")
     yield spec(f"{q}gate.e_score_correction_bias", (E,), "F32", "router")
     if cfg.is_latent_moe:
-        L = cfg.expert_input_size
-        yield spec(f"{q}routed_expert_down_proj.weight", (L, H), "BF16", "latent_projections")
+        L, packed = cfg.expert_input_size, "latent_projections" in cfg.packed_components
+        for name, shape, dtype in linear_tensors(f"{q}routed_expert_down_proj.weight", L, H, "BF16", packed):
+            yield spec(name, shape, dtype, "latent_projections")
         if cfg.latent_moe_use_norm:
             yield spec(f"{q}routed_expert_norm.weight", (L,), "BF16", "norms")
-        yield spec(f"{q}routed_expert_up_proj.weight", (H, L), "BF16", "latent_projections")
+        for name, shape, dtype in linear_tensors(f"{q}routed_expert_up_proj.weight", H, L, "BF16", packed):
+            yield spec(name, shape, dtype, "latent_projections")
     if expand_experts:
         for e in range(E):
             for name, shape, dtype in routed_expert_tensors(cfg, f"{q}experts.{e}."):
@@ -192,10 +206,12 @@ def layer_tensors(cfg: K3Config, i: int, *, expand_experts: bool = True) -> Iter
         for name, shape, dtype in routed_expert_tensors(cfg, f"{q}experts.*."):
             yield spec(name, shape, dtype, "routed_experts", count=E)
     if cfg.num_shared_experts:
-        S = cfg.num_shared_experts * m
-        yield spec(f"{q}shared_experts.gate_proj.weight", (S, H), "BF16", "shared_experts")
-        yield spec(f"{q}shared_experts.up_proj.weight", (S, H), "BF16", "shared_experts")
-        yield spec(f"{q}shared_experts.down_proj.weight", (H, S), "BF16", "shared_experts")
+        S, packed = cfg.num_shared_experts * m, "shared_experts" in cfg.packed_components
+        for proj, out, inp in (("gate_proj", S, H), ("up_proj", S, H), ("down_proj", H, S)):
+            for name, shape, dtype in linear_tensors(
+                f"{q}shared_experts.{proj}.weight", out, inp, "BF16", packed
+            ):
+                yield spec(name, shape, dtype, "shared_experts")
 
 
 def published_tensors(

@@ -23,6 +23,7 @@ import torch
 from k3.checkpoint.header import TensorInfo, load_json_object, parse_header
 from k3.checkpoint.hub import HF_SCHEME, HubClient, HubRef, parse_hub_source
 from k3.checkpoint.mirror import MirroredSource
+from k3.checkpoint.quant import with_header_packing
 from k3.checkpoint.remote import FetchStats, HttpClient, HttpSource, RemoteNotFound, RemoteOptions
 from k3.checkpoint.source import ByteSource, CheckpointError, LocalSource
 from k3.config import ConfigError, K3Config
@@ -104,7 +105,10 @@ class Checkpoint:
         self.config_error = config_error
         if raw_config is not None:
             try:
-                self.config = K3Config.from_dict(raw_config)
+                headers = {t.name: (t.dtype, t.shape) for t in self._tensors.values()}
+                self.config = with_header_packing(K3Config.from_dict(raw_config), headers, location)
+            except CheckpointError as e:  # packed tensors the config cannot account for
+                self.config_error = str(e)
             except ConfigError as e:
                 self.config_error = f"{CONFIG_NAME} is not a K3-family config: {e}"
             except (TypeError, KeyError, AttributeError) as e:  # a value of the wrong JSON type, deep down

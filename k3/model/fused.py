@@ -207,6 +207,8 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         return None
     if "dispatch" in moe.__dict__:  # a dispatch of its own (k3.dist's expert parallelism): the general path
         return None
+    if _packed_dense_part(moe):  # MXFP4 latent projections or shared experts: the kernel takes plain ones
+        return None
     down = _weight(moe, "routed_expert_down_proj") if moe.latent else None
     up = _weight(moe, "routed_expert_up_proj") if moe.latent else None
     latent_norm = moe.routed_expert_norm if moe.latent_norm else None
@@ -279,6 +281,14 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         *shared,
     )
     return out.view(B, 1, -1)
+
+
+def _packed_dense_part(moe: MoE) -> bool:
+    """True when the MoE's latent projections or shared experts are MXFP4 (a checkpoint packed them)."""
+    parts = [moe.routed_expert_down_proj, moe.routed_expert_up_proj] if moe.latent else []
+    if moe.shared:
+        parts += [moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj]
+    return any(isinstance(p, MXFP4Linear) for p in parts)
 
 
 def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:

@@ -130,13 +130,15 @@ class MoE(nn.Module):
         self.latent_norm = self.latent and cfg.latent_moe_use_norm  # ... normalised before the up-projection
         self.shared = cfg.num_shared_experts > 0  # shared experts beside the routed ones
         if self.latent:
-            self.routed_expert_down_proj = Linear(H, L)
+            latent_linear = MXFP4Linear if "latent_projections" in cfg.packed_components else Linear
+            self.routed_expert_down_proj = latent_linear(H, L)
             if self.latent_norm:
                 self.routed_expert_norm = RMSNorm(L, cfg.rms_norm_eps)
-            self.routed_expert_up_proj = Linear(L, H)
+            self.routed_expert_up_proj = latent_linear(L, H)
         self.experts = nn.ModuleList(RoutedExpert(L, m, act, quantized) for _ in range(cfg.num_experts))
         if self.shared:
-            self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m)
+            packed = "shared_experts" in cfg.packed_components
+            self.shared_experts = MLP(cfg, H, cfg.num_shared_experts * m, packed=packed)
         self.situ = situ_parameters(cfg)  # the activation's parameters for the native kernels
         self.fast_decode = True  # one token: its k experts directly (dispatch_one); False: the general path
         self.load_experts: Callable[[torch.Tensor], None] | None = None  # experts read on first use (URLs)
