@@ -19,6 +19,7 @@ import torch
 
 from k3.atlas.db import LogicalTensor
 from k3.atlas.stats import TORCH_DTYPES
+from k3.checkpoint.reader import is_url
 from k3.ops.mxfp4 import dequantize_mxfp4
 
 # Stored bytes read at a time per worker. Locally, small: a 2 MiB chunk and its widened int32 keys stay in
@@ -33,7 +34,7 @@ class TensorReader:
 
     def __init__(self, ckpt, source: str | Path):
         self.ckpt = ckpt
-        local = Path(source) if not str(source).startswith(("http://", "https://")) else None
+        local = Path(source) if not is_url(str(source)) else None
         self._local = local
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()

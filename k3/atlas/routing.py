@@ -12,6 +12,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from k3.checkpoint.reader import is_url
+
 MAX_TEXT_CHARS = 2000
 MAX_MODEL_BYTES = 8 * 10**9  # checkpoints larger than this are not loaded by the atlas
 
@@ -34,7 +36,7 @@ class RoutingProbe:
     def _precheck(self) -> tuple[str, str] | None:
         if self.config is None:
             return "no_config", "no K3-family config.json: the model cannot be built"
-        if str(self.source).startswith(("http://", "https://")) or not Path(self.source).is_dir():
+        if is_url(str(self.source)) or not Path(self.source).is_dir():
             return "not_local", "the model runs from a local checkpoint directory only"
         if not (Path(self.source) / "tiktoken.model").exists():
             return "no_tokenizer", "the checkpoint has no tokenizer (tiktoken.model)"

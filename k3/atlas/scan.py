@@ -34,6 +34,7 @@ from k3.atlas.db import AtlasDB, LogicalTensor, fingerprint, logical_tensors, st
 from k3.atlas.reading import TensorReader
 from k3.atlas.similarity import MEMORY_BUDGET, cosine_similarities, expert_pairs
 from k3.atlas.stats import MXFP4Stats, accumulator_for
+from k3.checkpoint.reader import is_url
 
 DB_NAME = "atlas.sqlite"
 
@@ -53,7 +54,7 @@ class Progress:
 
 def default_db_path(source: str | Path) -> Path:
     """`$XDG_CACHE_HOME/k3/atlas/<hash of the source>/atlas.sqlite` (the source's absolute path or URL)."""
-    key = str(source) if str(source).startswith(("http://", "https://")) else str(Path(source).resolve())
+    key = str(source) if is_url(str(source)) else str(Path(source).resolve())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "k3" / "atlas" / hashlib.sha256(key.encode()).hexdigest()[:16] / DB_NAME
 
@@ -208,6 +209,8 @@ def scan(
 
 def _write_meta(db: AtlasDB, source: str | Path, ckpt: Any) -> None:
     db.set_meta("source", str(source))
+    db.set_meta("revision", ckpt.revision)  # a Hub source: the commit its revision was resolved to
+    db.set_meta("resolved_source", ckpt.location)
     db.set_meta("raw_config", ckpt.raw_config)
     db.set_meta("config_error", ckpt.config_error)
     db.set_meta("shards", ckpt.shards)

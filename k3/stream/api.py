@@ -50,6 +50,9 @@ def stream_logits(
             scratch = Scratch(scratch_dir, fingerprint(ckpt.location, ckpt.total_bytes, prompts, options))
         result = StreamRun(plan, weights, prompts, options, scratch, report).run()
         result.summary["source"] = str(source)
+        if ckpt.revision is not None:  # a Hub source: the commit its revision was resolved to
+            result.summary["revision"] = ckpt.revision
+            result.summary["resolved_source"] = ckpt.location
         stats = ckpt.fetch_stats
         if stats is not None:
             result.summary["http"] = {
@@ -85,7 +88,10 @@ def stream_to_dir(
     scratch_dir = scratch_dir or out / "scratch"
     result = stream_logits(source, prompts, options, scratch_dir=scratch_dir, remote=remote, report=report)
     tensors = {k: v.contiguous() for k, v in result.outputs.items()}
-    _atomic(out / LOGITS, lambda p: save_file(tensors, str(p), metadata={"format": "k3-stream-logits/1"}))
+    metadata = {"format": "k3-stream-logits/1"}
+    if "revision" in result.summary:
+        metadata |= {"source": result.summary["resolved_source"], "revision": result.summary["revision"]}
+    _atomic(out / LOGITS, lambda p: save_file(tensors, str(p), metadata=metadata))
     _atomic(out / SUMMARY, lambda p: p.write_text(json.dumps(result.summary, indent=2) + "\n"))
     Scratch(scratch_dir, "").remove()
     return result

@@ -207,12 +207,20 @@ class Tokenizer:
     @classmethod
     def from_url(cls, url: str) -> Tokenizer:
         """The same two files of a checkpoint served over HTTP (`url` names its folder)."""
+        from k3.checkpoint.hub import HubClient, parse_hub_source
         from k3.checkpoint.remote import HttpClient, RemoteOptions
 
         base = url.rstrip("/") + "/"
-        http = HttpClient(RemoteOptions())
         try:
-            model, config = http.get(base + TIKTOKEN_FILE), http.get(base + CONFIG_FILE)
+            hub = parse_hub_source(url)  # a Hub repository: its files at the resolved commit
+            http = HttpClient(RemoteOptions()) if hub is None else HubClient(hub, RemoteOptions())
+        except K3Error as e:
+            raise TokenizerError(f"{url}: cannot fetch the tokenizer ({e})") from e
+        file_url = (lambda name: base + name) if hub is None else http.url  # type: ignore[attr-defined]
+        if hub is not None:
+            base = http.location + "/"  # type: ignore[attr-defined]
+        try:
+            model, config = http.get(file_url(TIKTOKEN_FILE)), http.get(file_url(CONFIG_FILE))
         except K3Error as e:
             raise TokenizerError(f"{base}: cannot fetch the tokenizer ({e})") from e
         finally:
