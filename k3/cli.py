@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from k3.census import Census, census_from_headers, census_of
-from k3.config import PRESETS
+from k3.config import PRESETS, PUBLIC_PRESETS
 from k3.errors import K3Error
 from k3.terminal import fail
 
@@ -122,7 +122,7 @@ def _register_rooms() -> None:
     from k3.distill.commands import distill_app
     from k3.engine.commands import chat, serve, tokenize
     from k3.export.commands import export_app
-    from k3.model.commands import say_written, write_random_checkpoint
+    from k3.model.commands import say_written, write_like_checkpoint, write_random_checkpoint
     from k3.ops.commands import doctor
     from k3.rl.commands import rl_app
     from k3.sandbox.commands import sandbox_app
@@ -136,18 +136,32 @@ def _register_rooms() -> None:
     @app.command("init")
     def init(
         out: Path = typer.Argument(..., help="Directory to write the checkpoint into (created if missing)."),
-        preset: str = typer.Option(..., "--preset", help=f"One of {', '.join(PRESETS)}."),
+        preset: str | None = typer.Option(
+            None, "--preset", help=f"One of {', '.join(PRESETS + PUBLIC_PRESETS)}."
+        ),
+        like: str | None = typer.Option(
+            None, "--like", help=f"A public checkpoint's exact layout: {', '.join(PUBLIC_PRESETS)}."
+        ),
         seed: int = typer.Option(0, "--seed", help="Random seed: the same seed writes the same bytes."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already in OUT."),
     ) -> None:
         """Write a random checkpoint in the published layout (shards, index, config.json, MXFP4 experts)
-        and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary."""
+        and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary.
+        A public checkpoint's name (`--like` or `--preset`) writes its exact layout (docs/checkpoints.md)."""
         from k3.config import K3Config
         from k3.tokenizer.build import CONFIG_FILE, TIKTOKEN_FILE, write_tokenizer
 
-        files = write_random_checkpoint(out, preset, seed, overwrite)
-        write_tokenizer(out, K3Config.preset(preset).vocab_size)
-        say_written(preset, seed, out, [*files, out / TIKTOKEN_FILE, out / CONFIG_FILE])
+        if (preset is None) == (like is None):
+            fail("give one of --preset NAME or --like NAME")
+        name = str(preset or like)
+        if like is not None and like not in PUBLIC_PRESETS:
+            fail(f"--like: unknown public layout {like!r} (choose from {', '.join(PUBLIC_PRESETS)})")
+        if name in PUBLIC_PRESETS:
+            files = write_like_checkpoint(out, name, seed, overwrite)
+        else:
+            files = write_random_checkpoint(out, name, seed, overwrite)
+        write_tokenizer(out, K3Config.preset(name).vocab_size)
+        say_written(name, seed, out, [*files, out / TIKTOKEN_FILE, out / CONFIG_FILE])
 
     for command in (tokenize, generate, chat, serve):
         app.command()(command)

@@ -25,6 +25,10 @@ from k3.errors import K3Error
 from k3.vision.config import VisionConfig
 
 PRESETS = ("k3", "kimi-linear-48b", "mini", "tiny", "k3-slice")
+# The public small K3 checkpoints, config.json as published (k3.checkpoint.public: their whole layouts)
+PUBLIC_PRESETS = ("kimi-k3-0.40b", "kimi-k3-0.40b-mxfp4", "kimi-k3-4layer")
+# What a preset's checkpoint packs where its quantization_config cannot say (the 0.40B-MXFP4's headers)
+PRESET_PACKING = {"kimi-k3-0.40b-mxfp4": ("routed_experts", "latent_projections", "shared_experts")}
 MXFP4_FORMAT = "mxfp4-pack-quantized"  # the one compressed-tensors format k3 implements
 
 
@@ -457,15 +461,17 @@ class K3Config:
 
     @classmethod
     def preset(cls, name: str) -> K3Config:
-        if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS)})")
-        text = resources.files("k3").joinpath("presets", f"{name}.json").read_text()
-        return cls.from_dict(json.loads(text))
+        if name not in PRESETS + PUBLIC_PRESETS:
+            raise ConfigError(f"unknown preset {name!r} (known: {', '.join(PRESETS + PUBLIC_PRESETS)})")
+        cfg = cls.from_dict(json.loads(preset_text(name)))
+        if name in PRESET_PACKING:
+            cfg.mxfp4_components = PRESET_PACKING[name]
+        return cfg
 
     @classmethod
     def from_pretrained(cls, target: str | Path) -> K3Config:
         """A preset name, a config.json path, or a directory holding config.json."""
-        if isinstance(target, str) and target in PRESETS:
+        if isinstance(target, str) and target in PRESETS + PUBLIC_PRESETS:
             return cls.preset(target)
         path = Path(target)
         if not path.exists():
@@ -478,8 +484,14 @@ class K3Config:
 def no_such_source(target: str) -> ConfigError:
     """The error for a model source that is neither a preset nor an existing path: it lists the presets."""
     return ConfigError(
-        f"{target}: no such preset, config.json or checkpoint directory (presets: {', '.join(PRESETS)})"
+        f"{target}: no such preset, config.json or checkpoint directory "
+        f"(presets: {', '.join(PRESETS + PUBLIC_PRESETS)})"
     )
+
+
+def preset_text(name: str) -> str:
+    """A preset's config.json, byte for byte as shipped in k3/presets (the public ones as published)."""
+    return resources.files("k3").joinpath("presets", f"{name}.json").read_text()
 
 
 def published_fields() -> list[Field]:

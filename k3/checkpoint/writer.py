@@ -42,7 +42,7 @@ def _temporary(directory: Path, suffix: str, mode: str = "xb") -> tuple[Path, Bi
     return path, open(path, mode)  # the caller closes it
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     tmp, f = _temporary(path.parent, f".{path.name}.tmp")
     try:
         with f:
@@ -214,14 +214,14 @@ def _commit(
         written.append(out_dir / name)
     if config is not None:
         raw = with_converter_keys(config.to_dict()) if isinstance(config, K3Config) else config
-        _atomic_write(out_dir / CONFIG_NAME, (json.dumps(raw, indent=2) + "\n").encode())
+        atomic_write(out_dir / CONFIG_NAME, (json.dumps(raw, indent=2) + "\n").encode())
         written.append(out_dir / CONFIG_NAME)
     if sharded:
         index = {
             "metadata": {"total_size": sum(s.size for s in shards)},
             "weight_map": {t: name for shard, name in zip(shards, names, strict=True) for t in shard.entries},
         }
-        _atomic_write(out_dir / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
+        atomic_write(out_dir / INDEX_NAME, (json.dumps(index, indent=2) + "\n").encode())
         written.append(out_dir / INDEX_NAME)
     for stale in existing:
         if stale not in written:

@@ -60,3 +60,18 @@ def _free_bytes(path: Path) -> int | None:
             return None
         probe = probe.parent
     return shutil.disk_usage(probe).free
+
+
+def write_like_checkpoint(out: Path, name: str, seed: int, overwrite: bool) -> list[Path]:
+    """A random checkpoint in a public checkpoint's exact layout (k3.checkpoint.public), or a one-line error."""
+    from k3.checkpoint.public import PUBLIC_LAYOUTS, public_tensors
+    from k3.model.init import init_like
+
+    try:
+        total = sum(s.nbytes for s in public_tensors(PUBLIC_LAYOUTS[name]))
+        free = _free_bytes(out)
+        if free is not None and total > free:
+            raise K3Error(f"{out}: {name} needs {total / 1e9:.1f} GB on disk, only {free / 1e9:.1f} GB free")
+        return init_like(name, out, seed=seed, overwrite=overwrite)
+    except K3Error as e:
+        fail(str(e))

@@ -16,6 +16,7 @@ The distributions keep activations finite and O(1) through every layer:
 
 from __future__ import annotations
 
+import json
 import math
 import zlib
 from collections.abc import Iterator
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 
 from k3.checkpoint import TORCH_DTYPES, save_checkpoint
-from k3.config import K3Config
+from k3.checkpoint.public import PUBLIC_LAYOUTS, public_tensors
+from k3.checkpoint.writer import atomic_write
+from k3.config import K3Config, preset_text
 from k3.layout import checkpoint_tensors, published_tensors
 from k3.ops.mxfp4 import quantize_mxfp4
 
@@ -129,4 +132,47 @@ def init_checkpoint(
             raise ValueError(f"extra file names must be plain file names, got {name!r}")
         (out / name).write_bytes(data)
         files.append(out / name)
+    return files
+
+
+# Tokens the 0.40B tokenizers add past the 163,840-row vocabulary (K2's): their added_tokens.json as
+# published (200 B, sha256 27373c2f…)
+K2_ADDED_TOKENS = {
+    "<|im_end|>": 163840,
+    "<|im_user|>": 163841,
+    "<|im_assistant|>": 163842,
+    "<|start_header_id|>": 163843,
+    "<|end_header_id|>": 163844,
+    "<|im_system|>": 163845,
+    "<|im_middle|>": 163846,
+}
+
+
+def init_like(name: str, out_dir: str | Path, seed: int = 0, *, overwrite: bool = False) -> list[Path]:
+    """Write a random checkpoint in the layout of the public checkpoint `name` (k3.checkpoint.public):
+    its config.json byte for byte, its tensor names, shapes and dtypes, its file names and index."""
+    layout = PUBLIC_LAYOUTS[name]
+    cfg = layout.config()
+    dtypes = {spec.name: spec.dtype for spec in public_tensors(layout)}
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:  # text model, then the vision tower + projector
+        for tensor_name, tensor in random_tensors(cfg, seed=seed, vision=True):
+            yield tensor_name, tensor.to(TORCH_DTYPES[dtypes[tensor_name]])
+
+    out = Path(out_dir)
+    files = save_checkpoint(
+        tensors(),
+        None,
+        out,
+        max_shard_size=None if layout.single_file else 5 * 10**9,
+        always_index=not layout.single_file,
+        overwrite=overwrite,
+    )
+    atomic_write(out / "config.json", preset_text(name).encode())
+    files.append(out / "config.json")
+    if layout.all_f32:  # the 0.40B family's tokenizers: K2 tokens past the vocabulary
+        atomic_write(
+            out / "added_tokens.json", (json.dumps(K2_ADDED_TOKENS, indent=2, sort_keys=True) + "\n").encode()
+        )
+        files.append(out / "added_tokens.json")
     return files
