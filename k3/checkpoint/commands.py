@@ -27,6 +27,7 @@ CrossCheck = Callable[[K3Config, Sequence[tuple[str, str, tuple[int, ...]]], str
 def _report(source: str, pattern: re.Pattern[str] | None, cross_check: CrossCheck | None) -> dict[str, Any]:
     """Everything inspect shows, as JSON-ready data. Raises K3Error on a broken checkpoint."""
     from k3.checkpoint import open_checkpoint
+    from k3.checkpoint.quant import find_quantization_config, packing_rows
     from k3.layout import parameters_of
 
     with open_checkpoint(source) as ckpt:
@@ -43,7 +44,16 @@ def _report(source: str, pattern: re.Pattern[str] | None, cross_check: CrossChec
             }
             for t in ckpt.tensors()
         ]
-        findings = list(ckpt.findings)
+        findings = list(ckpt.findings) + [f"trap: {trap}" for trap in ckpt.traps]
+        headers = {t.name: (t.dtype, t.shape) for t in ckpt.tensors()}
+        quantization = find_quantization_config(ckpt.raw_config)
+        try:
+            packing = packing_rows(quantization, headers)
+        except K3Error as e:
+            packing, findings = {}, [*findings, str(e)]
+        for row in rows:
+            if row["name"] in packing:
+                row["packing"] = packing[row["name"]]
         if ckpt.config is None:
             findings.append(f"no K3 config: {ckpt.config_error}")
         elif cross_check is not None:
@@ -52,6 +62,9 @@ def _report(source: str, pattern: re.Pattern[str] | None, cross_check: CrossChec
         shown = [r for r in rows if pattern is None or pattern.search(r["name"])]
         return {
             "source": source,
+            "resolved": ckpt.location,  # a Hub source: hf://ORG/REPO@<commit>
+            "revision": ckpt.revision,
+            "packed": sum(r.get("packing", "").startswith("packed") for r in rows) // 2,
             "shards": ckpt.shards,
             "total_tensors": ckpt.total_tensors,
             "total_bytes": ckpt.total_bytes,
@@ -73,20 +86,23 @@ def _print(report: dict[str, Any]) -> None:
     table.add_column("parameters", justify="right")
     table.add_column("bytes", justify="right")
     table.add_column("shard", overflow="fold")
+    table.add_column("packing (MXFP4)", overflow="fold")  # packed or not, and why (k3.checkpoint.quant)
     for r in report["tensors"]:
         shape = "[" + ", ".join(map(str, r["shape"])) + "]"
         cells = (r["name"], r["dtype"], shape, f"{r['params']:,}", f"{r['bytes']:,}", r["shard"])
-        table.add_row(*map(escape, cells))
+        table.add_row(*map(escape, cells), escape(r.get("packing", "")))
     table.add_row(
-        "[bold]shown", "", "", f"[bold]{report['shown_params']:,}", f"[bold]{report['shown_bytes']:,}", ""
+        "[bold]shown", "", "", f"[bold]{report['shown_params']:,}", f"[bold]{report['shown_bytes']:,}", "", ""
     )
     console.print(table)
     console.print(
         f"{report['shown_tensors']:,} of {report['total_tensors']:,} tensors shown; checkpoint: "
         f"{report['total_params']:,} parameters, {report['total_bytes']:,} bytes in "
-        f"{len(report['shards'])} shard(s); headers valid",
+        f"{len(report['shards'])} shard(s); headers valid; {report['packed']:,} MXFP4-packed weights",
         highlight=False,
     )
+    if report["revision"] is not None:
+        console.print(f"resolved: {escape(report['resolved'])}", highlight=False)
     for finding in report["findings"]:
         console.print(f"[yellow]finding:[/] {escape(finding)}", highlight=False)
 

@@ -133,9 +133,7 @@ def with_header_packing(cfg: K3Config, headers: Headers, where: str) -> K3Config
     return dataclasses.replace(cfg, mxfp4_components=ordered)
 
 
-def packing_rows(
-    cfg: K3Config | None, quantization: Mapping[str, Any] | None, headers: Headers
-) -> dict[str, str]:
+def packing_rows(quantization: Mapping[str, Any] | None, headers: Headers) -> dict[str, str]:
     """For `k3 inspect`: why each weight is, or is not, packed {tensor name: reason} (matrices only)."""
     plan = weight_plan(quantization, headers, "checkpoint")
     reasons: dict[str, str] = {}

@@ -26,11 +26,13 @@ from k3.checkpoint.mirror import MirroredSource
 from k3.checkpoint.quant import with_header_packing
 from k3.checkpoint.remote import FetchStats, HttpClient, HttpSource, RemoteNotFound, RemoteOptions
 from k3.checkpoint.source import ByteSource, CheckpointError, LocalSource
+from k3.checkpoint.traps import config_traps
 from k3.config import ConfigError, K3Config
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
+ADDED_TOKENS_NAME = "added_tokens.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 # A shard named by an index must be a plain file name next to it: no directories, no "..".
 _SHARD_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*\.safetensors")
@@ -89,6 +91,7 @@ class Checkpoint:
         `workers`: headers read at once (remote shards: each header is one or two round trips)."""
         self.location = location
         self.revision: str | None = None  # the commit hash a Hub source was resolved to
+        self.added_tokens: dict[str, int] | None = None  # added_tokens.json, where there is one
         self._sources = sources
         self._http = http
         self._closed = False
@@ -144,6 +147,12 @@ class Checkpoint:
                 f"{INDEX_NAME} declares total_size {declared}, "
                 f"the shards hold {self.total_bytes} bytes of tensors"
             )
+
+    @property
+    def traps(self) -> list[str]:
+        """The traps of the config and the files (k3.checkpoint.traps), one line each."""
+        headers = {t.name: (t.dtype, t.shape) for t in self._tensors.values()}
+        return config_traps(self.raw_config, headers, self.added_tokens)
 
     # ---- the index ----------------------------------------------------------------------------------------
     def tensors(self) -> Iterator[TensorInfo]:
@@ -330,6 +339,17 @@ def _parse_config(data: bytes | None, where: str) -> tuple[dict[str, Any] | None
         return None, str(e)
 
 
+def _parse_added_tokens(data: bytes | bytearray | None, where: str) -> dict[str, int] | None:
+    """added_tokens.json ({token: id}), None when absent or not such an object (it is only reported)."""
+    if data is None:
+        return None
+    try:
+        found = load_json_object(bytes(data), where)
+    except CheckpointError:
+        return None
+    return {k: v for k, v in found.items() if isinstance(v, int)}
+
+
 def _refuse_pickle(directory: Path) -> None:
     pickles = sorted(p.name for p in directory.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
@@ -391,7 +411,7 @@ def _open_local(path: Path) -> Checkpoint:
         for s in sources.values():
             s.close()
         raise CheckpointError(f"{directory / shard}: cannot open ({e.strerror})") from None
-    return Checkpoint(
+    ckpt = Checkpoint(
         str(path),
         sources,
         weight_map=weight_map,
@@ -400,6 +420,9 @@ def _open_local(path: Path) -> Checkpoint:
         config_error=config_error,
         findings=findings,
     )
+    added = directory / ADDED_TOKENS_NAME
+    ckpt.added_tokens = _parse_added_tokens(added.read_bytes() if added.is_file() else None, str(added))
+    return ckpt
 
 
 def _open_remote(url: str, options: RemoteOptions, mirror: Path | None) -> Checkpoint:
@@ -513,4 +536,9 @@ def _open_hub(ref: HubRef, options: RemoteOptions, mirror: Path | None) -> Check
         workers=options.parallel,
     )
     ckpt.revision = hub.commit
+    try:
+        ckpt.added_tokens = _parse_added_tokens(small(ADDED_TOKENS_NAME), f"{location}/{ADDED_TOKENS_NAME}")
+    except BaseException:
+        ckpt.close()
+        raise
     return ckpt

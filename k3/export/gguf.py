@@ -31,6 +31,7 @@ import gguf
 import numpy as np
 import torch
 
+from k3.checkpoint.traps import special_id
 from k3.config import FFN, K3Config, Mixer
 from k3.errors import K3Error
 from k3.export.vocab import CHAT_TEMPLATE, PRE_TOKENIZER, gguf_vocab
@@ -324,16 +325,19 @@ def write_metadata(w: gguf.GGUFWriter, cfg: K3Config, name: str, file_type: int)
 
 def write_vocab(w: gguf.GGUFWriter, directory: Path, cfg: K3Config) -> None:
     """The tokenizer, its special ids and the chat template. The end-of-sequence id is the config's
-    `eos_token_id` when it has one (K3 ends turns with <|end_of_msg|>), else the tokenizer's [EOS]."""
+    `eos_token_id` when it names a special token (K3 ends turns with <|end_of_msg|>), else the tokenizer's
+    [EOS] (the 0.40B's config says 2, an ordinary token: k3.checkpoint.traps)."""
     v = gguf_vocab(directory, cfg.vocab_size)
-    eos = cfg.extra.get("eos_token_id", cfg.outer_extra.get("eos_token_id"))
+    eos = special_id(
+        cfg.extra.get("eos_token_id", cfg.outer_extra.get("eos_token_id")), v.eos_id, cfg.vocab_size
+    )
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(PRE_TOKENIZER)
     w.add_token_list(v.tokens)
     w.add_token_types(v.types)
     w.add_token_merges(v.merges)
     w.add_bos_token_id(v.bos_id)
-    w.add_eos_token_id(eos if isinstance(eos, int) else v.eos_id)
+    w.add_eos_token_id(eos)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
 

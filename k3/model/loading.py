@@ -24,6 +24,7 @@ from torch import nn
 
 from k3.checkpoint import open_checkpoint
 from k3.checkpoint.reader import is_url
+from k3.checkpoint.traps import warn_traps
 from k3.config import FFN, K3Config
 from k3.errors import K3Error
 from k3.layout import TensorSpec, prefixes, published_tensors, vision_tensors
@@ -183,7 +184,8 @@ def load_model(
     try:
         cfg = ckpt.config
         if cfg is None:
-            raise ModelLoadError(f"{source}: no usable config.json ({ckpt.config_error})")
+            raise ModelLoadError(f"{ckpt.location}: no usable config.json ({ckpt.config_error})")
+        warn_traps(ckpt.traps, ckpt.location)
         n = cfg.num_hidden_layers if layers is None else layers
         if not 1 <= n <= cfg.num_hidden_layers:
             raise ModelLoadError(f"layers must be in 1..{cfg.num_hidden_layers}, got {layers}")
