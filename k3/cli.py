@@ -116,7 +116,7 @@ def _census_findings(cfg, headers, source: str) -> list[str]:
 def _register_rooms() -> None:
     """Each room's commands, imported light (their heavy imports happen when a command runs)."""
     from k3.atlas.commands import atlas_app
-    from k3.checkpoint.commands import inspect_command
+    from k3.checkpoint.commands import download_command, inspect_command
     from k3.conform.commands import conform, golden_app
     from k3.dist.commands import generate  # the engine's `k3 generate`, plus --nproc N (expert parallel)
     from k3.distill.commands import distill_app
@@ -131,6 +131,7 @@ def _register_rooms() -> None:
     from k3.vision.commands import vision_app
 
     app.command("inspect")(inspect_command(cross_check=_census_findings))
+    app.command("download")(download_command)
     app.command("doctor")(doctor)
 
     @app.command("init")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -132,3 +133,22 @@ def inspect_command(cross_check: CrossCheck | None = None) -> Callable[..., None
             _print(report)
 
     return inspect
+
+
+def download_command(
+    source: str = typer.Argument(..., help="hf://ORG/REPO[@REVISION] (or a Hub resolve URL)."),
+    include: list[str] | None = typer.Option(
+        None, "--include", help="Only files matching this glob (repeatable), e.g. '*.json'."
+    ),
+    local_dir: Path | None = typer.Option(
+        None, "--local-dir", help="Write the files here instead of the Hugging Face cache."
+    ),
+) -> None:
+    """Download a Hub checkpoint's files (resumable, each checked against the Hub's sha256)."""
+    from k3.checkpoint.download import download
+
+    try:
+        resolved, folder = download(source, include, local_dir)
+    except (K3Error, OSError) as e:
+        fail(str(e))
+    Console().print(f"{resolved}: files in {folder}", highlight=False)

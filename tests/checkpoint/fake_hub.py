@@ -1,6 +1,7 @@
 """A local fake of the Hugging Face Hub's file API, for tests: two HTTP servers on 127.0.0.1.
 
-* the Hub: `GET /api/models/ORG/REPO/revision/REV` (the revision API: id, sha, siblings) and
+* the Hub: `GET /api/models/ORG/REPO/revision/REV` (the revision API: id, sha, siblings),
+  `GET /api/models/ORG/REPO/tree/REV` (sizes and LFS sha256s, one page) and
   `GET|HEAD /ORG/REPO/resolve/REV/FILE`. Small files (JSON, Python) are answered directly (200, ETag = a
   sha1 of the bytes); safetensors and tiktoken files with a 302 to the CDN, a signed query string in the
   Location, and `X-Repo-Commit`, `X-Linked-Size`, `X-Linked-Etag` (the sha256). Errors carry
@@ -141,6 +142,26 @@ class FakeHub:
                 "siblings": [{"rfilename": name} for name in repo.files],
             }
             return 200, {"Content-Type": "application/json"}, json.dumps(info).encode()
+        if parts[:2] == ["api", "models"] and len(parts) >= 6 and parts[4] == "tree":
+            repo, commit, err = self._repo_and_commit(f"{parts[2]}/{parts[3]}", parts[5], headers)
+            if err:
+                return err
+            tree = []
+            for name, data in repo.files.items():
+                entry = {
+                    "type": "file",
+                    "oid": hashlib.sha1(data).hexdigest(),
+                    "size": len(data),
+                    "path": name,
+                }
+                if not name.endswith(_DIRECT):
+                    entry["lfs"] = {
+                        "oid": hashlib.sha256(data).hexdigest(),
+                        "size": len(data),
+                        "pointerSize": 134,
+                    }
+                tree.append(entry)
+            return 200, {"Content-Type": "application/json"}, json.dumps(tree).encode()
         if len(parts) >= 5 and parts[2] == "resolve":
             repo, commit, err = self._repo_and_commit(f"{parts[0]}/{parts[1]}", parts[3], headers)
             if err:
