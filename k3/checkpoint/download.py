@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from k3.checkpoint.hub import HubClient, hub_failure, parse_hub_source
+from k3.checkpoint.hub import HubClient, hub_cache, hub_failure, parse_hub_source
 from k3.checkpoint.remote import RemoteOptions
 from k3.checkpoint.source import CheckpointError
 
@@ -47,6 +47,7 @@ def download(
             revision=hub.commit,
             allow_patterns=patterns,
             local_dir=local_dir,
+            cache_dir=hub_cache(),
             endpoint=hub.endpoint,
             library_name="k3",
         )

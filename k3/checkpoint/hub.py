@@ -57,6 +57,18 @@ def endpoint() -> str:
     return os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
 
 
+def hub_cache() -> str:
+    """The local Hugging Face cache: `HF_HUB_CACHE`, else `HF_HOME`/hub, read on each call (huggingface_hub
+    reads them once, at import), else huggingface_hub's default."""
+    from huggingface_hub import constants
+
+    if found := os.environ.get("HF_HUB_CACHE"):
+        return found
+    if home := os.environ.get("HF_HOME"):
+        return os.path.join(home, "hub")
+    return constants.HF_HUB_CACHE
+
+
 @dataclass(frozen=True)
 class HubRef:
     repo_id: str  # ORG/REPO
@@ -169,7 +181,7 @@ class HubClient(HttpClient):
         """The file from the local Hugging Face cache at the resolved commit, if it is there."""
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(self.ref.repo_id, name, revision=self.commit)
+        found = try_to_load_from_cache(self.ref.repo_id, name, cache_dir=hub_cache(), revision=self.commit)
         return Path(found) if isinstance(found, str) and Path(found).is_file() else None
 
     def _check(self, response, url: str, expected: int) -> None:  # noqa: ANN001 (an httpx2 response)

@@ -10,8 +10,8 @@
 * the CDN: checks the signature, answers `Range` with 206 + Content-Range, and logs every request's headers
   and the bytes it served.
 
-Faults for the error tests: `hub.fault = "ignore-range" | "wrong-range" | "move"` (the CDN answers 200 or a
-shifted range; the Hub answers an unexpected X-Repo-Commit).
+Faults for the error tests: `hub.fault = "ignore-range" | "wrong-range" | "corrupt" | "move"` (the CDN
+answers 200, a shifted range or a flipped first byte; the Hub answers an unexpected X-Repo-Commit).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ class FakeHub:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            wbufsize = -1  # headers and body in one write (no 40 ms delayed-ACK stall per request)
 
             def log_message(self, *args: object) -> None:
                 pass
@@ -96,7 +97,10 @@ class FakeHub:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 if self.command != "HEAD":
-                    self.wfile.write(body)
+                    try:
+                        self.wfile.write(body)
+                    except (BrokenPipeError, ConnectionResetError):  # the client gave up on a bad answer
+                        self.close_connection = True
 
             do_GET = do_HEAD = _go  # noqa: N815
 
@@ -215,6 +219,8 @@ class FakeHub:
             if self.fault == "wrong-range":
                 a, b = a + 1, b + 1 if b + 1 < size else b
             body, status, extra = data[a : b + 1], 206, {"Content-Range": f"bytes {a}-{b}/{size}"}
+        if self.fault == "corrupt" and body:
+            body = bytes([body[0] ^ 0xFF]) + body[1:]
         with self._lock:
             self.cdn_bytes += len(body) if method != "HEAD" else 0
         return status, {"Accept-Ranges": "bytes", "ETag": f'"{sha}"', **extra}, body
