@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from dataclasses import MISSING, Field, dataclass, field, fields
 from enum import StrEnum
 from functools import cached_property
@@ -221,11 +222,18 @@ class K3Config:
 
     @property
     def packed_components(self) -> tuple[str, ...]:
-        """The components whose weights are MXFP4-packed (see `mxfp4_components`)."""
+        """The components whose weights are MXFP4-packed (see `mxfp4_components`). Without headers to say
+        it (a config k3 writes a checkpoint of): the routed experts, as the release packs them, when the
+        quantization_config is MXFP4 and its `ignore` list spares them."""
         if self.mxfp4_components is not None:
             return self.mxfp4_components
         q = self.quantization or {}
-        return ("routed_experts",) if q.get("format") == MXFP4_FORMAT else ()
+        if q.get("format") != MXFP4_FORMAT or not self.num_experts:
+            return ()
+        prefix = "language_model.model." if self.published_form == "kimi_k3" else "model."
+        expert = f"{prefix}layers.{self.first_k_dense_replace}.block_sparse_moe.experts.0."
+        spared = all(ignored_by(q, expert + w) is None for w in ("w1", "w2", "w3"))
+        return ("routed_experts",) if spared else ()
 
     @property
     def experts_mxfp4(self) -> bool:
@@ -487,6 +495,18 @@ def no_such_source(target: str) -> ConfigError:
         f"{target}: no such preset, config.json or checkpoint directory "
         f"(presets: {', '.join(PRESETS + PUBLIC_PRESETS)})"
     )
+
+
+def ignored_by(quantization: dict[str, Any] | None, module: str) -> str | None:
+    """The first entry of a quantization_config's `ignore` list that matches the module name `module`
+    (a weight's name less `.weight`), by compressed-tensors' rule: `re:PATTERN` by `re.match`, anything
+    else by equality; None when none does."""
+    for entry in (quantization or {}).get("ignore") or []:
+        if isinstance(entry, str) and (
+            entry.startswith("re:") and re.match(entry[3:], module) or entry == module
+        ):
+            return entry
+    return None
 
 
 def preset_text(name: str) -> str:

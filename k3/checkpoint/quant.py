@@ -8,7 +8,7 @@ leaves its router and latent projections unignored yet ships them BF16, and Kimi
 shared experts although its card calls them ignored. So the headers decide and the list only explains:
 
     weight_plan(raw_config, {name: (dtype, shape)})   # {X: PackedWeight(...)} of every packed weight
-    ignored_by(quantization_config, "….self_attn.q_proj")   # the ignore entry that matches, or None
+    ignored_by(quantization_config, "….self_attn.q_proj")   # (k3.config) the matching ignore entry
     with_header_packing(cfg, headers)                 # cfg whose layout packs what the headers pack
 
 The ignore entries match module names (a weight's name without `.weight`) as compressed-tensors matches
@@ -18,13 +18,12 @@ them: `re:PATTERN` with `re.match`, anything else by equality.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from k3.checkpoint.source import CheckpointError
-from k3.config import K3Config
+from k3.config import K3Config, ignored_by
 from k3.layout import MXFP4_BLOCK, classify
 
 Headers = Mapping[str, tuple[str, tuple[int, ...]]]  # tensor name -> (safetensors dtype, shape)
@@ -56,14 +55,6 @@ def find_quantization_config(raw: Mapping[str, Any] | None) -> dict[str, Any] | 
     for holder in (text, raw):
         if isinstance(holder, Mapping) and isinstance(holder.get("quantization_config"), dict):
             return holder["quantization_config"]
-    return None
-
-
-def ignored_by(quantization: Mapping[str, Any] | None, module: str) -> str | None:
-    """The first `ignore` entry matching `module` (compressed-tensors' rule), or None."""
-    for entry in (quantization or {}).get("ignore") or []:
-        if entry.startswith("re:") and re.match(entry[3:], module) or entry == module:
-            return entry
     return None
 
 
