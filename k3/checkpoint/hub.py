@@ -125,8 +125,10 @@ class HubClient(HttpClient):
     """An `HttpClient` for one Hub repository at one commit, over huggingface_hub's session."""
 
     def __init__(self, ref: HubRef, options: RemoteOptions):
+        import httpx2
         from huggingface_hub.utils import get_session
 
+        self.transport_errors = (httpx2.TransportError,)  # huggingface_hub 2.x's client: retried as usual
         self.options, self.ref, self.endpoint = options, ref, endpoint()
         self.stats = FetchStats()
         self.cache = BlockCache(options.cache_dir, options.cache_max_bytes) if options.cache_dir else None
@@ -164,7 +166,7 @@ class HubClient(HttpClient):
         except HfHubHTTPError as e:
             response = e.response
             raise hub_failure(api_url, response.status_code, response.headers.get("X-Error-Code")) from None
-        except OSError as e:  # refused, unreachable
+        except (OSError, *self.transport_errors) as e:  # refused, unreachable
             raise CheckpointError(f"{api_url}: {type(e).__name__}: {e}") from None
         commit = info.sha or ""
         if not _COMMIT.fullmatch(commit):
@@ -250,11 +252,3 @@ class HubClient(HttpClient):
                 return body, size
 
         return self._with_retries(url, attempt)
-
-    def _with_retries(self, url, attempt):  # noqa: ANN001, ANN202 (HttpClient's, for httpx2's errors)
-        import httpx2
-
-        try:
-            return super()._with_retries(url, attempt)
-        except httpx2.TransportError as e:
-            raise CheckpointError(f"{url}: {type(e).__name__}: {e}") from None

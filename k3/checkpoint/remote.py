@@ -95,12 +95,14 @@ class HttpClient:
     def close(self) -> None:
         self._client.close()
 
+    transport_errors: tuple[type[Exception], ...] = (httpx.TransportError,)  # the client's: refused, dropped
+
     def _with_retries(self, url: str, attempt: Callable[[], T]) -> T:
         for n in range(self.options.retries + 1):
             try:
                 return attempt()
-            except (_Retryable, httpx.TransportError) as e:  # TransportError: refused, dropped, timed out
-                problem = f"{type(e).__name__}: {e}" if isinstance(e, httpx.TransportError) else str(e)
+            except (_Retryable, *self.transport_errors) as e:  # refused, dropped, timed out: retried
+                problem = f"{type(e).__name__}: {e}" if isinstance(e, self.transport_errors) else str(e)
             if n < self.options.retries:
                 self.stats.count(retries=1)
                 time.sleep(self.options.backoff * 2**n)
