@@ -61,18 +61,16 @@ def find_quantization_config(raw: Mapping[str, Any] | None) -> dict[str, Any] | 
 def weight_plan(
     quantization: Mapping[str, Any] | None, headers: Headers, where: str
 ) -> dict[str, PackedWeight]:
-    """Every packed weight of a checkpoint {module: PackedWeight}, checked: both halves present, U8, shapes
-    that agree with each other. Packed weights without a quantization_config are refused."""
+    """Every packed weight of a checkpoint {module: PackedWeight}, checked: U8, shapes that agree with each
+    other. Packed weights without a quantization_config are refused; a half without the other is left to
+    the layout check (`match_layout` lists it as missing or unexpected)."""
     plan: dict[str, PackedWeight] = {}
     for name in headers:
         if not name.endswith((".weight_packed", ".weight_scale")):
             continue
         module = name.rsplit(".", 1)[0]
         packed, scale = headers.get(f"{module}.weight_packed"), headers.get(f"{module}.weight_scale")
-        if packed is None or scale is None:
-            half = "weight_scale" if packed is None else "weight_packed"
-            raise CheckpointError(f"{where}: {name} has no {module}.{half} beside it")
-        if module in plan:
+        if packed is None or scale is None or module in plan:  # a lone half: the layout check lists it
             continue
         if packed[0] != "U8" or scale[0] != "U8":
             raise CheckpointError(

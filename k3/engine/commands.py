@@ -112,11 +112,11 @@ def load(checkpoint: str, layers: int | None):
     from k3.tokenizer.kimi import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_source(checkpoint)
         with open_checkpoint(checkpoint) as ckpt:  # a config with vision_config: the tower too
             vision = ckpt.config is not None and ckpt.config.vision_config is not None
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
         model = model_class.from_pretrained(checkpoint, layers=layers)
+        tokenizer = Tokenizer.from_source(model.source)  # a Hub source: the commit the model came from
     except (K3Error, OSError) as e:
         fail(f"{e}")
     if tokenizer.vocab_size != model.config.vocab_size:
@@ -172,7 +172,7 @@ def load_images(paths: list | None) -> list:
 
 
 def generate(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory, http(s) URL or hf://ORG/REPO[@REV]."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
     max_tokens: int = MAX_TOKENS,
     temperature: float = TEMPERATURE,
@@ -231,7 +231,7 @@ def rate_line(prompt_tokens: int, count: int, elapsed: float) -> str:
 
 
 def chat(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory, http(s) URL or hf://ORG/REPO[@REV]."),
     system: str = typer.Option(None, "--system", help="A system message to start the conversation."),
     tools: Path = typer.Option(
         None, "--tools", help="A JSON file with OpenAI tool declarations the model may call."
@@ -322,7 +322,7 @@ def show(out: Console, delta) -> None:
 
 
 def serve(
-    checkpoint: str = typer.Argument(..., help="Checkpoint directory or http(s) URL (with tiktoken.model)."),
+    checkpoint: str = typer.Argument(..., help="Checkpoint directory, http(s) URL or hf://ORG/REPO[@REV]."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8000, "--port", help="Port to listen on."),
     model_name: str = typer.Option(

@@ -97,7 +97,8 @@ def match_layout(
     for published, name in by_canonical.items():
         spec = expected[published]
         dtype, shape = found[name]
-        if tuple(shape) != spec.shape:
+        unpadded = published.endswith(".A_log") and tuple(shape) == (cfg.kda_num_heads,)  # one per head
+        if tuple(shape) != spec.shape and not unpadded:
             misshaped.append(f"{name}: {list(shape)} in the checkpoint, {list(spec.shape)} expected")
         packed = spec.dtype == "U8"
         if packed and dtype != "U8" or not packed and dtype not in ("F32", "BF16", "F16", "F64"):
@@ -224,6 +225,7 @@ def load_model(
         ckpt.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.source = ckpt.location  # a Hub source pinned: hf://ORG/REPO@<commit> (its tokenizer: the same)
     waiting = {path for tensors in later.values() for path, _, _ in tensors}
     left = [
         k for k, v in [*model.named_parameters(), *model.named_buffers()] if v.is_meta and k not in waiting

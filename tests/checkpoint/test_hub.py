@@ -140,9 +140,25 @@ def test_pinned_revisions_and_resolve_urls_name_the_same_checkpoint(tiny, hub):
             assert ckpt.names == names and ckpt.revision == COMMIT
 
 
-def test_tokenizer_from_the_hub_equals_local(tiny, hub):
+def test_tokenizer_and_generate_from_the_hub_equal_local(tiny, hub):
     text = "hello hub, 123"
     assert Tokenizer.from_source("hf://org/tiny").encode(text) == Tokenizer.from_dir(tiny).encode(text)
+    outputs = []
+    hub.hub_log.clear()
+    for source in (str(tiny), "hf://org/tiny"):
+        args = ["generate", source, "--prompt", "hello", "--max-tokens", "4", "--temperature", "0"]
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 0, result.output
+        outputs.append(result.stdout)
+    assert outputs[0] == outputs[1]
+    lookups = [p for _, p, _ in hub.hub_log if "/revision/" in p]
+    assert lookups == ["/api/models/org/tiny/revision/main", f"/api/models/org/tiny/revision/{COMMIT}"]
+
+
+def test_an_unreachable_hub_is_one_line(hub, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    message = one_line_error("hf://org/tiny")
+    assert "http://127.0.0.1:9/api/models/org/tiny/revision/main" in message
 
 
 def one_line_error(source: str) -> str:

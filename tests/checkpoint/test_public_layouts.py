@@ -355,3 +355,29 @@ def test_init_like_writes_the_published_files_and_the_model_runs(name, tmp_path)
     with torch.no_grad():
         logits = model(torch.tensor([[18805, 308, 799, 5624, 12524]]))
     assert logits.shape == (1, 5, 163840) and torch.isfinite(logits).all()
+
+
+def test_a_log_stored_one_entry_per_head_loads_like_the_padded_one(tmp_path):
+    """The 0.40B's stored A_log length is not public: [heads] and the zero-padded form give one model."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = K3Config.preset("tiny")
+    init_checkpoint(cfg, tmp_path / "padded")
+    (tmp_path / "heads").mkdir()
+    for p in (tmp_path / "padded").iterdir():
+        if p.suffix == ".safetensors":
+            tensors = load_file(p)
+            for name in [n for n in tensors if n.endswith(".A_log")]:
+                assert tensors[name].shape[0] > cfg.kda_num_heads
+                tensors[name] = tensors[name][: cfg.kda_num_heads].clone()
+            save_file(tensors, tmp_path / "heads" / p.name, metadata={"format": "pt"})
+        else:
+            (tmp_path / "heads" / p.name).write_bytes(p.read_bytes())
+    index = json.loads((tmp_path / "heads" / "model.safetensors.index.json").read_text())
+    index["metadata"].pop("total_size", None)
+    (tmp_path / "heads" / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.tensor([[5, 4, 3, 2, 1]])
+    with torch.no_grad():
+        padded = K3ForCausalLM.from_pretrained(tmp_path / "padded", dtype=torch.float32)(ids)
+        heads = K3ForCausalLM.from_pretrained(tmp_path / "heads", dtype=torch.float32)(ids)
+    assert torch.equal(padded, heads)
