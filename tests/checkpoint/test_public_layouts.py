@@ -381,3 +381,32 @@ def test_a_log_stored_one_entry_per_head_loads_like_the_padded_one(tmp_path):
         padded = K3ForCausalLM.from_pretrained(tmp_path / "padded", dtype=torch.float32)(ids)
         heads = K3ForCausalLM.from_pretrained(tmp_path / "heads", dtype=torch.float32)(ids)
     assert torch.equal(padded, heads)
+
+
+def test_inspect_shows_what_is_packed_and_why(tmp_path):
+    """Headers decide, the ignore list explains: shared experts packed although the (release's) list
+    ignores them, the router neither ignored nor packed, attention ignored."""
+    from typer.testing import CliRunner
+
+    from k3.cli import app
+
+    cfg = K3Config.preset("tiny")
+    cfg.mxfp4_components = ("routed_experts", "shared_experts")
+    cfg.quantization_config = json.loads(json.dumps(RELEASE["text_config"]["quantization_config"]))
+    init_checkpoint(cfg, tmp_path)
+    result = CliRunner().invoke(app, ["inspect", str(tmp_path), "--json", "--filter", r"layers\.1\."])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    why = {r["name"].split("layers.1.", 1)[1]: r.get("packing", "") for r in report["tensors"]}
+    assert why["block_sparse_moe.experts.0.w1.weight_packed"].startswith(
+        "packed: weight_packed + weight_scale"
+    )
+    assert "not ignored" in why["block_sparse_moe.experts.0.w1.weight_packed"]
+    shared = why["block_sparse_moe.shared_experts.up_proj.weight_scale"]
+    assert (
+        shared.startswith("packed")
+        and "although quantization_config ignores it (re:.*shared_experts.*)" in shared
+    )
+    assert why["self_attn.o_proj.weight"] == "not packed: ignored by re:.*self_attn.*"
+    assert why["block_sparse_moe.gate.weight"].startswith("not packed: BF16 in the header (not ignored")
+    assert report["packed"] == cfg.num_moe_layers * (3 * cfg.num_experts + 3)
