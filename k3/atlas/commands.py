@@ -21,7 +21,7 @@ atlas_app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SOURCE_HELP = "A checkpoint directory, a .safetensors file or an http(s) URL of one."
+SOURCE_HELP = "A checkpoint directory, a .safetensors file, an http(s) URL of one, or hf://ORG/REPO[@REV]."
 SERVE_SOURCE_HELP = SOURCE_HELP + " A preset name or a config.json shows the config-only view (no weights)."
 
 

@@ -2,7 +2,7 @@
 
     from k3.checkpoint import open_checkpoint, save_checkpoint, CheckpointError
 
-    with open_checkpoint("ckpt/") as ckpt:          # or "https://host/path/to/ckpt"
+    with open_checkpoint("ckpt/") as ckpt:          # or "https://host/path/to/ckpt", "hf://ORG/REPO@REV"
         for t in ckpt.tensors():                     # TensorInfo(name, dtype, shape, shard, start, end)
             ...
         w = ckpt.read("model.embed_tokens.weight")   # zero-copy over a memory map locally

@@ -112,7 +112,9 @@ def inspect_command(cross_check: CrossCheck | None = None) -> Callable[..., None
     """The typer command `inspect`, with `cross_check`'s findings added to the checkpoint's own."""
 
     def inspect(
-        source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
+        source: str = typer.Argument(
+            ..., help="A checkpoint directory, an http(s) URL of one, or hf://ORG/REPO[@REV]."
+        ),
         filter: str | None = typer.Option(
             None, "--filter", help="Show only tensors whose name matches this regex."
         ),

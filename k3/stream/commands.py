@@ -85,7 +85,9 @@ def read_prompts(path: Path, tokenizer_source: str | Path) -> list[list[int]]:
 
 @stream_app.command("run")
 def run(
-    source: str = typer.Argument(..., help="A checkpoint directory or an http(s) URL of one."),
+    source: str = typer.Argument(
+        ..., help="A checkpoint directory, an http(s) URL of one, or hf://ORG/REPO[@REV]."
+    ),
     prompts: Path = typer.Option(
         ..., "--prompts", help='JSONL: {"text": ...} or {"input_ids": [...]} a line.'
     ),
