@@ -115,6 +115,8 @@ def _entry(name: str, entry: Any, where: str) -> tuple[str, tuple[int, ...], int
     begin, end = offsets
     if begin > end:
         raise CheckpointError(f"{at}: data_offsets [{begin}, {end}] run backwards")
+    if math.prod(d for d in shape if d) >= 2**63:  # strides a tensor cannot have, even with 0 elements
+        raise CheckpointError(f"{at}: shape {shape} is too large for a tensor")
     numel = 1
     for d in shape:
         numel *= d
