@@ -10,8 +10,9 @@
 * the CDN: checks the signature, answers `Range` with 206 + Content-Range, and logs every request's headers
   and the bytes it served.
 
-Faults for the error tests: `hub.fault = "ignore-range" | "wrong-range" | "corrupt" | "move"` (the CDN
-answers 200, a shifted range or a flipped first byte; the Hub answers an unexpected X-Repo-Commit).
+Faults for the error tests: `hub.fault = "ignore-range" | "wrong-range" | "short" | "corrupt" | "move"`
+(the CDN answers 200, a shifted range, half the range, or a flipped first byte; the Hub answers an
+unexpected X-Repo-Commit).
 """
 
 from __future__ import annotations
@@ -219,6 +220,8 @@ class FakeHub:
             if self.fault == "wrong-range":
                 a, b = a + 1, b + 1 if b + 1 < size else b
             body, status, extra = data[a : b + 1], 206, {"Content-Range": f"bytes {a}-{b}/{size}"}
+            if self.fault == "short":  # the range promised, half of it sent
+                body = body[: len(body) // 2]
         if self.fault == "corrupt" and body:
             body = bytes([body[0] ^ 0xFF]) + body[1:]
         with self._lock:

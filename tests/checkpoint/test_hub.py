@@ -206,6 +206,15 @@ def test_wrong_or_ignored_ranges(hub, fault, expected):
     assert f"/org/open/resolve/{COMMIT}/model-00001-of-00001.safetensors" in message and expected in message
 
 
+def test_a_short_answer_is_retried_then_reported(hub):
+    hub.fault = "short"
+    with pytest.raises(CheckpointError) as info:
+        open_checkpoint("hf://org/open", remote=RemoteOptions(retries=1, backoff=0.01))
+    message = str(info.value)
+    assert "\n" not in message and f"/org/open/resolve/{COMMIT}/model-00001-of-00001.safetensors" in message
+    assert "giving up after 2 attempts" in message and "short body" in message and "HTTP 206" in message
+
+
 def test_tensors_that_disagree_with_the_config(hub):
     message = one_line_error("hf://org/broken")
     assert f"hf://org/broken@{COMMIT}" in message
