@@ -198,9 +198,9 @@ def census_of(target: str) -> Census:
     """
     from pathlib import Path
 
-    from k3.config import PRESETS, no_such_source
+    from k3.config import PRESETS, PUBLIC_PRESETS, no_such_source
 
-    if target in PRESETS:
+    if target in PRESETS + PUBLIC_PRESETS:
         return census_from_config(K3Config.preset(target))
     path = Path(target)
     if path.is_file():

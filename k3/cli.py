@@ -92,7 +92,7 @@ def print_census(c: Census, title: str) -> None:
 def census(
     target: str = typer.Argument(
         ...,
-        help=f"A preset ({', '.join(PRESETS)}), a config.json, a checkpoint "
+        help=f"A preset ({', '.join(PRESETS + PUBLIC_PRESETS)}), a config.json, a checkpoint "
         "directory or an http(s) URL of one.",
     ),
     as_json: bool = typer.Option(False, "--json", help="Print machine-readable JSON."),
