@@ -14,7 +14,7 @@ from typing import Any
 
 from k3.atlas.db import AtlasDB, LogicalTensor
 from k3.atlas.stats import STAT_KEYS
-from k3.config import FFN, PRESETS, K3Config, no_such_source
+from k3.config import FFN, PRESETS, PUBLIC_PRESETS, K3Config, no_such_source
 from k3.layout import VISION_COMPONENTS
 
 GRID_MATRICES_MAX = 4  # matrix kinds shown in the expert grid
@@ -50,7 +50,7 @@ class Atlas:
         A checkpoint's tensor index and census come from its headers alone (remotely: a few kB per shard),
         so an unscanned checkpoint already shows its layer map, census and tensor list; a database left by
         a scan of other files (a different index fingerprint) is ignored."""
-        if source in PRESETS:
+        if source in PRESETS + PUBLIC_PRESETS:
             return cls(source, K3Config.preset(source), [], None, None)
         path = Path(source)
         if path.is_file() and path.suffix == ".json":
