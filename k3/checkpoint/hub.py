@@ -161,7 +161,7 @@ class HubClient(HttpClient):
         self.stats.count(requests=1)
         try:
             info = HfApi(endpoint=self.endpoint, library_name="k3").model_info(
-                self.ref.repo_id, revision=self.ref.revision
+                self.ref.repo_id, revision=self.ref.revision, timeout=self.options.timeout
             )
         except HfHubHTTPError as e:
             response = e.response
@@ -209,7 +209,7 @@ class HubClient(HttpClient):
 
         def attempt() -> bytearray:
             self.stats.count(requests=1)
-            with self._client.stream("GET", url, headers=self._headers()) as r:
+            with self._client.stream("GET", url, headers=self._headers(), timeout=self.options.timeout) as r:
                 self._check(r, url, 200)
                 return self._read_body(r, self.options.max_json_bytes, url)
 
@@ -224,7 +224,7 @@ class HubClient(HttpClient):
 
         def attempt() -> tuple[bytes | bytearray, int]:
             self.stats.count(requests=1)
-            with self._client.stream("GET", url, headers=headers) as r:
+            with self._client.stream("GET", url, headers=headers, timeout=self.options.timeout) as r:
                 self._check(r, url, 206)
                 where = f"{url} (via {r.url.host})" if r.history else url
                 m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", ""))
