@@ -210,6 +210,7 @@ def create_app(
             "created": created,
             "owned_by": "k3",
             "max_model_len": engine.max_context,
+            "root": getattr(engine.model, "source", None),  # where it was loaded from (Hub: @<commit>)
         }
         return {"object": "list", "data": [model]}
 

@@ -155,6 +155,19 @@ def test_tokenizer_and_generate_from_the_hub_equal_local(tiny, hub):
     assert lookups == ["/api/models/org/tiny/revision/main", f"/api/models/org/tiny/revision/{COMMIT}"]
 
 
+def test_the_server_names_the_commit_it_serves(hub):
+    from starlette.testclient import TestClient
+
+    from k3.engine.generate import Engine
+    from k3.engine.server import create_app
+
+    model = K3ForCausalLM.from_pretrained("hf://org/tiny")
+    app = create_app(Engine(model), Tokenizer.from_source(model.source), "tiny")
+    with TestClient(app) as client:
+        models = client.get("/v1/models").json()["data"]
+    assert models[0]["root"] == f"hf://org/tiny@{COMMIT}"
+
+
 def test_an_unreachable_hub_is_one_line(hub, monkeypatch):
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
     message = one_line_error("hf://org/tiny")
