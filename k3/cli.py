@@ -122,7 +122,7 @@ def _register_rooms() -> None:
     from k3.distill.commands import distill_app
     from k3.engine.commands import chat, serve, tokenize
     from k3.export.commands import export_app
-    from k3.model.commands import say_written, write_like_checkpoint, write_random_checkpoint
+    from k3.model.commands import say_written, write_random_checkpoint
     from k3.ops.commands import doctor
     from k3.rl.commands import rl_app
     from k3.sandbox.commands import sandbox_app
@@ -157,10 +157,7 @@ def _register_rooms() -> None:
         name = str(preset or like)
         if like is not None and like not in PUBLIC_PRESETS:
             fail(f"--like: unknown public layout {like!r} (choose from {', '.join(PUBLIC_PRESETS)})")
-        if name in PUBLIC_PRESETS:
-            files = write_like_checkpoint(out, name, seed, overwrite)
-        else:
-            files = write_random_checkpoint(out, name, seed, overwrite)
+        files = write_random_checkpoint(out, name, seed, overwrite)  # a public name: its exact layout
         write_tokenizer(out, K3Config.preset(name).vocab_size)
         say_written(name, seed, out, [*files, out / TIKTOKEN_FILE, out / CONFIG_FILE])
 

@@ -23,12 +23,10 @@ The vision tower and projector come from the config's vision_config through k3.l
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-from k3.config import K3Config, preset_text
+from k3.config import K3Config
 from k3.layout import TensorSpec, checkpoint_tensors
 
 
@@ -42,9 +40,6 @@ class PublicLayout:
 
     def config(self) -> K3Config:
         return K3Config.preset(self.name)
-
-    def raw_config(self) -> dict[str, Any]:
-        return json.loads(preset_text(self.name))
 
 
 PUBLIC_LAYOUTS = {

@@ -114,9 +114,10 @@ def load(checkpoint: str, layers: int | None):
     try:
         with open_checkpoint(checkpoint) as ckpt:  # a config with vision_config: the tower too
             vision = ckpt.config is not None and ckpt.config.vision_config is not None
+            pinned = ckpt.location  # a Hub source: hf://ORG/REPO@<commit>, so all three read one commit
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
-        model = model_class.from_pretrained(checkpoint, layers=layers)
-        tokenizer = Tokenizer.from_source(model.source)  # a Hub source: the commit the model came from
+        model = model_class.from_pretrained(pinned, layers=layers)
+        tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:
         fail(f"{e}")
     if tokenizer.vocab_size != model.config.vocab_size:

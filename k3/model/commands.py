@@ -16,7 +16,7 @@ from k3.terminal import fail
 
 def init(
     out: Path = typer.Argument(..., help="Directory to write the checkpoint into (created if missing)."),
-    preset: str = typer.Option(..., "--preset", help="k3, kimi-linear-48b, mini, tiny or k3-slice."),
+    preset: str = typer.Option(..., "--preset", help="A preset name (k3 census lists them)."),
     seed: int = typer.Option(0, "--seed", help="Random seed: the same seed writes the same bytes."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a checkpoint already in OUT."),
 ) -> None:
@@ -25,14 +25,18 @@ def init(
 
 
 def write_random_checkpoint(out: Path, preset: str, seed: int, overwrite: bool) -> list[Path]:
-    """`k3 init`'s files (shards, index, config.json), or a one-line error."""
-    from k3.config import PRESETS, K3Config
+    """`k3 init`'s files (shards, index, config.json), or a one-line error; a public preset (PUBLIC_PRESETS)
+    is written in its exact layout."""
+    from k3.config import PRESETS, PUBLIC_PRESETS, K3Config
     from k3.layout import published_tensors, vision_tensors
     from k3.model.init import init_checkpoint
 
+    if preset in PUBLIC_PRESETS:  # a public checkpoint's name: its exact layout
+        return write_like_checkpoint(out, preset, seed, overwrite)
     try:
         if preset not in PRESETS:
-            raise K3Error(f"--preset: unknown preset {preset!r} (choose from {', '.join(PRESETS)})")
+            choices = ", ".join(PRESETS + PUBLIC_PRESETS)
+            raise K3Error(f"--preset: unknown preset {preset!r} (choose from {choices})")
         cfg = K3Config.preset(preset)
         total = sum(s.nbytes for s in published_tensors(cfg, expand_experts=False))
         total += sum(s.nbytes for s in vision_tensors(cfg))
@@ -63,7 +67,7 @@ def _free_bytes(path: Path) -> int | None:
 
 
 def write_like_checkpoint(out: Path, name: str, seed: int, overwrite: bool) -> list[Path]:
-    """A random checkpoint in a public checkpoint's exact layout (k3.checkpoint.public), or a one-line error."""
+    """A random checkpoint in a public checkpoint's exact layout (k3.checkpoint.public), or one error line."""
     from k3.checkpoint.public import PUBLIC_LAYOUTS, public_tensors
     from k3.model.init import init_like
 
