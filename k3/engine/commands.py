@@ -111,6 +111,8 @@ def load(checkpoint: str, layers: int | None):
     from k3.model import K3ForCausalLM, K3ForConditionalGeneration
     from k3.tokenizer.kimi import Tokenizer
 
+    if "://" not in checkpoint and not Path(checkpoint).exists():
+        fail(f"{checkpoint}: no such directory")
     try:
         with open_checkpoint(checkpoint) as ckpt:  # a config with vision_config: the tower too
             vision = ckpt.config is not None and ckpt.config.vision_config is not None
