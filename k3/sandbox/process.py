@@ -157,8 +157,11 @@ class Proc:
                     continue
                 name = names[key.fileobj.fileno()]
                 if self._mark and name == "stderr" and self._mark in chunk:
+                    # the supervisor writes its line before it kills, so the tree's last output may follow
                     chunk, _, tail = chunk.partition(self._mark)
-                    guest_reason = tail.partition(b"killed_by=")[2].partition(b"\n")[0].decode() or "killed"
+                    line, _, rest = tail.partition(b"\n")
+                    guest_reason = line.partition(b"killed_by=")[2].decode() or "killed"
+                    chunk += rest
                 room = self._cap - len(out["stdout"]) - len(out["stderr"])
                 if len(chunk) > room:
                     chunk = chunk[: max(0, room)]

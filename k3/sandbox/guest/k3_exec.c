@@ -6,7 +6,7 @@
  * process, the figure is capped by the whole guest's AnonPages, which count it once) and counts its
  * processes and their CPU time from the guest's /proc. When the tree passes MEMORY bytes, holds PIDS
  * processes or has used CPU_MS milliseconds of CPU (0: no limit), or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
- * writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
+ * first writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
  * SIGINT and SIGHUP are passed to the command. When ARGV's first process ends, the processes of its tree
  * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and
  * it exits with that first process's status (128 + signal if killed); processes started in the background
@@ -62,6 +62,9 @@ static int tree(pid_t self, pid_t *out, long long *rss, long long *cpu_ticks) {
             continue;
         ticks[n] = utime + stime;
         pid[n] = atoi(buf);
+        /* a task that died while being read shows pid 0 here (gVisor: it has left the pid namespace);
+         * kill(0) would end this supervisor's own process group, so it is skipped */
+        if (pid[n] != atoi(e->d_name)) continue;
         n++;
     }
     if (d) closedir(d);
@@ -115,6 +118,12 @@ static long long reaped_ticks(void) {
     return us * sysconf(_SC_CLK_TCK) / 1000000;
 }
 
+/* SIGKILL one process of the tree: never 0 or a negative number (a process group: kill(0) is this
+ * supervisor's own group), never the supervisor itself. */
+static void kill_one(pid_t pid, pid_t self) {
+    if (pid > 0 && pid != self) kill(pid, SIGKILL);
+}
+
 static void kill_tree(pid_t self) {
     static pid_t procs[MAX_PROCS];
     long long rss, cpu;
@@ -122,7 +131,7 @@ static void kill_tree(pid_t self) {
     for (int pass = 0; pass < 1000; pass++) { /* then whoever left the group */
         int n = tree(self, procs, &rss, &cpu);
         if (n == 0) return;
-        for (int i = 1; i <= n; i++) kill(procs[i], SIGKILL);
+        for (int i = 1; i <= n; i++) kill_one(procs[i], self);
         while (waitpid(-1, NULL, WNOHANG) > 0) {}
         struct timespec ts = {0, 1000000};
         nanosleep(&ts, NULL);
@@ -132,7 +141,7 @@ static void kill_tree(pid_t self) {
 /* SIGKILL (if `really`) the processes of the tree that still hold this command's stdout or stderr (when
  * its first process has ended they would keep the command open, as bubblewrap's pid namespace would not);
  * those started with their own output live on. Returns how many there were. */
-static int end_holders(const pid_t *procs, int n, int really) {
+static int end_holders(const pid_t *procs, int n, int really, pid_t self) {
     char mine[2][64] = {{0}}, theirs[64], path[64];
     int held = 0;
     for (int fd = 1; fd <= 2; fd++) {
@@ -146,7 +155,7 @@ static int end_holders(const pid_t *procs, int n, int really) {
             if (len < 0) continue;
             theirs[len] = 0;
             if ((mine[0][0] && !strcmp(theirs, mine[0])) || (mine[1][0] && !strcmp(theirs, mine[1]))) {
-                if (really) kill(procs[i], SIGKILL);
+                if (really) kill_one(procs[i], self);
                 held++;
                 break;
             }
@@ -218,16 +227,16 @@ int main(int argc, char **argv) {
             if (p == child) status = st, done = 1;
         long long rss, anon, cpu;
         int n = tree(self, procs, &rss, &cpu);
-        if (done && (n == 0 || !end_holders(procs, n, ++ticks_done > GRACE_TICKS))) break;
+        if (done && (n == 0 || !end_holders(procs, n, ++ticks_done > GRACE_TICKS, self))) break;
         if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
         else if (memory > 0 && rss > memory) why = "oom";
         else if (pids > 0 && n >= pids) why = "pids";
         else if (cpu_ms > 0 && (cpu + reaped_ticks()) * 1000 / clk_tck > cpu_ms) why = "cpu";
-        if (why) {
+        if (why) { /* the reason first (one write), so it is on record whatever happens while killing */
+            fprintf(stderr, "%s killed_by=%s\n", mark, why);
             kill_tree(self);
             waitpid(child, &status, 0);
-            fprintf(stderr, "%s killed_by=%s\n", mark, why);
             return 128 + SIGKILL;
         }
         struct timespec ts = {0, TICK_MS * 1000000L};
