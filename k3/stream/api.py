@@ -21,6 +21,7 @@ from k3.stream.fetch import CheckpointWeights, MappedWeights, ResidentWeights
 from k3.stream.plan import StreamPlan
 from k3.stream.runner import StreamOptions, StreamResult, StreamRun, StreamStatus, fingerprint
 from k3.stream.scratch import Scratch
+from k3.vision.preprocess import Prepared
 
 LOGITS = "logits.safetensors"
 SUMMARY = "summary.json"
@@ -35,9 +36,11 @@ def stream_logits(
     scratch_dir: Path | None = None,
     remote: RemoteOptions | None = None,
     report: Callable[[StreamStatus], None] | None = None,
+    images: list[list[Prepared]] | None = None,
 ) -> StreamResult:
     """Run the schedule over `prompts` (token ids). `resident`: copy every weight into memory first (the
-    reference the streamed run matches bit for bit). `scratch_dir`: per-layer state there (resumable)."""
+    reference the streamed run matches bit for bit). `scratch_dir`: per-layer state there (resumable).
+    `images`: per prompt, the prepared images whose rows fill its `<|media_pad|>` placeholders."""
     options = options or StreamOptions()
     with open_checkpoint(source, remote=remote) as ckpt:
         plan = StreamPlan(ckpt)
@@ -47,8 +50,9 @@ def stream_logits(
             weights = CheckpointWeights(ckpt) if ckpt.fetch_stats is not None else MappedWeights(ckpt)
         scratch = None
         if scratch_dir is not None:
-            scratch = Scratch(scratch_dir, fingerprint(ckpt.location, ckpt.total_bytes, prompts, options))
-        result = StreamRun(plan, weights, prompts, options, scratch, report).run()
+            job = fingerprint(ckpt.location, ckpt.total_bytes, prompts, options, images)
+            scratch = Scratch(scratch_dir, job)
+        result = StreamRun(plan, weights, prompts, options, scratch, report, images).run()
         result.summary["source"] = str(source)
         if ckpt.revision is not None:  # a Hub source: the commit its revision was resolved to
             result.summary["revision"] = ckpt.revision
@@ -81,12 +85,15 @@ def stream_to_dir(
     scratch_dir: Path | None = None,
     remote: RemoteOptions | None = None,
     report: Callable[[StreamStatus], None] | None = None,
+    images: list[list[Prepared]] | None = None,
 ) -> StreamResult:
     """`stream_logits` with state in `scratch_dir` (default OUT/scratch), then OUT/logits.safetensors and
     OUT/summary.json; the scratch folder is deleted once both are in place."""
     out.mkdir(parents=True, exist_ok=True)
     scratch_dir = scratch_dir or out / "scratch"
-    result = stream_logits(source, prompts, options, scratch_dir=scratch_dir, remote=remote, report=report)
+    result = stream_logits(
+        source, prompts, options, scratch_dir=scratch_dir, remote=remote, report=report, images=images
+    )
     tensors = {k: v.contiguous() for k, v in result.outputs.items()}
     metadata = {"format": "k3-stream-logits/1"}
     if "revision" in result.summary:

@@ -51,12 +51,16 @@ def compute_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)))
 
 
-def read_prompts(path: Path, tokenizer_source: str | Path) -> list[list[int]]:
+def read_prompts(path: Path, tokenizer_source: str | Path) -> tuple[list[list[int]], list[list]]:
     """One prompt a line: {"input_ids": [...]} or {"text": "..."} (encoded by the tokenizer of
-    `tokenizer_source`, a checkpoint folder or URL, loaded on the first text prompt)."""
+    `tokenizer_source`, a checkpoint folder or URL, loaded on the first text prompt), either with
+    "images": ["a.png", ...] (paths relative to the prompts file). A text prompt's images come before its
+    text (as `k3 generate --image`); `input_ids` hold their `<|media_pad|>` placeholders (one per image or
+    the expanded form). Returns the ids and, per prompt, its images (k3.vision.preprocess.Prepared)."""
     if not path.is_file():
         raise K3Error(f"{path}: no such prompts file")
     prompts: list[list[int]] = []
+    images: list[list] = []
     tokenizer = None
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip():
@@ -65,6 +69,7 @@ def read_prompts(path: Path, tokenizer_source: str | Path) -> list[list[int]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise K3Error(f"{path}:{n}: not JSON ({e.msg})") from None
+        loaded = _images(path, n, row.get("images", []) if isinstance(row, dict) else [])
         if isinstance(row, dict) and isinstance(row.get("input_ids"), list):
             ids = row["input_ids"]
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
@@ -75,12 +80,34 @@ def read_prompts(path: Path, tokenizer_source: str | Path) -> list[list[int]]:
                 from k3.tokenizer.kimi import Tokenizer
 
                 tokenizer = Tokenizer.from_source(tokenizer_source)
-            prompts.append(tokenizer.encode(row["text"]))
+            from k3.engine.images import image_prompt_ids
+
+            before = [t for im in loaded for t in image_prompt_ids(tokenizer, im)]
+            prompts.append(before + tokenizer.encode(row["text"]))
         else:
             raise K3Error(f'{path}:{n}: expected {{"input_ids": [...]}} or {{"text": "..."}}')
+        images.append([im.item for im in loaded])
     if not prompts:
         raise K3Error(f"{path}: no prompts")
-    return prompts
+    return prompts, images
+
+
+def _images(path: Path, n: int, names: object) -> list:
+    """The images of line n (k3.engine.images.ImageInput), each opened and preprocessed."""
+    if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+        raise K3Error(f"{path}:{n}: images must be a list of file names")
+    from k3.engine.images import load_image
+
+    out = []
+    for name in names:
+        file = path.parent / name
+        if not file.is_file():
+            raise K3Error(f"{path}:{n}: {name}: no such image file")
+        try:
+            out.append(load_image(file.read_bytes()))
+        except K3Error as e:
+            raise K3Error(f"{path}:{n}: {name}: {e}") from None
+    return out
 
 
 @stream_app.command("run")
@@ -89,7 +116,7 @@ def run(
         ..., help="A checkpoint directory, an http(s) URL of one, or hf://ORG/REPO[@REV]."
     ),
     prompts: Path = typer.Option(
-        ..., "--prompts", help='JSONL: {"text": ...} or {"input_ids": [...]} a line.'
+        ..., "--prompts", help='JSONL: {"text": ...} or {"input_ids": [...]} a line (+ "images": [...]).'
     ),
     out: Path = typer.Option(..., "--out", help="Output folder: logits.safetensors, summary.json."),
     memory_budget: str = typer.Option("4GB", help="Prompt state kept in RAM; beyond it, in scratch files."),
@@ -120,7 +147,7 @@ def run(
         budget, ahead = parse_size(memory_budget), parse_size(prefetch)
         cap = parse_size(cache_size) if cache_size is not None else None
         layers = tuple(int(x) for x in dump_hidden.split(",")) if dump_hidden else ()
-        ids = read_prompts(prompts, tokenizer or source)  # a URL's tokenizer is fetched from it
+        ids, images = read_prompts(prompts, tokenizer or source)  # a URL's tokenizer is fetched from it
     except ValueError as e:
         fail(str(e) if isinstance(e, K3Error) else f"--dump-hidden: {e}")
     if max_new_tokens < 0 or top_k < 1 or chunk_tokens < 1 or (threads is not None and threads < 1):
@@ -155,7 +182,7 @@ def run(
 
         try:
             result = stream_to_dir(
-                source, ids, out, options, scratch_dir=scratch, remote=remote, report=report
+                source, ids, out, options, scratch_dir=scratch, remote=remote, report=report, images=images
             )
         except (K3Error, OSError) as e:
             remove_if_empty(out)  # created for the run, nothing written: gone again

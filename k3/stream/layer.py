@@ -22,6 +22,8 @@ from k3.model.loading import assign_tensor
 from k3.model.model import K3DecoderLayer, K3Model
 from k3.model.moe import MoE, pairs_by_expert
 from k3.model.norm import Linear
+from k3.vision.projector import Projector
+from k3.vision.tower import VisionTower
 
 Tensors = dict[str, torch.Tensor]
 LayerState = KDAState | MLAState
@@ -33,6 +35,22 @@ class Ends(nn.Module):
     def __init__(self, cfg: K3Config) -> None:
         super().__init__()
         self.model = K3Model(cfg, num_layers=0)
+
+
+class Eyes(nn.Module):
+    """The vision stage's modules under their published names (`vision_tower.…`, `mm_projector.…`), as
+    K3ForConditionalGeneration holds them."""
+
+    def __init__(self, cfg: K3Config) -> None:
+        super().__init__()
+        assert cfg.vision_config is not None
+        self.vision_tower = VisionTower(cfg.vision_config)
+        self.mm_projector = Projector(cfg.vision_config, cfg.hidden_size)
+
+
+def empty_eyes(cfg: K3Config) -> Eyes:
+    with torch.device("meta"):
+        return Eyes(cfg)
 
 
 def head_block(weight: torch.Tensor) -> Linear:

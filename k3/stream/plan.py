@@ -7,7 +7,9 @@ Per layer i there are three kinds of stage, read in this order:
 * `expert`: one routed expert (its w1, w3, w2, packed and scales): read only when some token chose it.
 
 Before the layers comes `embed` (the rows of the embedding table that the pass's tokens use, `embed_rows`),
-after them `head` (the output AttnRes read, the final norm, lm_head). A stage's tensors are grouped into
+after them `head` (the output AttnRes read, the final norm, lm_head). A checkpoint with a vision tower has one
+more stage, `vision` (every `vision_tower.*` and `mm_projector.*` tensor), read before `embed` by a first
+pass whose prompts hold images. A stage's tensors are grouped into
 spans of contiguous bytes of one shard: a reader fetches each span with one read (one HTTP request). Names
 are module paths relative to what the stage builds (`self_attn.q_proj.weight` for a layer,
 `w1.weight_packed` for an expert, `model.norm.weight` for the head).
@@ -19,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from k3.checkpoint import Checkpoint, TensorInfo
 from k3.config import K3Config
-from k3.model.loading import ModelLoadError, match_layout, model_name
+from k3.model.loading import VISION_PREFIXES, ModelLoadError, match_layout, match_vision, model_name
 from k3.model.on_demand import expert_of
 
 
@@ -38,7 +40,7 @@ class Span:
 
 @dataclass(frozen=True)
 class Stage:
-    kind: str  # "embed" | "mixer" | "ffn" | "expert" | "head" | "lm_head"
+    kind: str  # "vision" | "embed" | "mixer" | "ffn" | "expert" | "head" | "lm_head"
     layer: int | None
     expert: int | None
     tensors: tuple[tuple[str, TensorInfo], ...]  # (module-relative name, where it lives), in file order
@@ -134,6 +136,10 @@ class StreamPlan:
             else:
                 head.append((path, info))
         self.embed = Stage("embed", None, None, _sorted(embed))
+        self.vision: Stage | None = None  # the tower and the projector, when the checkpoint has them
+        if cfg.vision_config is not None and any(n.startswith(VISION_PREFIXES) for n in found):
+            tower = match_vision(cfg, found, ckpt.location)  # names each missing or mis-shaped tensor
+            self.vision = Stage("vision", None, None, _sorted([(n, ckpt.info(n)) for n in tower]))
         self.head = Stage("head", None, None, _sorted(head))  # the output AttnRes read and the final norm
         # lm_head in blocks of vocabulary rows, each one read: the largest stage of K3 otherwise (2.35 GB)
         assert lm_head is not None  # match_layout requires it

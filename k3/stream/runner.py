@@ -2,6 +2,8 @@
 
 Per pass (the prompts, then one pass per generated token):
 
+    vision                     first pass, prompts with images only: read the tower and the projector, run
+                               every image of every prompt through them at once (fp32); drop them
     embed                      read the embedding rows of the pass's tokens, look them up, drop them
     for each layer i:
         mixer i                read norms + AttnRes + attention weights; every prompt through the mixer
@@ -10,6 +12,7 @@ Per pass (the prompts, then one pass per generated token):
         experts of layer i     read only the experts some token chose, in file order, a ring ahead; run
                                each on its tokens; drop it
         commit                 the streams after layer i (and its caches) to the scratch folder
+                               (the image rows replace the `<|media_pad|>` embeddings, in order)
     head                       read the output read, the final norm and lm_head; logits
 
 One background thread reads the next stage while the current one computes (`k3.stream.fetch.Reads`), so
@@ -37,6 +40,7 @@ from k3.stream.fetch import CheckpointWeights, MappedWeights, Reads, ReadStats, 
 from k3.stream.layer import (
     LayerState,
     empty_ends,
+    empty_eyes,
     empty_layer,
     expert_dispatch,
     fill,
@@ -56,6 +60,8 @@ from k3.stream.scratch import (
     stream_tensors,
     streams_from,
 )
+from k3.vision.preprocess import Prepared
+from k3.vision.prompt import expand_placeholders
 
 
 class StreamError(K3Error):
@@ -96,11 +102,21 @@ class StreamResult:
     summary: dict = field(default_factory=dict)
 
 
-def fingerprint(location: str, total_bytes: int, prompts: list[list[int]], options: StreamOptions) -> str:
-    """What a scratch folder must match to be resumed: the source, the prompts and every option that changes
-    the results (the memory budget and the prefetch depth do not: a resumed run may change them)."""
+def fingerprint(
+    location: str,
+    total_bytes: int,
+    prompts: list[list[int]],
+    options: StreamOptions,
+    images: list[list[Prepared]] | None = None,
+) -> str:
+    """What a scratch folder must match to be resumed: the source, the prompts (and their images' pixels)
+    and every option that changes the results (the memory budget and the prefetch depth do not: a resumed
+    run may change them)."""
     kept = {k: v for k, v in options.__dict__.items() if k not in ("memory_budget", "prefetch_bytes")}
     job = {"source": location, "bytes": total_bytes, "prompts": prompts, "options": kept}
+    if images and any(images):
+        digest = [[hashlib.sha256(im.pixels.numpy().tobytes()).hexdigest() for im in p] for p in images]
+        job["images"] = digest
     return hashlib.sha256(json.dumps(job, sort_keys=True, default=list).encode()).hexdigest()
 
 
@@ -125,10 +141,27 @@ class StreamRun:
         options: StreamOptions,
         scratch: Scratch | None = None,
         report: Callable[[StreamStatus], None] | None = None,
+        images: list[list[Prepared]] | None = None,
     ) -> None:
+        """`images`: per prompt, the images (or clips) whose rows fill its `<|media_pad|>` placeholders in
+        order (the expanded form, or one pad per image: expanded here)."""
         cfg = plan.config
         if not prompts or any(not p for p in prompts):
             raise StreamError("every prompt needs at least one token")
+        self.images = images or [[] for _ in prompts]
+        if len(self.images) != len(prompts):
+            raise StreamError(f"{len(prompts)} prompts, images for {len(self.images)}")
+        if any(self.images):
+            if plan.vision is None:
+                raise StreamError("prompts with images, but the checkpoint has no vision tower")
+            pad = int(cfg.media_placeholder_token_id)
+            try:
+                prompts = [
+                    expand_placeholders(p, pad, [im.tokens for im in ims]) if ims else p
+                    for p, ims in zip(prompts, self.images, strict=True)
+                ]
+            except K3Error as e:
+                raise StreamError(f"a prompt with images: {e}") from None
         bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
         if bad:
             raise StreamError(f"token id {bad[0]} is outside the vocabulary (0..{cfg.vocab_size - 1})")
@@ -195,7 +228,7 @@ class StreamRun:
         if self.report is None:
             return
         L = self.plan.num_layers
-        layer = stage.layer if stage.layer is not None else (-1 if stage.kind == "embed" else L)
+        layer = stage.layer if stage.layer is not None else (-1 if stage.kind in ("vision", "embed") else L)
         done = (self.pass_index * (L + 2) + layer + 1) / (self.options.passes * (L + 2))
         self.report(
             StreamStatus(self.pass_index, self.options.passes, stage.layer, L, stage.label, self.stats, done)
@@ -205,23 +238,48 @@ class StreamRun:
         self._status(stage)
         return self.reads.take(stage)
 
+    def _vision(self, then: Stage) -> list[torch.Tensor]:
+        """Every image of every prompt through the tower and the projector at once, in fp32 (as
+        K3ForConditionalGeneration's default `vision_dtype`), `then` read meanwhile: per prompt its rows
+        [pads, H] in order ([0, H] without images)."""
+        stage = self.plan.vision
+        assert stage is not None
+        tensors = self._take(stage)
+        self.reads.ahead(then)
+        eyes = empty_eyes(self.cfg)
+        fill(eyes, {name: t.float() for name, t in tensors.items()})  # BF16 in the files: exact in fp32
+        items = [im for ims in self.images for im in ims]
+        pixels = torch.cat([im.pixels for im in items])  # [patches of all items, 3, P, P]
+        rows = eyes.mm_projector(eyes.vision_tower(pixels, [im.grid for im in items]))  # per item [n, H]
+        del eyes, tensors
+        self.reads.done(stage)
+        out, k = [], 0
+        for ims in self.images:
+            out.append(torch.cat([rows[k + j] for j in range(len(ims))]) if ims else pixels.new_zeros(0))
+            k += len(ims)
+        return out
+
     def _embed(self, tokens: list[list[int]]) -> list[ResidualStream]:
-        """Every prompt's embeddings, from the rows of the table its tokens use (the only ones read)."""
+        """Every prompt's embeddings, from the rows of the table its tokens use (the only ones read); on the
+        first pass, the pads' rows replaced by their images' (the vision stage)."""
         ids = sorted({t for p in tokens for t in p})
         stage = self.plan.embed_rows(ids)
-        self.dense_bytes_per_pass.append(self.plan.layer_bytes + stage.nbytes)
+        with_images = self.pass_index == 0 and any(self.images)
+        vision_bytes = self.plan.vision.nbytes if with_images and self.plan.vision is not None else 0
+        self.dense_bytes_per_pass.append(self.plan.layer_bytes + stage.nbytes + vision_bytes)
+        image_rows = self._vision(stage) if with_images else None
         tensors = self._take(stage)
         self.reads.ahead(self.plan.mixer[0])
         table = torch.cat([tensors[name] for name, _ in stage.tensors])  # [len(ids), H], rows of `ids`
         self.reads.done(stage)
         row = {t: i for i, t in enumerate(ids)}
-        return [
-            ResidualStream(
-                F.embedding(torch.tensor([[row[t] for t in p]]), table).to(torch.float32),
-                self.cfg.attn_res_block_size,
-            )  # [1, T, H]: nn.Embedding's lookup, on the rows read
-            for p in tokens
-        ]
+        streams = []
+        for p, prompt in enumerate(tokens):
+            x = F.embedding(torch.tensor([[row[t] for t in prompt]]), table).to(torch.float32)  # [1, T, H]
+            if image_rows is not None and len(image_rows[p]):  # as K3ForConditionalGeneration.embed
+                x[0, torch.tensor(prompt) == self.cfg.media_placeholder_token_id] = image_rows[p].to(x.dtype)
+            streams.append(ResidualStream(x, self.cfg.attn_res_block_size))
+        return streams
 
     def _layer_states(self, i: int) -> list[LayerState] | list[None]:
         if self.options.passes == 1:
