@@ -248,15 +248,20 @@ def chat(
     repetition_penalty: float = PENALTY,
     seed: int = SEED,
     layers: int = LAYERS,
+    image: list[Path] = typer.Option(
+        None, "--image", help="An image for the first user turn (repeat for more); needs a tower."
+    ),
 ) -> None:
     """Talk to a model: one line per user turn (reads stdin until EOF; empty lines are skipped).
     The reasoning (think channel) is shown dimmed, then the answer, then each tool call; after calls,
-    each line is the result of the next call (`tool NAME>`)."""
+    each line is the result of the next call (`tool NAME>`). `--image` and a line `/image PATH` attach
+    images to the next user turn (before its text, as image_url parts in the server's chat format)."""
     import json
 
     from k3.chat.encoder import encode_chat
     from k3.chat.parser import ReplyParser
     from k3.engine.generate import Engine
+    from k3.vision.prompt import image_prompt
 
     declared = None
     if tools is not None:
@@ -264,7 +269,10 @@ def chat(
             declared = json.loads(tools.read_text())
         except (OSError, ValueError) as e:
             fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
+    attached = load_images(image)  # images for the next user turn (k3.engine.images.ImageInput)
     model, tok = load(checkpoint, layers)
+    if attached and not hasattr(model, "encode_images"):
+        fail("--image: this checkpoint has no vision tower (its config has no vision_config)")
     params = sampling_params(
         max_tokens,
         temperature,
@@ -281,6 +289,7 @@ def chat(
     interactive = sys.stdin.isatty()
     out = Console(highlight=False, soft_wrap=True, markup=False)  # model text is never rich markup
     pending: list = []  # tool calls waiting for their results
+    images: list = []  # every image of the conversation so far, in order (the engine caches their rows)
     while True:
         ask = f"tool {pending[0].name}> " if pending else "you> "
         try:
@@ -291,16 +300,25 @@ def chat(
             continue
         if not interactive:
             out.print(f"{ask}{line}")
+        if not pending and line.startswith("/image "):
+            attached += attach(out, model, Path(line[len("/image ") :].strip()))
+            continue
         if pending:
             call = pending.pop(0)
             history.append({"role": "tool", "tool_call_id": call.id, "name": call.name, "content": line})
             if pending:
                 continue
+        elif attached:  # the images' parts first, then the text (k3.engine.server's chat format)
+            parts: list[dict] = [{"type": "image_url", "image_url": {"url": im.key}} for im in attached]
+            history.append({"role": "user", "content": [*parts, {"type": "text", "text": line}]})
+            images, attached = images + attached, []
         else:
             history.append({"role": "user", "content": line})
         reply = ReplyParser(tok, thinking)
         out.print("k3> ", end="")
-        for token in engine.stream(encode_chat(tok, history, declared, **options), params):
+        prompts = [image_prompt(im.original, im.tokens) for im in images] if images else None
+        ids = encode_chat(tok, history, declared, image_prompts=prompts, **options)
+        for token in engine.stream(ids, params, images or None):
             show(out, reply.push(token))
             if reply.done:
                 break
@@ -312,6 +330,23 @@ def chat(
             turn["tool_calls"] = [c.openai() for c in r.tool_calls]
         history.append(turn)
         pending = list(r.tool_calls)
+
+
+def attach(out: Console, model, path: Path) -> list:
+    """`/image PATH` in `k3 chat`: the image for the next user turn, or a one-line message and nothing."""
+    from k3.engine.images import load_image
+    from k3.errors import K3Error
+
+    if not hasattr(model, "encode_images"):
+        out.print("/image: this checkpoint has no vision tower (its config has no vision_config)")
+        return []
+    try:
+        image = load_image(path.read_bytes())
+    except (K3Error, OSError) as e:
+        out.print(f"/image {path}: {e}")
+        return []
+    out.print(f"[{path.name}: {image.original[0]}x{image.original[1]}, {image.tokens} tokens, next turn]")
+    return [image]
 
 
 def show(out: Console, delta) -> None:
