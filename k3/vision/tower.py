@@ -104,17 +104,17 @@ EAGER_SCORES_BYTES = 1 << 30  # bf16: explicit scores (as the reference) while [
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """Bidirectional attention inside each segment (block-diagonal): q, k, v [L, heads, d] -> [L, heads*d];
-    no token sees another image or clip. fp32: one SDPA call per segment (scale 1/sqrt(d), no [n, n]
-    scores kept). bf16: as the reference, q k^T and p v in bf16, softmax in fp32 (SDPA for segments whose
-    scores would pass EAGER_SCORES_BYTES)."""
+    no token sees another image or clip. fp32: one SDPA call per segment (scale 1/sqrt(d); 4-D inputs, so
+    that CPU torch runs its flash kernel and no [n, n] scores exist). bf16: as the reference, q k^T and
+    p v in bf16, softmax in fp32 (SDPA for segments whose scores would pass EAGER_SCORES_BYTES)."""
     out, start = [], 0
     for n in lengths:
         qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))  # [heads, n, d]
         if q.dtype == torch.bfloat16 and q.shape[1] * n * n * 4 <= EAGER_SCORES_BYTES:
             scores = (qs @ ks.transpose(1, 2)) * qs.shape[-1] ** -0.5  # [heads, n, n] bf16
             o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ vs
-        else:
-            o = F.scaled_dot_product_attention(qs, ks, vs)
+        else:  # 4-D: torch's CPU flash kernel, O(n) memory; 3-D inputs take the math path ([heads, n, n])
+            o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None])[0]
         out.append(o.transpose(0, 1).flatten(1))
         start += n
     return torch.cat(out)
