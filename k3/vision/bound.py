@@ -9,6 +9,9 @@ activations  4 B x L x (3 D + 5 Q + 2 I)      the peak inside a block's MLP: the
                                               output and the GELU's
              or the projector's, if larger:   4 B x (2 L D + 3 (L/4) T)   merged rows, their concatenation,
                                               proj.2's output and the post-norm's two temporaries
+workspace    15 % of the activations          GEMM packing, the attention kernel's per-thread blocks and
+                                              the allocator (measured: 4-6 % over the terms above, with
+                                              freed buffers returned to the system; docs/vision.md)
 
 L patches, D = vt_hidden_size, Q = qkv_hidden_size (heads x head_dim), I = vt_intermediate_size, P =
 patch_size, T = the text model's hidden size. Attention is one SDPA call per image (no [L, L] scores), the
@@ -42,5 +45,6 @@ def vision_memory_bound(cfg: VisionConfig, patches: int, text_hidden: int) -> di
         "pixels": 4 * L * 3 * P * P,
         "activations": max(tower, projector),
         "rope": 3 * 4 * L * (cfg.head_dim // 2),
+        "workspace": max(tower, projector) * 15 // 100,
     }
     return {**parts, "total": sum(parts.values())}
