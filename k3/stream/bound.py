@@ -7,6 +7,9 @@
 + activations                    4 bytes x tokens x (16 hidden + 3 latent) + 20 bytes x tokens x k (the
                                  routing and its pairs), + 8 bytes x V per logits row kept, + one expert's
                                  hidden activations: 4 bytes x min(tokens, EXPERT_ROWS) x 2 m
++ vision                         prompts with images: the vision stage as read, plus the tower's fp32 forward
+                                 over all their patches (k3.vision.bound); it runs before the layers, so
+                                 adding it is conservative
 """
 
 from __future__ import annotations
@@ -16,9 +19,16 @@ import math
 from k3.stream.layer import EXPERT_ROWS
 from k3.stream.plan import StreamPlan
 from k3.stream.runner import StreamOptions
+from k3.vision.bound import vision_memory_bound
+from k3.vision.preprocess import Prepared
 
 
-def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[int]]) -> dict[str, int]:
+def memory_bound(
+    plan: StreamPlan,
+    options: StreamOptions,
+    prompts: list[list[int]],
+    images: list[list[Prepared]] | None = None,
+) -> dict[str, int]:
     cfg = plan.config
     stages = [plan.embed_rows(sorted({t for p in prompts for t in p})), plan.head, *plan.lm_head]
     stages += [*plan.mixer, *plan.ffn_stages]
@@ -34,4 +44,8 @@ def memory_bound(plan: StreamPlan, options: StreamOptions, prompts: list[list[in
     activations = 4 * tokens * (16 * cfg.hidden_size + 3 * L) + 20 * tokens * k + 8 * rows * cfg.vocab_size
     activations += 4 * expert_rows
     parts = {"stages": 2 * largest, "expert_ring": ring, "state": state, "activations": activations}
+    patches = sum(im.pixels.shape[0] for p in images or [] for im in p)
+    if patches and plan.vision is not None and cfg.vision_config is not None:
+        tower = vision_memory_bound(cfg.vision_config, patches, cfg.hidden_size)["total"]
+        parts["vision"] = plan.vision.nbytes + tower
     return {**parts, "total": sum(parts.values())}

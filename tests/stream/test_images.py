@@ -122,3 +122,21 @@ def test_cli_image_lines_and_compare(tmp_path):
         app, ["stream", str(path), "--prompts", str(tmp_path / "bad.jsonl"), "--out", str(out)]
     )
     assert bad.exit_code != 0 and "bad.jsonl:1: missing.png: no such image file" in bad.output
+
+
+def test_the_memory_bound_counts_the_vision_stage(checkpoints):
+    from k3.stream.bound import memory_bound
+    from k3.stream.plan import StreamPlan
+    from k3.vision.bound import vision_memory_bound
+
+    path = checkpoints("tiny")
+    a = prepare([picture(56, 84, 0)])
+    with open_checkpoint(path) as ckpt:
+        plan = StreamPlan(ckpt)
+    cfg = plan.config
+    text = memory_bound(plan, StreamOptions(), [[1, 2]])
+    with_image = memory_bound(plan, StreamOptions(), [[1, 2]], [[a]])
+    assert "vision" not in text
+    tower = vision_memory_bound(cfg.vision_config, a.pixels.shape[0], cfg.hidden_size)["total"]
+    assert with_image["vision"] == plan.vision.nbytes + tower
+    assert with_image["total"] == text["total"] + with_image["vision"]
