@@ -5,6 +5,7 @@ Per pass (the prompts, then one pass per generated token):
     vision                     first pass, prompts with images only: read the tower and the projector, run
                                every image of every prompt through them at once (fp32); drop them
     embed                      read the embedding rows of the pass's tokens, look them up, drop them
+                               (the image rows replace the `<|media_pad|>` embeddings, in order)
     for each layer i:
         mixer i                read norms + AttnRes + attention weights; every prompt through the mixer
         ffn i                  read the dense MLP, or router + latent projections + shared experts;
@@ -12,7 +13,6 @@ Per pass (the prompts, then one pass per generated token):
         experts of layer i     read only the experts some token chose, in file order, a ring ahead; run
                                each on its tokens; drop it
         commit                 the streams after layer i (and its caches) to the scratch folder
-                               (the image rows replace the `<|media_pad|>` embeddings, in order)
     head                       read the output read, the final norm and lm_head; logits
 
 One background thread reads the next stage while the current one computes (`k3.stream.fetch.Reads`), so
@@ -241,7 +241,7 @@ class StreamRun:
     def _vision(self, then: Stage) -> list[torch.Tensor]:
         """Every image of every prompt through the tower and the projector at once, in fp32 (as
         K3ForConditionalGeneration's default `vision_dtype`), `then` read meanwhile: per prompt its rows
-        [pads, H] in order ([0, H] without images)."""
+        [pads, H] in order (empty without images)."""
         stage = self.plan.vision
         assert stage is not None
         tensors = self._take(stage)
