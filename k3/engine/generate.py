@@ -46,14 +46,7 @@ from k3.engine import state_store
 from k3.engine.images import ImageCache
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams, draw
-from k3.engine.sequence import (
-    Completion,
-    EngineError,
-    Event,
-    Sequence,
-    Status,
-    TopLogprobs,
-)
+from k3.engine.sequence import Completion, EngineError, Event, Sequence, Status, TopLogprobs
 from k3.engine.sequence_cache import keep_final_state, row_cache_bytes, start_cache, store_boundary
 from k3.engine.state_store import SequenceState
 from k3.model.cache import ModelCache
