@@ -39,7 +39,8 @@ import time
 import torch
 
 from k3.config import K3Config, Mixer
-from k3.engine.generate import Engine, cache_bytes_formula, row_cache_bytes
+from k3.engine.generate import Engine
+from k3.engine.sequence_cache import cache_bytes_formula, row_cache_bytes
 from k3.model import K3ForCausalLM
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention

@@ -29,9 +29,10 @@ import time
 import torch
 
 from k3.config import K3Config
-from k3.engine.generate import Engine, cache_bytes_formula
+from k3.engine.generate import Engine
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence_cache import cache_bytes_formula
 from k3.engine.state_store import checkpoint_identity
 from k3.model import K3ForCausalLM
 
@@ -82,7 +83,8 @@ def long_prompt(preset: str, n: int, threads: int) -> dict:
     code = f"""
 import json, math, resource, time, torch
 from k3.config import K3Config
-from k3.engine.generate import Engine, cache_bytes_formula
+from k3.engine.generate import Engine
+from k3.engine.sequence_cache import cache_bytes_formula
 from k3.engine.sampling import SamplingParams
 from k3.model import K3ForCausalLM
 torch.set_num_threads({threads})

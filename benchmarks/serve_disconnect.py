@@ -25,7 +25,8 @@ import torch
 import uvicorn
 
 from k3.config import K3Config
-from k3.engine.generate import Engine, Status
+from k3.engine.generate import Engine
+from k3.engine.sequence import Status
 from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
 from k3.tokenizer.build import builtin_tokenizer

@@ -37,141 +37,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
 import torch
 
-from k3.config import K3Config, Mixer
+from k3.config import K3Config
 from k3.engine import state_store
 from k3.engine.images import ImageCache
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams, draw
+from k3.engine.sequence import Completion, EngineError, Event, Sequence, Status, TopLogprobs
+from k3.engine.sequence_cache import keep_final_state, row_cache_bytes, start_cache, store_boundary
 from k3.engine.state_store import SequenceState
-from k3.errors import K3Error
-from k3.model.cache import KDAState, MLAState, ModelCache
+from k3.model.cache import ModelCache
 from k3.model.routing import record_routing
 from k3.vision.prompt import expand_placeholders
-
-TopLogprobs = list[tuple[int, float]]  # (token id, log-prob), most likely first
-
-
-class EngineError(K3Error):
-    """A request the engine cannot run (empty prompt, too long for the model...)."""
-
-
-class Status(StrEnum):
-    WAITING = "waiting"  # prompt (partly) not yet prefilled
-    RUNNING = "running"  # in the decode batch
-    FINISHED = "finished"
-
-
-@dataclass
-class Sequence:
-    """One request: its prompt, sampling state, output so far and (while waiting) its own cache."""
-
-    id: str
-    prompt: list[int]
-    params: SamplingParams
-    generator: torch.Generator
-    output: list[int] = field(default_factory=list)
-    status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" (a stop id), "length" (max_tokens or context), "cancelled"
-    prefilled: int = 0  # prompt tokens already in the cache
-    cache: ModelCache | None = None  # own cache while waiting; None once in the batch (or finished)
-    seen: set[int] = field(default_factory=set)  # ids for the repetition penalty (prompt + output)
-    record_experts: bool = False
-    stop_token: int | None = None  # the stop id that ended it (not in `output`: it is never fed)
-    logprobs: list[float] = field(default_factory=list)  # per token of output (+ stop_token)
-    versions: list[int] = field(default_factory=list)  # policy version per token of output (+ stop_token)
-    top: list[TopLogprobs] = field(default_factory=list)  # alternatives per token (params.logprobs > 0)
-    prompt_logprobs: list[float | None] = field(default_factory=list)  # params.prompt_logprobs set
-    prompt_top: list[TopLogprobs | None] = field(default_factory=list)
-    experts: list[torch.Tensor] = field(default_factory=list)  # [rows, n_moe, k] per forward it was in
-    cached: int = 0  # prompt tokens restored (prefix cache or a given state), not prefilled
-    block_key: bytes | None = None  # prefix cache: the key of its last stored boundary
-    standard_chunks: bool = True  # every chunk so far was the engine's standard one (then it may store)
-    keep_state: bool = False  # keep its state when it finishes (`Engine.state_of`)
-    state: SequenceState | None = None  # given to submit, or kept at the end (keep_state)
-    image_rows: torch.Tensor | None = None  # [pads, hidden]: its images' rows in prompt order
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens in context: prompt + generated."""
-        return len(self.prompt) + len(self.output)
-
-
-@dataclass(frozen=True)
-class Event:
-    """What one step did to one sequence: a new token and/or the end (`finish_reason`)."""
-
-    seq: Sequence
-    token: int | None
-    finish_reason: str | None = None
-    logits: torch.Tensor | None = None  # [V] the token was drawn from (only with `record_logits`)
-    logprob: float | None = None  # of `token`, or of `seq.stop_token` when it stopped on one
-    top: TopLogprobs | None = None  # alternatives (params.logprobs > 0)
-
-
-@dataclass
-class Completion:
-    """One finished request, token ids in and out (see docs/engine.md, "Token-in/token-out")."""
-
-    prompt: list[int]
-    tokens: list[int]  # generated ids; includes the stop id when finish_reason == "stop"
-    logprobs: list[float]  # per token, under the distribution it was drawn from (greedy: log_softmax)
-    versions: list[int]  # per token, Engine.policy_version of the weights that produced it
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    experts: torch.Tensor | None  # [len(prompt) + len(tokens) - 1, n_moe_layers, k] int64, positions fed
-    # in order (prompt, then tokens but the last), layers in sorted(model.routers()); record_experts only
-    # ("cancelled": only the positions that were fed before the cancel)
-    top_logprobs: list[TopLogprobs] | None = None  # per token (params.logprobs > 0)
-    prompt_logprobs: list[float | None] | None = None  # per prompt token, first None (params.prompt_logprobs)
-
-    @staticmethod
-    def of(seq: Sequence) -> Completion:
-        stop = [seq.stop_token] if seq.stop_token is not None else []
-        return Completion(
-            prompt=list(seq.prompt),
-            tokens=seq.output + stop,
-            logprobs=list(seq.logprobs),
-            versions=list(seq.versions),
-            finish_reason=seq.finish_reason or "cancelled",
-            experts=_cat_experts(seq) if seq.record_experts else None,
-            top_logprobs=list(seq.top) if seq.params.logprobs else None,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None,
-        )
-
-
-def cache_bytes_formula(cfg: K3Config, context: int, dtype: torch.dtype = torch.float32) -> dict[str, int]:
-    """Bytes of one sequence's cache after `context` tokens, from the config alone.
-
-    KDA layer: 3 conv tails of (ks-1) x P values (model dtype) + the [H, K, V] fp32 state: constant.
-    MLA layer: (kv_lora_rank + qk_rope_head_dim) values per token (576 for K3), model dtype.
-    """
-    elt = torch.empty((), dtype=dtype).element_size()
-    n_kda = sum(p.mixer is Mixer.KDA for p in cfg.layer_plan)
-    n_mla = cfg.num_hidden_layers - n_kda
-    kda = n_kda * (
-        3 * (cfg.kda_short_conv_kernel_size - 1) * cfg.kda_proj_size * elt
-        + cfg.kda_num_heads * cfg.kda_head_dim * cfg.kda_head_dim * 4
-    )
-    mla = n_mla * context * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elt
-    return {"kda": kda, "mla": mla, "total": kda + mla}
-
-
-def row_cache_bytes(cache: ModelCache, row: int) -> dict[str, int]:
-    """Bytes one row of a (batched) cache holds for its sequence: KDA state + the MLA positions in use."""
-    kda = mla = 0
-    for state in cache.layers:
-        if isinstance(state, KDAState):
-            kda += state.nbytes() // cache.batch_size
-        elif isinstance(state, MLAState) and state.latent is not None and state.k_rope is not None:
-            per_token = state.latent.shape[-1] * state.latent.element_size()
-            per_token += state.k_rope.shape[-1] * state.k_rope.element_size()
-            mla += int(state.lengths[row]) * per_token
-    return {"kda": kda, "mla": mla, "total": kda + mla}
 
 
 class Engine:
@@ -334,38 +214,9 @@ class Engine:
                 seq.experts.append(rows)
         return logits
 
-    def _start(self, seq: Sequence) -> ModelCache:
-        """The cache a sequence's prefill starts from: a given state, the prefix cache's deepest stored
-        state of its prompt (not for prompt log-probs: they need every position's logits), or empty."""
-        if seq.params.prompt_logprobs is not None:
-            seq.prompt_logprobs, seq.prompt_top = [None], [None]  # nothing predicts the first token
-        if seq.state is not None:
-            seq.cached = len(seq.state.tokens)
-            cache = seq.state.cache.select([0])  # a copy: the state may serve again
-        elif self.prefix_cache is not None and seq.params.prompt_logprobs is None and seq.image_rows is None:
-            found = self.prefix_cache.resume(seq.prompt, self.model.new_cache(1), seq.record_experts)
-            cache, seq.cached, seq.block_key = found.cache, found.tokens, found.key
-            if found.experts is not None and found.tokens:
-                seq.experts.append(found.experts)
-        else:
-            cache = self.model.new_cache(1)
-            images = seq.image_rows is not None  # never stored: the same ids may hold other pixels
-            seq.block_key = None if self.prefix_cache is None or images else self.prefix_cache.root
-        seq.prefilled = seq.cached
-        return cache
-
-    def _store_block(self, seq: Sequence) -> None:
-        """At a boundary of the prefix cache, store the state there (see k3.engine.prefix_cache)."""
-        pc, end = self.prefix_cache, seq.prefilled
-        if pc is None or seq.block_key is None or not seq.standard_chunks or end % pc.interval:
-            return
-        experts = _cat_experts(seq)[end - pc.interval : end] if seq.record_experts else None
-        ids = seq.prompt[end - pc.interval : end]
-        seq.block_key = pc.add(seq.block_key, ids, seq.cache, end, experts)  # type: ignore[arg-type]
-
     def _prefill_chunk(self, seq: Sequence) -> list[Event]:
         if seq.cache is None:
-            seq.cache = self._start(seq)
+            seq.cache = start_cache(seq, self.model, self.prefix_cache)
         scoring = seq.params.prompt_logprobs is not None
         start = seq.prefilled
         size = self.chunk_size(start, len(seq.prompt) - start, all_logits=scoring)
@@ -378,19 +229,19 @@ class Engine:
             images["features"] = [seq.image_rows[done : done + int((chunk == pad).sum())]]
         logits = self._forward(chunk, seq.cache, [seq], keep=0 if scoring else 1, **images)
         seq.prefilled += size
-        self._store_block(seq)
+        store_boundary(seq, self.prefix_cache)
         if scoring:
             self._score_prompt(seq, logits[0], start)
         if seq.prefilled < len(seq.prompt):
             return []
         self.waiting.remove(seq)
         if seq.params.max_tokens == 0:  # scoring only
-            self._keep(seq, seq.cache, 0)
+            keep_final_state(seq, seq.cache, 0)
             seq.status, seq.finish_reason, seq.cache = Status.FINISHED, "length", None
             return [Event(seq, None, "length")]
         event = self._sample(seq, logits[0, -1])
         if seq.status is Status.FINISHED:
-            self._keep(seq, seq.cache, 0)
+            keep_final_state(seq, seq.cache, 0)
             seq.cache = None
             return [event]
         seq.status = Status.RUNNING
@@ -434,7 +285,7 @@ class Engine:
             seq.prefilled = len(seq.prompt)
             events.append(self._sample(seq, logits[row]))
             if seq.status is Status.FINISHED:
-                self._keep(seq, cache, row)
+                keep_final_state(seq, cache, row)
             else:
                 seq.status = Status.RUNNING
                 keep.append(row)
@@ -462,7 +313,7 @@ class Engine:
 
     def _drop_rows(self, rows: list[int]) -> None:
         for r in rows:
-            self._keep(self.running[r], self.batch, r)  # type: ignore[arg-type]
+            keep_final_state(self.running[r], self.batch, r)  # type: ignore[arg-type]
         keep = [r for r in range(len(self.running)) if r not in rows]
         self.running = [self.running[r] for r in keep]
         self.batch = self.batch.select(keep) if keep and self.batch is not None else None
@@ -489,12 +340,6 @@ class Engine:
         return Event(seq, token, seq.finish_reason, kept, logprob, top)
 
     # ---- one sequence's state (llama.cpp's slot save/restore) ---------------------------------------------
-    def _keep(self, seq: Sequence, cache: ModelCache, row: int) -> None:
-        """At the end of a keep_state sequence: its state (row of cache) becomes `seq.state`."""
-        if seq.keep_state:
-            n = int(cache.tokens[row])
-            seq.state = SequenceState((seq.prompt + seq.output)[:n], cache.select([row]))
-
     def state_of(self, seq: Sequence) -> SequenceState:
         """The state of a running sequence (a copy), or of a finished one submitted with keep_state: it
         covers the prompt and the generated tokens fed so far (all but the last, unless it stopped)."""
@@ -601,11 +446,6 @@ class Engine:
         return [
             c.tokens[: len(c.tokens) - (c.finish_reason == "stop")] for c in self.complete(prompts, params)
         ]
-
-
-def _cat_experts(seq: Sequence) -> torch.Tensor:
-    """[positions fed, n_moe, k]: the rows recorded for seq, in order (none if it never reached a forward)."""
-    return torch.cat(seq.experts) if seq.experts else torch.empty(0, 0, 0, dtype=torch.long)
 
 
 def _top(logp: torch.Tensor, n: int) -> TopLogprobs:

@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from k3.chat.parser import Delta, ReplyParser, ToolCall
-from k3.engine.generate import Event, TopLogprobs
 from k3.engine.protocol import MAX_STOPS, invalid
+from k3.engine.sequence import Event, TopLogprobs
 from k3.tokenizer.kimi import StreamDecoder, Tokenizer
 
 NEG_INF = -9999.0

@@ -1,5 +1,5 @@
-"""An OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/tokenize`,
-`/detokenize`, `/tokenizer_info`, `/health`.
+"""An OpenAI-compatible HTTP server: `/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`,
+and the tokenizer's `/tokenize`, `/detokenize`, `/tokenizer_info` (k3.engine.tokenize_api).
 
 All requests share one `Engine` through an `EngineWorker` thread (continuous batching); each choice of a
 request (`n`, a list of prompts) is one sequence. Responses follow OpenAI's schemas, plain or streamed as
@@ -24,28 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from k3.engine.chat import (
-    ChatPrompt,
-    ChatRequestError,
-    finish_reason,
-    reply_message,
-    reply_parser,
-    request_prompt,
-    tool_call_deltas,
-)
-from k3.engine.generate import Engine, Event
-from k3.engine.images import image_inputs
+from k3.engine.chat import finish_reason, reply_message, reply_parser, tool_call_deltas
+from k3.engine.chat_inputs import chat_images, encode_request, prompt_ids
+from k3.engine.generate import Engine
 from k3.engine.outputs import (
     LegacyLogprobs,
     Piece,
@@ -54,28 +45,16 @@ from k3.engine.outputs import (
     chat_logprobs,
     choice_pieces,
     merge_legacy,
-    token_text,
 )
 from k3.engine.prefix_cache import cached_tokens
-from k3.engine.protocol import (
-    APIError,
-    ChatBody,
-    ChatFormatBody,
-    ChatMessageBody,
-    CompletionBody,
-    DetokenizeBody,
-    SamplingBody,
-    TokenizeBody,
-    invalid,
-    validation_error,
-)
+from k3.engine.protocol import APIError, ChatBody, CompletionBody, SamplingBody, invalid, validation_error
+from k3.engine.responses import gather_plain, merged, sse, streamed
 from k3.engine.sampling import SamplingError, SamplingParams
+from k3.engine.sequence import Event
+from k3.engine.tokenize_api import add_tokenize_routes
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
-from k3.tokenizer.kimi import Tokenizer, tokenizer_config
-from k3.vision.prompt import image_prompt
-
-DISCONNECT_POLL_S = 0.25  # plain requests: how often a waiting request checks that its client is there
+from k3.tokenizer.kimi import Tokenizer
 
 
 @dataclass
@@ -112,45 +91,6 @@ class BearerAuth:
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def sse(payload: dict | str) -> str:
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
-    """(index, item) from several async iterators as they come; the first error is raised; closing this
-    generator cancels the rest (and so their requests)."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(i: int, source: AsyncIterator) -> None:
-        try:
-            async for item in source:
-                await queue.put((i, item))
-        except Exception as e:  # handed to the consumer
-            await queue.put((i, e))
-        finally:
-            await queue.put((i, done))
-
-    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(sources)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-def _second(item: tuple[str, int]) -> int:
-    return item[1]
 
 
 def create_app(
@@ -318,25 +258,6 @@ def create_app(
     def deadline() -> float | None:
         return None if request_timeout is None else asyncio.get_running_loop().time() + request_timeout
 
-    async def gather_plain(request: Request, sources: list[AsyncIterator], add: Callable) -> None:
-        """Run every choice to its end, feeding items to `add(index, item)`; if the client disconnects
-        (polled), cancel them all."""
-
-        async def consume() -> None:
-            async for index, item in merged(sources):
-                add(index, item)
-
-        task = asyncio.create_task(consume())
-        try:
-            while not task.done():
-                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    return
-        finally:
-            task.cancel()  # a no-op once done
-        task.result()  # raises the choices' first error
-
     def usage(prompts: list[list[int]], completion: int, handles: list[Handle]) -> dict:
         prompt = sum(len(p) for p in prompts)
         cached = cached_tokens([h.seq.cached if h.seq else 0 for h in handles], len(prompts))
@@ -346,17 +267,6 @@ def create_app(
             "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached},
         }
-
-    def streamed(chunks: AsyncIterator[str]) -> StreamingResponse:
-        async def body() -> AsyncIterator[str]:
-            try:
-                async for chunk in chunks:
-                    yield chunk
-            except APIError as e:  # after the 200 went out: an error event (the openai client raises it)
-                yield sse(e.body())
-            yield sse("[DONE]")
-
-        return StreamingResponse(body(), media_type="text/event-stream")
 
     # ---- /v1/completions ---------------------------------------------------------------------------------
     def completion_prompts(body: CompletionBody) -> list[tuple[list[int], str]]:
@@ -468,51 +378,20 @@ def create_app(
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
-    def prepare_chat(
-        body: ChatFormatBody, messages: list[ChatMessageBody], images: list | None = None
-    ) -> ChatPrompt:
-        """The encoder's arguments; `images` (k3.engine.images.ImageInput): their prompts in place of the
-        image parts, in order."""
-        prompts = None if images is None else [image_prompt(im.original, im.tokens) for im in images]
-        try:
-            return request_prompt(body, messages, prompts)
-        except ChatRequestError as e:
-            raise invalid(str(e), e.param) from e
-
-    def chat_ids(chat: ChatPrompt, add_generation_prompt: bool = True) -> list[int]:
-        try:
-            return chat.ids(tokenizer, add_generation_prompt)
-        except ChatRequestError as e:
-            raise invalid(str(e), e.param) from e
-
-    def with_images(messages: list[ChatMessageBody]) -> bool:
-        return any(
-            isinstance(m.content, list) and any(p.get("type") == "image_url" for p in m.content)
-            for m in messages
-        )
-
-    def chat_images(messages: list[ChatMessageBody]) -> list:
-        """The images of a conversation's image_url parts, in order, validated and preprocessed (400 naming
-        a bad one); the tower runs later on the engine thread (once per content hash)."""
-        if not hasattr(engine.model, "encode_images"):
-            raise invalid(
-                "messages: this model has no vision tower (its config has no vision_config)", "messages"
-            )
-        try:
-            return image_inputs(
-                messages, allow_remote=allow_remote_images, max_images=max_images, max_tokens=max_image_tokens
-            )
-        except K3Error as e:
-            raise invalid(f"{e}", "messages") from e
-
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        images = chat_images(body.messages) if with_images(body.messages) else None
-        chat = prepare_chat(body, body.messages, images)
-        prompt = chat_ids(chat)
+        images = chat_images(
+            engine.model,
+            body.messages,
+            allow_remote=allow_remote_images,
+            max_images=max_images,
+            max_tokens=max_image_tokens,
+        )
+        chat = encode_request(body, body.messages, images)
+        prompt = prompt_ids(tokenizer, chat)
         max_tokens = budget(body, prompt, "messages", zero_ok=False)
         top = body.top_logprobs or 0
         StopStrings(body.stop)
@@ -612,46 +491,5 @@ def create_app(
             "usage": usage([prompt], sum(o.count for o in outcomes), handles),
         }
 
-    # ---- /tokenize, /detokenize, /tokenizer_info (vLLM's shapes) -----------------------------------------
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeBody) -> dict:
-        """vLLM's /tokenize: the ids of a text, or of a chat exactly as /v1/chat/completions prefills it."""
-        check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise invalid("tokenize: give exactly one of prompt (text) or messages (a chat)", "prompt")
-        if body.continue_final_message:
-            raise invalid(
-                "continue_final_message: K3's chat encoder has no open-ended final message",
-                "continue_final_message",
-            )
-        if body.prompt is not None:
-            ids = tokenizer.encode(body.prompt)
-        else:
-            ids = chat_ids(prepare_chat(body, body.messages or []), body.add_generation_prompt)
-        out: dict = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
-        if body.return_token_strs:
-            out["token_strs"] = [token_text(tokenizer, t) for t in ids]
-        return out
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeBody) -> dict:
-        check_model(body.model)
-        bad = [t for t in body.tokens if t >= tokenizer.vocab_size]
-        if bad:
-            raise invalid(
-                f"tokens: ids {bad[:5]} are outside the vocabulary (0..{tokenizer.vocab_size - 1})", "tokens"
-            )
-        return {"prompt": tokenizer.decode(body.tokens)}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
-        """vLLM's tokenizer info: the tokenizer's configuration (as tokenizer_config.json) and its class."""
-        info = tokenizer_config(tokenizer.n_ranks, engine.max_context)
-        template = next(iter(info["added_tokens_decoder"].values()))
-        info["added_tokens_decoder"] = {
-            str(i): {**template, "content": c}
-            for c, i in sorted(tokenizer.special_tokens.items(), key=_second)
-        }
-        return info
-
+    add_tokenize_routes(app, engine, tokenizer, check_model)
     return app

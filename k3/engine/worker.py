@@ -13,8 +13,9 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from k3.engine.generate import Engine, Event, Sequence
+from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence import Event, Sequence
 from k3.errors import K3Error
 
 

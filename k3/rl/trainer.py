@@ -173,7 +173,6 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
 
     rc.check()
     run = Path(rc.out)
-    write_run_config(rc, run / RL_JSON, RESUMABLE_CHANGES, RLError)
     if rc.threads:
         torch.set_num_threads(rc.threads)
     task = task_of(rc)
@@ -187,6 +186,8 @@ def train_rl(rc: RLConfig, on_iteration: Callable[[dict], None] | None = None) -
         from k3.rl.ptx import ptx_text
 
         ptx_ids = ptx_text(rc, codec)
+    # written only once the policy, the task and the PTX data are known good: a failed start leaves no folder
+    write_run_config(rc, run / RL_JSON, RESUMABLE_CHANGES, RLError)
     model.config.save(run / "config.json")
     optimizer = _optimizer(model, rc)
     start, pool, problems, samples_done, elapsed = 0, [], {}, 0, 0.0

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from k3.config import K3Config, Mixer
-from k3.engine.generate import Engine, EngineError, Status, cache_bytes_formula
+from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence import EngineError, Status
+from k3.engine.sequence_cache import cache_bytes_formula
 from k3.model import K3ForCausalLM
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.engine.generate import Engine, cache_bytes_formula
+from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence_cache import cache_bytes_formula
 from k3.model import K3ForCausalLM
 
 
@@ -37,7 +38,8 @@ LONG = """
 import dataclasses, json, math, resource, sys
 import torch
 from k3.config import K3Config
-from k3.engine.generate import Engine, cache_bytes_formula
+from k3.engine.generate import Engine
+from k3.engine.sequence_cache import cache_bytes_formula
 from k3.engine.sampling import SamplingParams
 from k3.model import K3ForCausalLM
 

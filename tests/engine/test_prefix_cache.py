@@ -13,9 +13,10 @@ import torch
 
 from k3.config import K3Config
 from k3.engine import state_store
-from k3.engine.generate import Engine, EngineError, Status
+from k3.engine.generate import Engine
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence import EngineError, Status
 from k3.model import K3ForCausalLM
 
 INTERVAL = 16

@@ -13,7 +13,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from k3.engine.generate import Engine, Status
+from k3.engine.generate import Engine
+from k3.engine.sequence import Status
 from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
 from k3.tokenizer.kimi import Tokenizer

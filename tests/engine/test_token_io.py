@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from k3.config import K3Config
-from k3.engine.generate import Completion, Engine, EngineError
+from k3.engine.generate import Engine
 from k3.engine.sampling import SamplingParams
+from k3.engine.sequence import Completion, EngineError
 from k3.model import K3ForCausalLM
 from k3.model.routing import record_routing, route_with
 
