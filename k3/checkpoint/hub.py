@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from k3.checkpoint.remote import (
-    _CONTENT_RANGE,
     BlockCache,
     FetchStats,
     HttpClient,
@@ -227,13 +226,7 @@ class HubClient(HttpClient):
             with self._client.stream("GET", url, headers=headers, timeout=self.options.timeout) as r:
                 self._check(r, url, 206)
                 where = f"{url} (via {r.url.host})" if r.history else url
-                m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", ""))
-                if not m:
-                    raise CheckpointError(
-                        f"{where}: bad Content-Range {r.headers.get('content-range')!r} for bytes "
-                        f"{offset}-{offset + length - 1} (HTTP 206)"
-                    )
-                first, last, size = map(int, m.groups())
+                body, size = self._partial_content(r, where, offset, length, note=" (HTTP 206)")
                 linked = next(
                     (h.headers["X-Linked-Size"] for h in r.history if "X-Linked-Size" in h.headers), None
                 )
@@ -241,14 +234,6 @@ class HubClient(HttpClient):
                     raise CheckpointError(
                         f"{where}: X-Linked-Size {linked} but Content-Range says {size} (HTTP 206)"
                     )
-                if first != offset or last != min(offset + length, size) - 1:
-                    raise CheckpointError(
-                        f"{where}: asked for bytes {offset}-{offset + length - 1}, got Content-Range "
-                        f"{r.headers['content-range']!r} (HTTP 206)"
-                    )
-                body = self._read_body(r, last - first + 1, where, exact=True)
-                if len(body) != last - first + 1:
-                    raise _Retryable(f"short body: {len(body)} of {last - first + 1} bytes (HTTP 206)")
                 return body, size
 
         return self._with_retries(url, attempt)

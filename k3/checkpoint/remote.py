@@ -169,24 +169,31 @@ class HttpClient:
                 if r.status_code == 416 and offset == 0 and empty:  # an empty file has no byte 0
                     return b"", int(empty.group(1))
                 self._check_status(r, url, 206)
-                m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", ""))
-                if not m:
-                    raise CheckpointError(
-                        f"{url}: bad Content-Range {r.headers.get('content-range')!r} for bytes "
-                        f"{offset}-{offset + length - 1}"
-                    )
-                first, last, size = map(int, m.groups())
-                if first != offset or last != min(offset + length, size) - 1:
-                    raise CheckpointError(
-                        f"{url}: asked for bytes {offset}-{offset + length - 1}, "
-                        f"got Content-Range {r.headers['content-range']!r}"
-                    )
-                body = self._read_body(r, last - first + 1, url, exact=True)
-                if len(body) != last - first + 1:
-                    raise _Retryable(f"short body: {len(body)} of {last - first + 1} bytes")
-                return body, size
+                return self._partial_content(r, url, offset, length)
 
         return self._with_retries(url, attempt)
+
+    def _partial_content(
+        self, r, where: str, offset: int, length: int, note: str = ""
+    ) -> tuple[bytes | bytearray, int]:
+        """The body of a 206 answer to bytes [offset, offset + length) and the file's size, after checking
+        that Content-Range names exactly those bytes; a short body is retried. `note` ends each message."""
+        m = _CONTENT_RANGE.fullmatch(r.headers.get("content-range", ""))
+        if not m:
+            raise CheckpointError(
+                f"{where}: bad Content-Range {r.headers.get('content-range')!r} for bytes "
+                f"{offset}-{offset + length - 1}{note}"
+            )
+        first, last, size = map(int, m.groups())
+        if first != offset or last != min(offset + length, size) - 1:
+            raise CheckpointError(
+                f"{where}: asked for bytes {offset}-{offset + length - 1}, "
+                f"got Content-Range {r.headers['content-range']!r}{note}"
+            )
+        body = self._read_body(r, last - first + 1, where, exact=True)
+        if len(body) != last - first + 1:
+            raise _Retryable(f"short body: {len(body)} of {last - first + 1} bytes{note}")
+        return body, size
 
 
 class BlockCache:
