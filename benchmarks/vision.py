@@ -21,43 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo's position-grid helper is torch.compiled
 
 import torch  # noqa: E402
 
+from k3.ops.roofline import best_seconds, gemm_rate, machine_line  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
-def gemm_gflops(repeats: int) -> float:
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    return 2 * 2048**3 / best_time(lambda: a @ b, repeats) / 1e9
 
 
 def flops(cfg, layers: int, gh: int, gw: int) -> float:
@@ -109,7 +84,7 @@ def one_case(impl: str, size: str, dtype_name: str, layers: int, repeats: int, o
         modules = nemo_modules(cfg, ws, dtype)
         run = lambda: nemo_features(*modules, pixels, grids)  # noqa: E731
     with torch.no_grad():
-        seconds = best_time(run, repeats)
+        seconds = best_seconds(run, repeats)
         features = run()[0].float()
     torch.save(features, out.with_suffix(".pt"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -181,7 +156,7 @@ def ttft(repeats: int) -> None:
         engine = Engine(model)  # a fresh engine: no cached image
         next(engine.stream(ids, SamplingParams(temperature=0, max_tokens=1), images))
 
-    seconds = best_time(first_token, repeats)
+    seconds = best_seconds(first_token, repeats)
     print(f"\ntime to first token, image chat on mini (448x448 = 256 image tokens, fp32): {seconds:.3f} s")
 
 
@@ -201,9 +176,8 @@ def main() -> None:
         return
     import tempfile
 
-    gemm = gemm_gflops(3)
-    threads = torch.get_num_threads()
-    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} threads")
+    gemm = gemm_rate(repeats=3) / 1e9
+    print(machine_line())
     print(f"fp32 GEMM 2048^3: {gemm:.1f} GFLOP/s; published widths, {args.layers} of 27 layers")
     print(
         f"{'image':>10} {'tokens':>6} {'dtype':>5} {'impl':>5} {'time s':>8} {'GFLOP/s':>8} {'% GEMM':>7} "
