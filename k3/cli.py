@@ -148,7 +148,7 @@ def _register_rooms() -> None:
     ) -> None:
         """Write a random checkpoint in the published layout (shards, index, config.json, MXFP4 experts)
         and a small built-in tokenizer (tiktoken.model + tokenizer_config.json) sized to its vocabulary.
-        A public checkpoint's name (`--like` or `--preset`) writes its exact layout (docs/checkpoints.md)."""
+        A public checkpoint's name (`--like` or `--preset`) writes its exact layout (docs/checkpoint.md)."""
         from k3.config import K3Config
         from k3.tokenizer.build import CONFIG_FILE, TIKTOKEN_FILE, write_tokenizer
 
