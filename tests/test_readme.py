@@ -49,8 +49,8 @@ def tree_files(lines: list[str]) -> set[str]:
     return files
 
 
-def test_at_most_165_lines():
-    assert len(README.splitlines()) <= 165  # the front page: what k3 does and where each part lives
+def test_at_most_150_lines():
+    assert len(README.splitlines()) <= 150
 
 
 def test_the_quick_start_is_the_two_commands():
