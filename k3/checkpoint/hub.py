@@ -185,7 +185,7 @@ class HubClient(HttpClient):
         found = try_to_load_from_cache(self.ref.repo_id, name, cache_dir=hub_cache(), revision=self.commit)
         return Path(found) if isinstance(found, str) and Path(found).is_file() else None
 
-    def _check(self, response, url: str, expected: int) -> None:  # noqa: ANN001 (an httpx2 response)
+    def _check_status(self, response, url: str, expected: int) -> None:  # noqa: ANN001 (an httpx2 response)
         """Status, then the redirect's promises: the resolved commit, and (later) the linked size."""
         for hop in [*response.history, response]:
             commit = hop.headers.get("X-Repo-Commit")
@@ -203,20 +203,6 @@ class HubClient(HttpClient):
             raise CheckpointError(f"{url}: the server ignored the Range request (HTTP 200, expected 206)")
         raise hub_failure(url, status, response.headers.get("X-Error-Code"))
 
-    def get(self, url: str) -> bytes | bytearray | None:
-        """A whole small file (config.json, an index, the tokenizer); None when the repo has no such file."""
-
-        def attempt() -> bytearray:
-            self.stats.count(requests=1)
-            with self._client.stream("GET", url, headers=self._headers(), timeout=self.options.timeout) as r:
-                self._check(r, url, 200)
-                return self._read_body(r, self.options.max_json_bytes, url)
-
-        try:
-            return self._with_retries(url, attempt)
-        except RemoteNotFound:
-            return None
-
     def get_range(self, url: str, offset: int, length: int) -> tuple[bytes | bytearray, int]:
         """(bytes [offset, offset + length), file size): one ranged GET on the resolve URL, redirected."""
         headers = self._headers(Range=f"bytes={offset}-{offset + length - 1}")
@@ -224,7 +210,7 @@ class HubClient(HttpClient):
         def attempt() -> tuple[bytes | bytearray, int]:
             self.stats.count(requests=1)
             with self._client.stream("GET", url, headers=headers, timeout=self.options.timeout) as r:
-                self._check(r, url, 206)
+                self._check_status(r, url, 206)
                 where = f"{url} (via {r.url.host})" if r.history else url
                 body, size = self._partial_content(r, where, offset, length, note=" (HTTP 206)")
                 linked = next(

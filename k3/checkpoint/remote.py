@@ -131,8 +131,11 @@ class HttpClient:
         del body[n:]  # a short body: the caller retries
         return body
 
-    @staticmethod
-    def _check_status(response: httpx.Response, url: str, expected: int) -> None:
+    def _headers(self, **extra: str) -> dict[str, str]:
+        """Every request's headers: bytes as stored (no compression), plus `extra`."""
+        return {"Accept-Encoding": "identity", **extra}
+
+    def _check_status(self, response: httpx.Response, url: str, expected: int) -> None:
         status = response.status_code
         if status == expected:
             return
@@ -149,7 +152,7 @@ class HttpClient:
 
         def attempt() -> bytearray:
             self.stats.count(requests=1)
-            with self._client.stream("GET", url, headers={"Accept-Encoding": "identity"}) as r:
+            with self._client.stream("GET", url, headers=self._headers(), timeout=self.options.timeout) as r:
                 self._check_status(r, url, 200)
                 return self._read_body(r, self.options.max_json_bytes, url)
 
