@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from k3.conform.report import Returned
+from k3.engine.outputs import token_text
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer
 
@@ -29,14 +30,6 @@ class Generation:
     finish_reason: str | None
 
 
-def _token_text(tokenizer: Tokenizer, token: int) -> str:
-    piece = tokenizer.token_bytes(token)
-    try:
-        return piece.decode("utf-8")
-    except UnicodeDecodeError:
-        return "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
-
-
 class EngineClient:
     def __init__(self, base_url: str, tokenizer: Tokenizer, api_key: str | None = None, timeout: float = 600):
         self.base = base_url.rstrip("/")
@@ -44,7 +37,7 @@ class EngineClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(timeout=timeout, headers=headers)
         self.tokenizer = tokenizer
-        self.by_text = {_token_text(tokenizer, t): t for t in range(tokenizer.vocab_size)}
+        self.by_text = {token_text(tokenizer, t): t for t in range(tokenizer.vocab_size)}
         self.by_bytes = {tokenizer.token_bytes(t): t for t in range(tokenizer.vocab_size)}
         self._model: str | None = None
 
