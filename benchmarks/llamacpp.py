@@ -1,35 +1,41 @@
 """k3 and llama.cpp on the same checkpoint and the same token ids: agreement, per-tensor comparison, greedy
-continuations, and speed, the engines alternated in one run.
+continuations, and speed, each engine in its own process, alternated.
 
-    .venv/bin/python benchmarks/llamacpp.py [--checkpoint DIR | --preset mini] [--tokens 512]
-        [--threshold 1e-3] [--greedy 32] [--speed] [--threads 1,2] [--skip-agreement]
+    .venv/bin/python benchmarks/llamacpp.py [--checkpoint DIR | --preset mini] [--work DIR] [--tokens 512]
+        [--threshold 1e-3] [--greedy 32] [--skip-agreement]
+        [--speed [--threads 1,2] [--prefill 512,2048] [--decode-context 512] [--batch 8] [--weights bf16]]
+    .venv/bin/python benchmarks/llamacpp.py --preset k3-slice --work /data/slice --skip-agreement --speed \
+        --weights bf16 --prefill 512          # the published dimensions: 11 GB per engine
 
 Needs `llama-cpp-python` (the `llamacpp` extra, never in CI): `pip install llama-cpp-python==0.3.36`
-(it compiles llama.cpp: ~15 minutes on 2 cores; that version's llama.cpp has kimi-linear and kimi-k3).
-The checkpoint is exported with `k3 export gguf` twice, experts MXFP4 and experts exactly decoded (F32);
-weights F32 in both.
+(it compiles llama.cpp: ~30 minutes on 2 cores; that version's llama.cpp, commit 0c1e570, has kimi-linear
+and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
 
 1. Logits agreement over --tokens random ids (the same ids into both engines): max |dlogit| / max |logit|,
-   mean KL(k3 || llama.cpp) per position, top-1 agreement; for MXFP4 and F32 experts, with llama.cpp's
-   default F16 KV cache and with an F32 one.
+   mean KL(k3 || llama.cpp) per position, top-1 agreement; experts exactly decoded (F32) and MXFP4, with
+   llama.cpp's default F16 KV cache and with an F32 one (GGUFs from `k3 export gguf`, weights F32).
 2. Per-tensor comparison (F32 cache, F32 experts): every layer's norms, mixer output and FFN output from
    llama.cpp's scheduler eval callback (`cb_eval`, through ctypes) against k3's through forward hooks; the
    first tensor whose max |d| / max |value| exceeds --threshold is printed.
 3. Greedy continuations of --greedy tokens after a 16-token prompt, each engine with its own cache.
-4. --speed: prefill tokens/s at 512 and 2,048 tokens and decode ms/token after a 512-token prefill, at each
-   of --threads, k3 and llama.cpp (MXFP4 experts, its default cache) alternated, best of --repeats;
-   `--weights bf16`: every other weight matrix BF16 in both (k3 computes in fp32 on them; GGUF `bf16`).
-The CPU's model and SIMD flags and the load average are printed: timings on a shared machine are noisy.
+4. --speed (benchmarks/llamacpp_engine.py, one process per engine and thread count, so two large models
+   never share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a
+   decode batch of --batch sequences; the decode floor (weight bytes a token reads / the streaming read
+   bandwidth measured before each round); k3 against llama.cpp with its default settings, experts MXFP4
+   in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on them).
+The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
+machine are noisy.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import os
+import json
 import re
+import subprocess
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +45,7 @@ from k3.config import K3Config
 from k3.export.gguf import export_gguf
 from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
+from k3.ops.roofline import machine_line, read_bandwidth
 from k3.tokenizer.build import write_tokenizer
 
 GGML_F32, GGML_F16 = 0, 1  # ggml_type values: KV cache types for llama.cpp
@@ -222,152 +229,171 @@ def first_parting(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], th
 
 
 # ---- speed ------------------------------------------------------------------------------------------------
-def timed(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+ENGINE_SCRIPT = Path(__file__).with_name("llamacpp_engine.py")
 
 
-def speed(
-    ckpt: Path,
-    gguf_path: Path,
-    vocab: int,
-    threads: list[int],
-    repeats: int,
-    decode_steps: int,
-    weights: torch.dtype = torch.float32,
-) -> None:
-    """`weights`: both engines' weight matrices (experts MXFP4 in both); k3 computes in fp32."""
-    rng = np.random.default_rng(7)
-    print(f"\nspeed (best of {repeats}; engines alternated per setting; weights {weights})")
-    print(f"  {'threads':>7} {'measure':>24} {'k3':>12} {'llama.cpp':>12}")
-    model = K3ForCausalLM.from_pretrained(ckpt, dtype=weights, compute_dtype=torch.float32).eval()
-    for n in threads:
-        torch.set_num_threads(n)
-        ll = llama(gguf_path, 2048 + decode_steps + 8, n, GGML_F16)
-        for T in (512, 2048):
-            ids = rng.integers(0, vocab, T).tolist()
-            k3_t, ll_t = float("inf"), float("inf")
-            for _ in range(repeats):  # alternate: k3, llama.cpp, k3, llama.cpp, ...
-                k3_t = min(k3_t, timed(lambda ids=ids: k3_logits(model, ids), 1))
-                ll_t = min(ll_t, timed(lambda ids=ids, ll=ll: llama_logits(ll, ids), 1))
-            print(f"  {n:>7} {f'prefill {T} tok/s':>24} {T / k3_t:>12,.0f} {T / ll_t:>12,.0f}")
-        prompt = rng.integers(0, vocab, 512).tolist()
-        k3_d, ll_d = float("inf"), float("inf")
-        for _ in range(repeats):
-            cache = model.new_cache(1)
-            with torch.no_grad():
-                model(torch.tensor([prompt]), cache)
-                t0 = time.perf_counter()
-                for _ in range(decode_steps):
-                    model(torch.tensor([[1]]), cache)
-            k3_d = min(k3_d, (time.perf_counter() - t0) / decode_steps)
-            ll.reset()
-            ll.eval(prompt)
-            t0 = time.perf_counter()
-            for _ in range(decode_steps):
-                ll.eval([1])
-            ll_d = min(ll_d, (time.perf_counter() - t0) / decode_steps)
-        print(f"  {n:>7} {'decode ms/token @512':>24} {k3_d * 1e3:>12.2f} {ll_d * 1e3:>12.2f}")
+def engine_run(engine: str, path: Path, threads: int, args, vocab: int) -> dict:
+    """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count."""
+    command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
+    command += ["--prefill", ",".join(map(str, args.prefill)), "--decode-steps", str(args.decode_steps)]
+    command += ["--decode-context", str(args.decode_context), "--batch", str(args.batch)]
+    command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = re.search(r"model name\s*:\s*(.+)", info)
-    flags = set(re.search(r"flags\s*:\s*(.+)", info).group(1).split()) if "flags" in info else set()
-    simd = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c")))
-    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    return (
-        f"CPU: {model.group(1) if model else 'unknown'}, {os.cpu_count()} cores; flags {' '.join(simd)}; "
-        f"load average {load[0]:.2f}"
+def row(label: str, ours: list[float], theirs: list[float], lower_is_better: bool = False) -> None:
+    """One measure: each round's value for both engines and the best against the best (> 1: k3 ahead)."""
+    best_k, best_l = (min(ours), min(theirs)) if lower_is_better else (max(ours), max(theirs))
+    ratio = best_l / best_k if lower_is_better else best_k / best_l
+    cells = [" / ".join(f"{x:,.2f}" for x in values) for values in (ours, theirs)]
+    print(f"  {label:>30} {cells[0]:>24} {cells[1]:>24} {ratio:>14.2f}x")
+
+
+def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
+    """Each engine in its own process, alternated k3, llama.cpp, k3, ... for --repeats rounds per thread
+    count; the streaming read bandwidth measured before each round gives the decode floor (bytes a token
+    reads / bandwidth); the best of the rounds is reported for each engine."""
+    print(
+        f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; {args.weights} weights"
     )
+    for n in args.threads:
+        torch.set_num_threads(n)
+        runs: dict[str, list[dict]] = {"k3": [], "llama.cpp": []}
+        bandwidths = []
+        for r in range(args.repeats):
+            bandwidths.append(read_bandwidth())
+            for engine, path in (("k3", ckpt), ("llama.cpp", gguf_path)):
+                runs[engine].append(engine_run(engine, path, n, args, vocab))
+                print(f"  [{n} threads, round {r + 1}] {engine}: {json.dumps(runs[engine][-1])}", flush=True)
+            print(f"  [{n} threads, round {r + 1}] {machine_line()}", flush=True)
+        ours, theirs = runs["k3"], runs["llama.cpp"]
+        print(f"\n  {n} thread(s); read bandwidth {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
+        print(f"  {'measure':>30} {'k3 (rounds)':>24} {'llama.cpp (rounds)':>24} {'k3 / llama.cpp':>15}")
+
+        for T in args.prefill:
+            row(
+                f"prefill {T} tok/s",
+                [T / o["prefill_s"][str(T)] for o in ours],
+                [T / t["prefill_s"][str(T)] for t in theirs],
+            )
+        if args.decode_steps:
+            ms = [[o["decode_s_per_token"] * 1e3 for o in runs[e]] for e in ("k3", "llama.cpp")]
+            row(f"decode ms/token @{args.decode_context}", *ms, lower_is_better=True)
+            floor = ours[0]["weight_bytes_per_token"] / max(bandwidths)
+            best_k = min(o["decode_s_per_token"] for o in ours)
+            best_l = min(o["decode_s_per_token"] for o in theirs)
+            print(
+                f"  decode floor: {ours[0]['weight_bytes_per_token'] / 1e9:.2f} GB read per token / "
+                f"{max(bandwidths) / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; k3 at {floor / best_k:.0%} of it, "
+                f"llama.cpp at {floor / best_l:.0%}"
+            )
+        if args.batch > 1:
+            rates = [[args.batch / o["batch_s_per_step"] for o in runs[e]] for e in ("k3", "llama.cpp")]
+            row(f"batch {args.batch} decode tok/s", *rates)
+            for name, results in (("k3", ours), ("llama.cpp", theirs)):
+                one = min(o["decode_s_per_token"] for o in results)
+                many = min(o["batch_s_per_step"] for o in results) / args.batch
+                print(f"  {name}: batch of {args.batch} gives {one / many:.2f}x the tokens/s of one sequence")
+        print(f"  engines: k3: {ours[0]['describe']}\n           llama.cpp: {theirs[0]['describe']}")
 
 
 # ---- main -------------------------------------------------------------------------------------------------
 def prepare(args, work: Path) -> Path:
+    """The checkpoint: --checkpoint, or --preset's random one written in `work` (kept there with --work)."""
     if args.checkpoint:
         return Path(args.checkpoint)
     ckpt = work / args.preset
-    cfg = K3Config.preset(args.preset)
-    init_checkpoint(cfg, ckpt, seed=args.seed)
-    write_tokenizer(ckpt, cfg.vocab_size)
+    if not (ckpt / "config.json").exists():
+        cfg = K3Config.preset(args.preset)
+        init_checkpoint(cfg, ckpt, seed=args.seed)
+        write_tokenizer(ckpt, cfg.vocab_size)
     return ckpt
+
+
+def gguf(ckpt: Path, path: Path, **options) -> Path:
+    """`k3 export gguf` of the checkpoint, unless `path` already holds it (--work keeps them)."""
+    if not path.exists():
+        report = export_gguf(ckpt, path, **options)
+        print(f"exported {report.arch} {options}: {report.nbytes / 1e6:.1f} MB, {report.types}")
+    return path
+
+
+def agreement_report(ckpt: Path, exports: dict[str, Path], args, vocab: int) -> None:
+    ids = np.random.default_rng(args.seed + 1).integers(0, vocab, args.tokens).tolist()
+    torch.set_num_threads(args.agreement_threads)
+    model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    ours = k3_logits(model, ids)
+    print(f"\nlogits over {len(ids)} positions (k3 vs llama.cpp; max |logit| {np.abs(ours).max():.2f})")
+    print(f"  {'experts':>8} {'KV cache':>9} {'max|d|/max|l|':>14} {'KL':>10} {'top-1':>7}")
+    for experts, path in exports.items():
+        for cache_name, cache_type in (("F16", GGML_F16), ("F32", GGML_F32)):
+            ll = llama(path, len(ids), args.agreement_threads, cache_type)
+            a = agreement(ours, llama_logits(ll, ids))
+            print(f"  {experts:>8} {cache_name:>9} {a['rel']:>14.2e} {a['kl']:>10.2e} {a['top1']:>7.1%}")
+            del ll
+    dump = TensorDump(re.compile(r"(attn_norm|kda_out|mla_out|ffn_norm|ffn_out)-\d+|result_norm"))
+    ll = llama(exports["f32"], len(ids), args.agreement_threads, GGML_F32, dump)
+    dump.tensors.clear()  # keep only the tensors of this evaluation
+    llama_logits(ll, ids)
+    first_parting(k3_tensors(model, ids), dump.tensors, args.threshold)
+    prompt = ids[:16]
+    k3_seq = k3_greedy(model, prompt, args.greedy)
+    print(f"\ngreedy continuation of {args.greedy} tokens after a 16-token prompt:")
+    for experts, path in exports.items():
+        ll = llama(path, 16 + args.greedy + 1, args.agreement_threads, GGML_F16)
+        ll_seq = llama_greedy(ll, prompt, args.greedy)
+        same = next((i for i, (a, b) in enumerate(zip(k3_seq, ll_seq, strict=True)) if a != b), len(k3_seq))
+        print(f"  {experts} experts: identical for the first {same} of {args.greedy} tokens")
+
+
+def numbers(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--checkpoint", help="a k3 checkpoint directory (with tokenizer); default: --preset")
     ap.add_argument("--preset", default="mini", help="random checkpoint to write when --checkpoint is absent")
+    ap.add_argument("--work", type=Path, help="keep the checkpoint and GGUFs here (reused when present)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=512)
     ap.add_argument("--threshold", type=float, default=1e-3)
     ap.add_argument("--greedy", type=int, default=32)
     ap.add_argument("--skip-agreement", action="store_true")
-    ap.add_argument("--speed", action="store_true")
-    ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--agreement-threads", type=int, default=2)
+    ap.add_argument("--speed", action="store_true")
+    ap.add_argument("--threads", type=numbers, default=[1, 2])
+    ap.add_argument("--repeats", type=int, default=2, help="--speed: rounds (k3, llama.cpp) per thread count")
+    ap.add_argument("--prefill", type=numbers, default=[512, 2048], help="--speed: prefill lengths")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--decode-context", type=int, default=512, help="--speed: tokens before the decode steps")
+    ap.add_argument("--batch", type=int, default=8, help="--speed: sequences decoded together (1: none)")
+    ap.add_argument("--batch-context", type=int, default=64, help="--speed: tokens of each batched sequence")
     ap.add_argument(
         "--weights", choices=("f32", "bf16"), default="f32", help="--speed: both engines' weight matrices"
     )
     args = ap.parse_args()
-    print(cpu_line())
+    print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
         ckpt = prepare(args, work)
         cfg = K3Config.from_pretrained(ckpt)
-        exports = {}
-        for experts in ("mxfp4", "f32"):
-            exports[experts] = work / f"{experts}.gguf"
-            report = export_gguf(ckpt, exports[experts], experts=experts)
-            print(f"exported {report.arch} ({experts} experts): {report.nbytes / 1e6:.1f} MB, {report.types}")
-        if not cfg.experts_mxfp4:
-            exports.pop("mxfp4")
-        ids = np.random.default_rng(args.seed + 1).integers(0, cfg.vocab_size - 256, args.tokens).tolist()
+        vocab = cfg.vocab_size - 256  # ids drawn below the special tokens
         if not args.skip_agreement:
-            torch.set_num_threads(args.agreement_threads)
-            model = K3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-            ours = k3_logits(model, ids)
-            print(
-                f"\nlogits over {len(ids)} positions (k3 vs llama.cpp; max |logit| {np.abs(ours).max():.2f})"
-            )
-            print(f"  {'experts':>8} {'KV cache':>9} {'max|d|/max|l|':>14} {'KL':>10} {'top-1':>7}")
-            for experts, path in exports.items():
-                for cache_name, cache_type in (("F16", GGML_F16), ("F32", GGML_F32)):
-                    ll = llama(path, len(ids), args.agreement_threads, cache_type)
-                    a = agreement(ours, llama_logits(ll, ids))
-                    print(
-                        f"  {experts:>8} {cache_name:>9} {a['rel']:>14.2e} {a['kl']:>10.2e} {a['top1']:>7.1%}"
-                    )
-                    del ll
-            dump = TensorDump(re.compile(r"(attn_norm|kda_out|mla_out|ffn_norm|ffn_out)-\d+|result_norm"))
-            ll = llama(exports["f32"], len(ids), args.agreement_threads, GGML_F32, dump)
-            dump.tensors.clear()  # keep only the tensors of this evaluation
-            llama_logits(ll, ids)
-            first_parting(k3_tensors(model, ids), dump.tensors, args.threshold)
-            prompt = ids[:16]
-            k3_seq = k3_greedy(model, prompt, args.greedy)
-            print(f"\ngreedy continuation of {args.greedy} tokens after a 16-token prompt:")
-            for experts, path in exports.items():
-                ll = llama(path, 16 + args.greedy + 1, args.agreement_threads, GGML_F16)
-                ll_seq = llama_greedy(ll, prompt, args.greedy)
-                same = next(
-                    (i for i, (a, b) in enumerate(zip(k3_seq, ll_seq, strict=True)) if a != b), len(k3_seq)
-                )
-                print(f"  {experts} experts: identical for the first {same} of {args.greedy} tokens")
+            exports = {"f32": gguf(ckpt, work / "f32.gguf", experts="f32")}
+            if cfg.experts_mxfp4:
+                exports["mxfp4"] = gguf(ckpt, work / "mxfp4.gguf", experts="mxfp4")
+            agreement_report(ckpt, exports, args, vocab)
         if args.speed:
-            threads = [int(x) for x in args.threads.split(",")]
-            gguf = exports.get("mxfp4", exports["f32"])
-            if args.weights == "bf16":  # the published checkpoint's dtype for every non-expert matrix
-                gguf = work / "bf16.gguf"
-                export_gguf(ckpt, gguf, outtype="bf16", experts="mxfp4" if cfg.experts_mxfp4 else None)
-            dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
-            speed(ckpt, gguf, cfg.vocab_size - 256, threads, args.repeats, args.decode_steps, dtype)
-        print(cpu_line())
+            experts = "mxfp4" if cfg.experts_mxfp4 else "f32"
+            outtype = {"bf16": "bf16", "f32": "f32"}[args.weights]  # bf16: the published dtype of non-experts
+            path = gguf(ckpt, work / f"speed-{outtype}-{experts}.gguf", outtype=outtype, experts=experts)
+            speed(ckpt, path, vocab, args)
+        print(machine_line())
 
 
 if __name__ == "__main__":

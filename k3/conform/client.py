@@ -2,7 +2,8 @@
 
 Completions take the prompt as token ids (`prompt: [ids]`), so the engine sees exactly the sequence k3
 scores; their legacy logprobs name tokens by text, mapped back through the checkpoint's vocabulary (k3
-serve writes undecodable pieces as `bytes:\\xNN...`). Chat completions return each token's `bytes`.
+serve writes undecodable pieces as `bytes:\\xNN...`). Chat completions return each token's `bytes`, and
+llama.cpp's server answers completions in that format too, with each token's id.
 """
 
 from __future__ import annotations
@@ -69,10 +70,18 @@ class EngineClient:
         body = {"prompt": ids, "max_tokens": max_tokens, "temperature": 0, "logprobs": top}
         choice = self._ok(self.post("/completions", body), "POST /v1/completions")["choices"][0]
         lp = choice.get("logprobs") or {}
-        if choice.get("text") and not lp.get("tokens"):
+        if "content" in lp:  # llama.cpp's server answers in the chat format, each token with its id and bytes
+            returned = self._entries(lp["content"] or [])
+        else:
+            returned = self._legacy(lp)
+        if choice.get("text") and not returned:
             raise EngineCallError(
                 "POST /v1/completions returned text but no logprobs (conform asks logprobs: 5)"
             )
+        return Generation([r.token for r in returned], returned, choice.get("finish_reason"))
+
+    def _legacy(self, lp: dict) -> list[Returned]:
+        """The legacy format: `tokens`, `token_logprobs`, `top_logprobs` ({text: logprob}), by token text."""
         returned = []
         for text, value, alts in zip(
             lp.get("tokens", []), lp.get("token_logprobs", []), lp.get("top_logprobs", []), strict=False
@@ -83,7 +92,28 @@ class EngineClient:
                 )
             alts = {self.by_text[t]: v for t, v in (alts or {}).items() if t in self.by_text}
             returned.append(Returned(self.by_text[text], value, alts))
-        return Generation([r.token for r in returned], returned, choice.get("finish_reason"))
+        return returned
+
+    def _token(self, entry: dict) -> int | None:
+        """An entry's token: its `id` where the engine gives one (llama.cpp does), else by its `bytes`."""
+        if isinstance(entry.get("id"), int) and 0 <= entry["id"] < self.tokenizer.vocab_size:
+            return entry["id"]
+        return self.by_bytes.get(bytes(entry.get("bytes") or []))
+
+    def _entries(self, entries: list[dict]) -> list[Returned]:
+        """The chat format: one entry per token, `logprob`, `bytes`, `top_logprobs` [{bytes, logprob}]."""
+        returned = []
+        for entry in entries:
+            token = self._token(entry)
+            if token is None:
+                raise EngineCallError(f"the engine returned a token {entry.get('token')!r} of unknown bytes")
+            alts = {}
+            for alt in entry.get("top_logprobs", []):
+                alt_token = self._token(alt)
+                if alt_token is not None:
+                    alts[alt_token] = alt["logprob"]
+            returned.append(Returned(token, entry["logprob"], alts))
+        return returned
 
     def chat(self, messages: list[dict], max_tokens: int, top: int = TOP) -> Generation:
         body = {
@@ -98,17 +128,7 @@ class EngineClient:
         message = choice.get("message") or {}
         if (message.get("content") or message.get("reasoning_content")) and not entries:
             raise EngineCallError("POST /v1/chat/completions returned a message but no logprobs")
-        returned = []
-        for entry in entries:
-            token = self.by_bytes.get(bytes(entry.get("bytes") or []))
-            if token is None:
-                raise EngineCallError(f"the engine returned a token {entry.get('token')!r} of unknown bytes")
-            alts = {
-                self.by_bytes[bytes(a["bytes"])]: a["logprob"]
-                for a in entry.get("top_logprobs", [])
-                if bytes(a.get("bytes") or []) in self.by_bytes
-            }
-            returned.append(Returned(token, entry["logprob"], alts))
+        returned = self._entries(entries)
         return Generation([r.token for r in returned], returned, choice.get("finish_reason"))
 
     def start_and_cancel(self, ids: list[int], max_tokens: int, events: int = 2) -> int:
@@ -132,12 +152,25 @@ class EngineClient:
         return seen
 
     def tokenize_chat(self, messages: list[dict]) -> list[int] | None:
-        """The engine's token ids of a chat prompt (`/tokenize` with messages), None where not offered."""
+        """The engine's token ids of a chat prompt, None where it offers no way to ask: `/tokenize` with
+        messages (vLLM, k3 serve), else llama.cpp's two calls, `/apply-template` (its chat template's text)
+        then `/tokenize` of that text with special tokens parsed, as its chat endpoint does."""
         r = self.post("/tokenize", {"messages": messages}, base=self.root)
         if r.status_code in (404, 405):
             return None
         data = self._ok(r, "POST /tokenize")
-        return list(data.get("tokens") or data.get("ids") or [])
+        tokens = list(data.get("tokens") or data.get("ids") or [])
+        if tokens or not messages:
+            return tokens
+        r = self.post("/apply-template", {"messages": messages}, base=self.root)
+        if r.status_code in (404, 405):
+            return tokens
+        prompt = self._ok(r, "POST /apply-template").get("prompt")
+        if not isinstance(prompt, str):
+            raise EngineCallError("POST /apply-template returned no prompt text")
+        body = {"content": prompt, "add_special": False, "parse_special": True}
+        data = self._ok(self.post("/tokenize", body, base=self.root), "POST /tokenize (the template's text)")
+        return list(data.get("tokens") or [])
 
     def close(self) -> None:
         self.http.close()

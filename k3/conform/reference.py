@@ -6,15 +6,27 @@
 
 `Expected.logprob(token)` is the log-probability k3 gives `token` there (None when a golden pack did not keep
 it: only its top-20 are stored).
+
+Router near-ties: where a router's k-th choice beats the runner-up by less than `tie_gap` at some position,
+an engine that computes the same model to rounding may pick the runner-up there, and its logprobs part from
+k3's from then on without any bug in its state handling (seen on random-weight checkpoints: llama.cpp on
+`mini`, docs/conform.md). A checkpoint reference then also computes the sequence with the other outcome of
+each near-tie (`Expected.variants`, with what each assumes); the report holds a request against the variant
+it agrees with best and says so.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from itertools import combinations
 
 import torch
 
 from k3.errors import K3Error
+from k3.model.routing import NearTie, near_ties, record_routing, runner_up_at
+
+TIE_GAP = 1e-5  # router margins below this are near-ties (sigmoid scores; engines' rounding: ~1e-6)
+MAX_TIES = 3  # near-ties whose outcomes are combined (2^3 - 1 extra forwards at most); smaller gaps first
 
 
 class ReferenceError(K3Error):
@@ -28,6 +40,8 @@ class Expected:
     top_ids: list[int]  # most likely first
     top_logprobs: list[float]
     full: torch.Tensor | None = None  # [V] float64 log-probabilities, when the whole row is known
+    # the same position with other outcomes of router near-ties: (the ties flipped, that distribution)
+    variants: list[tuple[tuple[NearTie, ...], Expected]] = field(default_factory=list)
 
     def logprob(self, token: int) -> float | None:
         if self.full is not None:
@@ -43,33 +57,53 @@ class Expected:
 
 
 class CheckpointReference:
-    """Every position computed by the model in memory (fp32), one forward per scored sequence."""
+    """Every position computed by the model in memory (fp32), one forward per scored sequence, plus one per
+    combination of outcomes of its router near-ties (at most MAX_TIES of them, the closest)."""
 
-    def __init__(self, model: torch.nn.Module, top: int = 20) -> None:
+    def __init__(self, model: torch.nn.Module, top: int = 20, tie_gap: float = TIE_GAP) -> None:
         self.model = model.eval()
-        self.top = top
-        self._memo: dict[tuple[int, ...], torch.Tensor] = {}
+        self.top, self.tie_gap = top, tie_gap
+        self._memo: dict[tuple[int, ...], list[tuple[tuple[NearTie, ...], torch.Tensor]]] = {}
 
-    def _logprobs(self, ids: list[int]) -> torch.Tensor:
-        """[T, V] float64 log-softmax of the logits after each prefix of ids (row p: after ids[:p + 1])."""
-        key = tuple(ids)
+    def _forward(self, ids: list[int], rows: list[int]) -> torch.Tensor:
+        """[len(rows), V] float64 log-softmax of the logits at those rows (row p: after ids[:p + 1])."""
+        return self.model(torch.tensor([ids]))[0, rows].double().log_softmax(-1)
+
+    def _outcomes(self, ids: list[int], rows: list[int]) -> list[tuple[tuple[NearTie, ...], torch.Tensor]]:
+        """[(the near-ties flipped, [len(rows), V] log-probabilities)], k3's own routing first."""
+        key = (*ids, -1, *rows)
         if key not in self._memo:
             with torch.no_grad():
-                logits = self.model(torch.tensor([ids]))[0]
-            self._memo = {key: logits.double().log_softmax(-1)}  # the last sequence only: bounded memory
+                with record_routing(self.model, weights=False) as trace:
+                    outcomes = [((), self._forward(ids, rows))]
+                ties = near_ties(self.model, trace, self.tie_gap)[:MAX_TIES] if self.tie_gap > 0 else []
+                ties = [t for t in ties if t.row <= max(rows)]  # a tie after the last row changes none
+                for n in range(1, len(ties) + 1):
+                    for flipped in combinations(ties, n):
+                        with runner_up_at(self.model, list(flipped)):
+                            outcomes.append((flipped, self._forward(ids, rows)))
+            self._memo = {key: outcomes}  # the last request only: bounded memory
         return self._memo[key]
 
     def expect(self, ids: list[int], positions: list[int]) -> list[Expected]:
         """For each p in positions (1 <= p <= len(ids)): the distribution of the token after ids[:p]."""
         if not positions:
             return []
-        rows = self._logprobs(ids[: max(positions)])
+        outcomes = self._outcomes(ids[: max(positions)], [p - 1 for p in positions])
         out = []
-        for p in positions:
-            row = rows[p - 1]
-            top = row.topk(min(self.top, row.numel()))
-            out.append(Expected(top.indices.tolist(), top.values.tolist(), row))
+        for i, p in enumerate(positions):
+            first = self._expected(outcomes[0][1][i])
+            first.variants = [
+                (flipped, self._expected(table[i]))
+                for flipped, table in outcomes[1:]
+                if min(t.row for t in flipped) < p  # the tie comes before this position
+            ]
+            out.append(first)
         return out
+
+    def _expected(self, row: torch.Tensor) -> Expected:
+        top = row.topk(min(self.top, row.numel()))
+        return Expected(top.indices.tolist(), top.values.tolist(), row)
 
 
 class GoldenReference:

@@ -8,6 +8,9 @@
 
     with route_with(model, {3: indices3, ...}):          # routers use these choices instead of their own
         model(ids)                                       # (routing replay: train on the rollout's experts)
+    ties = near_ties(model, trace, below=1e-5)           # rows whose k-th and (k+1)-th scores nearly tie
+    with runner_up_at(model, ties[:1]):                  # the other outcome of such a tie
+        model(ids)
 
 Rows are the routers' input rows: the tokens of one forward flattened as [B * T] in row-major order, then
 the next forward's. Both use forward hooks on `K3ForCausalLM.routers()`; nothing here recomputes a score.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -123,3 +127,56 @@ def route_with(model: nn.Module, indices: Mapping[int, torch.Tensor]) -> Iterato
     left = {layer: indices[layer].shape[0] - n for layer, n in used.items() if n != indices[layer].shape[0]}
     if left:
         raise ValueError(f"route_with: rows of expert choices left unused, per layer: {left}")
+
+
+@dataclass(frozen=True)
+class NearTie:
+    """A row where the router's last chosen expert beat the runner-up by less than some gap: an engine
+    whose arithmetic differs by rounding may choose the runner-up there, and part from then on."""
+
+    layer: int
+    row: int
+    gap: float  # biased score of the k-th choice minus the (k+1)-th's
+
+
+def near_ties(model: nn.Module, trace: RoutingTrace, below: float) -> list[NearTie]:
+    """The rows of a recorded trace (scores kept) whose top-k margin is below `below`, smallest first.
+    Routers that choose within groups are left out (their runner-up depends on the group choice)."""
+    ties = []
+    for layer, router in model.routers().items():  # type: ignore[operator]
+        if router.num_groups > 1 or router.top_k >= router.weight.shape[0]:
+            continue
+        biased = trace.scores(layer) + router.e_score_correction_bias.float()
+        top = biased.topk(router.top_k + 1, dim=-1).values  # [N, k + 1]
+        gaps = top[:, -2] - top[:, -1]
+        ties += [NearTie(layer, int(row), float(gaps[row])) for row in torch.nonzero(gaps < below).flatten()]
+    return sorted(ties, key=lambda t: t.gap)
+
+
+@contextmanager
+def runner_up_at(model: nn.Module, ties: list[NearTie]) -> Iterator[None]:
+    """Inside the block, the routers choose the runner-up instead of their last (k-th) choice at the given
+    rows (rows of each forward, numbered from 0 in every call): the other outcome of a near-tie."""
+    routers = model.routers()  # type: ignore[operator]
+    rows: dict[int, list[int]] = {}
+    for tie in ties:
+        rows.setdefault(tie.layer, []).append(tie.row)
+
+    def swap(router: Router, out: Routing, flipped: list[int]) -> Routing:
+        indices = out.indices.clone()
+        biased = out.scores + router.e_score_correction_bias.float()
+        for row in flipped:
+            if row < indices.shape[0]:
+                order = biased[row].topk(router.top_k + 1).indices  # [k + 1], best first
+                indices[row] = torch.cat([order[: router.top_k - 1], order[router.top_k :]])
+        return router.routing(out.scores, indices)
+
+    hooks = [
+        routers[layer].register_forward_hook(lambda m, _a, out, flipped=flipped: swap(m, out, flipped))
+        for layer, flipped in rows.items()
+    ]
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -12,7 +12,7 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.routing import record_routing, route_with
+from k3.model.routing import near_ties, record_routing, route_with, runner_up_at
 
 
 def model_with_planted_bias(preset: str) -> K3ForCausalLM:
@@ -155,3 +155,44 @@ def test_route_with_checks_what_it_is_given():
     with pytest.raises(ValueError, match="left unused"), torch.no_grad():
         with route_with(model, {layer: torch.zeros(6, k, dtype=torch.long)}):
             model(ids)
+
+
+def test_near_ties_are_the_rows_whose_top_k_margin_is_below_the_gap():
+    model = model_with_planted_bias("mini")
+    k = model.config.num_experts_per_token
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), record_routing(model) as trace:
+        model(ids)
+    below = 0.02  # wide enough that a 40-token prompt has several
+    ties = near_ties(model, trace, below)
+    expected = set()
+    for layer, x in moe_inputs(model, ids).items():  # the slow loop: sort every row's biased scores
+        bias = model.routers()[layer].e_score_correction_bias
+        for row in range(x.shape[0]):
+            biased = sorted((trace.scores(layer)[row] + bias).tolist(), reverse=True)
+            if biased[k - 1] - biased[k] < below:
+                expected.add((layer, row))
+    assert expected and {(t.layer, t.row) for t in ties} == expected
+    assert [t.gap for t in ties] == sorted(t.gap for t in ties)
+
+
+def test_runner_up_at_is_route_with_the_runner_up_swapped_in_at_that_row():
+    model = model_with_planted_bias("mini")
+    k = model.config.num_experts_per_token
+    ids = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad(), record_routing(model) as trace:
+        base = model(ids)
+    tie = near_ties(model, trace, 0.02)[0]
+    router = model.routers()[tie.layer]
+    order = (trace.scores(tie.layer)[tie.row] + router.e_score_correction_bias).argsort(descending=True)
+    swapped = trace.indices(tie.layer).clone()
+    swapped[tie.row] = torch.cat([order[: k - 1], order[k : k + 1]])  # k-th choice out, runner-up in
+    with torch.no_grad(), route_with(model, {tie.layer: swapped}):
+        replayed = model(ids)
+    with torch.no_grad(), runner_up_at(model, [tie]):
+        flipped = model(ids)
+    assert torch.equal(flipped, replayed)
+    # rows before the tie keep their values (to rounding: the experts' batches of rows changed size), the
+    # tie's row and later ones change
+    assert (flipped[0, : tie.row] - base[0, : tie.row]).abs().max() < 1e-5
+    assert (flipped[0, tie.row :] - base[0, tie.row :]).abs().max() > 1e-2

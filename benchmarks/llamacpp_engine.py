@@ -1,0 +1,190 @@
+"""One engine's speed in its own process, for benchmarks/llamacpp.py --speed: k3 on a checkpoint or llama.cpp
+(through llama-cpp-python's C API) on a GGUF. Prints one JSON line of seconds.
+
+    .venv/bin/python benchmarks/llamacpp_engine.py {k3,llama.cpp} PATH --threads 2 [--prefill 512,2048]
+        [--decode-steps 16] [--batch 8 --batch-context 64] [--weights bf16] [--vocab V]
+
+One process per engine and setting: at k3-slice's size (11 GB of weights per engine) two engines in one
+process would evict each other's pages from a 24 GB page cache, and the second would be timed reading disk.
+
+Both engines do the same work, as a server does it:
+* prefill of T token ids (random, from a fixed seed), the logits of the last position only;
+* then decode steps of one token after those T tokens (the first two untimed);
+* a batch: `--batch` sequences, each prefilled with `--batch-context` different ids, then steps of one token
+  for every sequence at once (one forward of [batch, 1]; one llama_batch of `batch` tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+WARMUP_STEPS = 2
+
+
+def prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(count)]
+
+
+def seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# ---- k3 ---------------------------------------------------------------------------------------------------
+class K3Engine:
+    def __init__(self, path: Path, threads: int, weights: str) -> None:
+        import torch
+
+        from k3.model import K3ForCausalLM
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+        self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=torch.float32).eval()
+
+    def weight_bytes(self) -> float:
+        """Bytes of weights one decode token reads: all but the embedding table (one row of it is read), the
+        routed experts in proportion (k of E per layer: all of them in k3-slice, where k = E)."""
+        from k3.model.moe import RoutedExpert
+
+        cfg = self.model.config
+        share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+        experts = [m for m in self.model.modules() if isinstance(m, RoutedExpert)]
+        routed = {id(t) for m in experts for t in (*m.parameters(), *m.buffers())}
+        skip = {id(self.model.model.embed_tokens.weight)}
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers()) if id(t) not in skip}
+        return sum(t.nbytes * (share if key in routed else 1.0) for key, t in tensors.items())
+
+    def prefill(self, batch: list[list[int]]):
+        cache = self.model.new_cache(len(batch))
+        with self.torch.no_grad():
+            self.model(self.torch.tensor(batch), cache, logits_to_keep=1)
+        return cache
+
+    def step(self, cache, count: int) -> None:
+        with self.torch.no_grad():
+            self.model(self.torch.ones(count, 1, dtype=self.torch.long), cache)
+
+    def describe(self) -> str:
+        from k3.ops.doctor import diagnose
+
+        kernels = [f"{k['name']} {k['in_use']} {k['variant'] or ''}".strip() for k in diagnose()["kernels"]]
+        return f"k3 kernels: {', '.join(kernels)}"
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------------------
+class LlamaEngine:
+    """llama.cpp's C API: a context with `sequences` sequence slots, default settings otherwise (F16 KV
+    cache, its default flash-attention choice), one llama_batch per call, logits of each sequence's last
+    token."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, sequences: int, n_batch: int) -> None:
+        import llama_cpp as C
+
+        self.C = C
+        C.llama_backend_init()
+        self.llama_model = C.llama_model_load_from_file(str(path).encode(), C.llama_model_default_params())
+        if not self.llama_model:
+            raise SystemExit(f"llama.cpp could not load {path}")
+        params = C.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_batch, n_batch
+        params.n_seq_max, params.n_threads, params.n_threads_batch = sequences, threads, threads
+        params.kv_unified = True  # every sequence may use the whole context (the default splits it n ways)
+        self.ctx = C.llama_init_from_model(self.llama_model, params)
+        if not self.ctx:
+            raise SystemExit("llama.cpp could not create a context")
+        self.batch = C.llama_batch_init(n_batch, 0, sequences)
+        self.positions: list[int] = []
+
+    def _decode(self, rows: list[list[int]]) -> None:
+        """Row s's tokens continue sequence s."""
+        C, b, n = self.C, self.batch, 0
+        for s, tokens in enumerate(rows):
+            for i, token in enumerate(tokens):
+                b.token[n], b.pos[n], b.n_seq_id[n] = token, self.positions[s] + i, 1
+                b.seq_id[n][0], b.logits[n] = s, int(i == len(tokens) - 1)
+                n += 1
+            self.positions[s] += len(tokens)
+        b.n_tokens = n
+        if C.llama_decode(self.ctx, b) != 0:
+            raise SystemExit("llama_decode failed")
+        C.llama_synchronize(self.ctx)
+
+    def prefill(self, batch: list[list[int]]):
+        self.C.llama_memory_clear(self.C.llama_get_memory(self.ctx), True)
+        self.positions = [0] * len(batch)
+        self._decode(batch)
+        return None
+
+    def step(self, cache, count: int) -> None:
+        self._decode([[1]] * count)
+
+    def describe(self) -> str:
+        import llama_cpp
+
+        flags = self.C.llama_print_system_info().decode().strip()
+        return f"llama-cpp-python {llama_cpp.__version__}; {flags}"
+
+
+# ---- the measurements -------------------------------------------------------------------------------------
+def measure(engine, args) -> dict:
+    out: dict = {"engine": args.engine, "threads": args.threads, "describe": engine.describe()}
+    out["prefill_s"] = {}
+    if isinstance(engine, K3Engine):
+        out["weight_bytes_per_token"] = engine.weight_bytes()
+    for T in args.prefill:
+        ids = prompts(args.vocab, 1, T, seed=T)
+        out["prefill_s"][T] = seconds(lambda ids=ids: engine.prefill(ids))
+    if args.decode_steps:
+        cache = engine.prefill(prompts(args.vocab, 1, args.decode_context, seed=args.decode_context))
+        for _ in range(WARMUP_STEPS):
+            engine.step(cache, 1)
+        out["decode_s_per_token"] = (
+            seconds(lambda: [engine.step(cache, 1) for _ in range(args.decode_steps)]) / args.decode_steps
+        )
+    if args.batch > 1:
+        batch = prompts(args.vocab, args.batch, args.batch_context, seed=1000 + args.batch_context)
+        cache = engine.prefill(batch)
+        for _ in range(WARMUP_STEPS):
+            engine.step(cache, args.batch)
+        out["batch"] = args.batch
+        out["batch_s_per_step"] = (
+            seconds(lambda: [engine.step(cache, args.batch) for _ in range(args.decode_steps)])
+            / args.decode_steps
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine", choices=("k3", "llama.cpp"))
+    ap.add_argument("path", type=Path, help="k3: a checkpoint directory; llama.cpp: a GGUF file")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prefill", type=lambda s: [int(x) for x in s.split(",") if x], default=[512, 2048])
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--decode-context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--batch-context", type=int, default=64)
+    ap.add_argument("--weights", choices=("f32", "bf16"), default="f32", help="k3: dtype of weight matrices")
+    ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
+    args = ap.parse_args()
+    longest = max([*args.prefill, args.decode_context, args.batch_context])
+    if args.engine == "k3":
+        engine = K3Engine(args.path, args.threads, args.weights)
+    else:
+        n_ctx = args.batch * (args.batch_context + args.decode_steps + WARMUP_STEPS) + longest
+        n_ctx = max(n_ctx, longest + args.decode_steps + WARMUP_STEPS) + 16
+        n_batch = max(longest, args.batch * args.batch_context)
+        engine = LlamaEngine(args.path, args.threads, n_ctx, max(args.batch, 1), n_batch)
+    print(json.dumps(measure(engine, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
