@@ -123,7 +123,7 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
         state.conv_q.contiguous(),
         state.conv_k.contiguous(),
         state.conv_v.contiguous(),
-        state.recurrent.contiguous(),
+        state.recurrent.contiguous(),  # updated in place (and returned)
         kda.l2norm_eps,
         kda.head_dim**-0.5,
     )

@@ -120,6 +120,24 @@ def with_bf16_weights(model: K3ForCausalLM) -> K3ForCausalLM:
     return model
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_a_rows_fused_step_does_not_depend_on_its_batch(counting, weights):
+    """The engine decodes whoever is waiting together: a sequence's logits must be the same bits in a batch
+    of three as alone (every kernel sums a row's products in one order whatever the batch: the dense tiles,
+    the MXFP4 one-row and few-row GEMVs, including their AVX-512 variant where the CPU has one)."""
+    model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)
+    if weights == "bf16":
+        model = with_bf16_weights(model)
+    lengths = [5, 12, 3]
+    cache, token = prefilled(model, lengths, seed=7)
+    together = decode(model, cache, token, steps=3)
+    for i, n in enumerate(lengths):
+        alone_cache, _ = prefilled(model, [n], seed=7 + i)
+        alone = decode(model, alone_cache, token[i : i + 1], steps=3)
+        assert torch.equal(together[i], alone[0]), f"row {i}: max diff {(together[i] - alone[0]).abs().max()}"
+    assert counting.calls["moe_experts"] > 0 and counting.calls["kda_mixer"] > 0  # the fused path ran
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")

@@ -43,6 +43,7 @@ inline float inverse_norm(const float* x, int64_t n) {
 }
 
 // One (sequence, head): q, k [K] (normalised), v [V], decay [K] = e^g, S [K, V] -> o [V], S_out [K, V].
+// S_out may be S (an update in place): every element of S is read before its own element of S_out is written.
 __attribute__((target("avx2,fma"))) inline void delta_step(const float* q, const float* k, const float* v,
                                                            const float* decay, float beta, const float* S,
                                                            int64_t K, int64_t V, float* o, float* S_out,
