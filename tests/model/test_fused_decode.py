@@ -138,6 +138,26 @@ def test_a_rows_fused_step_does_not_depend_on_its_batch(counting, weights):
     assert counting.calls["moe_experts"] > 0 and counting.calls["kda_mixer"] > 0  # the fused path ran
 
 
+def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
+    """One sequence's MXFP4 experts (one-row GEMVs: AVX-512 where the CPU has it) against the same step
+    with the AVX2 kernel forced: the same logits, bit for bit. On an AVX2-only CPU both runs are AVX2."""
+    native = load_native()
+    model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)
+    steps = {}
+    for variant in ("auto", "avx2"):
+
+        class Forced:
+            def __getattr__(self, name, variant=variant):
+                call = getattr(native, name)
+                return (lambda *a, **k: call(*a, **k, variant=variant)) if name == "moe_experts" else call
+
+        monkeypatch.setattr(fused, "load_native", Forced)
+        cache, token = prefilled(model, [9], seed=5)
+        steps[variant] = decode(model, cache, token, steps=3)
+    assert steps["auto"].abs().max() > 0.1 and torch.equal(steps["auto"], steps["avx2"])
+    assert native.gemv_variant() in ("avx512", "avx2")
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")

@@ -6,6 +6,8 @@
 // accumulates even blocks into acc_even and odd ones into acc_odd; here lanes 0-7 are acc_even and lanes
 // 8-15 acc_odd (a pair starts at an even block). (The M > 1 kernels gained nothing from 16 lanes here,
 // neither for the products nor for the decoding alone: measured, then left out; they stay AVX2.)
+// `gemv_rows1` does the same for the few-row kernel at one row (gemv_rows<1>, which scales the codes before
+// the products and carries one accumulator: its two blocks' sums are added in order).
 // x is read in the pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
 // pair p of blocks, group g, lanes [x[64p + 8g .. +8) | x[64p + 32 + 8g .. +8)]. An odd last block runs
 // the AVX2 code. Decoding a pair: the 32 packed bytes and the same shifted right by 4 hold every code in
@@ -116,6 +118,42 @@ K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const
       acc_even = _mm256_fmadd_ps(s, _mm256_add_ps(left, right), acc_even);
     }
     out[n] = mxfp4_rows::horizontal_sum(_mm256_add_ps(acc_even, acc_odd));
+  }
+}
+
+// mxfp4_rows::gemv_rows<1> (the fused decode step's experts at one row), x given in pair layout (xp): bit
+// for bit its results. Per pair of blocks the decoded codes are scaled per block (lanes 0-7 by block b's
+// scale, 8-15 by block b+1's), both blocks' partial sums formed at once in 16 lanes, and added to the one
+// 8-lane accumulator as the AVX2 kernel adds them: block b's, then block b+1's.
+K3_AVX512 inline void gemv_rows1(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                                 float* out, int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock, paired = blocks - blocks % 2;
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < paired; b += 2) {
+      __m512 w[4];
+      decode_pair(row_bytes + b * kBlockBytes, w);
+      const __m512 s = pair_scale(row_scale, b);
+      const float* xb = xp + b * kBlock;
+      __m512 partial = _mm512_mul_ps(_mm512_mul_ps(w[0], s), _mm512_loadu_ps(xb));
+      for (int g = 1; g < 4; ++g)
+        partial = _mm512_fmadd_ps(_mm512_mul_ps(w[g], s), _mm512_loadu_ps(xb + 16 * g), partial);
+      acc = _mm256_add_ps(acc, _mm512_castps512_ps256(partial));
+      acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(partial, 1));
+    }
+    if (paired < blocks) {  // the last block, as the AVX2 kernel runs it
+      __m256 w[4];
+      mxfp4_rows::decode_block(row_bytes + paired * kBlockBytes, w);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[paired]]);
+      const float* xb = xp + paired * kBlock;
+      __m256 partial = _mm256_mul_ps(_mm256_mul_ps(w[0], s), _mm256_loadu_ps(xb));
+      for (int g = 1; g < 4; ++g)
+        partial = _mm256_fmadd_ps(_mm256_mul_ps(w[g], s), _mm256_loadu_ps(xb + 8 * g), partial);
+      acc = _mm256_add_ps(acc, partial);
+    }
+    out[n] = mxfp4_rows::horizontal_sum(acc);
   }
 }
 
