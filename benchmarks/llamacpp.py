@@ -22,7 +22,8 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    never share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a
    decode batch of --batch sequences; the decode floor (weight bytes a token reads / the streaming read
    bandwidth measured before each round); k3 against llama.cpp with its default settings, experts MXFP4
-   in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on them).
+   in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on them, or in bf16 with
+   `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the instructions).
 The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
 machine are noisy.
 """
@@ -238,6 +239,7 @@ def engine_run(engine: str, path: Path, threads: int, args, vocab: int) -> dict:
     command += ["--prefill", ",".join(map(str, args.prefill)), "--decode-steps", str(args.decode_steps)]
     command += ["--decode-context", str(args.decode_context), "--batch", str(args.batch)]
     command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
+    command += ["--compute", args.k3_compute]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
@@ -257,7 +259,8 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     count; the streaming read bandwidth measured before each round gives the decode floor (bytes a token
     reads / bandwidth); the best of the rounds is reported for each engine."""
     print(
-        f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; {args.weights} weights"
+        f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; "
+        f"{args.weights} weights; k3 computes in {args.k3_compute}"
     )
     for n in args.threads:
         torch.set_num_threads(n)
@@ -374,6 +377,12 @@ def main() -> None:
     ap.add_argument("--batch-context", type=int, default=64, help="--speed: tokens of each batched sequence")
     ap.add_argument(
         "--weights", choices=("f32", "bf16"), default="f32", help="--speed: both engines' weight matrices"
+    )
+    ap.add_argument(
+        "--k3-compute",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="--speed: k3's activations (bf16: bf16 matmuls; decode then takes the general path)",
     )
     args = ap.parse_args()
     print(machine_line())

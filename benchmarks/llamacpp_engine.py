@@ -39,7 +39,7 @@ def seconds(fn) -> float:
 
 # ---- k3 ---------------------------------------------------------------------------------------------------
 class K3Engine:
-    def __init__(self, path: Path, threads: int, weights: str) -> None:
+    def __init__(self, path: Path, threads: int, weights: str, compute: str) -> None:
         import torch
 
         from k3.model import K3ForCausalLM
@@ -47,7 +47,8 @@ class K3Engine:
         torch.set_num_threads(threads)
         self.torch = torch
         dtype = torch.bfloat16 if weights == "bf16" else torch.float32
-        self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=torch.float32).eval()
+        compute_dtype = torch.bfloat16 if compute == "bf16" else torch.float32
+        self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=compute_dtype).eval()
 
     def weight_bytes(self) -> float:
         """Bytes of weights one decode token reads: all but the embedding table (one row of it is read), the
@@ -173,11 +174,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--batch-context", type=int, default=64)
     ap.add_argument("--weights", choices=("f32", "bf16"), default="f32", help="k3: dtype of weight matrices")
+    ap.add_argument("--compute", choices=("fp32", "bf16"), default="fp32", help="k3: dtype of activations")
     ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
     args = ap.parse_args()
     longest = max([*args.prefill, args.decode_context, args.batch_context])
     if args.engine == "k3":
-        engine = K3Engine(args.path, args.threads, args.weights)
+        engine = K3Engine(args.path, args.threads, args.weights, args.compute)
     else:
         n_ctx = args.batch * (args.batch_context + args.decode_steps + WARMUP_STEPS) + longest
         n_ctx = max(n_ctx, longest + args.decode_steps + WARMUP_STEPS) + 16

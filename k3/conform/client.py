@@ -8,6 +8,7 @@ llama.cpp's server answers completions in that format too, with each token's id.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import httpx
@@ -101,12 +102,20 @@ class EngineClient:
         return self.by_bytes.get(bytes(entry.get("bytes") or []))
 
     def _entries(self, entries: list[dict]) -> list[Returned]:
-        """The chat format: one entry per token, `logprob`, `bytes`, `top_logprobs` [{bytes, logprob}]."""
+        """The chat format: one entry per token, `logprob`, `bytes`, `top_logprobs` [{bytes, logprob}].
+
+        llama.cpp's server gives no entry to a token whose text is an incomplete UTF-8 sequence: its bytes
+        lead the next entry's. Those tokens are recovered from the bytes, without a logprob (NaN: the report
+        counts them as unscored), so that every later token keeps its position."""
         returned = []
         for entry in entries:
             token = self._token(entry)
             if token is None:
                 raise EngineCallError(f"the engine returned a token {entry.get('token')!r} of unknown bytes")
+            own = self.tokenizer.token_bytes(token)
+            written = bytes(entry["bytes"]) if entry.get("bytes") else own
+            if written != own and written.endswith(own):
+                returned += [Returned(t, math.nan, {}) for t in self._split(written[: -len(own)], entry)]
             alts = {}
             for alt in entry.get("top_logprobs", []):
                 alt_token = self._token(alt)
@@ -114,6 +123,18 @@ class EngineClient:
                     alts[alt_token] = alt["logprob"]
             returned.append(Returned(token, entry["logprob"], alts))
         return returned
+
+    def _split(self, data: bytes, entry: dict) -> list[int]:
+        """The tokens whose bytes make up `data` (those an entry carried before its own), longest first."""
+        out, start = [], 0
+        while start < len(data):
+            end = next((e for e in range(len(data), start, -1) if data[start:e] in self.by_bytes), None)
+            if end is None:
+                where = f"before token {entry.get('token')!r}"
+                raise EngineCallError(f"the engine returned bytes {data!r} {where} that no token spells")
+            out.append(self.by_bytes[data[start:end]])
+            start = end
+        return out
 
     def chat(self, messages: list[dict], max_tokens: int, top: int = TOP) -> Generation:
         body = {

@@ -37,6 +37,7 @@ from k3.conform.texts import (
     growing_chat,
     long_document,
     prompt_ids,
+    shifted_prompts,
     tool_chat,
 )
 from k3.errors import K3Error
@@ -80,6 +81,7 @@ def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int) -> list[
     if suite in ("default", "chat"):
         out += [(f"growing turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(growing_chat())]
         out += [(f"tools turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(tool_chat())]
+    out += list(zip(("shifted whole", "shifted middle dropped"), shifted_prompts(tokenizer), strict=True))
     if suite == "long":
         out += [(f"document {n}", long_document(tokenizer, n)) for n in (long_tokens // 4, long_tokens)]
     return out

@@ -12,6 +12,7 @@ state bug.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from k3.conform.reference import Expected
@@ -51,6 +52,7 @@ class ScenarioResult:
     parting: Parting | None = None
     notes: list[str] = field(default_factory=list)
     near_ties: list[str] = field(default_factory=list)  # requests held against another outcome of a near-tie
+    unscored: int = 0  # generated tokens the engine gave no logprob for (NaN: llama.cpp's partial UTF-8)
     skipped: str | None = None  # why the scenario did not run
 
     @property
@@ -99,6 +101,7 @@ def hold(
 
     def cost(flipped: tuple) -> tuple[int, float]:  # (positions parted, max |dlogprob|)
         pairs = zip(returned, expected, strict=True)
+        pairs = [(got, want) for got, want in pairs if not math.isnan(got.logprob)]
         scored = [_distance(got, _outcome(want, flipped), threshold) for got, want in pairs]
         parted = sum(d > threshold or not agree for d, agree in scored)
         return parted, max((d for d, _ in scored), default=0.0)
@@ -108,6 +111,9 @@ def hold(
         ties = ", ".join(f"layer {t.layer} row {t.row} (gap {t.gap:.1e})" for t in flipped)
         result.near_ties.append(f"{request}: agrees with k3 when its router takes the runner-up at {ties}")
     for got, want, p in zip(returned, expected, positions, strict=True):
+        if math.isnan(got.logprob):
+            result.unscored += 1
+            continue
         want = _outcome(want, flipped)
         result.positions += 1
         d, agree = _distance(got, want, threshold)
@@ -168,6 +174,11 @@ def markdown(results: list[ScenarioResult], engine: str, threshold: float) -> st
         )
     notes = [f"- {r.name}: {n}" for r in results for n in r.notes]
     notes += [f"- {r.name} (router near-tie): {n}" for r in results for n in r.near_ties]
+    notes += [
+        f"- {r.name}: {r.unscored} generated token(s) came without a logprob (not scored)"
+        for r in results
+        if r.unscored
+    ]
     return "\n".join(lines + ([""] + notes if notes else [])) + "\n"
 
 

@@ -6,6 +6,8 @@
 * concurrent: N equal-length prompts at once, then each alone (one user's KDA state leaking into
   another's, tt-metal; batching).
 * cancel: a streamed request dropped mid-generation, then new requests (a cancelled sequence's state).
+* shifted: a prompt, then the same with its middle dropped (a cached chunk reused at a shifted position:
+  llama.cpp's `--cache-reuse`, its K3 thread on PR #26185).
 * long: a prompt near the engine's limit, and one past it, which must be a 4xx (NaN logits after a long
   prompt, vLLM #51039; a 5xx past the limit).
 * repeat: one request three times (nondeterminism, state carried between requests).
@@ -30,6 +32,7 @@ from k3.conform.texts import (
     growing_chat,
     long_document,
     prompt_ids,
+    shifted_prompts,
     tool_chat,
 )
 
@@ -100,6 +103,12 @@ def cancel(run: Run, result: ScenarioResult) -> None:
     run.complete(result, "the cancelled prompt again", prompts[0])
 
 
+def shifted(run: Run, result: ScenarioResult) -> None:
+    full, dropped = shifted_prompts(run.client.tokenizer)
+    run.complete(result, "the whole prompt", full)
+    run.complete(result, "its middle dropped", dropped)
+
+
 def long(run: Run, result: ScenarioResult) -> None:
     limit = run.client.models().get("max_model_len")
     if run.long_tokens is None and not isinstance(limit, int):
@@ -158,6 +167,7 @@ SCENARIOS: dict[str, Callable[[Run, ScenarioResult], None]] = {
     "tools": tools,
     "concurrent": concurrent,
     "cancel": cancel,
+    "shifted": shifted,
     "long": long,
     "repeat": repeat,
     "tokenize": tokenize,

@@ -99,3 +99,12 @@ def long_document(tokenizer: Tokenizer, tokens: int) -> list[int]:
     """`tokens` ids of real text: the prompts one after another, repeated as needed."""
     unit = [t for ids in prompt_ids(tokenizer).values() for t in ids]
     return (unit * (tokens // len(unit) + 1))[:tokens]
+
+
+def shifted_prompts(tokenizer: Tokenizer) -> tuple[list[int], list[int]]:
+    """A prompt of real text (a 64-token head, a 200-token middle, a 300-token tail) and the same prompt with
+    its middle dropped. An engine that reuses the cached tail at its new position (llama.cpp's
+    `--cache-reuse N` shifts the KV rows of matching chunks of at least N tokens) keeps a recurrent state
+    that still holds the middle: a hybrid's KDA state cannot be shifted."""
+    doc = long_document(tokenizer, 564)
+    return doc, doc[:64] + doc[264:]

@@ -6,10 +6,13 @@ The answers below have the shape that server returned to `k3 conform` here (docs
 from __future__ import annotations
 
 import json
+import math
 
 import httpx
 
 from k3.conform.client import EngineClient
+from k3.conform.reference import Expected
+from k3.conform.report import ScenarioResult, hold
 from k3.tokenizer.kimi import Tokenizer
 
 
@@ -71,3 +74,30 @@ def test_chat_ids_through_apply_template_and_tokenize(checkpoint):
         "parse_special": True,
     }
     assert seen[-1][1]["content"].startswith("<|open|>message")
+
+
+def test_a_token_llama_cpp_folds_into_the_next_entry_keeps_its_position(checkpoint):
+    """llama.cpp's server gives a token whose text is an incomplete UTF-8 sequence no entry of its own: its
+    bytes lead the next entry's (seen on `mini`: 8 tokens generated, 7 entries). The client recovers it,
+    without a logprob, so that the tokens after it keep their positions."""
+    tokenizer = Tokenizer.from_source(checkpoint)
+    folded, after = 300, 301
+    merged = entry(after, -0.75, [(after, -0.75)])
+    merged["bytes"] = list(tokenizer.token_bytes(folded) + tokenizer.token_bytes(after))
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        content = [entry(7, -0.5, [(7, -0.5)]), merged]
+        return httpx.Response(200, json={"choices": [{"text": "..", "logprobs": {"content": content}}]})
+
+    client = EngineClient("http://engine.test/v1", tokenizer)
+    client.http = httpx.Client(transport=httpx.MockTransport(handle))
+    gen = client.complete([1, 2], max_tokens=3)
+    assert gen.tokens == [7, folded, after]
+    assert math.isnan(gen.returned[1].logprob) and gen.returned[2].logprob == -0.75
+
+    result = ScenarioResult("x")  # the report leaves the folded token unscored
+    wants = [Expected([t], [lp], None) for t, lp in ((7, -0.5), (123, -9.0), (after, -0.75))]
+    hold(result, "r", gen.returned, wants, [2, 3, 4], 2e-3, str)
+    assert result.passed and result.positions == 2 and result.unscored == 1

@@ -64,7 +64,7 @@ def broken_engine(checkpoint, break_: str) -> Engine:
 FAILS = {
     "boundary": {"prefix", "tools"},  # the chats, whose later turns restore an earlier turn's state
     "slot": {"concurrent"},  # only prompts prefilled together share a slot
-    "attn_res": {"prefix", "tools", "concurrent", "cancel", "long", "repeat"},  # every decode step
+    "attn_res": {"prefix", "tools", "concurrent", "cancel", "shifted", "long", "repeat"},  # every decode step
 }
 
 

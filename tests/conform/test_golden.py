@@ -41,7 +41,7 @@ def test_the_pack_holds_what_the_manifest_says(pack, checkpoint):
     )
     data = load_file(pack / "data.safetensors")
     n = len(manifest["sequences"])
-    assert n == 8 + 4 + 4 + 10  # prompts, concurrent's prompts, growing chat, tool chat
+    assert n == 8 + 4 + 4 + 10 + 2  # prompts, concurrent's prompts, growing chat, tool chat, shifted
     model = K3ForCausalLM.from_pretrained(checkpoint)
     ids = data["seq.13.ids"].tolist()  # a chat turn: prompt + 4 greedy tokens
     with torch.no_grad():
