@@ -106,7 +106,11 @@ def hold(
         parted = sum(d > threshold or not agree for d, agree in scored)
         return parted, max((d for d, _ in scored), default=0.0)
 
+    # another outcome only where it explains the whole request (and k3's own does not): a request that
+    # parts for another reason is reported against k3's own routing
     flipped = min(outcomes, key=cost)
+    if cost(())[0] == 0 or cost(flipped)[0] > 0:
+        flipped = ()
     if flipped:
         ties = ", ".join(f"layer {t.layer} row {t.row} (gap {t.gap:.1e})" for t in flipped)
         result.near_ties.append(f"{request}: agrees with k3 when its router takes the runner-up at {ties}")
