@@ -79,7 +79,6 @@ class CheckpointReference:
                 with record_routing(self.model, weights=False) as trace:
                     outcomes = [((), self._forward(ids, rows))]
                 ties = near_ties(self.model, trace, self.tie_gap)[:MAX_TIES] if self.tie_gap > 0 else []
-                ties = [t for t in ties if t.row <= max(rows)]  # a tie after the last row changes none
                 for n in range(1, len(ties) + 1):
                     for flipped in combinations(ties, n):
                         with runner_up_at(self.model, list(flipped)):

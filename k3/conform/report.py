@@ -108,8 +108,9 @@ def hold(
 
     # another outcome only where it explains the whole request (and k3's own does not): a request that
     # parts for another reason is reported against k3's own routing
-    flipped = min(outcomes, key=cost)
-    if cost(())[0] == 0 or cost(flipped)[0] > 0:
+    costs = {f: cost(f) for f in outcomes}
+    flipped = min(outcomes, key=costs.__getitem__)
+    if costs[()][0] == 0 or costs[flipped][0] > 0:
         flipped = ()
     if flipped:
         ties = ", ".join(f"layer {t.layer} row {t.row} (gap {t.gap:.1e})" for t in flipped)

@@ -119,13 +119,6 @@ std::vector<Tensor> moe_route(const Tensor& x, const Tensor& norm_w, double norm
 // Row r's routed mixture sum_j weights[r, j] expert_{slots[r, j]}(z[r]) over the distinct experts given
 // (w1, w3 [m, L] and w2 [L, m] each: `dense` fp32, or `packed` + `scale` MXFP4), then the latent norm and
 // up-projection when given, plus the shared experts' MLP of xn when given: [B, D].
-// The MXFP4 GEMV at one row in use: "avx512" where the CPU has what _native_rows512.h needs, else "avx2"
-// (the same bits either way).
-std::string gemv_variant() {
-  static const bool supported = mxfp4_rows512::cpu_supported();
-  return supported ? "avx512" : "avx2";
-}
-
 Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, const std::vector<int64_t>& slots,
                    const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
                    const std::vector<Tensor>& scale, int64_t act, double beta, double linear_beta,
@@ -133,9 +126,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
                    const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down,
                    const std::string& variant) {
   const int64_t B = z.size(0), L = z.size(1), k = weights.size(1);
-  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512", "variant: auto, avx2 or avx512");
-  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
-  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
+  const bool wide = mxfp4_rows512::wide_variant(variant);
   check_rows(z, B, L, "z");
   check_rows(weights, B, k, "weights");
   TORCH_CHECK(static_cast<int64_t>(slots.size()) == B * k, "slots must hold B * k expert positions");
@@ -271,7 +262,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("act"), py::arg("beta"), py::arg("linear_beta"), py::arg("latent_norm_w"),
         py::arg("latent_eps"), py::arg("w_up"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"),
         py::arg("variant") = "auto");
-  m.def("gemv_variant", &gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");
+  m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");
   m.def("attn_res_read", &attn_res_read, "an AttnRes read over the values [B, D] each", py::arg("values"),
         py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));
   m.def("project", &project_all, "x [B, K] (normalised if norm_w is given) times each matrix", py::arg("x"),

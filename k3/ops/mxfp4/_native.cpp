@@ -74,18 +74,13 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
               "inconsistent shapes: x ", x.sizes(), ", packed ", packed.sizes(), ", scale ", scale.sizes());
 }
 
-// The M = 1 GEMV in use: "avx512" where the CPU has what _native_rows512.h needs, else "avx2".
-std::string gemv_variant() { return mxfp4_rows512::cpu_supported() ? "avx512" : "avx2"; }
 
 // Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W. Each output
 // is computed by one thread in a fixed order, so results do not depend on the number of threads; both M = 1
 // variants give the same bits. `variant`: "auto" (gemv_variant()), "avx2" or "avx512".
 torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                           const std::string& variant) {
-  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
-              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
-  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
-  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
+  const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -251,10 +246,7 @@ torch::Tensor run_experts(const torch::Tensor& z, int64_t k, int64_t m, const Ge
 torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& packed,
                                 const std::vector<torch::Tensor>& scale, const torch::Tensor& weights,
                                 int64_t act, double beta, double linear_beta, const std::string& variant) {
-  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
-              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
-  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
-  TORCH_CHECK(!wide || mxfp4_rows512::cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
+  const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t k = static_cast<int64_t>(packed.size()) / 3;
   TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
               "packed and scale: (w1, w3, w2) of each expert, in expert order");
@@ -310,7 +302,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
         py::arg("tile_k"), py::arg("variant") = "auto");
-  m.def("gemv_variant", &gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
+  m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
         py::arg("data"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,

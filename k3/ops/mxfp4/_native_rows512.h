@@ -18,9 +18,11 @@
 
 #include "_native_rows.h"
 
+#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
+#include <string>
 
 namespace mxfp4_rows512 {
 
@@ -35,6 +37,22 @@ inline bool cpu_supported() {
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
          __builtin_cpu_supports("avx512vbmi");
+}
+
+// The one-row GEMV in use on this CPU: "avx512" where it has what this file needs, else "avx2".
+inline std::string gemv_variant() {
+  static const bool supported = cpu_supported();
+  return supported ? "avx512" : "avx2";
+}
+
+// Whether the kernels `variant` asks for are this file's: "auto" (gemv_variant()), "avx2" or "avx512" (the
+// same bits either way; the kernels that take it offer the choice so that tests can compare the two).
+inline bool wide_variant(const std::string& variant) {
+  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
+              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
+  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
+  TORCH_CHECK(!wide || cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
+  return wide;
 }
 
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
