@@ -138,6 +138,27 @@ def test_a_rows_fused_step_does_not_depend_on_its_batch(counting, weights):
     assert counting.calls["moe_experts"] > 0 and counting.calls["kda_mixer"] > 0  # the fused path ran
 
 
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_the_fused_step_gives_the_same_bits_at_1_and_2_threads(weights):
+    """Every output of the fused kernels is summed inside one thread (rows and experts are split between
+    threads, never a sum): a batch's decode steps from the same cache give the same bits at 1 and 2
+    threads. The prefills run at one thread count (torch's GEMMs there are only bounded across counts)."""
+    model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)
+    if weights == "bf16":
+        model = with_bf16_weights(model)
+    before = torch.get_num_threads()
+    steps = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(1)
+            cache, token = prefilled(model, [5, 12, 3], seed=7)
+            torch.set_num_threads(threads)
+            steps[threads] = decode(model, cache, token, steps=3)
+    finally:
+        torch.set_num_threads(before)
+    assert steps[1].abs().max() > 0.1 and torch.equal(steps[1], steps[2])
+
+
 def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
     """One sequence's MXFP4 experts (one-row GEMVs: AVX-512 where the CPU has it) against the same step
     with the AVX2 kernel forced: the same logits, bit for bit. On an AVX2-only CPU both runs are AVX2."""
