@@ -126,6 +126,9 @@ def run(
     dump_hidden: str | None = typer.Option(None, help="Layers whose output to keep, e.g. 0,46,92."),
     top_k: int = typer.Option(5, help="Top-k ids and logprobs kept per position."),
     chunk_tokens: int = typer.Option(2048, help="Tokens per mixer chunk for long prompts."),
+    compute: str = typer.Option(
+        "float32", help="Activations' dtype: float32, or bfloat16 (bf16 products; see `k3 doctor`)."
+    ),
     prefetch: str = typer.Option("256MB", help="Routed experts read ahead of the one computing."),
     tokenizer: str | None = typer.Option(
         None, help="Tokenizer folder or URL for text prompts (default: SOURCE)."
@@ -141,8 +144,10 @@ def run(
     from k3.checkpoint.remote import RemoteOptions
     from k3.stream.api import stream_to_dir
     from k3.stream.memory import return_freed_memory, rss_bytes
-    from k3.stream.runner import StreamOptions, StreamStatus
+    from k3.stream.runner import COMPUTE_DTYPES, StreamOptions, StreamStatus
 
+    if compute not in COMPUTE_DTYPES:
+        fail(f"--compute must be one of {', '.join(COMPUTE_DTYPES)}, got {compute!r}")
     try:
         budget, ahead = parse_size(memory_budget), parse_size(prefetch)
         cap = parse_size(cache_size) if cache_size is not None else None
@@ -160,7 +165,9 @@ def run(
     import torch
 
     torch.set_num_threads(threads or compute_threads())
-    options = StreamOptions(all_positions, max_new_tokens, top_k, chunk_tokens, budget, ahead, layers)
+    options = StreamOptions(
+        all_positions, max_new_tokens, top_k, chunk_tokens, budget, ahead, layers, compute
+    )
     started = time.perf_counter()
     with Progress(
         TextColumn("{task.description}"),

@@ -68,6 +68,9 @@ class StreamError(K3Error):
     """Bad input to the streaming runner (prompts, options, a scratch folder of another job)."""
 
 
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 @dataclass(frozen=True)
 class StreamOptions:
     all_positions: bool = False  # logits of every position, not only the last
@@ -77,10 +80,21 @@ class StreamOptions:
     memory_budget: int = 4 * 10**9  # bytes of prompt state kept in RAM; beyond, it lives in the scratch files
     prefetch_bytes: int = 256 * 2**20  # experts read ahead of the one computing (at least one)
     dump_hidden: tuple[int, ...] = ()  # layers whose output (the residual sum) is kept
+    # the activations' dtype, "float32" or "bfloat16" (bf16 products with BF16 and MXFP4 weights, where the
+    # CPU has bf16 dot products; logits are returned in fp32 either way)
+    compute: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.compute not in COMPUTE_DTYPES:
+            raise StreamError(f"compute must be one of {', '.join(COMPUTE_DTYPES)}, got {self.compute!r}")
 
     @property
     def passes(self) -> int:
         return max(1, self.max_new_tokens)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.compute]
 
 
 @dataclass
@@ -275,7 +289,8 @@ class StreamRun:
         row = {t: i for i, t in enumerate(ids)}
         streams = []
         for p, prompt in enumerate(tokens):
-            x = F.embedding(torch.tensor([[row[t] for t in prompt]]), table).to(torch.float32)  # [1, T, H]
+            rows = torch.tensor([[row[t] for t in prompt]])
+            x = F.embedding(rows, table).to(self.options.dtype)  # [1, T, H]
             if image_rows is not None and len(image_rows[p]):  # as K3ForConditionalGeneration.embed
                 x[0, torch.tensor(prompt) == self.cfg.media_placeholder_token_id] = image_rows[p].to(x.dtype)
             streams.append(ResidualStream(x, self.cfg.attn_res_block_size))
@@ -456,6 +471,7 @@ class StreamRun:
         s = self.stats
         return {
             "passes": self.options.passes,
+            "compute": self.options.compute,
             "prompts": len(self.prompts),
             "tokens": sum(map(len, self.prompts)),
             "bytes_read": s.bytes_read,

@@ -308,6 +308,39 @@ def test_native_experts_one_token_variants_give_the_same_bits(act):
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_bf16_tiles_decode_every_value_exactly():
+    """x = the identity (bf16, many rows: the bf16 tiled path) gives W^T: each output one product of 1 with
+    a weight, so only an inexact bf16 decoding of a weight could change it. Every byte under every scale
+    whose values are normal and finite in fp32 (bytes 2-252: bf16 dot-product instructions flush
+    subnormals, and 0 x inf would be NaN), with small tiles (3 of K)."""
+    packed, scale = all_pairs()  # [255, 256], [255, 16]: W is [255, 512], row r under scale byte r
+    packed, scale = packed[2:253].contiguous(), scale[2:253].contiguous()
+    eye = torch.eye(512, dtype=torch.bfloat16)
+    out = load_native().matmul(eye, packed, scale, gemv_max_m=8, tile_n=32, tile_k=160)  # [512, 251]
+    expected = dequantize_mxfp4(packed, scale, torch.float32).t()  # exact in fp32
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), expected)  # (-0 sums to +0)
+    nan_scale = torch.full((4, 16), 255, dtype=torch.uint8)
+    assert load_native().matmul(eye, packed[:4], nan_scale, gemv_max_m=8, tile_n=32, tile_k=160).isnan().all()
+
+
+@pytest.mark.parametrize("m", [9, 257])
+def test_bf16_input_with_many_rows_is_multiplied_in_bf16(m):
+    """Many rows of bf16 x on the native path: bf16 products (exact: both factors are bf16), fp32 sums,
+    one rounding to bf16; against float64 products of the same bf16 values. K = 4192 spans two native
+    tiles of K (4096): the bf16 tile must span all of K, or partial sums would be rounded twice."""
+    if not native_available():
+        pytest.skip("native kernels not built")
+    n, k = 300, 4192
+    packed, scale = random_pairs(n, k, seed=m, scale_low=118, scale_high=130)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    expected = x.double() @ dequantize_mxfp4(packed, scale, torch.float64).t()  # [m, n]
+    out = mxfp4_matmul(x, packed, scale, backend="native")
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    # one bf16 rounding (2^-9 relative) plus fp32 sums of 4192 products
+    assert ((out.double() - expected).abs() <= expected.abs() * 2.0**-8 + 1e-5 * expected.abs().max()).all()
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_tiled_path_runs_under_inference_mode():
     """The tiled path's worker threads update an inference tensor: they must run in inference mode too."""
     n, k, m = 300, 4192, 257  # m above the GEMV limit: the tiled path, split across threads

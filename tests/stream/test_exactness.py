@@ -13,6 +13,7 @@ from stream_testing import prompts_for
 import k3.stream.plan as plan_module
 from k3.checkpoint import RemoteOptions, open_checkpoint
 from k3.checkpoint.serve import RangeServer
+from k3.errors import K3Error
 from k3.model import K3ForCausalLM
 from k3.model.mla import MLAttention
 from k3.model.routing import record_routing
@@ -194,3 +195,40 @@ def test_expert_by_expert_sum_equals_the_model_dispatch(checkpoints, monkeypatch
             empty, z, weights, indices, lambda chosen: ((e, tensors[e]) for e in reversed(chosen))
         )
     assert (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["tiny", "k3ish"])
+def test_bf16_compute_streamed_matches_the_ordinary_bf16_forward(checkpoints, name):
+    """`compute="bfloat16"`: the resident schedule's bits, and the ordinary forward in bf16 to bf16 rounding
+    (the 40-token prompt gives the k3ish experts more than 8 rows each: the bf16 tiles of the MXFP4 matmul).
+    Two bf16 computations in different orders part as much as bf16 parts from fp32 (a median 1-2e-2 of the
+    largest logit per position here), and at these small sizes a rounding flips a router choice now and
+    then (the ordinary bf16 forward is 0.5 of the largest logit from fp32 at a few positions): so the
+    median position and the top-1 of most positions are bounded, not every position."""
+    path = checkpoints(name)
+    prompts = prompts_for(open_checkpoint(path).config.vocab_size)
+    options = StreamOptions(all_positions=True, max_new_tokens=2, compute="bfloat16")
+    streamed = stream_logits(path, prompts, options)
+    resident = stream_logits(path, prompts, options, resident=True)
+    assert same(streamed.outputs["logits"], resident.outputs["logits"])
+    assert streamed.summary["compute"] == "bfloat16" and streamed.outputs["logits"].dtype == torch.float32
+    fp32 = stream_logits(path, prompts, StreamOptions(all_positions=True))
+    model = K3ForCausalLM.from_pretrained(path, compute_dtype=torch.bfloat16)
+    to_model, to_fp32, top1 = [], [], []
+    with torch.no_grad():
+        for p, ids in enumerate(prompts):
+            got = streamed.outputs["logits"][p, : len(ids)]  # [T, V]
+            want = model(torch.tensor([ids]))[0].float()
+            exact = fp32.outputs["logits"][p, : len(ids)]
+            to_model += ((got - want).abs().amax(-1) / want.abs().amax(-1)).tolist()
+            to_fp32 += ((got - exact).abs().amax(-1) / exact.abs().amax(-1)).tolist()
+            top1 += (got.argmax(-1) == want.argmax(-1)).tolist()
+    median = sorted(to_model)[len(to_model) // 2]
+    print(
+        f"{name}: bf16 streamed vs bf16 forward: median {median:.2e} of the largest logit, top-1 "
+        f"{sum(top1) / len(top1):.0%}; vs fp32: median {sorted(to_fp32)[len(to_fp32) // 2]:.2e}"
+    )
+    assert median <= 3e-2 and sum(top1) / len(top1) >= 0.9  # measured: 1.1e-2 / 2.1e-2, 96 / 94 %
+    assert min(to_fp32) > 1e-4  # every position was computed in bf16
+    with pytest.raises(K3Error, match="compute"):
+        StreamOptions(compute="float16")

@@ -164,3 +164,5 @@ def test_text_over_http_takes_the_url_s_tokenizer_and_sizes_parse(ckpt, tmp_path
     assert parse_size("4GB") == 4 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("10") == 10
     result = CliRunner().invoke(app, [*args[:4], "--out", "o", "--memory-budget", "lots"])
     assert result.exit_code == 1 and "not a size" in result.output
+    result = CliRunner().invoke(app, [*args[:4], "--out", "o", "--compute", "float16"])
+    assert result.exit_code == 1 and "--compute must be one of float32, bfloat16" in result.output

@@ -13,6 +13,8 @@
 //   * large M (prefill): W is decoded to fp32 one [tile_n, tile_k] tile at a time into a per-thread
 //     scratch buffer, and the tile is multiplied with at::addmm_ (MKL sgemm). Scratch memory is
 //     tile_n * tile_k floats per thread, independent of the matrix size. Parallel over n-tiles.
+//     A bfloat16 x takes the same path with bfloat16 tiles (every MXFP4 value is exact in bfloat16) that
+//     span all of K, so that torch's bf16 GEMM (oneDNN: bf16 products, fp32 sums) rounds each output once.
 //
 // The SIMD code is AVX2 + FMA, compiled per function with __attribute__((target)) so that the module
 // itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called. The
@@ -33,6 +35,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 
@@ -60,10 +63,38 @@ __attribute__((target("avx2,fma"))) void decode_tile(const uint8_t* packed, cons
   }
 }
 
+// The same tile in bfloat16: each fp32 value's upper 16 bits. Exact, not a rounding: an MXFP4 value is a
+// code of at most two significant bits times a power of two, so the lower 16 bits of its fp32 form are zero
+// (subnormal ones included: 2^-128 x 0.5 still sits in the upper mantissa bits); NaN (scale 255) stays NaN.
+__attribute__((target("avx2,fma"))) void decode_tile(const uint8_t* packed, const uint8_t* scale, int64_t K,
+                                                     int64_t n_begin, int64_t rows, int64_t k_begin,
+                                                     int64_t cols, at::BFloat16* dst) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t i = 0; i < rows; ++i) {
+    const int64_t n = n_begin + i;
+    const uint8_t* row_bytes = packed + n * (K / 2) + k_begin / 2;
+    const uint8_t* row_scale = scale + n * blocks + k_begin / kBlock;
+    auto* row_out = reinterpret_cast<uint16_t*>(dst + i * cols);
+    for (int64_t b = 0; b < cols / kBlock; ++b) {
+      __m256 w[4];
+      decode_block(row_bytes + b * kBlockBytes, w);
+      const __m256 s = _mm256_set1_ps(kHalfScale.value[row_scale[b]]);
+      for (int q = 0; q < 4; q += 2) {
+        const __m256i lo = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(w[q], s)), 16);
+        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(_mm256_mul_ps(w[q + 1], s)), 16);
+        // packus interleaves 128-bit lanes (lo0-3 hi0-3 lo4-7 hi4-7); the permute puts them back in order
+        const __m256i packed16 = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row_out + b * kBlock + 8 * q), packed16);
+      }
+    }
+  }
+}
+
 void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale.device().is_cpu(), "CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16) && x.dim() == 2 &&
+                  x.is_contiguous(),
+              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.dim() == 2 && packed.is_contiguous(),
               "packed must be a contiguous uint8 [N, K/2] tensor");
   TORCH_CHECK(scale.scalar_type() == torch::kUInt8 && scale.dim() == 2 && scale.is_contiguous(),
@@ -110,11 +141,18 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   return out;
 }
 
-// Large-M path: per thread, decode [tile_n, tile_k] tiles of W into scratch and multiply with sgemm.
+// Large-M path: per thread, decode [tile_n, tile_k] tiles of W into scratch (x's dtype) and multiply with
+// torch's GEMM. A bfloat16 tile spans all of K (as many rows as tile_n * tile_k elements hold, at least one),
+// so that the output is rounded to bfloat16 once rather than once per tile of K.
+template <typename T>
 torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                            int64_t tile_n, int64_t tile_k) {
   TORCH_CHECK(tile_n > 0 && tile_k > 0 && tile_k % kBlock == 0, "tile_n > 0 and tile_k a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  if (!std::is_same_v<T, float>) {
+    tile_n = std::max<int64_t>(1, tile_n * tile_k / K);
+    tile_k = K;
+  }
   torch::Tensor out = torch::empty({M, N}, x.options());
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
@@ -130,7 +168,7 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
       torch::Tensor out_tile = out.narrow(1, n0, rows);  // [M, rows], row stride N
       for (int64_t k0 = 0; k0 < K; k0 += tile_k) {
         const int64_t cols = std::min(tile_k, K - k0);
-        decode_tile(pp, sp, K, n0, rows, k0, cols, scratch.data_ptr<float>());
+        decode_tile(pp, sp, K, n0, rows, k0, cols, scratch.data_ptr<T>());
         torch::Tensor w_tile = scratch.narrow(0, 0, rows * cols).view({rows, cols});
         // out_tile = (k0 == 0 ? 0 : out_tile) + x[:, k0:k0+cols] @ w_tile^T
         out_tile.addmm_(x.narrow(1, k0, cols), w_tile.t(), /*beta=*/k0 == 0 ? 0.0 : 1.0);
@@ -143,8 +181,9 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                      int64_t gemv_max_m, int64_t tile_n, int64_t tile_k, const std::string& variant) {
   check_inputs(x, packed, scale);
+  if (x.scalar_type() == torch::kBFloat16) return matmul_tiled<at::BFloat16>(x, packed, scale, tile_n, tile_k);
   if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale, variant);
-  return matmul_tiled(x, packed, scale, tile_n, tile_k);
+  return matmul_tiled<float>(x, packed, scale, tile_n, tile_k);
 }
 
 // Histograms for the atlas scan (k3.atlas.stats), 65,536 bins each. Single-threaded on purpose: the scan
@@ -299,7 +338,7 @@ torch::Tensor experts_one_token_dense(const torch::Tensor& z, const std::vector<
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "k3 MXFP4 native CPU kernels (AVX2 + FMA) and the atlas scan's byte histograms";
-  m.def("matmul", &matmul, "x[M, K] fp32 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
+  m.def("matmul", &matmul, "x[M, K] fp32 or bf16 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
         py::arg("tile_k"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
