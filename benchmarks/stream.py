@@ -3,7 +3,7 @@ files, and against the ordinary memory-mapped forward under the same memory limi
 full K3 per batch from the measured rates and the published layout.
 
     python benchmarks/stream.py CKPT [--tokens 1,16,256] [--limit 2GB] [--repeats 2] [--threads N]
-                                     [--http] [--out benchmarks/results/stream.json]
+                                     [--http] [--compute float32|bfloat16] [--out FILE.json]
 
 Also the device's own rate: the files read with O_DIRECT, 1 and 4 reads in flight (no page cache).
 
@@ -19,6 +19,9 @@ formula (dense bytes per pass + the experts touched x bytes per expert); and the
 reading and computing could gain over doing them one after the other, `(read + compute) / max(read,
 compute)` with the streamed run's own reading and compute seconds: the ordinary forward does them one after
 the other (a page fault stops the computation), the streamed run at the same time.
+
+`--compute bfloat16`: both paths compute in bf16 (the kernel rates too), and two more streamed passes of
+the shortest prompt, bf16 and fp32, give the distance of bf16's logits from fp32's at every position.
 
 Streamed and ordinary runs alternate, `--repeats` times each, in ABBA order: the disk's speed drifts
 over minutes, and on a virtual machine the host may still cache what the guest's dropped page cache
@@ -51,7 +54,7 @@ from k3.stream.commands import compute_threads, parse_size  # noqa: E402
 
 CHILD = """
 import json, os, sys, time
-mode, ckpt, cgroup, files, limit, tokens = sys.argv[1:]
+mode, ckpt, cgroup, files, limit, tokens, compute, logits_out = sys.argv[1:]
 if cgroup:
     with open(os.path.join(cgroup, json.loads(files)["procs"]), "w") as f:
         f.write(str(os.getpid()))
@@ -63,11 +66,18 @@ start = time.perf_counter()
 torch.set_num_threads(int(os.environ["K3_BENCH_THREADS"]))
 if mode == "stream":
     from k3.stream.api import stream_logits
-    result = {"summary": stream_logits(ckpt, [ids]).summary}
+    from k3.stream.runner import StreamOptions
+    options = StreamOptions(compute=compute, all_positions=bool(logits_out))  # every position: to compare
+    streamed = stream_logits(ckpt, [ids], options)
+    result = {"summary": streamed.summary}
+    if logits_out:
+        from safetensors.torch import save_file
+        save_file({"logits": streamed.outputs["logits"][0].contiguous()}, logits_out)  # [T, V]
 else:
     from k3.model import K3ForCausalLM
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute]
     with torch.no_grad():
-        K3ForCausalLM.from_pretrained(ckpt)(torch.tensor([ids]), logits_to_keep=1)
+        K3ForCausalLM.from_pretrained(ckpt, compute_dtype=dtype)(torch.tensor([ids]), logits_to_keep=1)
     result = {}
 result["seconds"] = time.perf_counter() - start
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
@@ -141,9 +151,17 @@ def http_sequential_read(ckpt: Path, url: str) -> dict:
 
 
 def child(
-    mode: str, ckpt: Path, tokens: int, limit: int, threads: int, server: RangeServer | None = None
+    mode: str,
+    ckpt: Path,
+    tokens: int,
+    limit: int,
+    threads: int,
+    server: RangeServer | None = None,
+    compute: str = "float32",
+    logits_out: Path | None = None,
 ) -> dict:
-    """One run of `mode` on a cold page cache, from CKPT or (with `server`) its URL."""
+    """One run of `mode` on a cold page cache, from CKPT or (with `server`) its URL, computing in `compute`;
+    the last position's logits saved to `logits_out` when given."""
     drop_page_cache(ckpt)
     if server is not None:
         server.reset_counters()
@@ -151,7 +169,7 @@ def child(
     try:
         args = [sys.executable, "-c", CHILD, mode, server.url if server is not None else str(ckpt)]
         args += [str(cgroup.path), json.dumps(cgroup.files)] if cgroup else ["", "{}"]
-        args += [str(limit), str(tokens)]
+        args += [str(limit), str(tokens), compute, str(logits_out or "")]
         done = subprocess.run(
             args,
             cwd=ROOT,
@@ -199,10 +217,10 @@ def compute_params(ckpt: Path) -> dict[str, int]:
         }
 
 
-def kernel_rates(tokens: list[int], hidden: int, latent: int, moe_hidden: int) -> dict:
+def kernel_rates(tokens: list[int], hidden: int, latent: int, moe_hidden: int, compute: str) -> dict:
     """Multiply-adds per second of the model's own layers at the published shapes, per batch size: a BF16
-    `Linear` [4 x hidden, hidden] run in fp32 (as every dense matrix is), and one MXFP4 expert matrix
-    [moe_hidden, latent] (each token's expert rows)."""
+    `Linear` [4 x hidden, hidden] and one MXFP4 expert matrix [moe_hidden, latent] (each token's expert
+    rows), both on activations of the `compute` dtype (as the pass runs them)."""
     import torch
 
     from k3.model.norm import Linear
@@ -218,7 +236,7 @@ def kernel_rates(tokens: list[int], hidden: int, latent: int, moe_hidden: int) -
     for n in tokens:
         rates = {}
         for name, layer, k in (("dense", dense, hidden), ("mxfp4", expert, latent)):
-            x = torch.randn(n, k)
+            x = torch.randn(n, k).to(getattr(torch, compute))
             with torch.no_grad():
                 layer(x)
                 start, reps = time.perf_counter(), 0
@@ -294,10 +312,40 @@ def describe_stream(run: dict, params: dict[str, int], report: dict, n: int) -> 
     run["vs_sequential"] = run["GBps"] / report["sequential_read"]["GBps"]
     run["compute_seconds_per_token"] = s["seconds_compute"] / n
     run["predicted_compute_seconds"] = predicted_compute(params, report["kernel_rates"], n)
+    run["compute_vs_kernels"] = run["predicted_compute_seconds"] / s["seconds_compute"]  # 1: kernels' rate
     run["peak_rss_GB"] = s["peak_rss_bytes"] / 1e9
     reading, compute = s["seconds_reading"], s["seconds_compute"]  # compute: the run less its waits
     run["overlap_bound"] = (reading + compute) / max(reading, compute)
     return run
+
+
+def distance_from_float32(ckpt: Path, tokens: int, limit: int, threads: int, args) -> dict:
+    """Every position's logits of one streamed pass in `args.compute` against the same pass in float32:
+    max |dlogit| / max |logit| (worst position and median), top-1 agreement, mean KL(fp32 || other)."""
+    import tempfile
+
+    import torch
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logits = {}
+        for compute in (args.compute, "float32"):
+            out = Path(tmp) / f"{compute}.safetensors"
+            run = child("stream", ckpt, tokens, limit, threads, compute=compute, logits_out=out)
+            if "seconds" not in run:
+                return {"failed": run}
+            logits[compute] = load_file(out)["logits"].double()  # [T, V]
+    ours, exact = logits[args.compute], logits["float32"]
+    rel = (ours - exact).abs().amax(-1) / exact.abs().amax(-1)  # [T]
+    lp, lq = torch.log_softmax(exact, -1), torch.log_softmax(ours, -1)
+    return {
+        "compute": args.compute,
+        "tokens": tokens,
+        "max_rel": float(rel.max()),
+        "median_rel": float(rel.median()),
+        "top1": float((ours.argmax(-1) == exact.argmax(-1)).double().mean()),
+        "mean_kl": float((lp.exp() * (lp - lq)).sum(-1).mean()),
+    }
 
 
 def main() -> None:
@@ -308,6 +356,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each path, alternating; best counts")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: k3 stream's)")
     parser.add_argument("--http", action="store_true", help="both paths over HTTP from a local Range server")
+    parser.add_argument(
+        "--compute", choices=("float32", "bfloat16"), default="float32", help="the passes' activation dtype"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream.json")
     args = parser.parse_args()
     if args.http:
@@ -336,8 +387,9 @@ def run_benchmark(args: argparse.Namespace, server: RangeServer | None) -> None:
     print(f"CPU: {report['cpu']} ({report['cpus']} CPUs), torch threads {threads}, {report['uptime']}")
     params = compute_params(args.ckpt)
     report["compute_params"] = params
+    report["compute"] = args.compute
     report["kernel_rates"] = kernel_rates(
-        tokens, cfg.hidden_size, cfg.expert_input_size, cfg.moe_intermediate_size
+        tokens, cfg.hidden_size, cfg.expert_input_size, cfg.moe_intermediate_size, args.compute
     )
     print("multiply-adds per second", report["kernel_rates"], flush=True)
     report["sequential_read"] = (
@@ -353,7 +405,7 @@ def run_benchmark(args: argparse.Namespace, server: RangeServer | None) -> None:
         for r in range(args.repeats):  # ABBA: whichever runs second may find the bytes in the host's cache
             first, second = ("stream", "ordinary") if r % 2 == 0 else ("ordinary", "stream")
             for mode in (first, second):
-                run = child(mode, args.ckpt, n, limit, threads, server)
+                run = child(mode, args.ckpt, n, limit, threads, server, args.compute)
                 (streamed if mode == "stream" else ordinary).append(run)
         run = best(streamed)
         if "summary" in run:
@@ -366,6 +418,9 @@ def run_benchmark(args: argparse.Namespace, server: RangeServer | None) -> None:
         if "seconds" in report["ordinary"][n] and "seconds" in run:
             report["ordinary"][n]["stream_speedup"] = report["ordinary"][n]["seconds"] / run["seconds"]
         print(f"ordinary {n} tokens", report["ordinary"][n], flush=True)
+    if args.compute != "float32":
+        report["distance_from_float32"] = distance_from_float32(args.ckpt, min(tokens), limit, threads, args)
+        print("logits against float32's", report["distance_from_float32"], flush=True)
     report["k3_extrapolated"] = extrapolate(report["stream"], params, published_dims)
     report["uptime_after"] = os.popen("uptime").read().strip()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -93,7 +93,9 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if w.dtype == x.dtype:
-            return F.linear(x, w)
+            # as a matrix: torch's bf16 matmul of a [1, 1, K] input with a large weight (lm_head) expands
+            # it into a batched product that copies the whole transposed weight (12 s for K3's lm_head)
+            return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
         if torch.is_grad_enabled():
             return _converted_in_slices(x, w)
         if (native := _native_bf16(x, w)) is not None:
