@@ -341,6 +341,42 @@ def test_bf16_input_with_many_rows_is_multiplied_in_bf16(m):
 
 
 @pytest.mark.skipif(not native_available(), reason="native kernels not built")
+def test_native_bf16_gemv_against_float64_and_its_bits_alone_and_in_a_batch():
+    """Few rows of a bf16 x: bf16 dot products (AVX-512 BF16) or, on CPUs without them, the fp32 GEMV of
+    the same values. Against float64 products of the same bf16 values (exact) within one bf16 rounding
+    and fp32 sums; the same bits at 1 or 2 threads, and with bf16 dot products a row's bits alone equal
+    its bits in a batch of 8 (each output summed in one order by one thread). Odd block counts and a NaN
+    scale planted."""
+    native = load_native()
+    threads = torch.get_num_threads()
+    for n, k in [(70, 224), (33, 4192), (40, 3584)]:
+        packed, scale = random_pairs(n, k, seed=k + 1, scale_low=110, scale_high=140)
+        scale[0, 3] = 255  # NaN
+        x = torch.randn(8, k, generator=torch.Generator().manual_seed(k)).to(torch.bfloat16)
+        expected = x.double() @ dequantize_mxfp4(packed, scale, torch.float64).t()  # [8, n]
+        outs = []
+        for t in sorted({1, max(2, threads)}):
+            torch.set_num_threads(t)
+            try:
+                outs.append(native.matmul(x, packed, scale, gemv_max_m=8, tile_n=32, tile_k=96))
+                alone = [
+                    native.matmul(x[r : r + 1], packed, scale, gemv_max_m=8, tile_n=32, tile_k=96)
+                    for r in range(8)
+                ]
+            finally:
+                torch.set_num_threads(threads)
+            if native.bf16_gemv_supported():  # (the fp32 fallback runs another kernel for one row)
+                assert all(same_bits(alone[r][0], outs[-1][r]) for r in range(8)), (n, k, t)
+        assert outs[0].dtype == torch.bfloat16 and all(same_bits(o, outs[0]) for o in outs[1:])
+        assert outs[0][:, 0].isnan().all()
+        got, want = outs[0][:, 1:].double(), expected[:, 1:]
+        assert ((got - want).abs() <= want.abs() * 2.0**-8 + 1e-5 * want.abs().max()).all(), (n, k)
+        if not native.bf16_gemv_supported():  # the fallback: the fp32 GEMV's result, rounded
+            fp32 = native.matmul(x.float(), packed, scale, gemv_max_m=8, tile_n=32, tile_k=96)
+            assert same_bits(outs[0], fp32.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not native_available(), reason="native kernels not built")
 def test_native_tiled_path_runs_under_inference_mode():
     """The tiled path's worker threads update an inference tensor: they must run in inference mode too."""
     n, k, m = 300, 4192, 257  # m above the GEMV limit: the tiled path, split across threads

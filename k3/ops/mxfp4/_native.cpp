@@ -23,6 +23,7 @@
 
 #include <torch/extension.h>
 
+#include "_native_bf16.h"
 #include "_native_common.h"
 #include "_native_rows.h"
 #include "_native_rows512.h"
@@ -141,6 +142,28 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   return out;
 }
 
+// Small-M path of a bfloat16 x: the bf16 dot-product GEMV of _native_bf16.h where the CPU has AVX-512 BF16,
+// else x converted to fp32 for the fp32 GEMV and the result rounded to bfloat16.
+torch::Tensor matmul_gemv_bf16(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                               const std::string& variant) {
+  static const bool supported = mxfp4_bf16::cpu_supported();
+  if (!supported) return matmul_gemv(x.to(torch::kFloat32), packed, scale, variant).to(torch::kBFloat16);
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
+  at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
+    for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
+      const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
+      mxfp4_bf16::kGemvRows[rows](xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
+    }
+  });
+  return out;
+}
+
 // Large-M path: per thread, decode [tile_n, tile_k] tiles of W into scratch (x's dtype) and multiply with
 // torch's GEMM. A bfloat16 tile spans all of K (as many rows as tile_n * tile_k elements hold, at least one),
 // so that the output is rounded to bfloat16 once rather than once per tile of K.
@@ -181,8 +204,9 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
 torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
                      int64_t gemv_max_m, int64_t tile_n, int64_t tile_k, const std::string& variant) {
   check_inputs(x, packed, scale);
-  if (x.scalar_type() == torch::kBFloat16) return matmul_tiled<at::BFloat16>(x, packed, scale, tile_n, tile_k);
-  if (x.size(0) <= gemv_max_m) return matmul_gemv(x, packed, scale, variant);
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  if (x.size(0) <= gemv_max_m) return (bf16 ? matmul_gemv_bf16 : matmul_gemv)(x, packed, scale, variant);
+  if (bf16) return matmul_tiled<at::BFloat16>(x, packed, scale, tile_n, tile_k);
   return matmul_tiled<float>(x, packed, scale, tile_n, tile_k);
 }
 
@@ -342,6 +366,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
         py::arg("tile_k"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
+  m.def("bf16_gemv_supported", &mxfp4_bf16::cpu_supported,
+        "whether few rows of a bfloat16 x use bf16 dot products (AVX-512 BF16) rather than fp32 FMAs");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
         py::arg("data"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.def("histogram_scaled_bytes", &histogram_scaled_bytes,

@@ -7,7 +7,8 @@ Two implementations, chosen automatically:
   accumulate with FMAs, so they read 4x fewer bytes than a bfloat16 matrix; for many rows (prefill) they
   decode ``W`` tile by tile to float32 and multiply each tile with sgemm. Many rows of a bfloat16 ``x``
   are multiplied in bfloat16 instead: ``W``'s tiles decoded to bfloat16 (exactly: every MXFP4 value is a
-  bfloat16 value) and torch's bf16 GEMM, which sums in fp32 and rounds each output once.
+  bfloat16 value) and torch's bf16 GEMM, which sums in fp32 and rounds each output once; a few rows of it
+  stream ``W`` once with bf16 dot products (AVX-512 BF16, ``_native_bf16.h``).
 * ``torch``: the pure-torch reference, always available: decode one ``[TORCH_TILE_N, TORCH_TILE_K]`` tile
   at a time with :func:`dequantize_mxfp4` and accumulate ``x_tile @ W_tile^T``.
 
@@ -58,10 +59,10 @@ def mxfp4_matmul(
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)``: ``x`` [..., K]; ``W`` [N, K] as ``packed`` [N, K/2] and ``scale`` [N, K/32].
 
-    Computes in float32 and returns ``x.dtype``, but for more than ``NATIVE_GEMV_MAX_M`` rows of a bfloat16
-    ``x`` on the native path: bf16 products, fp32 sums, bf16 out. ``backend="auto"`` uses the native
-    kernels when they are built and ``x`` is on the CPU, else the pure-torch path; ``"native"`` and
-    ``"torch"`` force one.
+    Computes in float32 and returns ``x.dtype``, but for a bfloat16 ``x`` on the native path: bf16 products
+    (exact), fp32 sums, bf16 out (few rows: fp32 FMAs where the CPU lacks AVX-512 BF16).
+    ``backend="auto"`` uses the native kernels when they are built and ``x`` is on the CPU, else the
+    pure-torch path; ``"native"`` and ``"torch"`` force one.
     """
     check_packed(packed, scale)
     if packed.dim() != 2:
@@ -84,7 +85,7 @@ def mxfp4_matmul(
         )
 
     x2d = x.reshape(-1, k)  # [M, K]
-    bf16_products = native is not None and x.dtype == torch.bfloat16 and x2d.shape[0] > NATIVE_GEMV_MAX_M
+    bf16_products = native is not None and x.dtype == torch.bfloat16
     x2d = x2d.contiguous() if bf16_products else x2d.to(torch.float32).contiguous()
     if native is not None:
         out = native.matmul(
