@@ -282,6 +282,14 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
                 [T / o["prefill_s"][str(T)] for o in ours],
                 [T / t["prefill_s"][str(T)] for t in theirs],
             )
+        gemm = max(o["gemm_flops"] for o in ours)
+        for T in args.prefill:
+            best = min(ours, key=lambda o, T=T: o["prefill_s"][str(T)])
+            flops = 2 * best["macs_per_prefill_token"] * T / best["prefill_s"][str(T)]
+            print(
+                f"  k3 prefill {T}: {flops / 1e9:.0f} GFLOP/s of weight-matrix products = {flops / gemm:.0%} "
+                f"of torch's 2048^3 GEMM in {args.k3_compute}, same processes ({gemm / 1e9:.0f} GFLOP/s)"
+            )
         if args.decode_steps:
             ms = [[o["decode_s_per_token"] * 1e3 for o in runs[e]] for e in ("k3", "llama.cpp")]
             row(f"decode ms/token @{args.decode_context}", *ms, lower_is_better=True)

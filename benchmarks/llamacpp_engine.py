@@ -67,6 +67,37 @@ class K3Engine:
         tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers()) if id(t) not in skip}
         return sum(t.nbytes * (share if key in routed else 1.0) for key, t in tensors.items())
 
+    def macs_per_prefill_token(self) -> float:
+        """Multiply-adds of the weight matrices one prefill token runs through: every 2-D weight and MXFP4
+        matrix but the embedding table and lm_head (a prefill keeps one position's logits), the routed
+        experts in proportion k / E; attention's own products (a few % at these lengths) not counted."""
+        from k3.model.moe import RoutedExpert
+        from k3.ops.mxfp4 import MXFP4Linear
+
+        cfg = self.model.config
+        share = cfg.num_experts_per_token / cfg.num_experts if cfg.num_experts else 1.0
+        routed = {id(m) for e in self.model.modules() if isinstance(e, RoutedExpert) for m in e.modules()}
+        skip = {id(self.model.model.embed_tokens), id(self.model.lm_head)}
+        total = 0.0
+        for m in self.model.modules():
+            if id(m) in skip:
+                continue
+            if isinstance(m, MXFP4Linear):
+                macs = m.in_features * m.out_features
+            elif isinstance(getattr(m, "weight", None), self.torch.Tensor) and m.weight.dim() == 2:
+                macs = m.weight.numel()
+            else:
+                continue
+            total += macs * (share if id(m) in routed else 1.0)
+        return total
+
+    def gemm_flops(self) -> float:
+        """FLOP/s of torch's 2048^3 GEMM in the dtype k3 computes in (best of 3), this process's threads."""
+        a = self.torch.randn(2048, 2048, dtype=self.torch.float32).to(self.model.compute_dtype)
+        b = self.torch.randn(2048, 2048, dtype=self.torch.float32).to(self.model.compute_dtype)
+        a @ b
+        return 2 * 2048**3 / min(seconds(lambda: a @ b) for _ in range(3))
+
     def prefill(self, batch: list[list[int]]):
         cache = self.model.new_cache(len(batch))
         with self.torch.no_grad():
@@ -144,6 +175,8 @@ def measure(engine, args) -> dict:
     out["prefill_s"] = {}
     if isinstance(engine, K3Engine):
         out["weight_bytes_per_token"] = engine.weight_bytes()
+        out["macs_per_prefill_token"] = engine.macs_per_prefill_token()
+        out["gemm_flops"] = engine.gemm_flops()
     engine.prefill(prompts(args.vocab, 1, WARMUP_PREFILL, seed=WARMUP_PREFILL))
     for T in args.prefill:
         ids = prompts(args.vocab, 1, T, seed=T)
