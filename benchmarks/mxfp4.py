@@ -2,6 +2,9 @@
 
     python benchmarks/mxfp4.py [--m 1 8 256] [--threads 2 1] [--repeat 40] [--cycle-mb 256]
 
+`mxfp4 bf16 x` is the same packed matrix times a bf16 x (k3's bf16 compute mode: bf16 dot products at
+M <= 8 where the CPU has AVX-512 BF16, bf16 tiles and torch's bf16 GEMM above).
+
 Measured as decode meets it: every call reads another matrix, each method cycling through distinct
 matrices totalling ``--cycle-mb`` (256 MB: 44 MXFP4 experts of 5.9 MB, far more than the caches hold; one
 matrix timed in a loop stays cache-hot and overstates the rate). For each thread count the run first
@@ -75,6 +78,11 @@ def matmul_native_avx2(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.
     )
 
 
+def matmul_native_bf16(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A bf16 x (k3's bf16 compute mode): bf16 dot products at few rows, bf16 tiles and GEMM at many."""
+    return mxfp4_matmul(x.to(torch.bfloat16), *packed_scale, backend="native")
+
+
 def matmul_torch(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return mxfp4_matmul(x, *packed_scale, backend="torch")
 
@@ -124,6 +132,7 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
                 methods["mxfp4 native"] = (matmul_native, packed_scales, mxfp4_bytes)
                 if m <= NATIVE_GEMV_MAX_M:  # above it both run the tiled path
                     methods["mxfp4 avx2"] = (matmul_native_avx2, packed_scales, mxfp4_bytes)
+                methods["mxfp4 bf16 x"] = (matmul_native_bf16, packed_scales, mxfp4_bytes)
             methods["mxfp4 torch"] = (matmul_torch, packed_scales[:2], mxfp4_bytes)
             methods["dense bf16"] = (linear_bf16, dense_bf16, n * k * 2)
             methods["dense fp32"] = (linear_fp32, dense_fp32, n * k * 4)
@@ -187,8 +196,9 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["mxfp4 native", "mxfp4 avx2", "mxfp4 torch", "dense bf16", "dense fp32"],
-        help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
+        default=["mxfp4 native", "mxfp4 avx2", "mxfp4 bf16 x", "mxfp4 torch", "dense bf16", "dense fp32"],
+        help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 bf16 x' (bf16 activations) "
+        "'mxfp4 torch' 'dense bf16' 'dense fp32'",
     )
     args = parser.parse_args()
     native = load_native()
