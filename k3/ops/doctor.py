@@ -75,6 +75,14 @@ def kernel_variant(module) -> str | None:
     return module.gemv_variant() if hasattr(module, "gemv_variant") else "avx2"
 
 
+def bf16_products(module) -> bool | None:
+    """Whether few rows of bf16 activations multiply MXFP4 weights with bf16 dot products (AVX-512 BF16) in
+    this native module (the MXFP4 one); None for modules without bf16 activations."""
+    if module is None or not hasattr(module, "bf16_gemv_supported"):
+        return None
+    return module.bf16_gemv_supported()
+
+
 VARIANT_TEXT = {
     "avx512": "AVX-512 for the one-row MXFP4 GEMV (M = 1), AVX2 + FMA elsewhere",
     "avx2": "AVX2 + FMA",
@@ -96,6 +104,7 @@ def diagnose() -> dict:
                 "serves": serves,
                 "in_use": "native" if status.in_use else "torch fallback",
                 "variant": kernel_variant(status.module),
+                "bf16_dot_products": bf16_products(status.module),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -170,4 +179,8 @@ def render(report: dict) -> str:
         lines.append(f"  {k['name']}: {k['in_use']}{why}\n    serves {k['serves']}")
         if k["variant"]:
             lines.append(f"    runs {VARIANT_TEXT[k['variant']]}")
+        if k["bf16_dot_products"] is not None:
+            dot = k["bf16_dot_products"]
+            few = "bf16 dot products (AVX-512 BF16)" if dot else "fp32 FMAs (no AVX-512 BF16)"
+            lines.append(f"    bf16 activations: {few} at <= 8 rows, bf16 tiles + torch's bf16 GEMM above")
     return "\n".join(lines)
