@@ -107,6 +107,9 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& packed, const tor
 }
 
 
+// Output rows per task of the small-M paths: about 64 KiB of packed weights, so small matrices are not split.
+int64_t gemv_grain(int64_t K) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2)); }
+
 // Small-M path: parallel over output rows, groups of up to kMaxRows rows of x per pass over W. Each output
 // is computed by one thread in a fixed order, so results do not depend on the number of threads; both M = 1
 // variants give the same bits. `variant`: "auto" (gemv_variant()), "avx2" or "avx512".
@@ -127,9 +130,7 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  // grain: about 64 KiB of packed weights per task, so small matrices are not split
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
-  at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
+  at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
     if (M == 1) {
       (wide ? mxfp4_rows512::gemv_one_row : gemv_one_row)(xp, pp, sp, K, op, n_begin, n_end);
       return;
@@ -154,8 +155,7 @@ torch::Tensor matmul_gemv_bf16(const torch::Tensor& x, const torch::Tensor& pack
   auto* op = out.data_ptr<at::BFloat16>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
-  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, K / 2));
-  at::parallel_for(0, N, grain, [&](int64_t n_begin, int64_t n_end) {
+  at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
       mxfp4_bf16::kGemvRows[rows](xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
@@ -172,7 +172,7 @@ torch::Tensor matmul_tiled(const torch::Tensor& x, const torch::Tensor& packed, 
                            int64_t tile_n, int64_t tile_k) {
   TORCH_CHECK(tile_n > 0 && tile_k > 0 && tile_k % kBlock == 0, "tile_n > 0 and tile_k a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  if (!std::is_same_v<T, float>) {
+  if constexpr (!std::is_same_v<T, float>) {
     tile_n = std::max<int64_t>(1, tile_n * tile_k / K);
     tile_k = K;
   }
