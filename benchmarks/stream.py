@@ -51,6 +51,7 @@ from k3.checkpoint.serve import RangeServer  # noqa: E402
 from k3.ops.doctor import cpu_info  # noqa: E402
 from k3.stream.cgroup import MemoryCgroup, drop_page_cache  # noqa: E402
 from k3.stream.commands import compute_threads, parse_size  # noqa: E402
+from k3.stream.runner import COMPUTE_DTYPES  # noqa: E402
 
 CHILD = """
 import json, os, sys, time
@@ -75,9 +76,10 @@ if mode == "stream":
         save_file({"logits": streamed.outputs["logits"][0].contiguous()}, logits_out)  # [T, V]
 else:
     from k3.model import K3ForCausalLM
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[compute]
+    from k3.stream.runner import COMPUTE_DTYPES
     with torch.no_grad():
-        K3ForCausalLM.from_pretrained(ckpt, compute_dtype=dtype)(torch.tensor([ids]), logits_to_keep=1)
+        model = K3ForCausalLM.from_pretrained(ckpt, compute_dtype=COMPUTE_DTYPES[compute])
+        model(torch.tensor([ids]), logits_to_keep=1)
     result = {}
 result["seconds"] = time.perf_counter() - start
 io = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
@@ -161,7 +163,7 @@ def child(
     logits_out: Path | None = None,
 ) -> dict:
     """One run of `mode` on a cold page cache, from CKPT or (with `server`) its URL, computing in `compute`;
-    the last position's logits saved to `logits_out` when given."""
+    with `logits_out` (stream mode), every position's logits [T, V] saved there."""
     drop_page_cache(ckpt)
     if server is not None:
         server.reset_counters()
@@ -236,7 +238,7 @@ def kernel_rates(tokens: list[int], hidden: int, latent: int, moe_hidden: int, c
     for n in tokens:
         rates = {}
         for name, layer, k in (("dense", dense, hidden), ("mxfp4", expert, latent)):
-            x = torch.randn(n, k).to(getattr(torch, compute))
+            x = torch.randn(n, k).to(COMPUTE_DTYPES[compute])
             with torch.no_grad():
                 layer(x)
                 start, reps = time.perf_counter(), 0
@@ -357,7 +359,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: k3 stream's)")
     parser.add_argument("--http", action="store_true", help="both paths over HTTP from a local Range server")
     parser.add_argument(
-        "--compute", choices=("float32", "bfloat16"), default="float32", help="the passes' activation dtype"
+        "--compute", choices=tuple(COMPUTE_DTYPES), default="float32", help="the passes' activation dtype"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stream.json")
     args = parser.parse_args()
