@@ -3,7 +3,9 @@
     python benchmarks/mxfp4.py [--m 1 8 256] [--threads 2 1] [--repeat 40] [--cycle-mb 256]
 
 `mxfp4 bf16 x` is the same packed matrix times a bf16 x (k3's bf16 compute mode: bf16 dot products at
-M <= 8 where the CPU has AVX-512 BF16, bf16 tiles and torch's bf16 GEMM above).
+M <= 8 where the CPU has AVX-512 BF16, bf16 tiles and torch's bf16 GEMM above). `mxfp4 decode` (M <= 8) is
+the product the fused decode step runs for each chosen expert (k3.ops.decode: a row's bits do not depend on
+its batch, so it differs from `mxfp4 native`'s one-row kernel).
 
 Measured as decode meets it: every call reads another matrix, each method cycling through distinct
 matrices totalling ``--cycle-mb`` (256 MB: 44 MXFP4 experts of 5.9 MB, far more than the caches hold; one
@@ -29,6 +31,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from k3.ops.decode.native import load_native as load_decode_native
 from k3.ops.mxfp4 import dequantize_mxfp4, mxfp4_matmul, native_available
 from k3.ops.mxfp4.matmul import NATIVE_GEMV_MAX_M, NATIVE_TILE_K, NATIVE_TILE_N
 from k3.ops.mxfp4.native import load_native
@@ -83,6 +86,12 @@ def matmul_native_bf16(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.
     return mxfp4_matmul(x.to(torch.bfloat16), *packed_scale, backend="native")
 
 
+def decode_rows(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The fused decode step's product of a chosen expert's matrix (k3.ops.decode `expert_rows`: bits that
+    do not depend on the batch; at one row the AVX-512 kernel with pre-scaled lookup tables)."""
+    return load_decode_native().expert_rows(x, *packed_scale)
+
+
 def matmul_torch(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return mxfp4_matmul(x, *packed_scale, backend="torch")
 
@@ -133,6 +142,8 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
                 if m <= NATIVE_GEMV_MAX_M:  # above it both run the tiled path
                     methods["mxfp4 avx2"] = (matmul_native_avx2, packed_scales, mxfp4_bytes)
                 methods["mxfp4 bf16 x"] = (matmul_native_bf16, packed_scales, mxfp4_bytes)
+            if m <= NATIVE_GEMV_MAX_M and load_decode_native() is not None:
+                methods["mxfp4 decode"] = (decode_rows, packed_scales, mxfp4_bytes)
             methods["mxfp4 torch"] = (matmul_torch, packed_scales[:2], mxfp4_bytes)
             methods["dense bf16"] = (linear_bf16, dense_bf16, n * k * 2)
             methods["dense fp32"] = (linear_fp32, dense_fp32, n * k * 4)
@@ -196,9 +207,17 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["mxfp4 native", "mxfp4 avx2", "mxfp4 bf16 x", "mxfp4 torch", "dense bf16", "dense fp32"],
+        default=[
+            "mxfp4 native",
+            "mxfp4 avx2",
+            "mxfp4 bf16 x",
+            "mxfp4 decode",
+            "mxfp4 torch",
+            "dense bf16",
+            "dense fp32",
+        ],
         help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 bf16 x' (bf16 activations) "
-        "'mxfp4 torch' 'dense bf16' 'dense fp32'",
+        "'mxfp4 decode' (the fused decode step's expert product) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
     )
     args = parser.parse_args()
     native = load_native()

@@ -179,6 +179,40 @@ def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
     assert native.gemv_variant() in ("avx512", "avx2")
 
 
+@pytest.mark.parametrize("K", [3584, 3072, 32 * 7, 32])  # K3's latent and expert widths, an odd block count
+def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
+    """The decode step's per-expert product (`expert_rows`: at one row the AVX-512 kernel with pre-scaled
+    lookup tables where the CPU has it) against the AVX2 kernel forced (bit for bit), against float64 of the
+    decoded weights (fp32 rounding), and a row alone against the same row in a batch of 5 (bit for bit);
+    every normal scale byte appears."""
+    from k3.ops.mxfp4 import dequantize_mxfp4
+
+    native = load_native()
+    g = gen(K)
+    rows = 254
+    packed = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, generator=g)
+    scale = (torch.arange(rows * (K // 32)).view(rows, K // 32) % 254 + 1).to(torch.uint8)
+    lead = min(4, K // 32)  # a trained expert's range first, so that most outputs stay finite
+    scale[:, :lead] = torch.randint(118, 130, (rows, lead), dtype=torch.uint8, generator=g)
+    w = dequantize_mxfp4(packed, scale).double()  # [rows, K]
+    x = torch.randn(5, K, generator=g)
+    batch = native.expert_rows(x, packed, scale)
+
+    def bits(t: torch.Tensor) -> torch.Tensor:  # the largest scales overflow to inf and NaN: compare bits
+        return t.view(torch.int32)
+
+    assert torch.equal(bits(batch), bits(native.expert_rows(x, packed, scale, variant="avx2")))
+    for r in range(5):
+        alone = native.expert_rows(x[r : r + 1], packed, scale)
+        assert torch.equal(bits(alone), bits(batch[r : r + 1]))
+        assert torch.equal(bits(alone), bits(native.expert_rows(x[r : r + 1], packed, scale, variant="avx2")))
+    exact = x.double() @ w.T
+    finite = exact.abs() < 1e30  # compare with float64 where fp32 can hold the products
+    tolerance = 1e-6 * (x.double().abs() @ w.abs().T)
+    assert finite.float().mean() > 0.3
+    assert ((batch.double() - exact).abs()[finite] <= tolerance[finite]).all()
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")

@@ -10,6 +10,7 @@
 //                             AVX2), their weighted sum, latent norm, up-projection and shared experts
 //   attn_res_read             an AttnRes read over the stream's values
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
+//   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
 //
 // Matrices are multiplied by at most a few vectors here: every group of matrices reading the same input
 // is one parallel region over their rows (_native_gemv.h), so the work splits across threads.
@@ -234,6 +235,21 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
   return outs;
 }
 
+// x [B, K] times one MXFP4 matrix (packed [N, K/2], scale [N, K/32]) as the decode step multiplies a chosen
+// expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
+// its rows split across threads (moe_experts gives each thread whole experts instead): [B, N]. For tests and
+// benchmarks/mxfp4.py.
+Tensor expert_rows(const Tensor& x, const Tensor& packed, const Tensor& scale, const std::string& variant) {
+  TORCH_CHECK(x.dim() == 2, "x must be [B, K]");
+  const int64_t B = x.size(0), K = x.size(1);
+  check_rows(x, B, K, "x");
+  Weight w = packed_weight(packed, scale, K, "the matrix");
+  w.wide = mxfp4_rows512::wide_variant(variant);
+  Tensor y = rows_like(x, w.N);
+  at::parallel_for(0, w.N, 64, [&](int64_t n0, int64_t n1) { w.rows(x.data_ptr<float>(), B, y.data_ptr<float>(), w.N, n0, n1); });
+  return y;
+}
+
 }  // namespace decode_native
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -262,6 +278,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("act"), py::arg("beta"), py::arg("linear_beta"), py::arg("latent_norm_w"),
         py::arg("latent_eps"), py::arg("w_up"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"),
         py::arg("variant") = "auto");
+  m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");
   m.def("attn_res_read", &attn_res_read, "an AttnRes read over the values [B, D] each", py::arg("values"),
         py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));

@@ -139,9 +139,38 @@ K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const
   }
 }
 
+// Bytes 16-31 of each half of a decode_pair source (block b+1's bytes): bit 4 names the second table of
+// vpermt2ps in `decode_pair_scaled`.
+struct SecondBlockBit {
+  alignas(64) uint8_t bytes[64];
+  constexpr SecondBlockBit() : bytes() {
+    for (int i = 0; i < 64; ++i) bytes[i] = (i % 32) >= 16 ? 0x10 : 0;
+  }
+};
+inline constexpr SecondBlockBit kSecondBlockBit;
+
+// decode_pair's four groups already scaled: lanes 0-7 by block b's half scale, 8-15 by block b+1's. The
+// table is scaled instead of the codes (two multiplications a pair, not four), and each lane looks its
+// code up in the table of its block (vpermt2ps; a code's byte carries bit 4 for block b+1). Every value is
+// the same exact product code_times_two * half_scale.
+K3_AVX512 inline void decode_pair_scaled(const uint8_t* bytes, const uint8_t* row_scale, int64_t b, __m512 w[4]) {
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes));
+  const __m512i raw = _mm512_inserti64x4(_mm512_castsi256_si512(packed), _mm256_srli_epi16(packed, 4), 1);
+  const __m512i second = _mm512_load_si512(reinterpret_cast<const void*>(kSecondBlockBit.bytes));
+  // (raw & 0x0F) | second: each byte's code, bit 4 set in block b+1's bytes
+  const __m512i both = _mm512_ternarylogic_epi32(raw, _mm512_set1_epi8(0x0F), second, 0xEA);
+  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
+  const __m512 first_table = _mm512_mul_ps(table, _mm512_set1_ps(kHalfScale.value[row_scale[b]]));
+  const __m512 second_table = _mm512_mul_ps(table, _mm512_set1_ps(kHalfScale.value[row_scale[b + 1]]));
+  for (int g = 0; g < 4; ++g) {
+    const __m512i order = _mm512_load_si512(reinterpret_cast<const void*>(kPairPermutation.index[g]));
+    w[g] = _mm512_permutex2var_ps(first_table, _mm512_permutexvar_epi8(order, both), second_table);
+  }
+}
+
 // mxfp4_rows::gemv_rows<1> (the fused decode step's experts at one row), x given in pair layout (xp): bit
-// for bit its results. Per pair of blocks the decoded codes are scaled per block (lanes 0-7 by block b's
-// scale, 8-15 by block b+1's), both blocks' partial sums formed at once in 16 lanes, and added to the one
+// for bit its results. Per pair of blocks the codes are decoded already scaled per block (lanes 0-7 by block
+// b's scale, 8-15 by block b+1's), both blocks' partial sums formed at once in 16 lanes, and added to the one
 // 8-lane accumulator as the AVX2 kernel adds them: block b's, then block b+1's.
 K3_AVX512 inline void gemv_rows1(const float* xp, const uint8_t* packed, const uint8_t* scale, int64_t K,
                                  float* out, int64_t n_begin, int64_t n_end) {
@@ -152,12 +181,10 @@ K3_AVX512 inline void gemv_rows1(const float* xp, const uint8_t* packed, const u
     __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < paired; b += 2) {
       __m512 w[4];
-      decode_pair(row_bytes + b * kBlockBytes, w);
-      const __m512 s = pair_scale(row_scale, b);
+      decode_pair_scaled(row_bytes + b * kBlockBytes, row_scale, b, w);
       const float* xb = xp + b * kBlock;
-      __m512 partial = _mm512_mul_ps(_mm512_mul_ps(w[0], s), _mm512_loadu_ps(xb));
-      for (int g = 1; g < 4; ++g)
-        partial = _mm512_fmadd_ps(_mm512_mul_ps(w[g], s), _mm512_loadu_ps(xb + 16 * g), partial);
+      __m512 partial = _mm512_mul_ps(w[0], _mm512_loadu_ps(xb));
+      for (int g = 1; g < 4; ++g) partial = _mm512_fmadd_ps(w[g], _mm512_loadu_ps(xb + 16 * g), partial);
       acc = _mm256_add_ps(acc, _mm512_castps512_ps256(partial));
       acc = _mm256_add_ps(acc, _mm512_extractf32x8_ps(partial, 1));
     }
