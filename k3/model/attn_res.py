@@ -61,9 +61,8 @@ def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear
     native = load_native()
     if native is None:
         return None
-    norm_w, proj_w = (as_dtype(w, torch.float32) for w in weights)  # [H] each: a few kB
-    out = native.attn_res_read([v.contiguous() for v in values], norm_w, proj_w.view(-1), norm.eps)
-    return out.view(values[0].shape)
+    norm_w, proj_w = (as_dtype(w, torch.float32) for w in weights)  # [H], [1, H]: a few kB
+    return native.attn_res_read([v.contiguous() for v in values], norm_w, proj_w, norm.eps)
 
 
 class ResidualStream:

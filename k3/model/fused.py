@@ -100,15 +100,14 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
     native = _native(x, weights)
     if native is None:
         return None
-    B = x.shape[0]
     update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
-        x.reshape(B, -1),
+        x.contiguous(),  # [B, 1, hidden]; the kernels take the model's shapes as they are
         _f32(_tensor(norm, "weight")),
         norm.eps,
         _weight(kda, "q_proj"),
         _weight(kda, "k_proj"),
         _weight(kda, "v_proj"),
-        *(_f32(w).view(w.shape[0], -1) for w in convs),  # [P, ks]
+        *(_f32(w) for w in convs),  # [P, 1, ks]
         _weight(kda, "f_a_proj"),
         _weight(kda, "f_b_proj"),
         _f32(_tensor(kda, "A_log")),
@@ -127,7 +126,7 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
         kda.l2norm_eps,
         kda.head_dim**-0.5,
     )
-    return update.view(B, 1, -1)
+    return update
 
 
 def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> torch.Tensor | None:
@@ -149,10 +148,9 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
     native = _native(x, weights)
     if native is None:
         return None
-    B = x.shape[0]
     state.reserve(1)
     update = native.mla_mixer(
-        x.reshape(B, -1),
+        x.contiguous(),
         _f32(_tensor(norm, "weight")),
         norm.eps,
         w_q,
@@ -174,7 +172,7 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
         mla.scale,
     )  # wrote each row's latent at its position lengths[b]
     state.lengths = state.lengths + 1
-    return update.view(B, 1, -1)
+    return update
 
 
 def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
@@ -196,9 +194,7 @@ def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
     native = _native(y, weights)
     if native is None:
         return None
-    B = y.shape[0]
-    out = native.mlp(y.reshape(B, -1), _f32(weights[0]), norm.eps, *weights[1:], *_act(mlp.situ))
-    return out.view(B, 1, -1)
+    return native.mlp(y.contiguous(), _f32(weights[0]), norm.eps, *weights[1:], *_act(mlp.situ))
 
 
 def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
@@ -233,9 +229,8 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     native = _native(y, weights)
     if native is None:
         return None
-    B = y.shape[0]
     xn, z, mixing, indices = native.moe_route(
-        y.reshape(B, -1),
+        y.contiguous(),
         _f32(_tensor(norm, "weight")),
         norm.eps,
         _tensor(router, "weight"),
@@ -249,7 +244,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     )
     if moe.load_experts is not None:  # k3.model.on_demand: read the chosen experts not read yet
         moe.load_experts(indices)
-    chosen = indices.view(-1).tolist()
+    chosen = [e for row in indices.tolist() for e in row]  # [B * k], row-major
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}
     experts = moe.experts._modules  # {"0": RoutedExpert, ...}: ModuleList indexing costs more than the call
@@ -266,7 +261,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
             return None
     else:
         return None
-    out = native.moe_experts(
+    return native.moe_experts(
         xn,
         z,
         mixing,
@@ -280,7 +275,6 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         up,
         *shared,
     )
-    return out.view(B, 1, -1)
 
 
 def _packed_dense_part(moe: MoE) -> bool:
@@ -296,6 +290,5 @@ def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:
     native = _native(h, [_tensor(lm_head, "weight")])
     if native is None:
         return None
-    B = h.shape[0]
-    x = h.reshape(B, -1).contiguous()  # [B, hidden]; h may be the last position of a longer prefill
-    return native.project(x, None, 0.0, [_tensor(lm_head, "weight")])[0].view(B, 1, -1)
+    x = h.contiguous()  # [B, 1, hidden]; h may be the last position of a longer prefill
+    return native.project(x, None, 0.0, [_tensor(lm_head, "weight")])[0]

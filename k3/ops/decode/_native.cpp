@@ -12,6 +12,8 @@
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
 //
+// A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
+// step of `mini` dispatched ~100 views); outputs keep its leading dims.
 // Matrices are multiplied by at most a few vectors here: every group of matrices reading the same input
 // is one parallel region over their rows (_native_gemv.h), so the work splits across threads.
 
@@ -26,8 +28,7 @@ namespace decode_native {
 // down(act(gate(xn), up(xn))) with xn = x, or rms(x) w when a norm weight is given: [B, D] -> [B, D]
 Tensor mlp(const Tensor& x, const Optional& norm_w, double norm_eps, const Tensor& w_gate, const Tensor& w_up,
            const Tensor& w_down, int64_t act, double beta, double linear_beta) {
-  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
-  const int64_t B = x.size(0), D = x.size(1);
+  const int64_t B = rows_of(x, "x"), D = x.size(-1);
   check_rows(x, B, D, "x");
   const Activation f = activation(act, beta, linear_beta);
   const Weight gate = dense_weight(w_gate, D, "gate_proj"), up = dense_weight(w_up, D, "up_proj");
@@ -66,8 +67,7 @@ std::vector<int64_t> top_k(const float* values, int64_t n, int64_t k) {
 std::vector<Tensor> moe_route(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_router,
                               const Tensor& bias, int64_t groups, int64_t topk_groups, int64_t k, bool renormalize,
                               double scaling, const Optional& w_down) {
-  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
-  const int64_t B = x.size(0), D = x.size(1);
+  const int64_t B = rows_of(x, "x"), D = x.size(-1);
   check_rows(x, B, D, "x");
   check_vector(norm_w, D, "the norm's weight");
   const Weight router = dense_weight(w_router, D, "the router's weight");
@@ -126,7 +126,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
                    const Optional& latent_norm_w, double latent_eps, const Optional& w_up,
                    const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down,
                    const std::string& variant) {
-  const int64_t B = z.size(0), L = z.size(1), k = weights.size(1);
+  const int64_t B = rows_of(z, "z"), L = z.size(-1), k = weights.size(1);
   const bool wide = mxfp4_rows512::wide_variant(variant);
   check_rows(z, B, L, "z");
   check_rows(weights, B, k, "weights");
@@ -164,7 +164,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
       for (int64_t i = 0; i < M; ++i) std::copy_n(down.data() + i * L, L, per_pair.data() + pairs[u][i] * L);
     }
   });
-  Tensor mixed = torch::zeros({B, L}, z.options());
+  Tensor mixed = torch::zeros(z.sizes(), z.options());
   for (int64_t r = 0; r < B; ++r)
     for (int64_t j = 0; j < k; ++j)
       axpy(weights.data_ptr<float>()[r * k + j], per_pair.data() + (r * k + j) * L, L, mixed.data_ptr<float>() + r * L);
@@ -176,7 +176,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   Tensor out = mixed;
   if (w_up.has_value()) {
     const Weight up = dense_weight(*w_up, L, "routed_expert_up_proj");
-    out = torch::empty({B, up.N}, z.options());
+    out = rows_like(z, up.N);
     project(mixed.data_ptr<float>(), B, {{up, out.data_ptr<float>()}});
   }
   if (shared_gate.has_value()) {
@@ -190,13 +190,13 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
 // (k3.model.attn_res.attn_res_read).
 Tensor attn_res_read(const std::vector<Tensor>& values, const Tensor& norm_w, const Tensor& proj_w, double eps) {
   TORCH_CHECK(!values.empty(), "attn_res_read needs at least one value");
-  const int64_t D = values[0].size(-1), B = values[0].numel() / D, N = static_cast<int64_t>(values.size());
+  const int64_t D = values[0].size(-1), B = rows_of(values[0], "an AttnRes value"), N = static_cast<int64_t>(values.size());
   for (const Tensor& v : values) check_rows(v, B, D, "an AttnRes value");
   check_vector(norm_w, D, "the AttnRes norm's weight");
   check_vector(proj_w, D, "the AttnRes projection's weight");
   std::vector<float> w(D), logits(N);
   for (int64_t i = 0; i < D; ++i) w[i] = norm_w.data_ptr<float>()[i] * proj_w.data_ptr<float>()[i];
-  Tensor out = torch::zeros({B, D}, values[0].options());
+  Tensor out = torch::zeros(values[0].sizes(), values[0].options());
   for (int64_t r = 0; r < B; ++r) {
     float top = -INFINITY, total = 0.0f;
     for (int64_t n = 0; n < N; ++n) {
@@ -214,8 +214,8 @@ Tensor attn_res_read(const std::vector<Tensor>& values, const Tensor& norm_w, co
 // x [B, K] (rms-normalised first when a norm weight is given) times each fp32 matrix [N_i, K]: [B, N_i] each.
 std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double norm_eps,
                                 const std::vector<Tensor>& matrices) {
-  TORCH_CHECK(x.dim() == 2 && !matrices.empty(), "x must be [B, K], with at least one matrix");
-  const int64_t B = x.size(0), K = x.size(1);
+  TORCH_CHECK(!matrices.empty(), "project needs at least one matrix");
+  const int64_t B = rows_of(x, "x"), K = x.size(-1);
   check_rows(x, B, K, "x");
   Tensor xn = x;
   if (norm_w.has_value()) {

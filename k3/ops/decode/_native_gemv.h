@@ -236,8 +236,19 @@ inline Activation activation(int64_t kind, double beta, double linear_beta) {
   return {kind, static_cast<float>(beta), static_cast<float>(linear_beta)};
 }
 
-// [B, n] fp32 scratch of the batch's rows
-inline Tensor rows_like(const Tensor& x, int64_t n) { return torch::empty({x.size(0), n}, x.options()); }
+// [..., n] fp32: x's leading dims ([B] for x [B, hidden], [B, 1] for a decode step's [B, 1, hidden], so that
+// the model's tensors pass through without a reshape) with the last one n.
+inline Tensor rows_like(const Tensor& x, int64_t n) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = n;
+  return torch::empty(sizes, x.options());
+}
+
+// The rows of x [..., width] (>= 2 dims): the product of its leading dims.
+inline int64_t rows_of(const Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 2 && x.size(-1) > 0, name, " must be [B, ..., width], got ", x.sizes());
+  return x.numel() / x.size(-1);
+}
 
 inline const float* ptr(const Optional& t) { return t.has_value() ? t->data_ptr<float>() : nullptr; }
 

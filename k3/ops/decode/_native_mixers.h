@@ -34,9 +34,8 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
                                      const Optional& w_gate_b, const Tensor& o_norm_w, double o_norm_eps,
                                      const Tensor& w_o, const Tensor& tail_q, const Tensor& tail_k,
                                      const Tensor& tail_v, const Tensor& state, double l2_eps, double scale) {
-  TORCH_CHECK(x.dim() == 2, "x must be [B, hidden]");
   TORCH_CHECK(state.dim() == 4, "state must be [B, heads, K, V]");
-  const int64_t B = x.size(0), D = x.size(1);
+  const int64_t B = rows_of(x, "x"), D = x.size(-1);
   const int64_t H = state.size(1), K = state.size(2), V = state.size(3), P = H * K, Pv = H * V;
   const int64_t width = conv_q.size(-1) - 1, d = w_fa.size(0);
   check_rows(x, B, D, "x");
@@ -133,8 +132,8 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
                         const Tensor& kv_norm_w, const Tensor& w_kv_b, const Optional& w_g, const Tensor& w_o,
                         const Tensor& latent, const Tensor& k_rope, const Tensor& lengths, int64_t heads,
                         int64_t nope, int64_t rope, int64_t v_dim, double scale) {
-  TORCH_CHECK(x.dim() == 2 && latent.dim() == 3 && k_rope.dim() == 3, "x must be [B, hidden], the cache [B, capacity, .]");
-  const int64_t B = x.size(0), D = x.size(1), cap = latent.size(1), L = latent.size(2), dq = nope + rope;
+  TORCH_CHECK(latent.dim() == 3 && k_rope.dim() == 3, "the cache must be [B, capacity, .]");
+  const int64_t B = rows_of(x, "x"), D = x.size(-1), cap = latent.size(1), L = latent.size(2), dq = nope + rope;
   check_rows(x, B, D, "x");
   check_vector(norm_w, D, "the input norm's weight");
   check_vector(kv_norm_w, L, "kv_a_layernorm's weight");
