@@ -21,7 +21,9 @@ profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, emb
 the fused decode path and the general one (`K3ForCausalLM.set_fast_decode(False)`), steps of the two
 interleaved in one process so that both see the same machine load; experts MXFP4 and F32. The fused path
 is k3.model.fused (a layer's mixer and FFN one native call each): its component times are those of its
-functions, `fused calls` how many of them ran in the profiled step (0 on the general path).
+functions, `fused calls` how many of them ran in the profiled step (0 on the general path). Then, for the
+fused path, the bytes of weights a token reads by component (`component_bytes`) and the GB/s each part
+runs at, beside a read of a 512 MiB buffer in the same run: the floor the step could reach.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from k3.engine.sequence_cache import cache_bytes_formula, row_cache_bytes
 from k3.model import K3ForCausalLM
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
+from k3.ops.roofline import machine_line, read_bandwidth
 
 
 class MixerClock:
@@ -150,6 +153,50 @@ def label_components(model: K3ForCausalLM) -> None:
 FUSED = (("moe", "moe_update"), ("kda", "kda_update"), ("mla", "mla_update"), ("mlp", "mlp_update"))
 
 
+def tensor_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
+
+
+def component_bytes(model: K3ForCausalLM) -> dict[str, int]:
+    """Bytes of weights one sequence's decode step reads, by component: every KDA / MLA / dense MLP weight;
+    per MoE layer its router, latent projections and shared experts plus top_k routed experts (distinct
+    for one sequence); the rest: lm_head, norms and AttnRes vectors (the embedding row is negligible)."""
+    out = dict.fromkeys([k for k, _ in COMPONENTS] + ["rest"], 0)
+    unread = tensor_bytes(model.model.embed_tokens)  # parameters() counts a tied lm_head once, as this
+    if model.config.tie_word_embeddings:
+        unread = 0
+    for layer in model.model.layers:
+        out["kda" if isinstance(layer.self_attn, KDAttention) else "mla"] += tensor_bytes(layer.self_attn)
+        if not layer.is_moe:
+            out["mlp"] += tensor_bytes(layer.mlp)
+            continue
+        moe = layer.block_sparse_moe
+        expert = tensor_bytes(moe.experts[0])
+        out["moe"] += tensor_bytes(moe) - (len(moe.experts) - moe.gate.top_k) * expert
+        unread += (len(moe.experts) - moe.gate.top_k) * expert
+    out["rest"] = tensor_bytes(model) - unread - sum(out.values())
+    return out
+
+
+def print_bandwidth(rows: list[dict], read_bytes_per_s: float) -> None:
+    """The fused path's GB/s per component against the read bandwidth measured in this run."""
+    for r in rows:
+        if r["path"] != "fused":
+            continue
+        parts = r["component_bytes"]
+        ms = dict(r["component_ms"], rest=r["ms_per_token"] - sum(r["component_ms"].values()))
+        total = sum(parts.values())
+        floor_ms = 1e3 * total / read_bytes_per_s
+        print(
+            f"{r['experts']:>7} fused: weights read per token "
+            + ", ".join(
+                f"{k} {parts[k] / 1e6:.1f} MB at {parts[k] / ms[k] / 1e6:.1f} GB/s" for k in parts if parts[k]
+            )
+            + f"; {total / 1e9:.3f} GB / {read_bytes_per_s / 1e9:.1f} GB/s read = floor {floor_ms:.2f} ms,"
+            + f" the step at {100 * floor_ms / r['ms_per_token']:.0f} % of it"
+        )
+
+
 def wrap_fused(clock: ComponentClock) -> None:
     """Label and time k3.model.fused's per-component functions (the fused step calls no module forward),
     and count their native calls; nothing in a tree that has no k3.model.fused."""
@@ -221,6 +268,7 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
                     parts[path][k] += v
             tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
     rows = []
+    weights = component_bytes(model)
     for path, fused in paths.items():
         select(fused)
         clock.native_calls = 0
@@ -238,6 +286,7 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
                 "component_ms": {k: 1e3 * v / steps for k, v in parts[path].items()},
                 "aten_ops": sum(ops.values()),
                 "aten_ops_by_component": ops,
+                "component_bytes": weights,
             }
         )
     return rows
@@ -416,7 +465,9 @@ def main() -> None:
 
     def models() -> list[tuple[str, K3ForCausalLM]]:
         if args.checkpoint:
-            model = K3ForCausalLM.from_pretrained(args.checkpoint, dtype=torch.float32)
+            # weights as the checkpoint stores them (BF16 matrices stay BF16: k3-slice in fp32 would not fit
+            # 24 GB), computing in fp32
+            model = K3ForCausalLM.from_pretrained(args.checkpoint, compute_dtype=torch.float32)
             return [("mxfp4" if model.config.experts_mxfp4 else "f32", model)]
         return [
             (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q))
@@ -446,6 +497,8 @@ def main() -> None:
         )
         rows = [r for e, model in models() for r in step_profile(model, e, args.profile_context, args.steps)]
         print_step_profile(rows)
+        print(machine_line())
+        print_bandwidth(rows, read_bandwidth())
         print(f"load average after: {os.getloadavg()[0]:.2f}")
         if args.json:
             with open(args.json, "w") as f:
