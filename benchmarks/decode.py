@@ -162,9 +162,8 @@ def component_bytes(model: K3ForCausalLM) -> dict[str, int]:
     per MoE layer its router, latent projections and shared experts plus top_k routed experts (distinct
     for one sequence); the rest: lm_head, norms and AttnRes vectors (the embedding row is negligible)."""
     out = dict.fromkeys([k for k, _ in COMPONENTS] + ["rest"], 0)
-    unread = tensor_bytes(model.model.embed_tokens)  # parameters() counts a tied lm_head once, as this
-    if model.config.tie_word_embeddings:
-        unread = 0
+    # the embedding table is read a row a token; tied, it is lm_head's weight (counted once), read whole
+    unread = 0 if model.config.tie_word_embeddings else tensor_bytes(model.model.embed_tokens)
     for layer in model.model.layers:
         out["kda" if isinstance(layer.self_attn, KDAttention) else "mla"] += tensor_bytes(layer.self_attn)
         if not layer.is_moe:

@@ -237,16 +237,15 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
 
 // x [B, K] times one MXFP4 matrix (packed [N, K/2], scale [N, K/32]) as the decode step multiplies a chosen
 // expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
-// its rows split across threads (moe_experts gives each thread whole experts instead): [B, N]. For tests and
-// benchmarks/mxfp4.py.
+// its rows split across threads by `project` (moe_experts gives each thread whole experts instead): [B, N].
+// For tests and benchmarks/mxfp4.py.
 Tensor expert_rows(const Tensor& x, const Tensor& packed, const Tensor& scale, const std::string& variant) {
-  TORCH_CHECK(x.dim() == 2, "x must be [B, K]");
-  const int64_t B = x.size(0), K = x.size(1);
+  const int64_t B = rows_of(x, "x"), K = x.size(-1);
   check_rows(x, B, K, "x");
   Weight w = packed_weight(packed, scale, K, "the matrix");
   w.wide = mxfp4_rows512::wide_variant(variant);
   Tensor y = rows_like(x, w.N);
-  at::parallel_for(0, w.N, 64, [&](int64_t n0, int64_t n1) { w.rows(x.data_ptr<float>(), B, y.data_ptr<float>(), w.N, n0, n1); });
+  project(x.data_ptr<float>(), B, {{w, y.data_ptr<float>()}});
   return y;
 }
 
