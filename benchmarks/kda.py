@@ -24,6 +24,8 @@ k3/ops/kda/fused.py here (K3's gate, chunk 16); without them, the torch path (au
 parallel parts, the hand-written adjoint loop of StatePassing). The same FLOPs are counted for both.
 Forward+backward is timed twice: as chunk_kda does it by default (the forward keeps every chunk's
 starting state for the backward) and with ``keep_states=False`` (the backward recomputes them).
+Where the native kernels run, their two calls are also timed alone with the chunk products in 8 lanes
+(AVX2) and, on CPUs with AVX-512 F, in 16 (the default there; the same bits), beside each other.
 The forward's kept states are large fresh buffers (twice the inputs), so how the allocator serves
 them matters: ``--train-allocator`` times everything with freed memory kept in the process, as
 ``k3 train`` runs.
@@ -43,6 +45,7 @@ from collections.abc import Callable
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
+from k3.ops.kda.native import load_native
 from k3.ops.roofline import machine_line, references, references_line
 from k3.train.allocator import keep_freed_memory
 
@@ -125,6 +128,37 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int, gemm: float) -> N
             print(f"{T:>6} {H:>3} {name:<14} {t_fb:9.4f} {T / t_fb:10.0f} {blank} {t_fb / t_k3:7.2f}x fwd")
 
 
+def bench_product_variants(args: argparse.Namespace, T: int, H: int) -> None:
+    """The fused native calls with the chunk products in 8 lanes (AVX2) and in 16 (AVX-512, same bits)."""
+    native = load_native()
+    if native is None or args.chunk_size != 16:
+        return
+    K = V = args.head_dim
+    rows = [x.reshape(T, *x.shape[2:]).contiguous() for x in make_inputs(T, H, K, V)]
+    sequence, state = (torch.tensor([0]), torch.tensor([T])), torch.zeros(1, H, K, V)
+    options = (args.chunk_size, K**-0.5, True, 1e-6)
+    d_o, d_final = torch.randn(T, H, V), torch.zeros_like(state)
+    times = {}
+    for variant in ["avx2", "avx512"] if native.products_variant() == "avx512" else ["avx2"]:
+        forward = functools.partial(native.forward, *rows, *sequence, state, *options)
+        _, _, states, pseudo_values = forward(True, variant)
+        kept = (states, pseudo_values)
+        backward = functools.partial(native.backward, *rows, *sequence, state, *kept, d_o, d_final, *options)
+        times[variant] = [
+            best_time(lambda: forward(False, variant), args.repeats),  # noqa: B023
+            best_time(lambda: forward(True, variant), args.repeats),  # noqa: B023
+            best_time(lambda: backward(variant), args.repeats),  # noqa: B023
+        ]
+        fwd, fwd_keep, bwd = times[variant]
+        print(
+            f"{T:>6} {H:>3} native {variant:<6}  forward {fwd:.4f} s, keeping states {fwd_keep:.4f} s, "
+            f"backward {bwd:.4f} s: (keeping + backward) / forward {(fwd_keep + bwd) / fwd:.2f}x"
+        )
+    if len(times) == 2:
+        ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(times["avx2"], times["avx512"], strict=True))
+        print(f"{T:>6} {H:>3} 16-lane products faster by (forward, keeping, backward): {ratios}")
+
+
 def bench_decode_after(args: argparse.Namespace, context: int) -> None:
     H, K, V = args.heads[0], args.head_dim, args.head_dim
     q, k, v, g, beta = make_inputs(context + args.decode_tokens, H, K, V, seed=1)
@@ -178,6 +212,7 @@ def main() -> None:
     for H in args.heads:
         for T in args.lengths:
             bench_one_length(args, T, H, gemm)
+            bench_product_variants(args, T, H)
     # on a shared machine the reference moves too: measured again, a share above reads against the best
     again = references(args.repeats)["gemm_flop_per_s"] / 1e9
     print(f"fp32 GEMM measured again after the prefill rows: {again:.1f} GFLOP/s (before: {gemm:.1f})")

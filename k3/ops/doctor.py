@@ -68,11 +68,15 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
 
 
 def kernel_variant(module) -> str | None:
-    """The SIMD code a native module runs here: "avx512" where its one-row MXFP4 GEMV takes its AVX-512
-    variant (the MXFP4 module, a CPU with AVX-512 F/BW/DQ/VL/VBMI), else "avx2"; None without it."""
+    """The SIMD code a native module runs here: "avx512" where its one-row MXFP4 GEMV (the MXFP4 module, a
+    CPU with AVX-512 F/BW/DQ/VL/VBMI) or its chunk products (the KDA module, AVX-512 F) take their AVX-512
+    variant, else "avx2"; None without it."""
     if module is None:
         return None
-    return module.gemv_variant() if hasattr(module, "gemv_variant") else "avx2"
+    for name in ("gemv_variant", "products_variant"):
+        if hasattr(module, name):
+            return getattr(module, name)()
+    return "avx2"
 
 
 def bf16_products(module) -> bool | None:
@@ -83,10 +87,17 @@ def bf16_products(module) -> bool | None:
     return module.bf16_gemv_supported()
 
 
-VARIANT_TEXT = {
-    "avx512": "AVX-512 for the one-row MXFP4 GEMV (M = 1), AVX2 + FMA elsewhere",
-    "avx2": "AVX2 + FMA",
+# what runs in AVX-512 where a module's "avx512" variant is in use (the rest: AVX2 + FMA)
+AVX512_PARTS = {
+    MXFP4_EXTENSION.name: "the one-row MXFP4 GEMV (M = 1)",
+    KDA_EXTENSION.name: "the chunk products (prefill, training)",
+    DECODE_EXTENSION.name: "the experts' one-row MXFP4 products",
 }
+
+
+def variant_text(name: str, variant: str) -> str:
+    """How `k3 doctor` says what SIMD code the native module `name` runs."""
+    return f"AVX-512 for {AVX512_PARTS[name]}, AVX2 + FMA elsewhere" if variant == "avx512" else "AVX2 + FMA"
 
 
 def diagnose() -> dict:
@@ -178,7 +189,7 @@ def render(report: dict) -> str:
         why = f"; {k['reason']}; instead: {k['fallback']}" if k["reason"] else f" ({k['path']})"
         lines.append(f"  {k['name']}: {k['in_use']}{why}\n    serves {k['serves']}")
         if k["variant"]:
-            lines.append(f"    runs {VARIANT_TEXT[k['variant']]}")
+            lines.append(f"    runs {variant_text(k['name'], k['variant'])}")
         if k["bf16_dot_products"] is not None:
             dot = k["bf16_dot_products"]
             few = "bf16 dot products (AVX-512 BF16)" if dot else "fp32 FMAs (no AVX-512 BF16)"

@@ -30,11 +30,12 @@ def test_doctor_reports_the_kernels_in_use():
         status = native_status(ext)
         assert kernel["name"] == ext.name
         assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
-        # KDA and decode have AVX2 kernels only; MXFP4 says which one-row GEMV it picked
-        assert kernel["variant"] == (
-            None if not status.in_use else getattr(status.module, "gemv_variant", lambda: "avx2")()
-        )
-    assert report["kernels"][1]["variant"] in (None, "avx2")
+        # MXFP4 and decode say which one-row MXFP4 GEMV they picked, KDA which chunk products
+        asked = "products_variant" if ext is KDA_EXTENSION else "gemv_variant"
+        assert kernel["variant"] == (getattr(status.module, asked)() if status.in_use else None)
+    kda = report["kernels"][1]
+    if kda["variant"] is not None:
+        assert (kda["variant"] == "avx512") == report["cpu"]["features"]["avx512f"]
     mxfp4 = report["kernels"][0]
     if mxfp4["variant"] is not None:  # AVX-512 only where the CPU has it
         cpu = report["cpu"]["features"]
@@ -48,6 +49,8 @@ def test_doctor_reports_the_kernels_in_use():
         assert report["cpu"]["features_native"] == report["cpu"]["features"]
     text = CliRunner().invoke(app, ["doctor"]).output
     assert "k3.ops.kda._native:" in text and "torch 2." in text and "CPU features" in text
+    if kda["variant"] == "avx512":
+        assert "runs AVX-512 for the chunk products (prefill, training), AVX2 + FMA elsewhere" in text
     if mxfp4["variant"] is not None:
         assert ("runs AVX2 + FMA" in text) == (report["kernels"][1]["variant"] == "avx2")  # KDA
         assert ("runs AVX-512" in text) == (mxfp4["variant"] == "avx512")

@@ -283,6 +283,62 @@ def test_native_state_passing_matches_torch_loops(steps, Z, C, K, V):
         assert a.shape == e.shape and rel_rms(a, e) <= 1e-6, name
 
 
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+def test_native_product_variants_and_thread_counts_give_the_same_bits():
+    # the chunk products in 16 lanes (AVX-512) and in 8 (AVX2), at 1 and 2 threads: every output and
+    # gradient of the fused forward/backward and of the state loops bit for bit (each output element is
+    # the same chain of FMAs in either width); shapes reach the 32- and 16-wide panels, the 8-wide and
+    # single columns after them, and short row blocks
+    native = load_native()
+    variants = ["avx2", "avx512"] if native.products_variant() == "avx512" else ["avx2"]
+    threads = torch.get_num_threads()
+
+    def fused(case, variant):
+        (q, k, v, g, beta), kwargs, N = fused_case(case, seed=31)
+        rows = (
+            [x[0].contiguous() for x in (q, k, v, g, beta)]
+            if kwargs["cu_seqlens"] is not None
+            else [x.reshape(-1, *x.shape[2:]).contiguous() for x in (q, k, v, g, beta)]
+        )
+        B, T = q.shape[:2]
+        cu = kwargs["cu_seqlens"]
+        starts = cu[:-1].contiguous() if cu is not None else torch.arange(B) * T
+        lengths = (cu[1:] - cu[:-1]).contiguous() if cu is not None else torch.full((B,), T)
+        h0 = kwargs["initial_state"]
+        h0 = torch.zeros(N, q.shape[2], q.shape[3], v.shape[3]) if h0 is None else h0.detach()
+        options = (kwargs["chunk_size"], q.shape[3] ** -0.5, kwargs["use_qk_l2norm"], 1e-6)
+        o, final, states, pseudo_values = native.forward(*rows, starts, lengths, h0, *options, True, variant)
+        gen = torch.Generator().manual_seed(32)
+        d_o, d_final = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
+        grads = native.backward(
+            *rows, starts, lengths, h0, states, pseudo_values, d_o, d_final, *options, variant
+        )
+        return [o, final, states, pseudo_values, *grads]
+
+    def loops(variant):
+        inputs = [x.detach() for x in state_passing_inputs(3, 2, 16, 40, 56, seed=33, dtype=torch.float32)]
+        q_gamma, w, u_in, k_hat, decay, state = inputs
+        reads, u, final = native.state_forward(q_gamma, w, u_in, k_hat, decay, state, variant)
+        states = native.state_history(k_hat, u, decay, state, variant)
+        grads = native.state_backward(q_gamma, w, k_hat, decay, u, states, reads, u_in, final, variant)
+        return [reads, u, final, states, *grads]
+
+    try:
+        runs = {}
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for variant in variants:
+                outputs = [fused(case, variant) for case in ("k3", "odd_dims", "chunk_8", "packed")]
+                runs[n_threads, variant] = [x for xs in outputs for x in xs] + loops(variant)
+    finally:
+        torch.set_num_threads(threads)
+    reference = runs[1, "avx2"]
+    for key, outputs in runs.items():
+        assert all(torch.equal(a, e) for a, e in zip(outputs, reference, strict=True)), key
+    with pytest.raises(RuntimeError, match="variant must be"):
+        loops("sse")
+
+
 class CountingNative:
     """The native module with a count of the fused forward calls (to know which path ran) and whether
     the last one kept the chunk-start states for the backward."""

@@ -21,8 +21,9 @@
 // Why native: per chunk these are [16 x 128] x [128 x 128] products, too small for torch's batched
 // matmul to run near GEMM speed (~65 of ~190 GFLOP/s here), and torch pays a few microseconds of
 // dispatch per op and a pass over memory per elementwise step. Here the state stays in its core's
-// cache and every product is one register-blocked AVX2/FMA kernel that also applies the decay and
-// the accumulation.
+// cache and every product is one register-blocked kernel that also applies the decay and the
+// accumulation: 16-lane (AVX-512) where the CPU has it, else 8-lane (AVX2/FMA), the same bits
+// (_native_products512.h; `variant` chooses, for tests).
 //
 // Layouts (contiguous fp32): q_gamma, w, k_hat [steps, Z, C, K]; u_in, reads, u, d_* [steps, Z, C, V];
 // decay [steps, Z, K]; states [Z, K, V]; `forward` takes fla's token layout q, k, g [rows, H, K],
@@ -47,7 +48,7 @@
 
 #include "_native_chunk.h"
 #include "_native_decode.h"
-#include "_native_products.h"
+#include "_native_products512.h"
 
 
 namespace {
@@ -83,8 +84,9 @@ Shape check_shapes(const torch::Tensor& q_gamma, const torch::Tensor& w, const t
 // reads, u, final state: the forward recurrence over all chunks, parallel over z.
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> state_forward(
     const torch::Tensor& q_gamma, const torch::Tensor& w, const torch::Tensor& u_in,
-    const torch::Tensor& k_hat, const torch::Tensor& decay, const torch::Tensor& state) {
+    const torch::Tensor& k_hat, const torch::Tensor& decay, const torch::Tensor& state, const std::string& variant) {
   const Shape s = check_shapes(q_gamma, w, k_hat, decay, u_in, state);
+  const bool wide = wide_products(variant);
   auto reads = torch::empty_like(u_in);
   auto u = torch::empty_like(u_in);
   auto final_state = state.clone();
@@ -96,11 +98,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> state_forward(
         const int64_t at = i * s.Z + z;
         float* u_i = u.data_ptr<float>() + at * cv;
         run({s.C, s.V, s.K, plain(q_gamma.data_ptr<float>() + at * ck, s.K), S, 1.0f, nullptr, nullptr,
-             reads.data_ptr<float>() + at * cv});
+             reads.data_ptr<float>() + at * cv}, wide);
         run({s.C, s.V, s.K, plain(w.data_ptr<float>() + at * ck, s.K), S, -1.0f,
-             u_in.data_ptr<float>() + at * cv, nullptr, u_i});
+             u_in.data_ptr<float>() + at * cv, nullptr, u_i}, wide);
         run({s.K, s.V, s.C, transposed(k_hat.data_ptr<float>() + at * ck, s.K), u_i, 1.0f, S,
-             decay.data_ptr<float>() + at * s.K, S});
+             decay.data_ptr<float>() + at * s.K, S}, wide);
       }
     }
   });
@@ -109,8 +111,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> state_forward(
 
 // [steps + 1, Z, K, V]: every chunk's starting state and the final one, from the first state and u.
 torch::Tensor state_history(const torch::Tensor& k_hat, const torch::Tensor& u, const torch::Tensor& decay,
-                            const torch::Tensor& state) {
+                            const torch::Tensor& state, const std::string& variant) {
   const Shape s = check_shapes(k_hat, k_hat, k_hat, decay, u, state);
+  const bool wide = wide_products(variant);
   auto states = torch::empty({s.steps + 1, s.Z, s.K, s.V}, state.options());
   states[0].copy_(state);
   const int64_t kv = s.K * s.V, ck = s.C * s.K, cv = s.C * s.V;
@@ -120,7 +123,7 @@ torch::Tensor state_history(const torch::Tensor& k_hat, const torch::Tensor& u, 
         const int64_t at = i * s.Z + z;
         float* before = states.data_ptr<float>() + at * kv;
         run({s.K, s.V, s.C, transposed(k_hat.data_ptr<float>() + at * ck, s.K), u.data_ptr<float>() + at * cv,
-             1.0f, before, decay.data_ptr<float>() + at * s.K, before + s.Z * kv});
+             1.0f, before, decay.data_ptr<float>() + at * s.K, before + s.Z * kv}, wide);
       }
     }
   });
@@ -135,8 +138,10 @@ torch::Tensor state_history(const torch::Tensor& k_hat, const torch::Tensor& u, 
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor>
 state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch::Tensor& k_hat,
                const torch::Tensor& decay, const torch::Tensor& u, const torch::Tensor& states,
-               const torch::Tensor& d_reads, const torch::Tensor& d_u, const torch::Tensor& d_final) {
+               const torch::Tensor& d_reads, const torch::Tensor& d_u, const torch::Tensor& d_final,
+               const std::string& variant) {
   const Shape s = check_shapes(q_gamma, w, k_hat, decay, d_reads, d_final);
+  const bool wide = wide_products(variant);
   for (const auto* t : {&u, &d_u}) {
     check(*t, 4, "u and d_u");
     TORCH_CHECK(t->sizes() == d_reads.sizes(), "u and d_u must be [steps, Z, C, V]");
@@ -162,18 +167,18 @@ state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch
         const float* dR = d_reads.data_ptr<float>() + at * cv;
         float* du_i = du.data_ptr<float>() + at * cv;
         run({s.C, s.V, s.K, plain(k_hat.data_ptr<float>() + at * ck, s.K), dS, 1.0f,
-             d_u.data_ptr<float>() + at * cv, nullptr, du_i});
+             d_u.data_ptr<float>() + at * cv, nullptr, du_i}, wide);
         transpose_into(dS, s.K, s.V, state_t.data());  // products with dS^T and S^T as plain ones
         run({s.C, s.K, s.V, plain(u.data_ptr<float>() + at * cv, s.V), state_t.data(), 1.0f, nullptr, nullptr,
-             d_k_hat.data_ptr<float>() + at * ck});
+             d_k_hat.data_ptr<float>() + at * ck}, wide);
         row_dots(S, dS, s.K, s.V, d_decay.data_ptr<float>() + at * s.K);
         transpose_into(S, s.K, s.V, state_t.data());
         run({s.C, s.K, s.V, plain(dR, s.V), state_t.data(), 1.0f, nullptr, nullptr,
-             d_q_gamma.data_ptr<float>() + at * ck});
+             d_q_gamma.data_ptr<float>() + at * ck}, wide);
         run({s.C, s.K, s.V, plain(du_i, s.V), state_t.data(), -1.0f, nullptr, nullptr,
-             d_w.data_ptr<float>() + at * ck});
-        run({s.K, s.V, s.C, transposed(q_gamma.data_ptr<float>() + at * ck, s.K), dR, 1.0f, dS, gamma, dS});
-        run({s.K, s.V, s.C, transposed(w.data_ptr<float>() + at * ck, s.K), du_i, -1.0f, dS, nullptr, dS});
+             d_w.data_ptr<float>() + at * ck}, wide);
+        run({s.K, s.V, s.C, transposed(q_gamma.data_ptr<float>() + at * ck, s.K), dR, 1.0f, dS, gamma, dS}, wide);
+        run({s.K, s.V, s.C, transposed(w.data_ptr<float>() + at * ck, s.K), du_i, -1.0f, dS, nullptr, dS}, wide);
       }
     }
   });
@@ -271,7 +276,7 @@ void forward_sequence_head(const TokenLayout& l, int64_t n, int64_t h, const Chu
       stream_copy(scratch.state_t.data(), kept_states + i * V * K, V * K);
       u = kept_u + i * C * V;
     }
-    chunk_step(t, S, S, u, o ? scratch.o.data() : nullptr);
+    chunk_step(t, opt.wide, S, S, u, o ? scratch.o.data() : nullptr);
     for (int64_t c = 0; o && c < valid; ++c) {
       std::copy_n(scratch.o.data() + c * V, V, o + ((start + c0 + c) * l.H + h) * V);
     }
@@ -284,11 +289,13 @@ void forward_sequence_head(const TokenLayout& l, int64_t n, int64_t h, const Chu
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
-    const torch::Tensor& initial_state, int64_t chunk_size, double scale, bool l2norm, double eps, bool keep) {
+    const torch::Tensor& initial_state, int64_t chunk_size, double scale, bool l2norm, double eps, bool keep,
+    const std::string& variant) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
   auto o = empty_on_huge_pages({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
   auto final_state = initial_state.clone();
-  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
+  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),
+                         wide_products(variant)};
   const std::vector<int64_t> first = chunk_offsets(l, opt.C);
   const int64_t kept = keep ? first.back() : 0;
   auto states = empty_on_huge_pages({kept, l.V, l.K}, q.options());
@@ -316,7 +323,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
     const torch::Tensor& initial_state, const torch::Tensor& states, const torch::Tensor& pseudo_values,
     const torch::Tensor& d_o, const torch::Tensor& d_final, int64_t chunk_size, double scale, bool l2norm,
-    double eps) {
+    double eps, const std::string& variant) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
   check(d_o, 3, "d_o");
   check(d_final, 4, "d_final");
@@ -335,7 +342,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   auto dv = empty_on_huge_pages(v.sizes(), v.options()), dg = empty_on_huge_pages(g.sizes(), g.options());
   auto dbeta = torch::empty_like(beta);
   auto d_state = d_final.clone();
-  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps)};
+  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),
+                         wide_products(variant)};
   const float* dop = d_o.data_ptr<float>();
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     const int64_t C = opt.C, K = l.K, V = l.V, H = l.H;
@@ -394,26 +402,27 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "k3 KDA native CPU kernels (AVX2 + FMA): the fused chunked forward and backward, the state loops";
+  m.doc() = "k3 KDA native CPU kernels (AVX2 + FMA, AVX-512 products): the fused chunked forward and backward, the state loops";
   m.def("state_forward", &state_forward, "(reads, u, final state) of the chunk recurrence",
         py::arg("q_gamma"), py::arg("w"), py::arg("u_in"), py::arg("k_hat"), py::arg("decay"),
-        py::arg("state"));
+        py::arg("state"), py::arg("variant") = "auto");
   m.def("state_history", &state_history, "[steps + 1, Z, K, V] states from the first state and u",
-        py::arg("k_hat"), py::arg("u"), py::arg("decay"), py::arg("state"));
+        py::arg("k_hat"), py::arg("u"), py::arg("decay"), py::arg("state"), py::arg("variant") = "auto");
   m.def("state_backward", &state_backward,
         "(d q_gamma, d w, d u_in, d k_hat, d decay, d state): every gradient of the recurrence",
         py::arg("q_gamma"), py::arg("w"), py::arg("k_hat"), py::arg("decay"), py::arg("u"), py::arg("states"),
-        py::arg("d_reads"), py::arg("d_u"), py::arg("d_final"));
+        py::arg("d_reads"), py::arg("d_u"), py::arg("d_final"), py::arg("variant") = "auto");
   m.def("forward", &forward,
         "(o, final states, kept chunk-start states, kept pseudo values): the chunked forward from the token layout",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"),
         py::arg("lengths"), py::arg("initial_state"), py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"),
-        py::arg("eps"), py::arg("keep"));
+        py::arg("eps"), py::arg("keep"), py::arg("variant") = "auto");
   m.def("backward", &backward,
         "(dq, dk, dv, dg, dbeta, d initial state) of `forward`, in the token layout", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
         py::arg("initial_state"), py::arg("states"), py::arg("pseudo_values"), py::arg("d_o"), py::arg("d_final"),
-        py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"));
+        py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"), py::arg("variant") = "auto");
+  m.def("products_variant", &products_variant, "the chunk products in use: 'avx512' or 'avx2' (the same bits)");
   m.def("decode_step", &kda_decode::decode_step,
         "(o, new conv tails q/k/v, new state): one token's short convs, L2 norms and delta-rule step",
         py::arg("x_q"), py::arg("x_k"), py::arg("x_v"), py::arg("tail_q"), py::arg("tail_k"), py::arg("tail_v"),

@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "_native_products.h"
+#include "_native_products512.h"
 
 namespace {
 
@@ -20,6 +20,7 @@ struct ChunkOptions {
   float scale;  // q's scale
   bool l2norm;  // L2-normalise q and k first
   float eps;    // inside the L2 norm's square root
+  bool wide;    // the products in 16 lanes (AVX-512; the same bits as in 8)
 };
 
 // Asks for the cache lines of x[0, n) ahead of use.
@@ -114,7 +115,7 @@ struct ChunkTerms {
         k_over_t[j * C + c] = k_over[at];
       }
     }
-    run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()});  // [P; Sk]
+    run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()}, opt.wide);  // [P; Sk]
     // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
     // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
     std::fill(t_inv.begin(), t_inv.end(), 0.0f);
@@ -140,24 +141,25 @@ struct ChunkTerms {
         k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
       }
     }
-    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()});
-    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()});
+    run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()}, opt.wide);
+    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()}, opt.wide);
   }
 };
 
 // One chunk of the recurrence from state S: u = U - W S, S_next = Gamma_C S + K_hat^T u (S_next may be
 // S itself), and, if `o` is given ([2C, V] of room: o is its first C rows), o = (q Gamma) S + P u, with
-// [q Gamma; W] S as one product.
-__attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, float* S, float* S_next, float* u, float* o) {
+// [q Gamma; W] S as one product. `wide`: ChunkOptions::wide.
+__attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, bool wide, float* S, float* S_next, float* u,
+                                                   float* o) {
   const int64_t C = t.C, K = t.K, V = t.V;
   if (o) {
-    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o});
+    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o}, wide);
     for (int64_t i = 0; i < C * V; ++i) u[i] = t.u_in[i] - o[C * V + i];
   } else {
-    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u});
+    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u}, wide);
   }
-  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next});
-  if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o});
+  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next}, wide);
+  if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o}, wide);
 }
 
 // One thread's gradient scratch for one chunk. [C, K] unless noted.
@@ -195,19 +197,19 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   const int64_t C = t.C, K = t.K, V = t.V;
   // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
-  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()});
-  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()});
+  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()}, opt.wide);
+  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()}, opt.wide);
   product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP());
-  run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()});
+  run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()}, opt.wide);
   transpose_into(dS, K, V, d.dS_t.data());  // the product with dS^T as a plain one
-  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()});
+  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()}, opt.wide);
   column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
-  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS});
+  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS}, opt.wide);
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
   product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
   product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true);
-  run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()});
-  run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()});
+  run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()}, opt.wide);
+  run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()}, opt.wide);
   // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
   std::fill(d.dbeta.begin(), d.dbeta.end(), 0.0f);
   for (int64_t i = 0; i < C; ++i) {
@@ -216,7 +218,7 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
       d.dbeta[j] += d.dT_beta[i * C + j] * t.t_inv[i * C + j];
     }
   }
-  run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()});
+  run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()}, opt.wide);
   product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data());
   for (int64_t i = 0; i < C; ++i) {
     for (int64_t j = 0; j < C; ++j) {
@@ -227,8 +229,8 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
     }
   }
   // [P; Sk] = [left_q; left_k] k_over^T: d left = [dP; dSk] k_over, dk_over = [dP; dSk]^T [left_q; left_k]
-  run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()});
-  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()});
+  run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()}, opt.wide);
+  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()}, opt.wide);
   // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
   // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
   std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);

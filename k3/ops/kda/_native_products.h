@@ -1,8 +1,9 @@
 // Small dense products and vector helpers for the KDA native kernels (_native.cpp), in AVX2 + FMA.
 //
 // The products are the sizes of one chunk: [C x K] x [K x V] and the like, with C = 16 and K = V = 128
-// in K3, small enough to stay in L1/L2. `run` covers out = diag(scale) base + sign * A B with A read
-// through strides (so A and A^T are both plain operands) and B row-major; `product_with_transpose`
+// in K3, small enough to stay in L1/L2. `run_narrow` covers out = diag(scale) base + sign * A B with A read
+// through strides (so A and A^T are both plain operands) and B row-major (_native_products512.h's `run`
+// calls it, after its 16-lane panels where the CPU has AVX-512); `product_with_transpose`
 // covers a b^T with both operands read along their rows. Everything lives in an anonymous namespace:
 // this header is included by _native.cpp only.
 
@@ -90,10 +91,9 @@ __attribute__((target("avx2,fma"))) void column_panel(const Product& p, int64_t 
   }
 }
 
-// Column panels of 16 (a B panel of Kd x 16 floats stays in L1 across the row blocks), then 8, then
-// single columns for N not a multiple of 8.
-__attribute__((target("avx2,fma"))) void run(const Product& p) {
-  int64_t n0 = 0;
+// The columns [n0, N): panels of 16 (a B panel of Kd x 16 floats stays in L1 across the row blocks),
+// then 8, then single columns for N not a multiple of 8. (`run`, in _native_products512.h, calls it.)
+__attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0) {
   for (; n0 + 16 <= p.N; n0 += 16) column_panel<2>(p, n0);
   for (; n0 + 8 <= p.N; n0 += 8) column_panel<1>(p, n0);
   for (; n0 < p.N; ++n0) {

@@ -1,7 +1,8 @@
 """The optional native KDA kernels (``_native.cpp`` with ``_native_chunk.h``, ``_native_products.h``,
-``_native_decode.h``: the fused chunked forward and backward, the inter-chunk state recurrence with its
-adjoint, the one-token decode step; compiled on
-first use into the user cache, see :mod:`k3.ops.extension`).
+``_native_products512.h``, ``_native_decode.h``: the fused chunked forward and backward, the inter-chunk
+state recurrence with its adjoint, the one-token decode step; compiled on first use into the user cache,
+see :mod:`k3.ops.extension`). The chunk products run in 16 lanes where the CPU has AVX-512 F, else in 8:
+the same bits (``products_variant()`` says which).
 
 :func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
 lacks AVX2/FMA (see :mod:`k3.ops.extension`); ``chunk_kda`` then runs the same loops in torch.
@@ -19,7 +20,10 @@ HERE = Path(__file__).resolve().parent
 KDA_EXTENSION = NativeExtension(
     "k3.ops.kda._native",
     HERE / "_native.cpp",
-    (HERE / "_native_chunk.h", HERE / "_native_products.h", HERE / "_native_decode.h"),
+    tuple(
+        HERE / name
+        for name in ("_native_chunk.h", "_native_products.h", "_native_products512.h", "_native_decode.h")
+    ),
 )
 
 
