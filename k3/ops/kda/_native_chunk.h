@@ -97,7 +97,8 @@ struct ChunkTerms {
         q_factor[c] = opt.scale / std::sqrt(sq[0] + opt.eps);
         k_factor[c] = 1.0f / std::sqrt(sk[0] + opt.eps);
       }
-      for (int64_t j = 0; j < K; ++j) qc[j] *= q_factor[c], kc[j] *= k_factor[c];
+      scale_into(qc, q_factor[c], K);
+      scale_into(kc, k_factor[c], K);
     }
     for (int64_t c = 1; c < C; ++c) {  // G: in-chunk cumulative sum (G holds g on entry)
       for (int64_t j = 0; j < K; ++j) G[c * K + j] += G[(c - 1) * K + j];
@@ -106,15 +107,17 @@ struct ChunkTerms {
       for (int64_t j = 0; j < K; ++j) local[c * K + j] = G[c * K + j] - G[j];
     }
     exp_into(local.data(), down.data(), C * K);  // in [e^-80, 1]
-    for (int64_t c = 0; c < C; ++c) {
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t at = c * K + j;
-        left_q()[at] = q[at] * down[at];
-        left_k()[at] = k[at] * down[at];
-        k_over[at] = k[at] / down[at];
-        k_over_t[j * C + c] = k_over[at];
+    {  // the buffers are distinct (__restrict), so the compiler vectorises the pass
+      const float *__restrict q_in = q.data(), *__restrict k_in = k.data(), *__restrict down_in = down.data();
+      float *__restrict lq = left_q(), *__restrict lk = left_k(), *__restrict ko = k_over.data();
+#pragma GCC ivdep
+      for (int64_t at = 0; at < C * K; ++at) {
+        lq[at] = q_in[at] * down_in[at];
+        lk[at] = k_in[at] * down_in[at];
+        ko[at] = k_in[at] / down_in[at];
       }
     }
+    transpose_into(k_over.data(), C, K, k_over_t.data());
     run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()}, opt.wide);  // [P; Sk]
     // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
     // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
@@ -133,13 +136,13 @@ struct ChunkTerms {
     exp_into(G.data(), first.data(), K);
     exp_into(local.data() + (C - 1) * K, last.data(), K);
     exp_into(G.data() + (C - 1) * K, decay.data(), K);
-    for (int64_t c = 0; c < C; ++c) {
-      for (int64_t j = 0; j < K; ++j) {
-        const int64_t at = c * K + j;
-        q_gamma()[at] = left_q()[at] * first[j];  // q Gamma = q exp(G)
-        k_gamma[at] = left_k()[at] * first[j];
-        k_hat[at] = k_over[at] * last[j];  // k exp(G_last - G)
-      }
+    for (int64_t c = 0; c < C; ++c) {  // q Gamma = q exp(G), k Gamma likewise, K_hat = k exp(G_last - G)
+      const float *__restrict lq = left_q() + c * K, *__restrict lk = left_k() + c * K;
+      const float *__restrict ko = k_over.data() + c * K, *__restrict f = first.data(), *__restrict l = last.data();
+      float *__restrict qg = q_gamma() + c * K, *__restrict kg = k_gamma.data() + c * K;
+      float* __restrict kh = k_hat.data() + c * K;
+#pragma GCC ivdep
+      for (int64_t j = 0; j < K; ++j) qg[j] = lq[j] * f[j], kg[j] = lk[j] * f[j], kh[j] = ko[j] * l[j];
     }
     run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()}, opt.wide);
     run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()}, opt.wide);
@@ -235,20 +238,29 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
   std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
   std::fill(d.d_last.begin(), d.d_last.end(), 0.0f);
-  for (int64_t c = 0; c < C; ++c) {
+  for (int64_t c = 0; c < C; ++c) {  // row c; the buffers are distinct (__restrict): the compiler vectorises
+    const int64_t row = c * K;
+    const float *__restrict dk_hat = d.dk_hat.data() + row, *__restrict dq_gamma = d.dq_gamma() + row;
+    const float *__restrict dk_gamma = d.dk_gamma.data() + row, *__restrict dk_over_in = d.dk_over.data() + row;
+    const float *__restrict k_over = t.k_over.data() + row, *__restrict left_q = t.left_q() + row;
+    const float *__restrict left_k = t.left_k() + row, *__restrict down = t.down.data() + row;
+    const float *__restrict q = t.q.data() + row, *__restrict k = t.k.data() + row;
+    const float *__restrict last = t.last.data(), *__restrict first = t.first.data();
+    float *__restrict d_last = d.d_last.data(), *__restrict d_first = d.d_first.data();
+    float *__restrict dleft_q = d.dleft_q() + row, *__restrict dleft_k = d.dleft_k() + row;
+    float* __restrict dG = d.dG.data() + row;
+#pragma GCC ivdep
     for (int64_t j = 0; j < K; ++j) {
-      const int64_t at = c * K + j;
-      d.d_last[j] += d.dk_hat[at] * t.k_over[at];
-      d.d_first[j] += d.dq_gamma()[at] * t.left_q()[at] + d.dk_gamma[at] * t.left_k()[at];
-      const float dk_over = d.dk_over[at] + d.dk_hat[at] * t.last[j];
-      const float dleft_q = d.dleft_q()[at] + d.dq_gamma()[at] * t.first[j];
-      const float dleft_k = d.dleft_k()[at] + d.dk_gamma[at] * t.first[j];
-      const float down = t.down[at];
-      const float d_down = dleft_q * t.q[at] + dleft_k * t.k[at];
-      const float d_up = dk_over * t.k[at];
-      d.dleft_q()[at] = dleft_q * down;                 // now d(normalised q)
-      d.dleft_k()[at] = dleft_k * down + dk_over / down;  // now d(normalised k)
-      d.dG[at] = d_down * down - d_up / down;           // d local, for now
+      d_last[j] += dk_hat[j] * k_over[j];
+      d_first[j] += dq_gamma[j] * left_q[j] + dk_gamma[j] * left_k[j];
+      const float dk_over = dk_over_in[j] + dk_hat[j] * last[j];
+      const float dlq = dleft_q[j] + dq_gamma[j] * first[j];
+      const float dlk = dleft_k[j] + dk_gamma[j] * first[j];
+      const float d_down = dlq * q[j] + dlk * k[j];
+      const float d_up = dk_over * k[j];
+      dleft_q[j] = dlq * down[j];                     // now d(normalised q)
+      dleft_k[j] = dlk * down[j] + dk_over / down[j];  // now d(normalised k)
+      dG[j] = d_down * down[j] - d_up / down[j];       // d local, for now
     }
   }
   for (int64_t j = 0; j < K; ++j) d.dG[(C - 1) * K + j] += d.d_last[j] * t.last[j];

@@ -148,6 +148,14 @@ __attribute__((target("avx2,fma"))) inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
+// x[0, n) *= factor
+__attribute__((target("avx2,fma"))) void scale_into(float* x, float factor, int64_t n) {
+  const __m256 f = _mm256_set1_ps(factor);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
+  for (; j < n; ++j) x[j] *= factor;
+}
+
 // out[r] = sum_j a[r, j] b[r, j] for [rows, cols] row-major a and b
 __attribute__((target("avx2,fma"))) void row_dots(const float* a, const float* b, int64_t rows, int64_t cols,
                                                   float* out) {
@@ -162,10 +170,25 @@ __attribute__((target("avx2,fma"))) void row_dots(const float* a, const float* b
   }
 }
 
-// out[c] = sum_r a[r, c] b[r, c] for [rows, cols] row-major a and b
+// out[c] = sum_r a[r, c] b[r, c] for [rows, cols] row-major a and b: 64 columns at a time in 8 registers, so
+// that each row's 256 bytes of a block are read at once (one column group at a time read every cache
+// line twice, 8 groups of rows apart)
 __attribute__((target("avx2,fma"))) void column_dots(const float* a, const float* b, int64_t rows, int64_t cols,
                                                      float* out) {
+  constexpr int kGroups = 8;
   int64_t c0 = 0;
+  for (; c0 + 8 * kGroups <= cols; c0 += 8 * kGroups) {
+    __m256 acc[kGroups];
+    for (int g = 0; g < kGroups; ++g) acc[g] = _mm256_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *ar = a + r * cols + c0, *br = b + r * cols + c0;
+#pragma GCC unroll 8
+      for (int g = 0; g < kGroups; ++g) {
+        acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(ar + 8 * g), _mm256_loadu_ps(br + 8 * g), acc[g]);
+      }
+    }
+    for (int g = 0; g < kGroups; ++g) _mm256_storeu_ps(out + c0 + 8 * g, acc[g]);
+  }
   for (; c0 + 8 <= cols; c0 += 8) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t r = 0; r < rows; ++r) {
