@@ -474,6 +474,9 @@ def main() -> None:
         ]
 
     if args.batch:
+        widest = max(int(b) for b in args.batch.split(","))
+        if args.profile_context <= 7 * (widest - 1):  # sequence b is prefilled to context - 7 b tokens
+            ap.error(f"--profile-context must exceed {7 * (widest - 1)} for a batch of {widest}")
         load = os.getloadavg()
         print(
             f"{args.checkpoint or args.preset}, {args.threads} threads, context ~{args.profile_context}; "

@@ -213,6 +213,26 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     assert ((batch.double() - exact).abs()[finite] <= tolerance[finite]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_dense_rows_against_float64_avx2_and_one_row(dtype):
+    """The decode step's dense products (`dense_rows_product`: at B > 1 the 16-lane tiles, two vectors per
+    register, where the CPU has AVX-512) against the 8-lane tiles forced (bit for bit), each row against the
+    same vector alone (bit for bit: batch-invariant) and against float64 (fp32 rounding). K has a tail of 5
+    beyond the 8-lane body; 37 rows leave a short tile; the batch sizes reach every pair tile and odd ones."""
+    native = load_native()
+    g = gen(11)
+    K, N = 7168 + 5, 37
+    w = torch.randn(N, K, generator=g).to(dtype)
+    x = torch.randn(13, K, generator=g)
+    alone = torch.cat([native.dense_rows_product(x[b : b + 1], w) for b in range(13)])
+    exact = x.double() @ w.double().T
+    assert ((alone.double() - exact).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
+    for B in (2, 3, 4, 5, 8, 9, 13):
+        batch = native.dense_rows_product(x[:B], w)
+        assert torch.equal(batch, native.dense_rows_product(x[:B], w, variant="avx2")), B
+        assert torch.equal(batch, alone[:B]), B
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")

@@ -235,6 +235,19 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
   return outs;
 }
 
+// x [B, K] times one dense fp32 or BF16 matrix w [N, K] as the decode step multiplies it (Weight::rows: at
+// B > 1 the AVX-512 tiles where `variant` allows, the same bits), rows split across threads: [B, N].
+// For tests and benchmarks.
+Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant) {
+  const int64_t B = rows_of(x, "x"), K = x.size(-1);
+  check_rows(x, B, K, "x");
+  Weight weight = dense_weight(w, K, "the matrix");
+  weight.wide = mxfp4_rows512::wide_variant(variant);
+  Tensor y = rows_like(x, weight.N);
+  project(x.data_ptr<float>(), B, {{weight, y.data_ptr<float>()}});
+  return y;
+}
+
 // x [B, K] times one MXFP4 matrix (packed [N, K/2], scale [N, K/32]) as the decode step multiplies a chosen
 // expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
 // its rows split across threads by `project` (moe_experts gives each thread whole experts instead): [B, N].
@@ -279,6 +292,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("variant") = "auto");
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
+  m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",
+        py::arg("x"), py::arg("w"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");
   m.def("attn_res_read", &attn_res_read, "an AttnRes read over the values [B, D] each", py::arg("values"),
         py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));

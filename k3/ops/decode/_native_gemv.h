@@ -54,14 +54,21 @@ inline float to_float(uint16_t v) {
   return f;
 }
 
+// sum_{i in [from, K)} a[i] b[i] in order: the tails of `dot`, `tile` and `tile_pairs` beyond their 8-lane body, in
+// one compiled copy (inlined into an AVX-512 function the compiler could contract it otherwise: other bits)
+template <typename T>
+__attribute__((target("avx2,fma"), noinline)) float tail_dot(const T* a, const float* b, int64_t from, int64_t K) {
+  float tail = 0.0f;
+  for (int64_t i = from; i < K; ++i) tail += to_float(a[i]) * b[i];
+  return tail;
+}
+
 template <typename T>
 __attribute__((target("avx2,fma"))) inline float dot(const T* a, const float* b, int64_t n) {
   __m256 acc = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc);
-  float tail = 0.0f;
-  for (; i < n; ++i) tail += to_float(a[i]) * b[i];
-  return mxfp4_rows::horizontal_sum(acc) + tail;
+  return mxfp4_rows::horizontal_sum(acc) + (i < n ? tail_dot(a, b, i, n) : 0.0f);
 }
 
 // y[b * ldy + n] for n in [n, n + R) and the vectors b in [b0, b0 + V): a tile of R rows x V vectors, each
@@ -85,23 +92,79 @@ __attribute__((target("avx2,fma"))) inline void tile(const T* r0, int64_t K, con
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      const float* xb = x + (b0 + v) * K;
-      float tail = 0.0f;
-      for (int64_t i = body; i < K; ++i) tail += to_float(r0[r * K + i]) * xb[i];
+      const float tail = body < K ? tail_dot(r0 + r * K, x + (b0 + v) * K, body, K) : 0.0f;
       y[(b0 + v) * ldy + n + r] = mxfp4_rows::horizontal_sum(acc[r][v]) + tail;
     }
+}
+
+#define K3_DECODE_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq")))
+
+// 8 weights as fp32 in both 256-bit halves of a 16-lane register
+K3_DECODE_AVX512 inline __m512 load8_twice(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+K3_DECODE_AVX512 inline __m512 load8_twice(const uint16_t* p) {
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
+}
+
+// `tile` for R rows x 2P vectors in 16 lanes: register (r, p) holds the 8-lane accumulators of vectors
+// b0 + 2p (lanes 0-7) and b0 + 2p + 1 (lanes 8-15), each lane doing what its AVX2 lane does, in the same
+// order, so every value has `tile`'s bits. A weight is loaded and converted once for 2P vectors.
+template <int R, int P, typename T>
+K3_DECODE_AVX512 inline void tile_pairs(const T* r0, int64_t K, const float* x, int64_t b0, float* y, int64_t ldy,
+                                        int64_t n) {
+  const int64_t body = K - K % 8;
+  __m512 acc[R][P];
+  for (auto& row : acc)
+    for (auto& a : row) a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < body; i += 8) {
+    __m512 xv[P];
+    for (int p = 0; p < P; ++p) {
+      const float* xp = x + (b0 + 2 * p) * K + i;
+      xv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xp)), _mm256_loadu_ps(xp + K), 1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 w = load8_twice(r0 + r * K + i);
+      for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(w, xv[p], acc[r][p]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int p = 0; p < P; ++p)
+      for (int h = 0; h < 2; ++h) {
+        const float tail = body < K ? tail_dot(r0 + r * K, x + (b0 + 2 * p + h) * K, body, K) : 0.0f;
+        const __m256 half = h ? _mm512_extractf32x8_ps(acc[r][p], 1) : _mm512_castps512_ps256(acc[r][p]);
+        y[(b0 + 2 * p + h) * ldy + n + r] = mxfp4_rows::horizontal_sum(half) + tail;
+      }
+}
+
+// Rows [n0, n1) for B >= 2 vectors with tile_pairs: six rows x up to eight vectors (24 accumulators, 4 vector
+// pairs and a weight: 29 of the 32 registers); an odd last vector and the last rows as dense_rows does them.
+template <typename T>
+K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const float* x, int64_t B, float* y,
+                                                 int64_t ldy, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 6 <= n1; n += 6) {
+    int64_t b = 0;
+    for (; b + 8 <= B; b += 8) tile_pairs<6, 4>(W + n * K, K, x, b, y, ldy, n);
+    for (; b + 4 <= B; b += 4) tile_pairs<6, 2>(W + n * K, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile_pairs<6, 1>(W + n * K, K, x, b, y, ldy, n);
+    if (b < B) tile<6, 1>(W + n * K, K, x, b, y, ldy, n);
+  }
+  return n;
 }
 
 // y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for
 // all B vectors. One vector: eight rows at a time (eight memory streams in flight; measured at K3's KDA
 // projections, 2 threads: 33 GB/s against 28 with four). Several: six rows x two vectors per tile (12
 // accumulators, 2 vectors and a weight: 15 of the 16 AVX2 registers), each vector read once per six rows
-// from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four.
+// from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With
+// `wide` (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads,
+// B = 8, BF16 200 GFLOP/s against 133 (fp32 150 against 107), B = 2-3 level (memory-bound).
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
-                                                           float* y, int64_t ldy, int64_t n0, int64_t n1) {
+                                                           float* y, int64_t ldy, int64_t n0, int64_t n1,
+                                                           bool wide = false) {
   const int64_t step = B == 1 ? 8 : 6;
-  int64_t n = n0;
+  int64_t n = wide && B > 1 ? dense_rows_pairs(W, K, x, B, y, ldy, n0, n1) : n0;
   for (; n + step <= n1; n += step) {
     if (B == 1) {
       tile<8, 1>(W + n * K, K, x, 0, y, ldy, n);
@@ -122,12 +185,16 @@ struct Weight {
   const uint8_t* packed = nullptr;
   const uint8_t* scale = nullptr;
   int64_t N = 0, K = 0;
-  bool wide = false;  // MXFP4 at one row: the AVX-512 kernel (the same bits as the AVX2 one, twice as fast)
+  bool wide = false;  // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at one row, dense at 2+ rows
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (dense != nullptr || bf16 != nullptr) {
-      dense != nullptr ? dense_rows(dense, K, x, B, y, ldy, n0, n1) : dense_rows(bf16, K, x, B, y, ldy, n0, n1);
+      if (dense != nullptr) {
+        dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
+      } else {
+        dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
+      }
       return;
     }
     if (B == 1 && wide) {
@@ -164,8 +231,9 @@ inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
                   w.dim() == 2 && w.size(1) == K,
               name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix, got ", w.sizes(), " ",
               w.scalar_type());
-  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), K};
-  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, w.size(0), K};
+  const bool wide = mxfp4_rows512::gemv_variant() == "avx512";  // the CPU's best tiles (the same bits)
+  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), K, wide};
+  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, w.size(0), K, wide};
 }
 
 inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {
