@@ -8,6 +8,7 @@
 //                          __attribute__((target)) per function, so the module loads on any x86-64 CPU)
 //   cpu_features()         {feature: detected at run time} for avx2, fma, avx512f, avx512bw, avx512vl,
 //                          avx512bf16, amx-tile, amx-bf16 (as the compiler's __builtin_cpu_supports sees them)
+// and, for the kernels with an AVX-512 variant, `k3_native::wide_variant` (the `variant` argument's check).
 #pragma once
 
 #include <torch/extension.h>
@@ -40,6 +41,16 @@ inline std::map<std::string, bool> cpu_features() {
       {"amx-tile", static_cast<bool>(__builtin_cpu_supports("amx-tile"))},
       {"amx-bf16", static_cast<bool>(__builtin_cpu_supports("amx-bf16"))},
   };
+}
+
+// Whether `variant` asks for a kernel's AVX-512 code: "auto" where this CPU has what that code needs
+// (`supported`), "avx512" (an error without it; `needs` names the AVX-512 subsets), "avx2" never. Both give
+// the same bits; the kernels take `variant` so that tests can compare the two.
+inline bool wide_variant(const std::string& variant, bool supported, const char* needs) {
+  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
+              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
+  TORCH_CHECK(variant != "avx512" || supported, "this CPU lacks AVX-512 ", needs);
+  return variant == "avx512" || (variant == "auto" && supported);
 }
 
 }  // namespace k3_native

@@ -15,9 +15,9 @@
 
 #pragma once
 
+#include "_native_common.h"
 #include "_native_products.h"
 
-#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -38,14 +38,9 @@ inline std::string products_variant() {
   return supported ? "avx512" : "avx2";
 }
 
-// Whether `variant` asks for the 16-lane products: "auto" (products_variant()), "avx2" or "avx512" (the same
-// bits either way; the kernels offer the choice so that tests can compare the two).
+// Whether `variant` asks for the 16-lane products: "auto" (products_variant()), "avx2" or "avx512".
 inline bool wide_products(const std::string& variant) {
-  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
-              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
-  const bool wide = variant == "avx512" || (variant == "auto" && products_variant() == "avx512");
-  TORCH_CHECK(!wide || avx512_supported(), "this CPU lacks AVX-512 F");
-  return wide;
+  return k3_native::wide_variant(variant, products_variant() == "avx512", "F");
 }
 
 constexpr int kWideRows = 8;  // rows of the output per 16-lane register block: 8 x 32 floats = 16 accumulators

@@ -16,9 +16,9 @@
 // as the AVX2 integer path gives) turns it into its value.
 #pragma once
 
+#include "_native_common.h"
 #include "_native_rows.h"
 
-#include <c10/util/Exception.h>
 #include <immintrin.h>
 
 #include <cstdint>
@@ -45,14 +45,9 @@ inline std::string gemv_variant() {
   return supported ? "avx512" : "avx2";
 }
 
-// Whether the kernels `variant` asks for are this file's: "auto" (gemv_variant()), "avx2" or "avx512" (the
-// same bits either way; the kernels that take it offer the choice so that tests can compare the two).
+// Whether the kernels `variant` asks for are this file's: "auto" (gemv_variant()), "avx2" or "avx512".
 inline bool wide_variant(const std::string& variant) {
-  TORCH_CHECK(variant == "auto" || variant == "avx2" || variant == "avx512",
-              "variant must be 'auto', 'avx2' or 'avx512', got '", variant, "'");
-  const bool wide = variant == "avx512" || (variant == "auto" && gemv_variant() == "avx512");
-  TORCH_CHECK(!wide || cpu_supported(), "this CPU lacks AVX-512 F/BW/DQ/VL/VBMI");
-  return wide;
+  return k3_native::wide_variant(variant, gemv_variant() == "avx512", "F/BW/DQ/VL/VBMI");
 }
 
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
