@@ -183,8 +183,9 @@ def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
 def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     """The decode step's per-expert product (`expert_rows`: at one row the AVX-512 kernel with pre-scaled
     lookup tables where the CPU has it) against the AVX2 kernel forced (bit for bit), against float64 of the
-    decoded weights (fp32 rounding), and a row alone against the same row in a batch of 5 (bit for bit);
-    every normal scale byte appears."""
+    decoded weights (fp32 rounding), and each row alone against the same row in batches of 2, 5, 8 and 11
+    (bit for bit: the few-row kernel at 2, 5 and 8 rows, and two passes of 8 rows and 3); every normal scale
+    byte appears."""
     from k3.ops.mxfp4 import dequantize_mxfp4
 
     native = load_native()
@@ -195,17 +196,20 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     lead = min(4, K // 32)  # a trained expert's range first, so that most outputs stay finite
     scale[:, :lead] = torch.randint(118, 130, (rows, lead), dtype=torch.uint8, generator=g)
     w = dequantize_mxfp4(packed, scale).double()  # [rows, K]
-    x = torch.randn(5, K, generator=g)
-    batch = native.expert_rows(x, packed, scale)
+    x = torch.randn(11, K, generator=g)
 
     def bits(t: torch.Tensor) -> torch.Tensor:  # the largest scales overflow to inf and NaN: compare bits
         return t.view(torch.int32)
 
-    assert torch.equal(bits(batch), bits(native.expert_rows(x, packed, scale, variant="avx2")))
-    for r in range(5):
-        alone = native.expert_rows(x[r : r + 1], packed, scale)
-        assert torch.equal(bits(alone), bits(batch[r : r + 1]))
-        assert torch.equal(bits(alone), bits(native.expert_rows(x[r : r + 1], packed, scale, variant="avx2")))
+    def one_by_one(variant: str) -> torch.Tensor:
+        return torch.cat([native.expert_rows(x[r : r + 1], packed, scale, variant=variant) for r in range(11)])
+
+    alone = one_by_one("auto")
+    assert torch.equal(bits(alone), bits(one_by_one("avx2")))
+    for B in (2, 5, 8, 11):
+        batch = native.expert_rows(x[:B], packed, scale)
+        assert torch.equal(bits(batch), bits(native.expert_rows(x[:B], packed, scale, variant="avx2"))), B
+        assert torch.equal(bits(batch), bits(alone[:B])), B
     exact = x.double() @ w.T
     finite = exact.abs() < 1e30  # compare with float64 where fp32 can hold the products
     tolerance = 1e-6 * (x.double().abs() @ w.abs().T)
