@@ -74,7 +74,7 @@ __attribute__((target("avx2,fma"))) inline float dot(const T* a, const float* b,
 
 // BF16 rows: the line kPrefetchBytes ahead of row[i] is asked for once per line. A tile's R rows are R
 // memory streams that each advance only 16 bytes per 8-lane step; the hardware prefetcher alone kept them
-// short of the read bandwidth (EPYC Zen 4, [4096, 7168], rows in the same run without / with: one thread
+// short of the read bandwidth (EPYC Zen 5, [4096, 7168], rows in the same run without / with: one thread
 // B = 1 22-24 -> 27-29 GB/s, B = 8 122-128 -> 170 GFLOP/s; two threads B = 1 level at 36-38 GB/s, B = 8
 // 230 -> 287-297 GFLOP/s). fp32 rows advance twice as fast and lost from it at two threads: not asked.
 // A prefetch never faults, so asking past a matrix's end is harmless (the address is computed as an integer).
