@@ -221,8 +221,9 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
 def test_the_dense_rows_against_float64_avx2_and_one_row(dtype):
     """The decode step's dense products (`dense_rows_product`: at B > 1 the 16-lane tiles, two vectors per
     register, where the CPU has AVX-512) against the 8-lane tiles forced (bit for bit), each row against the
-    same vector alone (bit for bit: batch-invariant) and against float64 (fp32 rounding). K has a tail of 5
-    beyond the 8-lane body; 37 rows leave a short tile; the batch sizes reach every pair tile and odd ones."""
+    same vector alone (bit for bit: batch-invariant), at 1 and 2 threads (bit for bit: a row is summed in one
+    thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body; 37 rows leave a
+    short tile; the batch sizes reach every pair tile and odd ones."""
     native = load_native()
     g = gen(11)
     K, N = 7168 + 5, 37
@@ -231,10 +232,16 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype):
     alone = torch.cat([native.dense_rows_product(x[b : b + 1], w) for b in range(13)])
     exact = x.double() @ w.double().T
     assert ((alone.double() - exact).abs() <= 1e-6 * (x.double().abs() @ w.double().abs().T)).all()
-    for B in (2, 3, 4, 5, 8, 9, 13):
-        batch = native.dense_rows_product(x[:B], w)
-        assert torch.equal(batch, native.dense_rows_product(x[:B], w, variant="avx2")), B
-        assert torch.equal(batch, alone[:B]), B
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for B in (2, 3, 4, 5, 8, 9, 13):
+                batch = native.dense_rows_product(x[:B], w)
+                assert torch.equal(batch, native.dense_rows_product(x[:B], w, variant="avx2")), (threads, B)
+                assert torch.equal(batch, alone[:B]), (threads, B)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
