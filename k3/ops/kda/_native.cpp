@@ -168,11 +168,11 @@ state_backward(const torch::Tensor& q_gamma, const torch::Tensor& w, const torch
         float* du_i = du.data_ptr<float>() + at * cv;
         run({s.C, s.V, s.K, plain(k_hat.data_ptr<float>() + at * ck, s.K), dS, 1.0f,
              d_u.data_ptr<float>() + at * cv, nullptr, du_i}, wide);
-        transpose_into(dS, s.K, s.V, state_t.data());  // products with dS^T and S^T as plain ones
+        transpose(dS, s.K, s.V, state_t.data(), wide);  // products with dS^T and S^T as plain ones
         run({s.C, s.K, s.V, plain(u.data_ptr<float>() + at * cv, s.V), state_t.data(), 1.0f, nullptr, nullptr,
              d_k_hat.data_ptr<float>() + at * ck}, wide);
         row_dots(S, dS, s.K, s.V, d_decay.data_ptr<float>() + at * s.K);
-        transpose_into(S, s.K, s.V, state_t.data());
+        transpose(S, s.K, s.V, state_t.data(), wide);
         run({s.C, s.K, s.V, plain(dR, s.V), state_t.data(), 1.0f, nullptr, nullptr,
              d_q_gamma.data_ptr<float>() + at * ck}, wide);
         run({s.C, s.K, s.V, plain(du_i, s.V), state_t.data(), -1.0f, nullptr, nullptr,
@@ -272,7 +272,7 @@ void forward_sequence_head(const TokenLayout& l, int64_t n, int64_t h, const Chu
            std::min(C, std::max<int64_t>(0, length - c0 - C)));
     float* u = scratch.u.data();
     if (kept_states) {
-      transpose_into(S, K, V, scratch.state_t.data());
+      transpose(S, K, V, scratch.state_t.data(), opt.wide);
       stream_copy(scratch.state_t.data(), kept_states + i * V * K, V * K);
       u = kept_u + i * C * V;
     }

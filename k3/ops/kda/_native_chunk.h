@@ -117,7 +117,7 @@ struct ChunkTerms {
         ko[at] = k_in[at] / down_in[at];
       }
     }
-    transpose_into(k_over.data(), C, K, k_over_t.data());
+    transpose(k_over.data(), C, K, k_over_t.data(), opt.wide);
     run({2 * C, C, K, plain(left.data(), K), k_over_t.data(), 1.0f, nullptr, nullptr, P()}, opt.wide);  // [P; Sk]
     // P keeps its lower triangle with the diagonal. T = (I + A)^-1 by forward substitution, with
     // A[i, m] = beta_i Sk[i, m] for m < i; then its columns times beta_j
@@ -202,15 +202,15 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
   run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()}, opt.wide);
   run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()}, opt.wide);
-  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP());
+  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP(), false, opt.wide);
   run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()}, opt.wide);
-  transpose_into(dS, K, V, d.dS_t.data());  // the product with dS^T as a plain one
+  transpose(dS, K, V, d.dS_t.data(), opt.wide);  // the product with dS^T as a plain one
   run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()}, opt.wide);
   column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
   run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS}, opt.wide);
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
-  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data());
-  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true);
+  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data(), false, opt.wide);
+  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true, opt.wide);
   run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()}, opt.wide);
   run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()}, opt.wide);
   // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
@@ -222,7 +222,7 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
     }
   }
   run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()}, opt.wide);
-  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data());
+  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data(), false, opt.wide);
   for (int64_t i = 0; i < C; ++i) {
     for (int64_t j = 0; j < C; ++j) {
       const bool strict = j < i;

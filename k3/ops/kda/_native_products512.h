@@ -1,17 +1,17 @@
-// An AVX-512 version of _native_products.h's `run` (the KDA chunk's small dense products): bit for bit its
-// results.
+// AVX-512 versions of _native_products.h's kernels for the KDA chunk: `run` (the small dense products),
+// `product_with_transpose` (a b^T) and `transpose`, bit for bit their results.
 //
-// Every output element is computed as the AVX2 kernel computes it: acc = (sign * scale) * base (or 0),
-// then acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, ..., Kd - 1 in order, out = sign * acc. Only how
+// Every output element of `run` is computed as the AVX2 kernel computes it: acc = (sign * scale) * base (or
+// 0), then acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, ..., Kd - 1 in order, out = sign * acc. Only how
 // many elements a register holds (16 instead of 8) and how many registers a block keeps (32 instead of
 // 16) change, so the bits cannot. Blocks of 8 rows x 32 columns: 16 accumulators, two B loads and eight
 // broadcasts per k for sixteen 16-lane FMAs (the AVX2 kernel's 6 x 16 block: eight loads for twelve
 // 8-lane FMAs), and K3's chunk sizes (rows 16, 32 or 128; columns 128) split into whole blocks with no
 // ragged tail. Columns left over after the 32-wide panels (N % 32) take 16-wide panels, then the AVX2
-// kernel. On the 2-core AMD EPYC (Zen 4) dev box, where a 16-lane FMA takes both FMA pipes (the same peak
-// as two 8-lane ones), the fused forward still ran 1.5x faster and the backward 1.4x (benchmarks/kda.py):
-// the AVX2 kernel issues more loads and broadcasts per FMA, and K3's 16-row chunks left it a 4-row block.
-// Included by _native_chunk.h and _native.cpp.
+// kernel. `product_with_transpose` keeps two of the AVX2 kernel's 8-lane accumulators in one register
+// (see wide_dot_block). On the 2-core AMD EPYC dev box (CPU family 26, Zen 5) the fused forward ran 1.5x
+// faster and the backward 1.4x (benchmarks/kda.py): the AVX2 kernel issues more loads and broadcasts per
+// FMA, and K3's 16-row chunks left it a 4-row block. Included by _native_chunk.h and _native.cpp.
 
 #pragma once
 
@@ -110,5 +110,102 @@ K3_KDA_AVX512 int64_t run_wide(const Product& p) {
 
 // out[M, N] = diag(scale) base + sign * A B (see Product): 16-lane panels where `wide`, the rest in 8 lanes.
 void run(const Product& p, bool wide) { run_narrow(p, wide ? run_wide(p) : 0); }
+
+// dst [cols, rows] = src [rows, cols]^T: by 16 x 16 blocks in registers where `wide` and both sizes are
+// multiples of 16 (64 shuffles per block against the 8 x 8 kernel's 96 for the same 256 floats), else by
+// transpose_into. Pure data movement: the variants give the same bits.
+K3_KDA_AVX512 void transpose(const float* src, int64_t rows, int64_t cols, float* dst, bool wide) {
+  if (!wide || rows % 16 || cols % 16) {
+    transpose_into(src, rows, cols, dst);
+    return;
+  }
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      __m512 x[16], y[16];
+      for (int i = 0; i < 16; ++i) x[i] = _mm512_loadu_ps(src + (r0 + i) * cols + c0);
+      for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved, in each 128-bit lane
+        y[i] = _mm512_unpacklo_ps(x[i], x[i + 1]);
+        y[i + 1] = _mm512_unpackhi_ps(x[i], x[i + 1]);
+      }
+      for (int i = 0; i < 16; i += 4) {  // now x[4 g + j]'s lane L is column 4 L + j of rows 4 g .. 4 g + 3
+        x[i] = _mm512_shuffle_ps(y[i], y[i + 2], 0x44);
+        x[i + 1] = _mm512_shuffle_ps(y[i], y[i + 2], 0xEE);
+        x[i + 2] = _mm512_shuffle_ps(y[i + 1], y[i + 3], 0x44);
+        x[i + 3] = _mm512_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {  // a 4 x 4 transpose of 128-bit lanes: column 4 L + j takes each g's lane L
+        const __m512 t0 = _mm512_shuffle_f32x4(x[j], x[4 + j], 0x44);
+        const __m512 t1 = _mm512_shuffle_f32x4(x[j], x[4 + j], 0xEE);
+        const __m512 t2 = _mm512_shuffle_f32x4(x[8 + j], x[12 + j], 0x44);
+        const __m512 t3 = _mm512_shuffle_f32x4(x[8 + j], x[12 + j], 0xEE);
+        y[j] = _mm512_shuffle_f32x4(t0, t2, 0x88);
+        y[4 + j] = _mm512_shuffle_f32x4(t0, t2, 0xDD);
+        y[8 + j] = _mm512_shuffle_f32x4(t1, t3, 0x88);
+        y[12 + j] = _mm512_shuffle_f32x4(t1, t3, 0xDD);
+      }
+      for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (c0 + i) * rows + r0, y[i]);
+    }
+  }
+}
+
+// Rows [m0, m0 + R) x columns [n0, n0 + 2 W) of product_with_transpose. Register acc[r][w] holds, in its
+// low half, the 8-lane partial sums of output (m0 + r, n0 + 2 w) and, in its high half, those of
+// (m0 + r, n0 + 2 w + 1): a's 8 elements broadcast to both halves, the two b rows' side by side. Each half
+// is what dot_block's 8-lane accumulator is, op for op, and finish_dot ends both: the same bits, with
+// half the FMAs, and four b-row pairs and four a broadcasts loaded per sixteen FMAs.
+template <int R, int W>
+K3_KDA_AVX512 inline void wide_dot_block(const float* a, const float* b, int64_t N, int64_t Kd, float sign,
+                                         bool accumulate, float* out, int64_t m0, int64_t n0) {
+  __m512 acc[R][W];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
+  }
+  int64_t k = 0;
+  for (; k + 8 <= Kd; k += 8) {
+    __m512 b_pair[W];
+#pragma GCC unroll 4
+    for (int w = 0; w < W; ++w) {
+      const __m256 low = _mm256_loadu_ps(b + (n0 + 2 * w) * Kd + k);
+      const __m256 high = _mm256_loadu_ps(b + (n0 + 2 * w + 1) * Kd + k);
+      b_pair[w] = _mm512_castpd_ps(
+          _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 a_row = _mm256_loadu_ps(a + (m0 + r) * Kd + k);
+      const __m512 a_both = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(a_row)));
+#pragma GCC unroll 4
+      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(a_both, b_pair[w], acc[r][w]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int w = 0; w < W; ++w) {
+      const __m256 low = _mm512_castps512_ps256(acc[r][w]);
+      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][w]), 1));
+      const float* a_row = a + (m0 + r) * Kd;
+      float* o = out + (m0 + r) * N + n0 + 2 * w;
+      finish_dot(low, a_row, b + (n0 + 2 * w) * Kd, k, Kd, sign, accumulate, o[0]);
+      finish_dot(high, a_row, b + (n0 + 2 * w + 1) * Kd, k, Kd, sign, accumulate, o[1]);
+    }
+  }
+}
+
+// out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the products with a state's
+// transpose); `accumulate` adds to out instead of overwriting it. Where `wide`, the columns in groups
+// of 8 by 16-lane blocks of 4 rows (then shorter ones), the columns left over in 8 lanes.
+K3_KDA_AVX512 void product_with_transpose(const float* a, const float* b, int64_t M, int64_t N, int64_t Kd,
+                                          float sign, float* out, bool accumulate, bool wide) {
+  int64_t n_narrow = 0;
+  if (wide) {
+    for (; n_narrow + 8 <= N; n_narrow += 8) {
+      int64_t m0 = 0;
+      for (; m0 + 4 <= M; m0 += 4) wide_dot_block<4, 4>(a, b, N, Kd, sign, accumulate, out, m0, n_narrow);
+      for (; m0 < M; ++m0) wide_dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n_narrow);
+    }
+  }
+  product_with_transpose_narrow(a, b, M, N, Kd, sign, out, accumulate, n_narrow);
+}
 
 }  // namespace
