@@ -132,7 +132,9 @@ struct ChunkTerms {
         for (int64_t j = 0; j <= m; ++j) Ti[j] -= a * Tm[j];
       }
     }
-    for (int64_t i = 0; i < C * C; ++i) t_beta[i] = t_inv[i] * beta[i % C];
+    for (int64_t i = 0; i < C; ++i) {  // row by row, so that the compiler vectorises it
+      for (int64_t j = 0; j < C; ++j) t_beta[i * C + j] = t_inv[i * C + j] * beta[j];
+    }
     exp_into(G.data(), first.data(), K);
     exp_into(local.data() + (C - 1) * K, last.data(), K);
     exp_into(G.data() + (C - 1) * K, decay.data(), K);
