@@ -22,8 +22,10 @@ triangular inverses and every elementwise op are not):
 With the native kernels built (`make native`) chunk_kda runs the fused forward and backward of
 k3/ops/kda/fused.py here (K3's gate, chunk 16); without them, the torch path (autograd through the
 parallel parts, the hand-written adjoint loop of StatePassing). The same FLOPs are counted for both.
-Forward+backward is timed twice: as chunk_kda does it by default (the forward keeps every chunk's
-starting state for the backward) and with ``keep_states=False`` (the backward recomputes them).
+Forward+backward (the forward under autograd, then the gradients of q, k, v, g and beta for a given
+gradient of o, so that no loss around it is timed) runs twice: as chunk_kda does it by default (the
+forward keeps every chunk's starting state for the backward) and with ``keep_states=False`` (the
+backward recomputes them).
 Where the native kernels run, their two calls are also timed alone with the chunk products in 8 lanes
 (AVX2) and, on CPUs with AVX-512 F, in 16 (the default there; the same bits), beside each other.
 The forward's kept states are large fresh buffers (twice the inputs), so how the allocator serves
@@ -116,11 +118,11 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int, gemm: float) -> N
         print(f"{T:>6} {H:>3} {'naive loop':<14} {t_naive:9.4f} {T / t_naive:10.0f}")
     if T <= args.backward_max:
         leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
-        weight = torch.randn(1, T, H, V)
+        d_o = torch.randn(1, T, H, V)  # the gradient arriving at o: KDA's own work only, no loss to time
 
         def forward_backward(keep_states: bool) -> None:
             o, _ = chunk_kda(*leaves, use_qk_l2norm=True, chunk_size=C, keep_states=keep_states)
-            torch.autograd.grad((o * weight).sum(), leaves)
+            torch.autograd.grad(o, leaves, grad_outputs=d_o)
 
         for keep_states, name in [(True, "fwd+bwd"), (False, "  recomputing")]:
             t_fb = best_time(functools.partial(forward_backward, keep_states), max(1, args.repeats // 2))
