@@ -244,6 +244,30 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("L", [512, 32 + 8 + 3])
+def test_the_mla_weighted_rows_against_float64_avx2_and_one_head(L):
+    """MLA decode sums each head's softmax weights times the cached latents for up to 8 heads at once
+    (`weighted_rows_product`: 32-column blocks in 16 lanes where the CPU has AVX-512, 8-column blocks, then
+    the columns left over one at a time). Against float64 (fp32 rounding), the 8-lane blocks forced (bit
+    for bit) and each head alone (bit for bit: a head's sums do not depend on its group). L = 43 reaches
+    the three kinds of columns; 150 positions span three tiles of 64."""
+    native = load_native()
+    g = gen(12)
+    S = 150
+    a = torch.softmax(torch.randn(8, S, generator=g), dim=-1)
+    c = torch.randn(S, L, generator=g)
+    group = native.weighted_rows_product(a, c)
+    exact = a.double() @ c.double()
+    assert ((group.double() - exact).abs() <= 1e-6 * (a.double() @ c.double().abs())).all()
+    assert torch.equal(group, native.weighted_rows_product(a, c, variant="avx2"))
+    for G in range(1, 9):
+        assert torch.equal(native.weighted_rows_product(a[:G].contiguous(), c), group[:G]), G
+    alone = torch.cat([native.weighted_rows_product(a[j : j + 1].contiguous(), c) for j in range(8)])
+    assert torch.equal(alone, group)
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        native.weighted_rows_product(torch.ones(9, S), c)
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")

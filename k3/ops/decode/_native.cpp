@@ -248,6 +248,20 @@ Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& v
   return y;
 }
 
+// sum_t a[j, t] c[t, :] for a [G, S] (G <= 8) and c [S, L], as MLA's decode step sums a group of heads'
+// cached latents (weighted_rows: the AVX-512 blocks where `variant` allows, the same bits): [G, L].
+// For tests.
+Tensor weighted_rows_product(const Tensor& a, const Tensor& c, const std::string& variant) {
+  const int64_t G = rows_of(a, "a"), S = a.size(-1), L = c.size(-1);
+  check_rows(a, G, S, "a");
+  check_rows(c, S, L, "c");
+  TORCH_CHECK(1 <= G && G <= kHeadGroup, "a must have 1 to ", kHeadGroup, " rows, got ", G);
+  Tensor o = torch::zeros({G, L}, a.options());
+  weighted_rows(a.data_ptr<float>(), S, G, c.data_ptr<float>(), L, o.data_ptr<float>(),
+                mxfp4_rows512::wide_variant(variant));
+  return o;
+}
+
 // x [B, K] times one MXFP4 matrix (packed [N, K/2], scale [N, K/32]) as the decode step multiplies a chosen
 // expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
 // its rows split across threads by `project` (moe_experts gives each thread whole experts instead): [B, N].
@@ -294,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",
         py::arg("x"), py::arg("w"), py::arg("variant") = "auto");
+  m.def("weighted_rows_product", &weighted_rows_product, "sum_t a[j, t] c[t, :] as MLA's decode step sums its cache",
+        py::arg("a"), py::arg("c"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");
   m.def("attn_res_read", &attn_res_read, "an AttnRes read over the values [B, D] each", py::arg("values"),
         py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));
