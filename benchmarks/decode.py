@@ -44,22 +44,41 @@ from k3.config import K3Config, Mixer
 from k3.engine.generate import Engine
 from k3.engine.sequence_cache import cache_bytes_formula, row_cache_bytes
 from k3.model import K3ForCausalLM
+from k3.model import fused as fused_step
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.ops.roofline import machine_line, read_bandwidth
 
 
 class MixerClock:
-    """Accumulates wall time spent in KDA and MLA mixers (forward pre/post hooks)."""
+    """Accumulates wall time spent in KDA and MLA mixers: forward pre/post hooks for the general path, and
+    k3.model.fused's `kda_update` / `mla_update` wrapped for the fused decode step, which calls no module
+    forward (a fused call that returns None hands the layer to the general path, whose hooks time it).
+    `close()` puts the fused functions back."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.seconds = {"kda": 0.0, "mla": 0.0}
         self._start: dict[int, float] = {}
+        self._hooks = []
         for module in model.modules():
             if isinstance(module, KDAttention | MLAttention):
                 kind = "kda" if isinstance(module, KDAttention) else "mla"
-                module.register_forward_pre_hook(self._pre)
-                module.register_forward_hook(lambda m, i, o, kind=kind: self._post(m, kind))
+                self._hooks.append(module.register_forward_pre_hook(self._pre))
+                post = module.register_forward_hook(lambda m, i, o, kind=kind: self._post(m, kind))
+                self._hooks.append(post)
+        self._originals = {name: getattr(fused_step, name) for name in ("kda_update", "mla_update")}
+        for name, function in self._originals.items():
+            setattr(fused_step, name, self._timed(function, name.split("_")[0]))
+
+    def _timed(self, function, kind: str):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            out = function(*args, **kwargs)
+            if out is not None:
+                self.seconds[kind] += time.perf_counter() - t
+            return out
+
+        return timed
 
     def _pre(self, module: torch.nn.Module, _: object) -> None:
         self._start[id(module)] = time.perf_counter()
@@ -69,6 +88,12 @@ class MixerClock:
 
     def reset(self) -> None:
         self.seconds = {"kda": 0.0, "mla": 0.0}
+
+    def close(self) -> None:
+        for name, function in self._originals.items():
+            setattr(fused_step, name, function)
+        for hook in self._hooks:
+            hook.remove()
 
 
 def all_mla(cfg: K3Config) -> K3Config:
@@ -125,6 +150,7 @@ def decode_curve(cfg: K3Config, contexts: list[int], steps: int, label: str) -> 
             f"prefill so far {prefill_s:.0f} s",
             flush=True,
         )
+    clock.close()
     return rows
 
 
