@@ -111,14 +111,9 @@ K3_KDA_AVX512 int64_t run_wide(const Product& p) {
 // out[M, N] = diag(scale) base + sign * A B (see Product): 16-lane panels where `wide`, the rest in 8 lanes.
 void run(const Product& p, bool wide) { run_narrow(p, wide ? run_wide(p) : 0); }
 
-// dst [cols, rows] = src [rows, cols]^T: by 16 x 16 blocks in registers where `wide` and both sizes are
-// multiples of 16 (64 shuffles per block against the 8 x 8 kernel's 96 for the same 256 floats), else by
-// transpose_into. Pure data movement: the variants give the same bits.
-K3_KDA_AVX512 void transpose(const float* src, int64_t rows, int64_t cols, float* dst, bool wide) {
-  if (!wide || rows % 16 || cols % 16) {
-    transpose_into(src, rows, cols, dst);
-    return;
-  }
+// dst [cols, rows] = src [rows, cols]^T for sizes that are multiples of 16, by 16 x 16 blocks in registers
+// (64 shuffles per block against the 8 x 8 kernel's 96 for the same 256 floats).
+K3_KDA_AVX512 void transpose_wide(const float* src, int64_t rows, int64_t cols, float* dst) {
   for (int64_t r0 = 0; r0 < rows; r0 += 16) {
     for (int64_t c0 = 0; c0 < cols; c0 += 16) {
       __m512 x[16], y[16];
@@ -145,6 +140,17 @@ K3_KDA_AVX512 void transpose(const float* src, int64_t rows, int64_t cols, float
       }
       for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + (c0 + i) * rows + r0, y[i]);
     }
+  }
+}
+
+// dst [cols, rows] = src [rows, cols]^T: transpose_wide where `wide` and both sizes allow, else
+// transpose_into. Pure data movement: the variants give the same bits. (Not compiled for AVX-512 itself:
+// an AVX2-only CPU runs this function.)
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst, bool wide) {
+  if (wide && rows % 16 == 0 && cols % 16 == 0) {
+    transpose_wide(src, rows, cols, dst);
+  } else {
+    transpose_into(src, rows, cols, dst);
   }
 }
 
@@ -192,19 +198,25 @@ K3_KDA_AVX512 inline void wide_dot_block(const float* a, const float* b, int64_t
   }
 }
 
-// out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the products with a state's
-// transpose); `accumulate` adds to out instead of overwriting it. Where `wide`, the columns in groups
-// of 8 by 16-lane blocks of 4 rows (then shorter ones), the columns left over in 8 lanes.
-K3_KDA_AVX512 void product_with_transpose(const float* a, const float* b, int64_t M, int64_t N, int64_t Kd,
-                                          float sign, float* out, bool accumulate, bool wide) {
-  int64_t n_narrow = 0;
-  if (wide) {
-    for (; n_narrow + 8 <= N; n_narrow += 8) {
-      int64_t m0 = 0;
-      for (; m0 + 4 <= M; m0 += 4) wide_dot_block<4, 4>(a, b, N, Kd, sign, accumulate, out, m0, n_narrow);
-      for (; m0 < M; ++m0) wide_dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n_narrow);
-    }
+// The columns of product_with_transpose in groups of 8, by 16-lane blocks of 4 rows (then single rows);
+// returns where the 8-lane kernel takes over.
+K3_KDA_AVX512 int64_t product_with_transpose_wide(const float* a, const float* b, int64_t M, int64_t N,
+                                                  int64_t Kd, float sign, float* out, bool accumulate) {
+  int64_t n0 = 0;
+  for (; n0 + 8 <= N; n0 += 8) {
+    int64_t m0 = 0;
+    for (; m0 + 4 <= M; m0 += 4) wide_dot_block<4, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
+    for (; m0 < M; ++m0) wide_dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
   }
+  return n0;
+}
+
+// out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the products with a state's
+// transpose); `accumulate` adds to out instead of overwriting it. 16-lane blocks where `wide`, the
+// columns left over in 8 lanes.
+void product_with_transpose(const float* a, const float* b, int64_t M, int64_t N, int64_t Kd, float sign,
+                            float* out, bool accumulate, bool wide) {
+  const int64_t n_narrow = wide ? product_with_transpose_wide(a, b, M, N, Kd, sign, out, accumulate) : 0;
   product_with_transpose_narrow(a, b, M, N, Kd, sign, out, accumulate, n_narrow);
 }
 
