@@ -204,7 +204,7 @@ struct Weight {
   const uint8_t* packed = nullptr;
   const uint8_t* scale = nullptr;
   int64_t N = 0, K = 0;
-  bool wide = false;  // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at one row, dense at 2+ rows
+  bool wide = false;  // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at any rows, dense at 2+
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
@@ -227,7 +227,8 @@ struct Weight {
       const int64_t ne = std::min(n1, nb + kRowBlock);
       for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
         const int64_t r = std::min<int64_t>(mxfp4_rows::kMaxRows, B - r0);
-        mxfp4_rows::kGemvRows[r](x + r0 * K, packed, scale, K, ldy, y + r0 * ldy, nb, ne);
+        const auto kernel = wide ? mxfp4_rows512::kGemvRowsPairs[r] : mxfp4_rows::kGemvRows[r];
+        kernel(x + r0 * K, packed, scale, K, ldy, y + r0 * ldy, nb, ne);
       }
     }
   }

@@ -1,11 +1,13 @@
-// An AVX-512 version of the one-row (M = 1, decode) MXFP4 GEMV of _native_rows.h: bit for bit its results.
+// AVX-512 versions of the MXFP4 GEMVs of _native_rows.h (one row, and the decode step's few rows): bit for
+// bit their results.
 //
 // The AVX2 kernels run every block of 32 codes as four 8-lane groups: g = 0..3 holds elements 8g..8g+7.
 // Here one 16-lane register holds group g of two consecutive blocks, b (lanes 0-7) and b+1 (lanes 8-15),
 // so every lane performs exactly the operations, in the same order, that its AVX2 lane performs: AVX2
 // accumulates even blocks into acc_even and odd ones into acc_odd; here lanes 0-7 are acc_even and lanes
-// 8-15 acc_odd (a pair starts at an even block). (The M > 1 kernels gained nothing from 16 lanes here,
-// neither for the products nor for the decoding alone: measured, then left out; they stay AVX2.)
+// 8-15 acc_odd (a pair starts at an even block). The few-row kernel at 2-8 rows (`gemv_rows_pairs`) puts
+// two weight rows in one register instead (measured and left out: two rows of x per register gained
+// nothing; a block's 32 codes in two 16-lane registers would change the bits and lost at one row).
 // `gemv_rows1` does the same for the few-row kernel at one row (gemv_rows<1>, which scales the codes before
 // the products and carries one accumulator: its two blocks' sums are added in order).
 // x is read in the pair-of-blocks order, so it is laid out once per call (`pair_layout`): for each
@@ -196,6 +198,51 @@ K3_AVX512 inline void gemv_rows1(const float* xp, const uint8_t* packed, const u
     out[n] = mxfp4_rows::horizontal_sum(acc);
   }
 }
+
+// mxfp4_rows::gemv_rows<ROWS> (the fused decode step's experts at 2-8 rows), two weight rows per register:
+// lanes 0-7 carry weight row n and lanes 8-15 row n + 1, each lane doing what its AVX2 lane does for its
+// row in the same order (the same bits), with x's 8 values broadcast to both halves. A 16-lane operation
+// does two rows' work, and each load of x serves both. An odd last weight row runs the AVX2 kernel.
+template <int ROWS>
+K3_AVX512 void gemv_rows_pairs(const float* x, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                               int64_t N, float* out, int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock;
+  int64_t n = n_begin;
+  for (; n + 2 <= n_end; n += 2) {
+    const uint8_t* bytes = packed + n * (K / 2);
+    const uint8_t* scales = scale + n * blocks;
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256 low[4], high[4];
+      mxfp4_rows::decode_block(bytes + b * kBlockBytes, low);
+      mxfp4_rows::decode_block(bytes + K / 2 + b * kBlockBytes, high);
+      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[scales[b]]),
+                                          _mm256_set1_ps(kHalfScale.value[scales[blocks + b]]), 1);
+      __m512 w[4];
+      for (int i = 0; i < 4; ++i) {
+        w[i] = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(low[i]), high[i], 1), s);
+      }
+      const float* xb = x + b * kBlock;
+      for (int r = 0; r < ROWS; ++r) {
+        const float* xr = xb + r * K;
+        __m512 partial = _mm512_mul_ps(w[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(xr)));
+        for (int i = 1; i < 4; ++i)
+          partial = _mm512_fmadd_ps(w[i], _mm512_broadcast_f32x8(_mm256_loadu_ps(xr + 8 * i)), partial);
+        acc[r] = _mm512_add_ps(acc[r], partial);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) {
+      out[r * N + n] = mxfp4_rows::horizontal_sum(_mm512_castps512_ps256(acc[r]));
+      out[r * N + n + 1] = mxfp4_rows::horizontal_sum(_mm512_extractf32x8_ps(acc[r], 1));
+    }
+  }
+  if (n < n_end) mxfp4_rows::gemv_rows<ROWS>(x, packed, scale, K, N, out, n, n_end);
+}
+
+constexpr mxfp4_rows::GemvRowsFn kGemvRowsPairs[mxfp4_rows::kMaxRows + 1] = {
+    nullptr,            gemv_rows_pairs<1>, gemv_rows_pairs<2>, gemv_rows_pairs<3>, gemv_rows_pairs<4>,
+    gemv_rows_pairs<5>, gemv_rows_pairs<6>, gemv_rows_pairs<7>, gemv_rows_pairs<8>};
 
 #undef K3_AVX512
 
