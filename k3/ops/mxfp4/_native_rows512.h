@@ -95,10 +95,9 @@ K3_AVX512 inline void decode_pair(const uint8_t* bytes, __m512 w[4]) {
   }
 }
 
-// [half_scale(block b) x 8 | half_scale(block b+1) x 8]
-K3_AVX512 inline __m512 pair_scale(const uint8_t* row_scale, int64_t b) {
-  return _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[row_scale[b]]),
-                            _mm256_set1_ps(kHalfScale.value[row_scale[b + 1]]), 1);
+// [half_scale(low) x 8 | half_scale(high) x 8] for two E8M0 scale bytes
+K3_AVX512 inline __m512 pair_scale(uint8_t low, uint8_t high) {
+  return _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[low]), _mm256_set1_ps(kHalfScale.value[high]), 1);
 }
 
 // mxfp4_rows::gemv_one_row, x given in pair layout (xp).
@@ -117,7 +116,7 @@ K3_AVX512 inline void gemv_one_row(const float* xp, const uint8_t* packed, const
       __m512 right = _mm512_mul_ps(w[1], _mm512_loadu_ps(xb + 16));
       left = _mm512_fmadd_ps(w[2], _mm512_loadu_ps(xb + 32), left);
       right = _mm512_fmadd_ps(w[3], _mm512_loadu_ps(xb + 48), right);
-      acc = _mm512_fmadd_ps(pair_scale(row_scale, b), _mm512_add_ps(left, right), acc);
+      acc = _mm512_fmadd_ps(pair_scale(row_scale[b], row_scale[b + 1]), _mm512_add_ps(left, right), acc);
     }
     __m256 acc_even = _mm512_castps512_ps256(acc);
     const __m256 acc_odd = _mm512_extractf32x8_ps(acc, 1);
@@ -217,8 +216,7 @@ K3_AVX512 void gemv_rows_pairs(const float* x, const uint8_t* packed, const uint
       __m256 low[4], high[4];
       mxfp4_rows::decode_block(bytes + b * kBlockBytes, low);
       mxfp4_rows::decode_block(bytes + K / 2 + b * kBlockBytes, high);
-      const __m512 s = _mm512_insertf32x8(_mm512_set1_ps(kHalfScale.value[scales[b]]),
-                                          _mm256_set1_ps(kHalfScale.value[scales[blocks + b]]), 1);
+      const __m512 s = pair_scale(scales[b], scales[blocks + b]);  // row n's block b | row n + 1's
       __m512 w[4];
       for (int i = 0; i < 4; ++i) {
         w[i] = _mm512_mul_ps(_mm512_insertf32x8(_mm512_castps256_ps512(low[i]), high[i], 1), s);
