@@ -484,6 +484,7 @@ def main() -> None:
     ap.add_argument("--profile-context", type=int, default=256, help="prompt length before --step-profile")
     ap.add_argument("--checkpoint", help="--step-profile / --batch on this checkpoint instead of --preset")
     ap.add_argument("--batch", help="batched decode tokens/s at these batch sizes, e.g. 1,4,8")
+    ap.add_argument("--untiled", action="store_true", help="--checkpoint's BF16 weights kept in rows")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = K3Config.preset(args.preset)
@@ -493,6 +494,8 @@ def main() -> None:
             # weights as the checkpoint stores them (BF16 matrices stay BF16: k3-slice in fp32 would not fit
             # 24 GB), computing in fp32
             model = K3ForCausalLM.from_pretrained(args.checkpoint, compute_dtype=torch.float32)
+            if not args.untiled:
+                model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling)
             return [("mxfp4" if model.config.experts_mxfp4 else "f32", model)]
         return [
             (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q))

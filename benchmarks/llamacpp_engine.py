@@ -53,6 +53,7 @@ class K3Engine:
         dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         compute_dtype = torch.bfloat16 if compute == "bf16" else torch.float32
         self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=compute_dtype).eval()
+        self.model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling; nothing in bf16 compute)
 
     def weight_bytes(self) -> float:
         """Bytes of weights one decode token reads: all but the embedding table (one row of it is read), the

@@ -105,7 +105,8 @@ def chat_ids(tok, text: str) -> list[int]:
 
 
 def load(checkpoint: str, layers: int | None):
-    """Model + tokenizer of a checkpoint directory or URL, or a one-line error."""
+    """Model (BF16 weights tiled for decode: k3.model.tiling) + tokenizer of a checkpoint directory or URL,
+    or a one-line error."""
     from k3.checkpoint import open_checkpoint
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -119,6 +120,7 @@ def load(checkpoint: str, layers: int | None):
             pinned = ckpt.location  # a Hub source: hf://ORG/REPO@<commit>, so all three read one commit
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
         model = model_class.from_pretrained(pinned, layers=layers)
+        model.tile_weights()  # BF16 weights laid out for the decode kernels (the same logits, faster)
         tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:
         fail(f"{e}")

@@ -42,6 +42,7 @@ class MLAttention(nn.Module):
         self.kv_a_proj_with_mqa = Linear(H, self.kv_lora + self.rope)
         self.kv_a_layernorm = RMSNorm(self.kv_lora, eps)
         self.kv_b_proj = Linear(self.kv_lora, n * (self.nope + self.v_dim))
+        self.kv_b_proj.tileable = False  # the absorbed paths read its rows head by head in place
         self.output_gate = cfg.mla_use_output_gate
         if self.output_gate:
             self.g_proj = Linear(H, n * self.v_dim)

@@ -27,6 +27,7 @@ from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
 from k3.model.moe import MoE, RoutedExpert, Router
 from k3.model.norm import Linear, RMSNorm, as_dtype
+from k3.model.tiling import tile_weights, untile_weights
 
 
 class K3DecoderLayer(nn.Module):
@@ -225,6 +226,15 @@ class K3ForCausalLM(nn.Module):
             if isinstance(module, RoutedExpert):
                 module.dequantize(dtype or self.compute_dtype)
         return self
+
+    def tile_weights(self) -> int:
+        """Lay the BF16 weights out for the decode kernels (k3.model.tiling: the same logits, bit for bit, and
+        a faster one-token step; inference only, fp32 computation); returns the bytes tiled."""
+        return tile_weights(self)
+
+    def untile_weights(self) -> int:
+        """Put tiled weights back in rows (k3.model.tiling); returns the bytes untiled."""
+        return untile_weights(self)
 
     # ---- constructors ------------------------------------------------------------------------------------
     @classmethod

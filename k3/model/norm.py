@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3.model.tiling import ROWS as TILE_ROWS
+from k3.model.tiling import is_tiled, matrix_shape, rows_of, untiled_state
 from k3.ops.decode.native import load_native
 
 
@@ -48,43 +50,57 @@ NATIVE_BF16_ROWS = 64
 
 
 def _native_bf16(x: torch.Tensor, w: torch.Tensor):
-    """The native module when it can multiply x [..., K] fp32 by the BF16 weight w in place; else None."""
+    """The native module when it can multiply x [..., K] fp32 by the BF16 weight w (tiled or not) in place;
+    else None."""
     if w.dtype != torch.bfloat16 or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    if x.numel() > NATIVE_BF16_ROWS * w.shape[1] or not w.is_contiguous():
+    if x.numel() > NATIVE_BF16_ROWS * matrix_shape(w)[1] or not w.is_contiguous():
         return None
     return load_native()
+
+
+def _slice_rows(N: int, wanted: int, tiled: bool) -> int:
+    """Rows per converted slice: `wanted`, at least one, a whole number of blocks of a tiled weight."""
+    if not tiled:
+        return max(1, min(N, wanted))
+    return max(TILE_ROWS, min(N, wanted) // TILE_ROWS * TILE_ROWS)
 
 
 def _converted_in_slices(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T with W converted to x's dtype by torch ops (differentiable): whole, or a slice of output rows
     at a time for a big weight (a BF16 lm_head, say), so that the converted copy never exists whole."""
-    if w.numel() <= CONVERT_ROWS_ELEMENTS:
-        return F.linear(x, w.to(x.dtype))
-    rows = max(1, CONVERT_ROWS_ELEMENTS // w.shape[1])
-    return torch.cat([F.linear(x, w[i : i + rows].to(x.dtype)) for i in range(0, w.shape[0], rows)], dim=-1)
+    N, K = matrix_shape(w)
+    if N * K <= CONVERT_ROWS_ELEMENTS:
+        return F.linear(x, rows_of(w, 0, N).to(x.dtype))
+    rows = _slice_rows(N, CONVERT_ROWS_ELEMENTS // K, is_tiled(w))
+    slices = [F.linear(x, rows_of(w, i, min(N, i + rows)).to(x.dtype)) for i in range(0, N, rows)]
+    return torch.cat(slices, dim=-1)
 
 
 def _converted_in_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x W^T without autograd: slices of W converted into one reused block (a new converted copy per call
     would be a fresh allocation, which the kernel hands over page by page, each time), each block's GEMM
     written into its columns of the output."""
-    N, K = w.shape
-    rows = max(1, min(N, CONVERT_BLOCK_ELEMENTS // K))
+    N, K = matrix_shape(w)
+    rows = _slice_rows(N, CONVERT_BLOCK_ELEMENTS // K, is_tiled(w))
     block = torch.empty(rows, K, dtype=x.dtype)  # [rows, K]
     out = x.new_empty(*x.shape[:-1], N)  # [..., N]
     for i in range(0, N, rows):
         part = block[: min(rows, N - i)]
-        part.copy_(w[i : i + rows])
+        part.copy_(rows_of(w, i, i + part.shape[0]))
         out[..., i : i + part.shape[0]] = F.linear(x, part)
     return out
 
 
 class Linear(nn.Linear):
-    """A bias-free `nn.Linear` whose weight may be stored in another dtype than the activations."""
+    """A bias-free `nn.Linear` whose weight may be stored in another dtype than the activations, and, for
+    inference, tiled for the decode kernels (k3.model.tiling: a 4-D weight, saved as [N, K] by state_dict)."""
+
+    tileable = True  # whether k3.model.tiling may tile the weight (False where code reads its rows in place)
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
+        self.register_state_dict_post_hook(untiled_state)
 
     def reset_parameters(self) -> None:
         # Weights come from a checkpoint or from k3.model.init; skip nn.Linear's costly kaiming init.
@@ -92,13 +108,13 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if w.dtype == x.dtype:
+        if w.dtype == x.dtype and not is_tiled(w):
             # as a matrix: torch's bf16 matmul of a [1, 1, K] input with a large weight (lm_head) expands
             # it into a batched product that copies the whole transposed weight (12 s for K3's lm_head)
             return F.linear(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
         if torch.is_grad_enabled():
             return _converted_in_slices(x, w)
         if (native := _native_bf16(x, w)) is not None:
-            rows = x.reshape(-1, w.shape[1]).contiguous()  # [B, K]
-            return native.project(rows, None, 0.0, [w])[0].view(*x.shape[:-1], w.shape[0])
+            rows = x.reshape(-1, self.in_features).contiguous()  # [B, K]
+            return native.project(rows, None, 0.0, [w])[0].view(*x.shape[:-1], self.out_features)
         return _converted_in_blocks(x, w)

@@ -11,6 +11,7 @@
 //   attn_res_read             an AttnRes read over the stream's values
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
+//   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
 // step of `mini` dispatched ~100 views); outputs keep its leading dims.
@@ -137,7 +138,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
               "experts: (w1, w3, w2) of each distinct expert, fp32 in `dense` or MXFP4 in `packed` + `scale`");
   std::vector<Weight> w(3 * U);
   for (int64_t i = 0; i < 3 * U; ++i) {
-    const int64_t K = i % 3 == 2 ? (is_packed ? packed[i - 2].size(0) : dense[i - 2].size(0)) : L;
+    const int64_t K = i % 3 == 2 ? (is_packed ? packed[i - 2].size(0) : matrix_rows(dense[i - 2])) : L;
     w[i] = is_packed ? packed_weight(packed[i], scale[i], K, "an expert's matrix") : dense_weight(dense[i], K, "an expert's matrix");
     w[i].wide = wide;
     TORCH_CHECK(w[i].N == (i % 3 == 2 ? L : w[i - i % 3].N), "expert ", i / 3, ": w1/w3 must be [m, L], w2 [L, m]");
@@ -211,7 +212,8 @@ Tensor attn_res_read(const std::vector<Tensor>& values, const Tensor& norm_w, co
   return out;
 }
 
-// x [B, K] (rms-normalised first when a norm weight is given) times each fp32 matrix [N_i, K]: [B, N_i] each.
+// x [B, K] (rms-normalised first when a norm weight is given) times each matrix [N_i, K] (fp32, BF16 or tiled
+// BF16: dense_weight): [B, N_i] each.
 std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double norm_eps,
                                 const std::vector<Tensor>& matrices) {
   TORCH_CHECK(!matrices.empty(), "project needs at least one matrix");
@@ -235,8 +237,8 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
   return outs;
 }
 
-// x [B, K] times one dense fp32 or BF16 matrix w [N, K] as the decode step multiplies it (Weight::rows: at
-// B > 1 the AVX-512 tiles where `variant` allows, the same bits), rows split across threads: [B, N].
+// x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled) as the decode step multiplies it (Weight::rows:
+// the AVX-512 tiles where `variant` allows, the same bits), rows split across threads: [B, N].
 // For tests and benchmarks.
 Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant) {
   const int64_t B = rows_of(x, "x"), K = x.size(-1);
@@ -306,6 +308,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("variant") = "auto");
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
+  m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",
+        py::arg("w"));
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",
         py::arg("x"), py::arg("w"), py::arg("variant") = "auto");
   m.def("weighted_rows_product", &weighted_rows_product, "sum_t a[j, t] c[t, :] as MLA's decode step sums its cache",

@@ -9,6 +9,8 @@
 
 #include <torch/extension.h>
 
+#include "_native_common.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -64,13 +66,24 @@ __attribute__((target("avx2,fma"), noinline)) float tail_dot(const T* a, const f
   return tail;
 }
 
-template <typename T>
-__attribute__((target("avx2,fma"))) inline float dot(const T* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(load8(a + i), _mm256_loadu_ps(b + i), acc);
-  return mxfp4_rows::horizontal_sum(acc) + (i < n ? tail_dot(a, b, i, n) : 0.0f);
-}
+// Where row n's weights lie, 8 columns at a time: row n's values i .. i + 7 (i a multiple of 8) start at
+// `start(W, K, n) + i * kStep`.
+//   RowMajor  [N, K] as stored: row n at W + n K.
+//   Tiled     BF16 weights re-laid once at load (k3.model.tiling): blocks of 8 rows stored [K/8][8 rows][8],
+//             so the 8 rows a one-vector tile reads are one memory stream, not 8 (a [4096, 7168] matrix
+//             cycled with 11 others, 2 threads, EPYC Zen 5: 33-37 GB/s row-major, 37-46 tiled, a plain read
+//             of the same bytes 40-46). Needs N and K multiples of 8 (checked by dense_weight).
+struct RowMajor {
+  static constexpr int64_t kStep = 1;
+  template <typename T>
+  static T* start(T* W, int64_t K, int64_t n) { return W + n * K; }
+};
+struct Tiled {
+  static constexpr int64_t kStep = 8;
+  static constexpr int64_t kRows = 8;  // rows per block
+  template <typename T>
+  static T* start(T* W, int64_t K, int64_t n) { return W + (n / kRows) * kRows * K + (n % kRows) * 8; }
+};
 
 // BF16 rows: the line kPrefetchBytes ahead of row[i] is asked for once per line. A tile's R rows are R
 // memory streams that each advance only 16 bytes per 8-lane step; the hardware prefetcher alone kept them
@@ -80,9 +93,9 @@ __attribute__((target("avx2,fma"))) inline float dot(const T* a, const float* b,
 // A prefetch never faults, so asking past a matrix's end is harmless (the address is computed as an integer).
 constexpr int64_t kPrefetchBytes = 1024;
 
-template <typename T>
+template <typename L, typename T>
 inline void prefetch_ahead(const T* row, int64_t i) {
-  if constexpr (std::is_same_v<T, uint16_t>) {
+  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<L, RowMajor>) {  // a tiled block: one stream
     if (i % 32 == 0)  // one 64-byte line per 4 steps of 8
       __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes));
   }
@@ -91,11 +104,13 @@ inline void prefetch_ahead(const T* row, int64_t i) {
 // y[b * ldy + n] for n in [n, n + R) and the vectors b in [b0, b0 + V): a tile of R rows x V vectors, each
 // weight loaded (and converted) once for the V vectors and each vector once for the R rows. Every value is
 // one accumulator of 8 lanes over i in order, then their sum and the tail: the same arithmetic whatever the
-// tile, so a row's result does not depend on the size of its batch.
-template <int R, int V, typename T>
-__attribute__((target("avx2,fma"))) inline void tile(const T* r0, int64_t K, const float* x, int64_t b0, float* y,
+// tile and the layout L, so a row's result depends on neither the size of its batch nor how it is stored.
+template <int R, int V, typename L, typename T>
+__attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, const float* x, int64_t b0, float* y,
                                                      int64_t ldy, int64_t n) {
-  const int64_t body = K - K % 8;
+  const int64_t body = K - K % 8;  // K itself when tiled
+  const T* row[R];
+  for (int r = 0; r < R; ++r) row[r] = L::start(W, K, n + r);
   __m256 acc[R][V];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
@@ -103,14 +118,14 @@ __attribute__((target("avx2,fma"))) inline void tile(const T* r0, int64_t K, con
     __m256 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead(r0 + r * K, i);
-      const __m256 w = load8(r0 + r * K + i);
+      prefetch_ahead<L>(row[r], i);
+      const __m256 w = load8(row[r] + i * L::kStep);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, xv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      const float tail = body < K ? tail_dot(r0 + r * K, x + (b0 + v) * K, body, K) : 0.0f;
+      const float tail = body < K ? tail_dot(row[r], x + (b0 + v) * K, body, K) : 0.0f;
       y[(b0 + v) * ldy + n + r] = mxfp4_rows::horizontal_sum(acc[r][v]) + tail;
     }
 }
@@ -127,10 +142,12 @@ K3_DECODE_AVX512 inline __m512 load8_twice(const uint16_t* p) {
 // `tile` for R rows x 2P vectors in 16 lanes: register (r, p) holds the 8-lane accumulators of vectors
 // b0 + 2p (lanes 0-7) and b0 + 2p + 1 (lanes 8-15), each lane doing what its AVX2 lane does, in the same
 // order, so every value has `tile`'s bits. A weight is loaded and converted once for 2P vectors.
-template <int R, int P, typename T>
-K3_DECODE_AVX512 inline void tile_pairs(const T* r0, int64_t K, const float* x, int64_t b0, float* y, int64_t ldy,
+template <int R, int P, typename L, typename T>
+K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, int64_t b0, float* y, int64_t ldy,
                                         int64_t n) {
   const int64_t body = K - K % 8;
+  const T* row[R];
+  for (int r = 0; r < R; ++r) row[r] = L::start(W, K, n + r);
   __m512 acc[R][P];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -141,15 +158,15 @@ K3_DECODE_AVX512 inline void tile_pairs(const T* r0, int64_t K, const float* x, 
       xv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xp)), _mm256_loadu_ps(xp + K), 1);
     }
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead(r0 + r * K, i);
-      const __m512 w = load8_twice(r0 + r * K + i);
+      prefetch_ahead<L>(row[r], i);
+      const __m512 w = load8_twice(row[r] + i * L::kStep);
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(w, xv[p], acc[r][p]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int h = 0; h < 2; ++h) {
-        const float tail = body < K ? tail_dot(r0 + r * K, x + (b0 + 2 * p + h) * K, body, K) : 0.0f;
+        const float tail = body < K ? tail_dot(row[r], x + (b0 + 2 * p + h) * K, body, K) : 0.0f;
         const __m256 half = h ? _mm512_extractf32x8_ps(acc[r][p], 1) : _mm512_castps512_ps256(acc[r][p]);
         y[(b0 + 2 * p + h) * ldy + n + r] = mxfp4_rows::horizontal_sum(half) + tail;
       }
@@ -157,18 +174,46 @@ K3_DECODE_AVX512 inline void tile_pairs(const T* r0, int64_t K, const float* x, 
 
 // Rows [n0, n1) for B >= 2 vectors with tile_pairs: six rows x up to eight vectors (24 accumulators, 4 vector
 // pairs and a weight: 29 of the 32 registers); an odd last vector and the last rows as dense_rows does them.
-template <typename T>
+template <typename L, typename T>
 K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const float* x, int64_t B, float* y,
                                                  int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + 6 <= n1; n += 6) {
     int64_t b = 0;
-    for (; b + 8 <= B; b += 8) tile_pairs<6, 4>(W + n * K, K, x, b, y, ldy, n);
-    for (; b + 4 <= B; b += 4) tile_pairs<6, 2>(W + n * K, K, x, b, y, ldy, n);
-    for (; b + 2 <= B; b += 2) tile_pairs<6, 1>(W + n * K, K, x, b, y, ldy, n);
-    if (b < B) tile<6, 1>(W + n * K, K, x, b, y, ldy, n);
+    for (; b + 8 <= B; b += 8) tile_pairs<6, 4, L>(W, K, x, b, y, ldy, n);
+    for (; b + 4 <= B; b += 4) tile_pairs<6, 2, L>(W, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile_pairs<6, 1, L>(W, K, x, b, y, ldy, n);
+    if (b < B) tile<6, 1, L>(W, K, x, b, y, ldy, n);
   }
   return n;
+}
+
+// One vector times tiled BF16 rows [n0, n1) in 16 lanes: a block's rows 2j and 2j + 1 are 16 adjacent values
+// per column step, one 32-byte load into one register whose halves do tile<8, 1>'s lanes for the two rows
+// (x's 8 values in both halves), in its order: the same bits. Rows outside whole blocks as tile<1, 1>.
+K3_DECODE_AVX512 inline void tiled_rows_wide(const uint16_t* W, int64_t K, const float* x, float* y, int64_t n0,
+                                             int64_t n1) {
+  constexpr int64_t kBlock = Tiled::kRows;
+  const int64_t first = std::min(n1, (n0 + kBlock - 1) / kBlock * kBlock), last = std::max(first, n1 / kBlock * kBlock);
+  for (int64_t n = n0; n < first; ++n) tile<1, 1, Tiled>(W, K, x, 0, y, 1, n);
+  for (int64_t n = first; n < last; n += kBlock) {
+    const uint16_t* block = W + n * K;  // [K/8][8 rows][8]
+    __m512 acc[kBlock / 2];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t i = 0; i < K; i += 8) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i));
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * kBlock + j * 16));
+        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
+        acc[j] = _mm512_fmadd_ps(w, xv, acc[j]);
+      }
+    }
+    for (int64_t j = 0; j < kBlock / 2; ++j) {
+      y[n + 2 * j] = mxfp4_rows::horizontal_sum(_mm512_castps512_ps256(acc[j]));
+      y[n + 2 * j + 1] = mxfp4_rows::horizontal_sum(_mm512_extractf32x8_ps(acc[j], 1));
+    }
+  }
+  for (int64_t n = last; n < n1; ++n) tile<1, 1, Tiled>(W, K, x, 0, y, 1, n);
 }
 
 // y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for
@@ -178,44 +223,45 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
 // from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With
 // `wide` (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads,
 // B = 8, BF16 200 GFLOP/s against 133 (fp32 150 against 107), B = 2-3 level (memory-bound).
-template <typename T>
+template <typename L = RowMajor, typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1,
                                                            bool wide = false) {
+  if constexpr (std::is_same_v<L, Tiled>) {
+    if (wide && B == 1) return tiled_rows_wide(W, K, x, y, n0, n1);
+  }
   const int64_t step = B == 1 ? 8 : 6;
-  int64_t n = wide && B > 1 ? dense_rows_pairs(W, K, x, B, y, ldy, n0, n1) : n0;
+  int64_t n = wide && B > 1 ? dense_rows_pairs<L>(W, K, x, B, y, ldy, n0, n1) : n0;
   for (; n + step <= n1; n += step) {
     if (B == 1) {
-      tile<8, 1>(W + n * K, K, x, 0, y, ldy, n);
+      tile<8, 1, L>(W, K, x, 0, y, ldy, n);
       continue;
     }
     int64_t b = 0;
-    for (; b + 2 <= B; b += 2) tile<6, 2>(W + n * K, K, x, b, y, ldy, n);
-    if (b < B) tile<6, 1>(W + n * K, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile<6, 2, L>(W, K, x, b, y, ldy, n);
+    if (b < B) tile<6, 1, L>(W, K, x, b, y, ldy, n);
   }
   for (; n < n1; ++n)
-    for (int64_t b = 0; b < B; ++b) y[b * ldy + n] = dot(W + n * K, x + b * K, K);
+    for (int64_t b = 0; b < B; ++b) tile<1, 1, L>(W, K, x, b, y, ldy, n);
 }
 
-// A [N, K] matrix: fp32 (`dense`), BF16 (`bf16`) or MXFP4 (`packed` [N, K/2] uint8 + `scale` [N, K/32] E8M0).
+// A [N, K] matrix: fp32 (`dense`), BF16 (`bf16`, row-major or `tiled`) or MXFP4 (`packed` [N, K/2] uint8 +
+// `scale` [N, K/32] E8M0).
 struct Weight {
   const float* dense = nullptr;
   const uint16_t* bf16 = nullptr;
   const uint8_t* packed = nullptr;
   const uint8_t* scale = nullptr;
   int64_t N = 0, K = 0;
-  bool wide = false;  // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at any rows, dense at 2+
+  bool wide = false;   // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at any rows, dense at 2+,
+                       // tiled BF16 at any
+  bool tiled = false;  // bf16 in the Tiled layout
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
-    if (dense != nullptr || bf16 != nullptr) {
-      if (dense != nullptr) {
-        dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
-      } else {
-        dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
-      }
-      return;
-    }
+    if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
+    if (bf16 != nullptr && tiled) return dense_rows<Tiled>(bf16, K, x, B, y, ldy, n0, n1, wide);
+    if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (B == 1 && wide) {
       thread_local std::vector<float> paired;  // x in the kernel's pair-of-blocks order
       paired.resize(K);
@@ -245,15 +291,39 @@ inline void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* 
               name, " must be a contiguous float32 CPU tensor of ", rows, " rows of ", cols, ", got ", t.sizes());
 }
 
+// N of a matrix [N, K], or of a tiled one [N/8, K/8, 8, 8]
+inline int64_t matrix_rows(const Tensor& w) { return w.dim() == 4 ? w.size(0) * Tiled::kRows : w.size(0); }
+
+// A float32 or BF16 [N, K] matrix, or a BF16 one tiled ([N/8, K/8, 8, 8]: the Tiled layout, k3.model.tiling).
 inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
   const bool bf16 = w.scalar_type() == torch::kBFloat16;
+  const bool tiled = bf16 && w.dim() == 4 && w.size(1) * 8 == K && w.size(2) == Tiled::kRows && w.size(3) == 8;
   TORCH_CHECK((bf16 || w.scalar_type() == torch::kFloat32) && w.is_contiguous() && w.device().is_cpu() &&
-                  w.dim() == 2 && w.size(1) == K,
-              name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix, got ", w.sizes(), " ",
-              w.scalar_type());
+                  ((w.dim() == 2 && w.size(1) == K) || tiled),
+              name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix or a tiled bfloat16 [N/8, ",
+              K / 8, ", 8, 8] one, got ", w.sizes(), " ", w.scalar_type());
   const bool wide = mxfp4_rows512::gemv_variant() == "avx512";  // the CPU's best tiles (the same bits)
-  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, w.size(0), K, wide};
-  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, w.size(0), K, wide};
+  const int64_t N = matrix_rows(w);
+  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, N, K, wide, tiled};
+  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, N, K, wide};
+}
+
+// w [N, K] BF16 in the Tiled layout: [N/8, K/8, 8, 8] (block, column step, row in block, column), on huge pages.
+inline Tensor tile_rows(const Tensor& w) {
+  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.device().is_cpu() &&
+                  w.size(0) % Tiled::kRows == 0 && w.size(1) % 8 == 0,
+              "only a bfloat16 [N, K] CPU matrix with N and K multiples of 8 is tiled, got ", w.sizes(), " ",
+              w.scalar_type());
+  const int64_t N = w.size(0), K = w.size(1);
+  Tensor tiled = k3_native::empty_on_huge_pages({N / Tiled::kRows, K / 8, Tiled::kRows, 8}, w.options());
+  const Tensor rows = w.contiguous();
+  const auto* from = static_cast<const uint16_t*>(rows.data_ptr());
+  auto* to = static_cast<uint16_t*>(tiled.data_ptr());
+  at::parallel_for(0, N / Tiled::kRows, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t n = b0 * Tiled::kRows; n < b1 * Tiled::kRows; ++n)
+      for (int64_t i = 0; i < K; i += 8) std::memcpy(Tiled::start(to, K, n) + i * Tiled::kStep, from + n * K + i, 16);
+  });
+  return tiled;
 }
 
 inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {

@@ -39,7 +39,7 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
   TORCH_CHECK(state.dim() == 4, "state must be [B, heads, K, V]");
   const int64_t B = rows_of(x, "x"), D = x.size(-1);
   const int64_t H = state.size(1), K = state.size(2), V = state.size(3), P = H * K, Pv = H * V;
-  const int64_t width = conv_q.size(-1) - 1, d = w_fa.size(0);
+  const int64_t width = conv_q.size(-1) - 1, d = matrix_rows(w_fa);
   check_rows(x, B, D, "x");
   check_vector(norm_w, D, "the input norm's weight");
   check_rows(state, B * H * K, V, "state");
@@ -148,6 +148,7 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
   const Weight q = dense_weight(w_q, D, "q_proj / q_a_proj"), kv_a = dense_weight(w_kv_a, D, "kv_a_proj_with_mqa");
   const Weight kv_b = dense_weight(w_kv_b, L, "kv_b_proj"), o_proj = dense_weight(w_o, heads * v_dim, "o_proj");
   TORCH_CHECK(kv_a.N == L + rope && kv_b.N == heads * (nope + v_dim) && o_proj.N == D, "MLA projection shapes");
+  TORCH_CHECK(!kv_b.tiled, "kv_b_proj is read head by head in place: it must stay row-major, not tiled");
   const float eps = static_cast<float>(norm_eps), leps = static_cast<float>(latent_eps);
 
   Buffer xn(B * D);

@@ -38,7 +38,6 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/mman.h>
 
 #include <algorithm>
 #include <cmath>
@@ -238,21 +237,6 @@ std::vector<int64_t> chunk_offsets(const TokenLayout& l, int64_t C) {
   return first;
 }
 
-// An uninitialised tensor whose whole 2 MB pages the kernel backs with huge pages when first written
-// (where transparent huge pages are enabled "on madvise"): the outputs and kept states here are large
-// and fresh, and faulting them in by 4 kB pages costs 3x as long as by 2 MB ones (~35 vs ~10 ms for
-// 134 MB on the dev box), about as long as the forward itself at T = 4096.
-torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::TensorOptions& options) {
-  auto t = torch::empty(sizes, options);
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
-  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1), last = (begin + t.nbytes()) & ~(kHuge - 1);
-#ifdef MADV_HUGEPAGE
-  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
-#endif
-  return t;
-}
-
 // One thread's scratch for the forward, besides the chunk's terms.
 struct StepScratch {
   std::vector<float> u, o, state_t;  // [C, V], [2C, V] (see chunk_step), [V, K]
@@ -292,14 +276,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
     const torch::Tensor& initial_state, int64_t chunk_size, double scale, bool l2norm, double eps, bool keep,
     const std::string& variant) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
-  auto o = empty_on_huge_pages({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
+  auto o = k3_native::empty_on_huge_pages({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
   auto final_state = initial_state.clone();
   const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),
                          wide_products(variant)};
   const std::vector<int64_t> first = chunk_offsets(l, opt.C);
   const int64_t kept = keep ? first.back() : 0;
-  auto states = empty_on_huge_pages({kept, l.V, l.K}, q.options());
-  auto pseudo_values = empty_on_huge_pages({kept, opt.C, l.V}, q.options());
+  auto states = k3_native::empty_on_huge_pages({kept, l.V, l.K}, q.options());
+  auto pseudo_values = k3_native::empty_on_huge_pages({kept, opt.C, l.V}, q.options());
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     ChunkTerms t(opt.C, l.K, l.V);
     StepScratch scratch(opt.C, l.K, l.V);
@@ -338,8 +322,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
                   pseudo_values.sizes() == torch::IntArrayRef({chunks_kept, chunk_size, l.V}),
               "states must be [chunks, V, K] and pseudo_values [chunks, C, V] as `forward` keeps them, or "
               "both empty");
-  auto dq = empty_on_huge_pages(q.sizes(), q.options()), dk = empty_on_huge_pages(k.sizes(), k.options());
-  auto dv = empty_on_huge_pages(v.sizes(), v.options()), dg = empty_on_huge_pages(g.sizes(), g.options());
+  auto dq = k3_native::empty_on_huge_pages(q.sizes(), q.options()), dk = k3_native::empty_on_huge_pages(k.sizes(), k.options());
+  auto dv = k3_native::empty_on_huge_pages(v.sizes(), v.options()), dg = k3_native::empty_on_huge_pages(g.sizes(), g.options());
   auto dbeta = torch::empty_like(beta);
   auto d_state = d_final.clone();
   const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),

@@ -1,0 +1,104 @@
+"""BF16 weights re-laid once for the decode kernels ("tiled"), so that a token's matrix-vector products read
+each matrix as one memory stream.
+
+The decode kernels (k3/ops/decode/_native_gemv.h) multiply one vector by 8 weight rows at a time, one
+8-lane accumulator per row. Stored as published ([N, K], row-major), those 8 rows are 8 streams through
+memory, 14 kB apart at K3's hidden size; tiled, blocks of 8 rows are stored [K/8][8 rows][8 columns], so
+the 8 values each row needs next lie together and a block is read front to back. The arithmetic is the
+same (each row's value is the same sum in the same order), so a tiled model's logits are the untiled
+model's bit for bit; only the speed changes (docs/native.md, "Tiled BF16 weights").
+
+A tiled weight is the Linear's parameter itself in the 4-D shape [N/8, K/8, 8, 8] (no second copy):
+torch code that expects [N, K] fails on the shape instead of computing with scrambled rows.
+`Linear.forward` multiplies it (the native kernels read it in place; a long prefill converts blocks of it
+back to rows for torch's GEMM), `state_dict()` hands it out as [N, K], and `untile_weights` puts the rows
+back. Only inference weights are tiled: fp32 computation (the fused decode step's), no gradient, N and K
+multiples of 8, and not a Linear that says `tileable = False` (MLA's kv_b_proj, read head by head in place).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from k3.ops.decode.native import load_native
+
+ROWS = 8  # rows per block (Tiled::kRows)
+COLUMNS = 8  # columns per step (one 8-lane load)
+
+
+def is_tiled(w: torch.Tensor) -> bool:
+    """Whether w is a tiled BF16 matrix [N/8, K/8, 8, 8]."""
+    return w.dim() == 4
+
+
+def matrix_shape(w: torch.Tensor) -> tuple[int, int]:
+    """(N, K) of a weight matrix, tiled or not."""
+    if is_tiled(w):
+        return w.shape[0] * ROWS, w.shape[1] * COLUMNS
+    return w.shape[0], w.shape[1]
+
+
+def can_tile(w: torch.Tensor) -> bool:
+    """Whether the kernels take w tiled: a BF16 CPU matrix with N and K multiples of 8, no gradient."""
+    return (
+        w.dim() == 2
+        and w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and not w.requires_grad
+        and w.shape[0] % ROWS == 0
+        and w.shape[1] % COLUMNS == 0
+    )
+
+
+def rows_of(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows [start, stop) of the matrix w as [stop - start, K] in w's dtype: a view of a row-major w, a copy
+    of a tiled one (start, and stop unless it is N, multiples of 8)."""
+    if not is_tiled(w):
+        return w[start:stop]
+    if start % ROWS or (stop % ROWS and stop != matrix_shape(w)[0]):
+        raise ValueError(f"rows of a tiled matrix are taken in blocks of {ROWS}, got [{start}, {stop})")
+    blocks = w[start // ROWS : -(-stop // ROWS)]  # [b, K/8, 8, 8]
+    return blocks.transpose(1, 2).reshape(-1, w.shape[1] * COLUMNS)[: stop - start]
+
+
+def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    """A state_dict post-hook (every Linear has it): a tiled weight is saved as the [N, K] matrix it is."""
+    key = prefix + "weight"
+    if key in state and is_tiled(state[key]):
+        state[key] = rows_of(state[key], 0, matrix_shape(state[key])[0])
+
+
+def tile_weights(model: nn.Module) -> int:
+    """Tile every eligible Linear weight of an inference model in place; returns the bytes tiled. A weight
+    shared with another module (tied embeddings) stays as it is. Computing in another dtype than fp32 (the
+    fused decode step's), nothing is tiled: each product would convert the tiles back."""
+    native = load_native()
+    if getattr(model, "compute_dtype", torch.float32) != torch.float32 or native is None:
+        return 0
+    uses: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                uses[id(p)] = uses.get(id(p), 0) + 1
+    done = 0
+    for module in model.modules():
+        w = module._parameters.get("weight") if getattr(module, "tileable", False) else None
+        if w is None or not can_tile(w) or uses[id(w)] > 1:
+            continue
+        # [N/8, K/8, 8, 8]: a new tensor, on huge pages where the OS allows (a few % faster to read)
+        module._parameters["weight"] = nn.Parameter(native.tile_rows(w.data), requires_grad=False)
+        done += w.nbytes
+    return done
+
+
+def untile_weights(model: nn.Module) -> int:
+    """Put every tiled weight back in rows [N, K]; returns the bytes untiled."""
+    done = 0
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if w is not None and is_tiled(w):
+            rows = rows_of(w.data, 0, matrix_shape(w)[0]).contiguous()
+            module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+            done += rows.nbytes
+    return done

@@ -1,0 +1,142 @@
+"""BF16 weights tiled for the decode kernels (k3.model.tiling) give the untiled model's logits bit for bit.
+
+References: the same model untiled (its kernels read [N, K] rows; tests/model/test_fused_decode.py ties
+those to the general path and to float64), the layout written out by torch ops (view + transpose), and
+autograd through the untiled weight. Counters on the native module show the tiled kernels ran.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.tiling import is_tiled, matrix_shape, rows_of
+from k3.ops.decode.native import load_native
+
+pytestmark = pytest.mark.skipif(
+    load_native() is None and os.environ.get("CI") != "true", reason="native kernels unavailable (k3 doctor)"
+)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def by_torch(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] in the tiled layout written out from its definition: [N/8, K/8, 8 rows, 8 columns]."""
+    N, K = w.shape
+    return w.view(N // 8, 8, K // 8, 8).transpose(1, 2).contiguous()
+
+
+def bf16_model(quantized: bool | None) -> K3ForCausalLM:
+    """mini's first 5 layers (KDA, MLA at 3, a dense and MoE FFNs), every floating weight BF16; routed
+    experts MXFP4 (None) or BF16 (False)."""
+    cfg = K3Config.preset("mini")
+    model = K3ForCausalLM.from_config(cfg, seed=5, quantized_experts=quantized, num_layers=5)
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.bfloat16()
+    return model.requires_grad_(False)  # as from_pretrained loads it for inference
+
+
+@torch.no_grad()
+def logits(model: K3ForCausalLM, lengths: list[int], steps: int) -> list[torch.Tensor]:
+    """Each prompt's prefill logits (prompts longer than 64 tokens go through converted blocks and torch's
+    GEMM, shorter ones through the native kernels), then `steps` decode steps of the batch."""
+    vocab, out, caches = model.config.vocab_size, [], []
+    for i, n in enumerate(lengths):
+        caches.append(model.new_cache(1))
+        out.append(model(torch.randint(0, vocab, (1, n), generator=gen(i)), caches[-1]))
+    cache = type(caches[0]).stack(caches)
+    token = torch.randint(0, vocab, (len(lengths), 1), generator=gen(99))
+    out += [model(token + t, cache) for t in range(steps)]
+    return out
+
+
+@pytest.mark.parametrize("quantized", [None, False])
+@pytest.mark.parametrize("fast", [True, False])  # the fused decode step, or the general path's modules
+def test_a_tiled_model_gives_the_untiled_logits_bit_for_bit(quantized, fast):
+    model = bf16_model(quantized).set_fast_decode(fast)
+    tiled = copy.deepcopy(model)
+    done = tiled.tile_weights()
+    matrices = {n: p for n, p in tiled.named_parameters() if n.endswith("proj.weight") or ".w" in n}
+    assert done == sum(p.nbytes for p in matrices.values() if is_tiled(p)) > 0
+    assert is_tiled(tiled.lm_head.weight) and is_tiled(tiled.model.layers[0].self_attn.q_proj.weight)
+    assert not is_tiled(tiled.model.layers[3].self_attn.kv_b_proj.weight)  # read in place, head by head
+    if quantized is False:
+        assert is_tiled(tiled.model.layers[1].block_sparse_moe.experts[0].w1.weight)
+    before, after = logits(model, [70, 5, 12], 3), logits(tiled, [70, 5, 12], 3)
+    for a, b in zip(before, after, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_tiled_kernels_equal_the_row_kernels_and_the_layout():
+    """dense_rows_product on a tiled matrix against the same matrix in rows (bit for bit) at batch sizes
+    1-9, 1 and 2 threads, both widths: 40 rows split across 2 threads cut a block in two (rows 16-23),
+    which the one-vector 16-lane kernel does row by row."""
+    native = load_native()
+    g = gen(3)
+    w = torch.randn(40, 7168, generator=g).bfloat16()
+    tiled = native.tile_rows(w)
+    assert torch.equal(tiled, by_torch(w)) and matrix_shape(tiled) == (40, 7168)
+    assert torch.equal(rows_of(tiled, 8, 24), w[8:24]) and torch.equal(rows_of(tiled, 0, 40), w)
+    variants = ["avx2"] + (["avx512"] if native.gemv_variant() == "avx512" else [])
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for B in range(1, 10):
+                x = torch.randn(B, 7168, generator=g)
+                for variant in variants:
+                    rows = native.dense_rows_product(x, w, variant=variant)
+                    blocks = native.dense_rows_product(x, tiled, variant=variant)
+                    assert torch.equal(blocks, rows), (B, variant)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_tiled_state_dict_is_the_rows_and_untiling_restores_them():
+    model = bf16_model(None)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.tile_weights()
+    tiled_state = model.state_dict()
+    assert state.keys() == tiled_state.keys()
+    assert all(torch.equal(state[k], tiled_state[k]) for k in state)
+    fresh = bf16_model(None)
+    fresh.load_state_dict(tiled_state)  # saved from a tiled model, loaded into a plain one
+    assert torch.equal(fresh.lm_head.weight, state["lm_head.weight"])
+    assert model.untile_weights() > 0 and not any(is_tiled(p) for p in model.parameters())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
+def test_gradients_flow_through_a_tiled_weight_to_the_input():
+    """A tiled Linear under autograd (its weight frozen, the input trainable) computes the untiled one's
+    output and input gradient."""
+    model = bf16_model(None)
+    linear = model.model.layers[0].self_attn.q_proj
+    tiled = copy.deepcopy(linear)
+    tiled.weight = torch.nn.Parameter(by_torch(linear.weight.data), requires_grad=False)
+    x = torch.randn(3, 7, matrix_shape(linear.weight)[1], generator=gen(4), requires_grad=True)
+    y = linear(x)
+    (dx,) = torch.autograd.grad(y.square().sum(), x)
+    y_tiled = tiled(x)
+    (dx_tiled,) = torch.autograd.grad(y_tiled.square().sum(), x)
+    assert torch.equal(y, y_tiled) and torch.equal(dx, dx_tiled)
+
+
+def test_what_is_not_tiled_and_bad_requests():
+    model = bf16_model(None)
+    model.compute_dtype = torch.bfloat16  # bf16 computation converts per product: tiling would not pay
+    assert model.tile_weights() == 0
+    fp32 = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=1)  # fp32 weights: nothing to tile
+    assert fp32.tile_weights() == 0
+    native = load_native()
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        native.tile_rows(torch.zeros(12, 16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="blocks of 8"):
+        rows_of(by_torch(torch.zeros(16, 16, dtype=torch.bfloat16)), 4, 16)
