@@ -23,7 +23,7 @@ from k3.ops.mxfp4.native import load_native as load_mxfp4
 # block, the MXFP4 GEMVs of _native_rows512.h (one row, and two weight rows per register) and the
 # bf16-compute MXFP4 rows (avx512_bf16), each by name: their namespaces also hold code every CPU runs.
 AVX512_KERNELS = re.compile(
-    r"wide_block|run_wide|wide_dot_block|transpose_wide|tile_pairs|dense_rows_pairs|tiled_rows_wide|weighted_block32"
+    r"wide_block|run_wide|wide_dot_block|transpose_wide|tile_pairs|dense_rows_pairs|tiled_block|weighted_block32"
     r"|mxfp4_rows512::(gemv_one_row|gemv_rows1|gemv_rows_pairs)\b|mxfp4_bf16::gemv_rows\b"
 )
 EVEX = re.compile(r"zmm|[xy]mm(1[6-9]|2\d|3[01])\b|\{%?k[1-7]\}")

@@ -67,22 +67,25 @@ __attribute__((target("avx2,fma"), noinline)) float tail_dot(const T* a, const f
 }
 
 // Where row n's weights lie, 8 columns at a time: row n's values i .. i + 7 (i a multiple of 8) start at
-// `start(W, K, n) + i * kStep`.
+// `start(W, K, n) + i * kStep`, and row n + r's at r * rows_apart(K) from row n's (for the rows of one tile;
+// tiled, they must share a block).
 //   RowMajor  [N, K] as stored: row n at W + n K.
 //   Tiled     BF16 weights re-laid once at load (k3.model.tiling): blocks of 8 rows stored [K/8][8 rows][8],
-//             so the 8 rows a one-vector tile reads are one memory stream, not 8 (a [4096, 7168] matrix
-//             cycled with 11 others, 2 threads, EPYC Zen 5: 33-37 GB/s row-major, 37-46 tiled, a plain read
-//             of the same bytes 40-46). Needs N and K multiples of 8 (checked by dense_weight).
+//             so the 8 rows a one-vector tile reads are one memory stream, not 8 (one vector times [4096,
+//             7168] matrices cycled, rows and tiles alternated, EPYC Zen 5: 1.18-1.28x the GB/s of rows at 2
+//             threads, 1.04-1.19x at 1). Needs N and K multiples of 8 (checked by dense_weight).
 struct RowMajor {
   static constexpr int64_t kStep = 1;
   template <typename T>
   static T* start(T* W, int64_t K, int64_t n) { return W + n * K; }
+  static int64_t rows_apart(int64_t K) { return K; }
 };
 struct Tiled {
   static constexpr int64_t kStep = 8;
   static constexpr int64_t kRows = 8;  // rows per block
   template <typename T>
   static T* start(T* W, int64_t K, int64_t n) { return W + (n / kRows) * kRows * K + (n % kRows) * 8; }
+  static int64_t rows_apart(int64_t) { return 8; }
 };
 
 // BF16 rows: the line kPrefetchBytes ahead of row[i] is asked for once per line. A tile's R rows are R
@@ -90,14 +93,26 @@ struct Tiled {
 // short of the read bandwidth (EPYC Zen 5, [4096, 7168], rows in the same run without / with: one thread
 // B = 1 22-24 -> 27-29 GB/s, B = 8 122-128 -> 170 GFLOP/s; two threads B = 1 level at 36-38 GB/s, B = 8
 // 230 -> 287-297 GFLOP/s). fp32 rows advance twice as fast and lost from it at two threads: not asked.
-// A prefetch never faults, so asking past a matrix's end is harmless (the address is computed as an integer).
+// A tiled block is one stream of 128 bytes a step: its two lines kTiledAhead bytes ahead are asked for at
+// every step (the same matrices cycled, 2 threads, tiled against rows: B = 1 69-70 GB/s without the ask
+// 64, rows 56-57; B = 4 at 512 / 2,048 / 4,096 / 8,192 / 16,384 bytes ahead 27 / 37-40 / 45-52 / 62-65 /
+// 55-58 GB/s, rows 39-49: the many products a step of several vectors does leave the core too few loads
+// in flight to keep the stream going by itself). A prefetch never faults, so asking past a matrix's end
+// is harmless (the address is computed as an integer).
 constexpr int64_t kPrefetchBytes = 1024;
+constexpr int64_t kTiledAhead = 8192;
 
+// `row` is a tile's first row (tiled: where its block's step i starts, to within a line)
 template <typename L, typename T>
 inline void prefetch_ahead(const T* row, int64_t i) {
-  if constexpr (std::is_same_v<T, uint16_t> && std::is_same_v<L, RowMajor>) {  // a tiled block: one stream
-    if (i % 32 == 0)  // one 64-byte line per 4 steps of 8
-      __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(row + i) + kPrefetchBytes));
+  const auto at = [](const T* p, int64_t bytes) {
+    __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
+  };
+  if constexpr (std::is_same_v<L, Tiled>) {
+    at(row + i * Tiled::kStep, kTiledAhead);
+    at(row + i * Tiled::kStep, kTiledAhead + 64);
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    if (i % 32 == 0) at(row + i, kPrefetchBytes);  // one 64-byte line per 4 steps of 8
   }
 }
 
@@ -109,23 +124,24 @@ template <int R, int V, typename L, typename T>
 __attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, const float* x, int64_t b0, float* y,
                                                      int64_t ldy, int64_t n) {
   const int64_t body = K - K % 8;  // K itself when tiled
-  const T* row[R];
-  for (int r = 0; r < R; ++r) row[r] = L::start(W, K, n + r);
+  const T* r0 = L::start(W, K, n);
+  const int64_t apart = L::rows_apart(K);
   __m256 acc[R][V];
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   for (int64_t i = 0; i < body; i += 8) {
     __m256 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
+    if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead<L>(row[r], i);
-      const __m256 w = load8(row[r] + i * L::kStep);
+      if constexpr (std::is_same_v<L, RowMajor>) prefetch_ahead<L>(r0 + r * apart, i);
+      const __m256 w = load8(r0 + r * apart + i * L::kStep);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, xv[v], acc[r][v]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) {
-      const float tail = body < K ? tail_dot(row[r], x + (b0 + v) * K, body, K) : 0.0f;
+      const float tail = body < K ? tail_dot(r0 + r * apart, x + (b0 + v) * K, body, K) : 0.0f;
       y[(b0 + v) * ldy + n + r] = mxfp4_rows::horizontal_sum(acc[r][v]) + tail;
     }
 }
@@ -146,8 +162,8 @@ template <int R, int P, typename L, typename T>
 K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, int64_t b0, float* y, int64_t ldy,
                                         int64_t n) {
   const int64_t body = K - K % 8;
-  const T* row[R];
-  for (int r = 0; r < R; ++r) row[r] = L::start(W, K, n + r);
+  const T* r0 = L::start(W, K, n);
+  const int64_t apart = L::rows_apart(K);
   __m512 acc[R][P];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -157,16 +173,17 @@ K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, i
       const float* xp = x + (b0 + 2 * p) * K + i;
       xv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xp)), _mm256_loadu_ps(xp + K), 1);
     }
+    if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
     for (int r = 0; r < R; ++r) {
-      prefetch_ahead<L>(row[r], i);
-      const __m512 w = load8_twice(row[r] + i * L::kStep);
+      if constexpr (std::is_same_v<L, RowMajor>) prefetch_ahead<L>(r0 + r * apart, i);
+      const __m512 w = load8_twice(r0 + r * apart + i * L::kStep);
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(w, xv[p], acc[r][p]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int p = 0; p < P; ++p)
       for (int h = 0; h < 2; ++h) {
-        const float tail = body < K ? tail_dot(row[r], x + (b0 + 2 * p + h) * K, body, K) : 0.0f;
+        const float tail = body < K ? tail_dot(r0 + r * apart, x + (b0 + 2 * p + h) * K, body, K) : 0.0f;
         const __m256 half = h ? _mm512_extractf32x8_ps(acc[r][p], 1) : _mm512_castps512_ps256(acc[r][p]);
         y[(b0 + 2 * p + h) * ldy + n + r] = mxfp4_rows::horizontal_sum(half) + tail;
       }
@@ -174,46 +191,18 @@ K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, i
 
 // Rows [n0, n1) for B >= 2 vectors with tile_pairs: six rows x up to eight vectors (24 accumulators, 4 vector
 // pairs and a weight: 29 of the 32 registers); an odd last vector and the last rows as dense_rows does them.
-template <typename L, typename T>
+template <typename T>
 K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const float* x, int64_t B, float* y,
                                                  int64_t ldy, int64_t n0, int64_t n1) {
   int64_t n = n0;
   for (; n + 6 <= n1; n += 6) {
     int64_t b = 0;
-    for (; b + 8 <= B; b += 8) tile_pairs<6, 4, L>(W, K, x, b, y, ldy, n);
-    for (; b + 4 <= B; b += 4) tile_pairs<6, 2, L>(W, K, x, b, y, ldy, n);
-    for (; b + 2 <= B; b += 2) tile_pairs<6, 1, L>(W, K, x, b, y, ldy, n);
-    if (b < B) tile<6, 1, L>(W, K, x, b, y, ldy, n);
+    for (; b + 8 <= B; b += 8) tile_pairs<6, 4, RowMajor>(W, K, x, b, y, ldy, n);
+    for (; b + 4 <= B; b += 4) tile_pairs<6, 2, RowMajor>(W, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile_pairs<6, 1, RowMajor>(W, K, x, b, y, ldy, n);
+    if (b < B) tile<6, 1, RowMajor>(W, K, x, b, y, ldy, n);
   }
   return n;
-}
-
-// One vector times tiled BF16 rows [n0, n1) in 16 lanes: a block's rows 2j and 2j + 1 are 16 adjacent values
-// per column step, one 32-byte load into one register whose halves do tile<8, 1>'s lanes for the two rows
-// (x's 8 values in both halves), in its order: the same bits. Rows outside whole blocks as tile<1, 1>.
-K3_DECODE_AVX512 inline void tiled_rows_wide(const uint16_t* W, int64_t K, const float* x, float* y, int64_t n0,
-                                             int64_t n1) {
-  constexpr int64_t kBlock = Tiled::kRows;
-  const int64_t first = std::min(n1, (n0 + kBlock - 1) / kBlock * kBlock), last = std::max(first, n1 / kBlock * kBlock);
-  for (int64_t n = n0; n < first; ++n) tile<1, 1, Tiled>(W, K, x, 0, y, 1, n);
-  for (int64_t n = first; n < last; n += kBlock) {
-    const uint16_t* block = W + n * K;  // [K/8][8 rows][8]
-    __m512 acc[kBlock / 2];
-    for (auto& a : acc) a = _mm512_setzero_ps();
-    for (int64_t i = 0; i < K; i += 8) {
-      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + i));
-      for (int64_t j = 0; j < kBlock / 2; ++j) {
-        const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * kBlock + j * 16));
-        const __m512 w = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
-        acc[j] = _mm512_fmadd_ps(w, xv, acc[j]);
-      }
-    }
-    for (int64_t j = 0; j < kBlock / 2; ++j) {
-      y[n + 2 * j] = mxfp4_rows::horizontal_sum(_mm512_castps512_ps256(acc[j]));
-      y[n + 2 * j + 1] = mxfp4_rows::horizontal_sum(_mm512_extractf32x8_ps(acc[j], 1));
-    }
-  }
-  for (int64_t n = last; n < n1; ++n) tile<1, 1, Tiled>(W, K, x, 0, y, 1, n);
 }
 
 // y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for
@@ -223,26 +212,93 @@ K3_DECODE_AVX512 inline void tiled_rows_wide(const uint16_t* W, int64_t K, const
 // from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With
 // `wide` (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads,
 // B = 8, BF16 200 GFLOP/s against 133 (fp32 150 against 107), B = 2-3 level (memory-bound).
-template <typename L = RowMajor, typename T>
+template <typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1,
                                                            bool wide = false) {
-  if constexpr (std::is_same_v<L, Tiled>) {
-    if (wide && B == 1) return tiled_rows_wide(W, K, x, y, n0, n1);
-  }
   const int64_t step = B == 1 ? 8 : 6;
-  int64_t n = wide && B > 1 ? dense_rows_pairs<L>(W, K, x, B, y, ldy, n0, n1) : n0;
+  int64_t n = wide && B > 1 ? dense_rows_pairs(W, K, x, B, y, ldy, n0, n1) : n0;
   for (; n + step <= n1; n += step) {
     if (B == 1) {
-      tile<8, 1, L>(W, K, x, 0, y, ldy, n);
+      tile<8, 1, RowMajor>(W, K, x, 0, y, ldy, n);
       continue;
     }
     int64_t b = 0;
-    for (; b + 2 <= B; b += 2) tile<6, 2, L>(W, K, x, b, y, ldy, n);
-    if (b < B) tile<6, 1, L>(W, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile<6, 2, RowMajor>(W, K, x, b, y, ldy, n);
+    if (b < B) tile<6, 1, RowMajor>(W, K, x, b, y, ldy, n);
   }
   for (; n < n1; ++n)
-    for (int64_t b = 0; b < B; ++b) tile<1, 1, L>(W, K, x, b, y, ldy, n);
+    for (int64_t b = 0; b < B; ++b) tile<1, 1, RowMajor>(W, K, x, b, y, ldy, n);
+}
+
+// V vectors b0 .. b0 + V - 1 times the tiled block of rows n .. n + 7 in 16 lanes: the block's rows 2j and
+// 2j + 1 are 16 adjacent values per column step, one 32-byte load into one register whose halves do
+// tile<8, 1>'s lanes for the two rows (a vector's 8 values in both halves), in its order: the same bits.
+// 4 x V accumulators (V <= 6: 24, a weight and a vector: 26 of the 32 registers).
+template <int V>
+K3_DECODE_AVX512 inline void tiled_block(const uint16_t* W, int64_t K, const float* x, int64_t b0, float* y,
+                                         int64_t ldy, int64_t n) {
+  constexpr int64_t kPairs = Tiled::kRows / 2;
+  const uint16_t* block = Tiled::start(W, K, n);  // [K/8][8 rows][8]
+  __m512 acc[kPairs][V];
+  for (auto& pair : acc)
+    for (auto& a : pair) a = _mm512_setzero_ps();
+  for (int64_t i = 0; i < K; i += 8) {
+    prefetch_ahead<Tiled>(block, i);
+    __m512 w[kPairs];
+    for (int64_t j = 0; j < kPairs; ++j) {
+      const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * Tiled::kRows + j * 16));
+      w[j] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(two), 16));
+    }
+    for (int v = 0; v < V; ++v) {
+      const __m512 xv = _mm512_broadcast_f32x8(_mm256_loadu_ps(x + (b0 + v) * K + i));
+      for (int64_t j = 0; j < kPairs; ++j) acc[j][v] = _mm512_fmadd_ps(w[j], xv, acc[j][v]);
+    }
+  }
+  for (int64_t j = 0; j < kPairs; ++j)
+    for (int v = 0; v < V; ++v) {
+      y[(b0 + v) * ldy + n + 2 * j] = mxfp4_rows::horizontal_sum(_mm512_castps512_ps256(acc[j][v]));
+      y[(b0 + v) * ldy + n + 2 * j + 1] = mxfp4_rows::horizontal_sum(_mm512_extractf32x8_ps(acc[j][v], 1));
+    }
+}
+
+// B vectors times the tiled block of rows n .. n + 7 in 16 lanes, six vectors per pass: the first pass
+// streams the block (114 kB at K = 7168) from memory, the others read it from the L2 cache.
+K3_DECODE_AVX512 inline void tiled_block_vectors(const uint16_t* W, int64_t K, const float* x, int64_t B, float* y,
+                                                 int64_t ldy, int64_t n) {
+  constexpr void (*kPass[])(const uint16_t*, int64_t, const float*, int64_t, float*, int64_t, int64_t) = {
+      nullptr, tiled_block<1>, tiled_block<2>, tiled_block<3>, tiled_block<4>, tiled_block<5>, tiled_block<6>};
+  for (int64_t b = 0; b < B; b += 6) kPass[std::min<int64_t>(6, B - b)](W, K, x, b, y, ldy, n);
+}
+
+// y[b * ldy + n] = W[n, :] . x[b] for tiled BF16 rows [n0, n1): whole blocks one at a time, each read front
+// to back for all B vectors (a tile of 6 rows would straddle blocks and read most of them twice), the rows
+// outside whole blocks one by one. Without AVX-512 and B > 1, each half block (4 rows: one cache line of
+// the 128-byte column step) x two vectors per tile, the other half's line from the cache.
+__attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, int64_t K, const float* x, int64_t B,
+                                                           float* y, int64_t ldy, int64_t n0, int64_t n1, bool wide) {
+  constexpr int64_t kBlock = Tiled::kRows;
+  const int64_t first = std::min(n1, (n0 + kBlock - 1) / kBlock * kBlock);
+  const int64_t last = std::max(first, n1 / kBlock * kBlock);
+  const auto one_by_one = [&](int64_t from, int64_t to) {
+    for (int64_t n = from; n < to; ++n)
+      for (int64_t b = 0; b < B; ++b) tile<1, 1, Tiled>(W, K, x, b, y, ldy, n);
+  };
+  one_by_one(n0, first);
+  for (int64_t n = first; n < last; n += kBlock) {
+    if (wide) {
+      tiled_block_vectors(W, K, x, B, y, ldy, n);
+    } else if (B == 1) {
+      tile<8, 1, Tiled>(W, K, x, 0, y, ldy, n);
+    } else {
+      for (int64_t half = n; half < n + kBlock; half += kBlock / 2) {
+        int64_t b = 0;
+        for (; b + 2 <= B; b += 2) tile<4, 2, Tiled>(W, K, x, b, y, ldy, half);
+        if (b < B) tile<4, 1, Tiled>(W, K, x, b, y, ldy, half);
+      }
+    }
+  }
+  one_by_one(last, n1);
 }
 
 // A [N, K] matrix: fp32 (`dense`), BF16 (`bf16`, row-major or `tiled`) or MXFP4 (`packed` [N, K/2] uint8 +
@@ -260,7 +316,7 @@ struct Weight {
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
-    if (bf16 != nullptr && tiled) return dense_rows<Tiled>(bf16, K, x, B, y, ldy, n0, n1, wide);
+    if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (B == 1 && wide) {
       thread_local std::vector<float> paired;  // x in the kernel's pair-of-blocks order
