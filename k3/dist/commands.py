@@ -80,8 +80,8 @@ def _command_line(ctx: typer.Context, drop: str) -> list[str]:
     args: list[str] = []
     for param in ctx.command.params:
         value = ctx.params[param.name]
-        if param.name == drop or value is None:
-            continue
+        if param.name == drop or value is None or (isinstance(value, list | tuple) and not value):
+            continue  # unset (an unset list option, `--image`, parses to an empty tuple)
         text = repr(value) if isinstance(value, float) else str(value)  # repr: a float's every digit
         args += [text] if param.param_type_name == "argument" else [param.opts[0], text]
     return args

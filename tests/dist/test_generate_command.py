@@ -67,7 +67,7 @@ def test_launch_passes_every_parsed_option_but_nproc_to_the_ranks(tmp_path, monk
         CliRunner().invoke(app, args[2:]).exit_code == 0
     )  # each rank's parse (outside torchrun: one process)
     assert CliRunner().invoke(app, user).exit_code == 0  # what the user typed, on one process
-    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2)
+    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2, None)  # no image
 
 
 def test_generate_from_a_url_on_two_processes_prints_what_one_process_prints(tmp_path):
