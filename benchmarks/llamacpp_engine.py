@@ -73,6 +73,7 @@ class K3Engine:
         matrix but the embedding table and lm_head (a prefill keeps one position's logits), the routed
         experts in proportion k / E; attention's own products (a few % at these lengths) not counted."""
         from k3.model.moe import RoutedExpert
+        from k3.model.norm import Linear
         from k3.ops.mxfp4 import MXFP4Linear
 
         cfg = self.model.config
@@ -83,7 +84,7 @@ class K3Engine:
         for m in self.model.modules():
             if id(m) in skip:
                 continue
-            if isinstance(m, MXFP4Linear):
+            if isinstance(m, MXFP4Linear | Linear):  # a Linear's weight in rows or tiled (k3.model.tiling)
                 macs = m.in_features * m.out_features
             elif isinstance(getattr(m, "weight", None), self.torch.Tensor) and m.weight.dim() == 2:
                 macs = m.weight.numel()
