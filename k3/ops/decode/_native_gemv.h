@@ -234,7 +234,7 @@ __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K
 // V vectors b0 .. b0 + V - 1 times the tiled block of rows n .. n + 7 in 16 lanes: the block's rows 2j and
 // 2j + 1 are 16 adjacent values per column step, one 32-byte load into one register whose halves do
 // tile<8, 1>'s lanes for the two rows (a vector's 8 values in both halves), in its order: the same bits.
-// 4 x V accumulators (V <= 6: 24, a weight and a vector: 26 of the 32 registers).
+// 4 x V accumulators (V <= 6: 24, four weights and a vector: 29 of the 32 registers).
 template <int V>
 K3_DECODE_AVX512 inline void tiled_block(const uint16_t* W, int64_t K, const float* x, int64_t b0, float* y,
                                          int64_t ldy, int64_t n) {
