@@ -1,6 +1,6 @@
 """The K3 model in PyTorch (spec: docs/spec/K3.md sections 3-4).
 
-Modules, one concept each: `norm` (RMSNorm, Linear), `activations` (SiTU, SiLU-GLU), `kda` (KDA layer),
+Modules, one concept each: `norm` (RMSNorm, Linear), `tiling` (BF16 weights laid out for the decode kernels), `activations` (SiTU, SiLU-GLU), `kda` (KDA layer),
 `mla` (gated MLA, plain and absorbed), `moe` (router, latent MoE, experts), `mlp` (dense MLP), `attn_res`
 (Block Attention Residuals), `cache` (inference state), `model` (K3ForCausalLM), `multimodal` (K3 with
 its vision tower: K3ForConditionalGeneration), `loading`
