@@ -1,10 +1,10 @@
 """The K3 model in PyTorch (spec: docs/spec/K3.md sections 3-4).
 
-Modules, one concept each: `norm` (RMSNorm, Linear), `tiling` (BF16 weights laid out for the decode kernels), `activations` (SiTU, SiLU-GLU), `kda` (KDA layer),
-`mla` (gated MLA, plain and absorbed), `moe` (router, latent MoE, experts), `mlp` (dense MLP), `attn_res`
-(Block Attention Residuals), `cache` (inference state), `model` (K3ForCausalLM), `multimodal` (K3 with
-its vision tower: K3ForConditionalGeneration), `loading`
-(from_pretrained), `init` (random weights, `init_checkpoint`), `commands` (`k3 init`).
+Modules, one concept each: `norm` (RMSNorm, Linear), `tiling` (BF16 weights laid out for the decode
+kernels), `activations` (SiTU, SiLU-GLU), `kda` (KDA layer), `mla` (gated MLA, plain and absorbed), `moe`
+(router, latent MoE, experts), `mlp` (dense MLP), `attn_res` (Block Attention Residuals), `cache` (inference
+state), `model` (K3ForCausalLM), `multimodal` (K3 with its vision tower: K3ForConditionalGeneration),
+`loading` (from_pretrained), `init` (random weights, `init_checkpoint`), `commands` (`k3 init`).
 """
 
 from k3.lazy import lazy_exports
