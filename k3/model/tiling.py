@@ -93,10 +93,11 @@ def tile_weights(model: nn.Module) -> int:
 
 
 def untile_weights(model: nn.Module) -> int:
-    """Put every tiled weight back in rows [N, K]; returns the bytes untiled."""
+    """Put every tiled weight back in rows [N, K]; returns the bytes untiled. Only a tileable module's
+    weight is looked at (a convolution's weight has four dimensions too)."""
     done = 0
     for module in model.modules():
-        w = module._parameters.get("weight")
+        w = module._parameters.get("weight") if getattr(module, "tileable", False) else None
         if w is not None and is_tiled(w):
             rows = rows_of(w.data, 0, matrix_shape(w)[0]).contiguous()
             module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)

@@ -15,7 +15,8 @@ import torch
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
-from k3.model.tiling import is_tiled, matrix_shape, rows_of
+from k3.model.norm import Linear
+from k3.model.tiling import is_tiled, matrix_shape, rows_of, tile_weights, untile_weights
 from k3.ops.decode.native import load_native
 
 pytestmark = pytest.mark.skipif(
@@ -140,3 +141,13 @@ def test_what_is_not_tiled_and_bad_requests():
         native.tile_rows(torch.zeros(12, 16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="blocks of 8"):
         rows_of(by_torch(torch.zeros(16, 16, dtype=torch.bfloat16)), 4, 16)
+
+
+def test_untiling_leaves_other_four_dimensional_weights_alone():
+    """A convolution's weight (the vision tower's patch embedding) has four dimensions too: untouched."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 2), Linear(16, 8)).requires_grad_(False)
+    model[1].weight.data = torch.randn(8, 16, generator=gen(6)).bfloat16()
+    conv, rows = model[0].weight.clone(), model[1].weight.clone()
+    assert tile_weights(model) == rows.nbytes and is_tiled(model[1].weight)
+    assert untile_weights(model) == rows.nbytes
+    assert torch.equal(model[0].weight, conv) and torch.equal(model[1].weight, rows)
