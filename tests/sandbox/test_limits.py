@@ -65,17 +65,18 @@ def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx, backend):
 def test_commands_run_side_by_side_and_signals_reach_one(sbx):
     """A command that reads stdin keeps running while others come and go; SIGTERM reaches it alone."""
     reader = sbx.commands.start("cat; echo got-eof", timeout=60, keep_stdin=True)
-    sleeper = sbx.commands.start("trap 'echo term; exit 3' TERM; sleep 50 & wait", timeout=60)
+    sleeper = sbx.commands.start("trap 'echo term; exit 3' TERM; echo ready; sleep 50 & wait", timeout=60)
     reader.write_stdin(b"first\n")
     assert sbx.commands.run("echo meanwhile", timeout=20).stdout == "meanwhile\n"
     reader.write_stdin(b"second\n")
     reader.close_stdin()
     out = reader.wait(30)
     assert out.stdout == b"first\nsecond\ngot-eof\n" and out.exit_code == 0
-    time.sleep(0.5)  # let the trap be installed
+    # the trap is in place once the command says so (a fixed 0.5 s was not always enough under CI's load)
+    assert next(data for stream, data in sleeper.follow() if stream == "stdout") == b"ready\n"
     sbx.commands.signal(sleeper.pid, 15)
     out = sleeper.wait(30)
-    assert out.exit_code == 3 and out.stdout == b"term\n", out
+    assert out.exit_code == 3 and out.stdout == b"ready\nterm\n", out
     assert {p.pid for p in sbx.commands.list()}.isdisjoint({reader.pid, sleeper.pid})
 
 
