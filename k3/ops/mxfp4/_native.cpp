@@ -42,7 +42,7 @@
 
 namespace {
 
-using namespace mxfp4_rows;  // kBlock, decode_block, gemv_one_row, gemv_rows, gemv_dense
+using namespace mxfp4_rows;  // kBlock, decode_block, nibble_layout, kGemvRows, gemv_dense
 
 
 // dst[i, j] = W[n_begin + i, k_begin + j] in fp32, for a tile of `rows` x `cols` (cols a multiple of 32).
@@ -118,26 +118,19 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  // M = 1: x in the AVX-512 kernel's pair-of-blocks order; torch's allocator aligns it to 64 bytes, so (K
-  // being a multiple of 32) no 64-byte load of it straddles two cache lines
-  torch::Tensor paired;
-  if (wide && M == 1) {
-    paired = torch::empty({K}, x.options());
-    mxfp4_rows512::pair_layout(xp, K, paired.data_ptr<float>());
-    xp = paired.data_ptr<float>();
-  }
+  // x in the kernels' order (mxfp4_rows::nibble_layout)
+  const int64_t stride = nibble_stride(K);
+  torch::Tensor xd = torch::empty({M, stride}, x.options());
+  nibble_layout(x.data_ptr<float>(), K, M, xd.data_ptr<float>());
+  const float* xp = xd.data_ptr<float>();
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
-    if (M == 1) {
-      (wide ? mxfp4_rows512::gemv_one_row : gemv_one_row)(xp, pp, sp, K, op, n_begin, n_end);
-      return;
-    }
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
-      kGemvRows[rows](xp + r0 * K, pp, sp, K, N, op + r0 * N, n_begin, n_end);
+      (wide ? mxfp4_rows512::kGemvRowsPairs : kGemvRows)[rows](xp + r0 * stride, stride, pp, sp, K,
+                                                                op + r0 * N, N, n_begin, n_end);
     }
   });
   return out;
@@ -330,10 +323,10 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
-    if (!wide) return gemv_one_row(x, pp, sp, cols, out, 0, rows);
-    torch::Tensor paired = torch::empty({cols}, z.options());  // x in pair order, 64-byte aligned
-    mxfp4_rows512::pair_layout(x, cols, paired.data_ptr<float>());
-    mxfp4_rows512::gemv_one_row(paired.data_ptr<float>(), pp, sp, cols, out, 0, rows);
+    thread_local std::vector<float> xd;  // x in the kernels' order
+    xd.resize(nibble_stride(cols));
+    nibble_layout(x, cols, 1, xd.data());
+    (wide ? mxfp4_rows512::kGemvRowsPairs : kGemvRows)[1](xd.data(), 0, pp, sp, cols, out, 0, 0, rows);
   };
   return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);
 }
