@@ -4,8 +4,8 @@
 
 `mxfp4 bf16 x` is the same packed matrix times a bf16 x (k3's bf16 compute mode: bf16 dot products at
 M <= 8 where the CPU has AVX-512 BF16, bf16 tiles and torch's bf16 GEMM above). `mxfp4 decode` (M <= 8) is
-the product the fused decode step runs for each chosen expert (k3.ops.decode: a row's bits do not depend on
-its batch, so it differs from `mxfp4 native`'s one-row kernel).
+the product the fused decode step runs for each chosen expert (k3.ops.decode's `expert_rows`: the same
+nibble-order kernel as `mxfp4 native` at M <= 8, entered the way the step enters it).
 
 Measured as decode meets it: every call reads another matrix, each method cycling through distinct
 matrices totalling ``--cycle-mb`` (256 MB: 44 MXFP4 experts of 5.9 MB, far more than the caches hold; one

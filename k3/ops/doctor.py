@@ -68,8 +68,8 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
 
 
 def kernel_variant(module) -> str | None:
-    """The SIMD code a native module runs here: "avx512" where its one-row MXFP4 GEMV (the MXFP4 module, a
-    CPU with AVX-512 F/BW/DQ/VL/VBMI) or its chunk products (the KDA module, AVX-512 F) take their AVX-512
+    """The SIMD code a native module runs here: "avx512" where its few-row MXFP4 GEMV (the MXFP4 module, a
+    CPU with AVX-512 F/DQ) or its chunk products (the KDA module, AVX-512 F) take their AVX-512
     variant, else "avx2"; None without it."""
     if module is None:
         return None
@@ -89,9 +89,9 @@ def bf16_products(module) -> bool | None:
 
 # what runs in AVX-512 where a module's "avx512" variant is in use (the rest: AVX2 + FMA)
 AVX512_PARTS = {
-    MXFP4_EXTENSION.name: "the one-row MXFP4 GEMV (M = 1)",
+    MXFP4_EXTENSION.name: "the few-row MXFP4 GEMV (M <= 8)",
     KDA_EXTENSION.name: "the chunk products (prefill, training)",
-    DECODE_EXTENSION.name: "the experts' one-row MXFP4 products",
+    DECODE_EXTENSION.name: "the experts' MXFP4 products, the weight rows and the MLA heads",
 }
 
 

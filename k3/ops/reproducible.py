@@ -13,11 +13,11 @@
   (each result is within gamma_K sum |x_k w_k| of the exact sum). MKL_CBWR's strict mode does not remove
   this on every shape, and its COMPATIBLE mode is the slow SSE2 path, so k3 claims bitwise results at one
   thread count and this bound across thread counts.
-* The native kernels (k3/ops/*/_native*): no. They are AVX2 + FMA, and the one AVX-512 variant (the
-  one-row MXFP4 GEMV) runs each lane's AVX2 operations in the AVX2 order, so it gives the AVX2 bits
-  (tests/ops/test_mxfp4.py); every output element is reduced inside one thread in a fixed order (parallel
-  over rows, heads or tiles, never within a sum): the same bits at any thread count
-  (tests/ops/test_reproducible.py).
+* The native kernels (k3/ops/*/_native*): no. They are AVX2 + FMA, and their AVX-512 variants (the
+  few-row MXFP4 GEMV, the decode step's rows, the KDA chunk products) run each lane's AVX2 operations in
+  the AVX2 order, so they give the AVX2 bits (tests/ops/test_mxfp4.py, tests/model/test_fused_decode.py);
+  every output element is reduced inside one thread in a fixed order (parallel over rows, heads or tiles,
+  never within a sum): the same bits at any thread count (tests/ops/test_reproducible.py).
 
 To try another CPU's paths here: `ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2` (torch's and
 MKL's own switches) makes torch and MKL take their AVX2 code on an AVX-512 machine.

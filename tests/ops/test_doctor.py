@@ -30,7 +30,7 @@ def test_doctor_reports_the_kernels_in_use():
         status = native_status(ext)
         assert kernel["name"] == ext.name
         assert kernel["in_use"] == ("native" if status.in_use else "torch fallback")
-        # MXFP4 and decode say which one-row MXFP4 GEMV they picked, KDA which chunk products
+        # MXFP4 and decode say which few-row MXFP4 GEMV they picked, KDA which chunk products
         asked = "products_variant" if ext is KDA_EXTENSION else "gemv_variant"
         assert kernel["variant"] == (getattr(status.module, asked)() if status.in_use else None)
     kda = report["kernels"][1]
@@ -39,7 +39,7 @@ def test_doctor_reports_the_kernels_in_use():
     mxfp4 = report["kernels"][0]
     if mxfp4["variant"] is not None:  # AVX-512 only where the CPU has it
         cpu = report["cpu"]["features"]
-        assert (mxfp4["variant"] == "avx512") <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512vl"])
+        assert (mxfp4["variant"] == "avx512") <= cpu["avx512f"]
         # bf16 dot products only where the CPU has them, and the module's answer is the one reported
         assert mxfp4["bf16_dot_products"] == native_status(MXFP4_EXTENSION).module.bf16_gemv_supported()
         assert mxfp4["bf16_dot_products"] <= (cpu["avx512bf16"] and cpu["avx512f"] and cpu["avx512bw"])

@@ -7,9 +7,10 @@
 //   scale  [N, K/32] uint8: E8M0, byte s means 2^(s-127), 255 is NaN
 //
 // Two paths, chosen by the caller through `gemv_max_m`:
-//   * small M (decode): one pass over W per group of up to 8 rows of x. Each block of 32 codes is
-//     decoded with a byte shuffle (vpshufb) into int8 "code times two" values, widened to fp32 and
-//     multiplied into the x rows with FMAs. Parallel over output rows n.
+//   * small M (decode): one pass over W per group of up to 8 rows of x (_native_rows.h `gemv_rows`, the
+//     decode step's kernel: a row's bits do not depend on M). Each pair of blocks is decoded once, nibble
+//     by nibble, into fp32 "code times two" values and multiplied into the x rows with FMAs. Parallel over
+//     output rows n.
 //   * large M (prefill): W is decoded to fp32 one [tile_n, tile_k] tile at a time into a per-thread
 //     scratch buffer, and the tile is multiplied with at::addmm_ (MKL sgemm). Scratch memory is
 //     tile_n * tile_k floats per thread, independent of the matrix size. Parallel over n-tiles.
@@ -18,8 +19,8 @@
 //
 // The SIMD code is AVX2 + FMA, compiled per function with __attribute__((target)) so that the module
 // itself loads on any x86-64 CPU; `cpu_supported()` tells Python whether the kernels may be called. The
-// M = 1 GEMV also has an AVX-512 variant (_native_rows512.h, bit for bit the AVX2 results), taken where
-// the CPU has AVX-512 F/BW/DQ/VL/VBMI; `gemv_variant()` names the one in use.
+// small-M GEMV also has an AVX-512 variant (_native_rows512.h, bit for bit the AVX2 results), taken where
+// the CPU has AVX-512 F/DQ; `gemv_variant()` names the one in use.
 
 #include <torch/extension.h>
 

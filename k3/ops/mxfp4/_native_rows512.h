@@ -23,13 +23,11 @@ using mxfp4_rows::kBlock;
 using mxfp4_rows::kBlockBytes;
 using mxfp4_rows::kHalfScale;
 
-#define K3_AVX512 __attribute__((target("avx2,fma,avx512f,avx512bw,avx512dq,avx512vl,avx512vbmi")))
+#define K3_AVX512 __attribute__((target("avx2,fma,avx512f,avx512dq")))
 
 inline bool cpu_supported() {
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512vbmi");
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 }
 
 // The few-row GEMV in use on this CPU: "avx512" where it has what this file needs, else "avx2".
@@ -40,7 +38,7 @@ inline std::string gemv_variant() {
 
 // Whether the kernels `variant` asks for are this file's: "auto" (gemv_variant()), "avx2" or "avx512".
 inline bool wide_variant(const std::string& variant) {
-  return k3_native::wide_variant(variant, gemv_variant() == "avx512", "F/BW/DQ/VL/VBMI");
+  return k3_native::wide_variant(variant, gemv_variant() == "avx512", "F/DQ");
 }
 
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
