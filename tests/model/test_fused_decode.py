@@ -181,11 +181,11 @@ def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
 
 @pytest.mark.parametrize("K", [3584, 3072, 32 * 7, 32])  # K3's latent and expert widths, an odd block count
 def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
-    """The decode step's per-expert product (`expert_rows`: at one row the AVX-512 kernel with pre-scaled
-    lookup tables where the CPU has it) against the AVX2 kernel forced (bit for bit), against float64 of the
+    """The decode step's per-expert product (`expert_rows`: the nibble-order kernel, in 16 lanes where the
+    CPU has AVX-512) against the AVX2 kernel forced (bit for bit), against float64 of the
     decoded weights (fp32 rounding), and each row alone against the same row in batches of 2, 5, 8 and 11
     (bit for bit: the few-row kernel at 2, 5 and 8 rows, and two passes of 8 rows and 3); every normal scale
-    byte appears."""
+    byte appears (1: the subnormal 2^-127), and 0 (2^-128) and 255 (NaN) in a row each."""
     from k3.ops.mxfp4 import dequantize_mxfp4
 
     native = load_native()
@@ -195,6 +195,7 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     scale = (torch.arange(rows * (K // 32)).view(rows, K // 32) % 254 + 1).to(torch.uint8)
     lead = min(4, K // 32)  # a trained expert's range first, so that most outputs stay finite
     scale[:, :lead] = torch.randint(118, 130, (rows, lead), dtype=torch.uint8, generator=g)
+    scale[3, -1], scale[4, -1] = 0, 255
     w = dequantize_mxfp4(packed, scale).double()  # [rows, K]
     x = torch.randn(11, K, generator=g)
 

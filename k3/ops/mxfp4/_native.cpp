@@ -43,7 +43,7 @@
 
 namespace {
 
-using namespace mxfp4_rows;  // kBlock, decode_block, nibble_layout, kGemvRows, gemv_dense
+using namespace mxfp4_rows;  // kBlock, decode_block, lay_out, kGemvRows, gemv_dense
 
 
 // dst[i, j] = W[n_begin + i, k_begin + j] in fp32, for a tile of `rows` x `cols` (cols a multiple of 32).
@@ -119,11 +119,10 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  // x in the kernels' order (mxfp4_rows::nibble_layout)
+  // x in the kernels' order (mxfp4_rows::lay_out)
   const int64_t stride = nibble_stride(K);
-  torch::Tensor xd = torch::empty({M, stride}, x.options());
-  nibble_layout(x.data_ptr<float>(), K, M, xd.data_ptr<float>());
-  const float* xp = xd.data_ptr<float>();
+  std::vector<float> storage;
+  const float* xp = lay_out(x.data_ptr<float>(), K, M, storage);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
@@ -324,10 +323,9 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
-    thread_local std::vector<float> xd;  // x in the kernels' order
-    xd.resize(nibble_stride(cols));
-    nibble_layout(x, cols, 1, xd.data());
-    (wide ? mxfp4_rows512::kGemvRowsPairs : kGemvRows)[1](xd.data(), 0, pp, sp, cols, out, 0, 0, rows);
+    thread_local std::vector<float> storage;  // x in the kernels' order
+    const float* xd = lay_out(x, cols, 1, storage);
+    (wide ? mxfp4_rows512::kGemvRowsPairs : kGemvRows)[1](xd, 0, pp, sp, cols, out, 0, 0, rows);
   };
   return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);
 }

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 namespace mxfp4_rows {
 
@@ -84,6 +85,17 @@ inline void nibble_layout(const float* x, int64_t K, int64_t B, float* xd) {
           const int64_t k = kPair * p + 8 * l + j;
           xd[b * stride + kPair * p + 8 * j + l] = k < K ? x[b * K + k] : 0.0f;
         }
+}
+
+// x [B, K] in the kernels' order in `storage`, starting at a 64-byte boundary (so that no step's load
+// straddles two cache lines: measured 1.25x for the AVX2 kernel at eight rows); returns where it starts.
+inline const float* lay_out(const float* x, int64_t K, int64_t B, std::vector<float>& storage) {
+  constexpr int64_t kLine = 64 / sizeof(float);
+  storage.resize(B * nibble_stride(K) + kLine);
+  float* xd = storage.data();
+  xd += (kLine - reinterpret_cast<uintptr_t>(xd) / sizeof(float) % kLine) % kLine;
+  nibble_layout(x, K, B, xd);
+  return xd;
 }
 
 // The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two). The byte
