@@ -102,7 +102,8 @@ inline const float* lay_out(const float* x, int64_t K, int64_t B, std::vector<fl
 // shuffle looks up each nibble's value as an int8 (even elements from the low nibbles, odd from the high);
 // element 8l + 2q + t is then byte q of word l of the even or odd lookup: shifted to the top and back.
 __attribute__((target("avx2,fma"))) inline void decode_pair(__m256i bytes, __m256 w[8]) {
-  const __m256i lut = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodeTimesTwo)));
+  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodeTimesTwo));
+  const __m256i lut = _mm256_broadcastsi128_si256(table);
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, low_mask));
   const __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask));
@@ -155,7 +156,9 @@ __attribute__((target("avx2,fma"))) void gemv_rows(const float* xd, int64_t stri
     for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
     __m256 w[8];
     for (int64_t p = 0; p < whole; ++p) {
-      if (p % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row_bytes + p * kPairBytes + kAheadBytes), _MM_HINT_T0);
+      if (p % 2 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(row_bytes + p * kPairBytes + kAheadBytes), _MM_HINT_T0);
+      }
       decode_pair(pair_bytes(row_bytes, p, true), w);
       pair_products<ROWS>(w, pair_scale(row_scale, p, true), xd + kPair * p, stride, acc);
     }
