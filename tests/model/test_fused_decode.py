@@ -179,7 +179,9 @@ def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
     assert native.gemv_variant() in ("avx512", "avx2")
 
 
-@pytest.mark.parametrize("K", [3584, 3072, 32 * 7, 32])  # K3's latent and expert widths, an odd block count
+# K3's latent and expert widths, an odd block count (7, and 21: whole groups of 8 pairs, 2 pairs more and the
+# odd block), one block
+@pytest.mark.parametrize("K", [3584, 3072, 32 * 7, 32 * 21, 32])
 def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     """The decode step's per-expert product (`expert_rows`: the nibble-order kernel, in 16 lanes where the
     CPU has AVX-512) against the AVX2 kernel forced (bit for bit), against float64 of the

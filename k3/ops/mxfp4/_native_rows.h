@@ -71,30 +71,33 @@ constexpr int64_t kPair = 2 * kBlock;            // elements per pair of blocks
 constexpr int64_t kPairBytes = 2 * kBlockBytes;  // packed bytes per pair
 constexpr int64_t kAheadBytes = 8192;
 
-// Floats per row of x in the kernels' order (`nibble_layout`): K rounded up to a whole pair of blocks.
-inline int64_t nibble_stride(int64_t K) { return (K + kPair - 1) / kPair * kPair; }
+// Floats per row of x in the kernels' order (`nibble_layout`): K rounded up to a whole pair of blocks, times
+// the copies of each step's values (2 for the AVX-512 kernel at one row, _native_rows512.h; else 1).
+inline int64_t nibble_stride(int64_t K, int copies = 1) { return (K + kPair - 1) / kPair * kPair * copies; }
 
-// x [B, K] in the kernels' order: row b at xd + b * nibble_stride(K), pair p, step j, lane l holds
-// xd[64p + 8j + l] = x[b, 64p + 8l + j]; 0 past K (the missing block of an odd last pair).
-inline void nibble_layout(const float* x, int64_t K, int64_t B, float* xd) {
-  const int64_t stride = nibble_stride(K);
+// x [B, K] in the kernels' order: row b at xd + b * nibble_stride(K, copies), pair p, step j holds
+// x[b, 64p + 8l + j] at lanes l = 0..7, `copies` times over (xd[copies (64p + 8j) + 8c + l]); 0 past K (the
+// missing block of an odd last pair).
+inline void nibble_layout(const float* x, int64_t K, int64_t B, int copies, float* xd) {
+  const int64_t stride = nibble_stride(K, copies);
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t p = 0; p < stride / kPair; ++p)
+    for (int64_t p = 0; p < stride / (kPair * copies); ++p)
       for (int j = 0; j < 8; ++j)
         for (int l = 0; l < 8; ++l) {
           const int64_t k = kPair * p + 8 * l + j;
-          xd[b * stride + kPair * p + 8 * j + l] = k < K ? x[b * K + k] : 0.0f;
+          for (int c = 0; c < copies; ++c)
+            xd[b * stride + copies * (kPair * p + 8 * j) + 8 * c + l] = k < K ? x[b * K + k] : 0.0f;
         }
 }
 
 // x [B, K] in the kernels' order in `storage`, starting at a 64-byte boundary (so that no step's load
 // straddles two cache lines: measured 1.25x for the AVX2 kernel at eight rows); returns where it starts.
-inline const float* lay_out(const float* x, int64_t K, int64_t B, std::vector<float>& storage) {
+inline const float* lay_out(const float* x, int64_t K, int64_t B, int copies, std::vector<float>& storage) {
   constexpr int64_t kLine = 64 / sizeof(float);
-  storage.resize(B * nibble_stride(K) + kLine);
+  storage.resize(B * nibble_stride(K, copies) + kLine);
   float* xd = storage.data();
   xd += (kLine - reinterpret_cast<uintptr_t>(xd) / sizeof(float) % kLine) % kLine;
-  nibble_layout(x, K, B, xd);
+  nibble_layout(x, K, B, copies, xd);
   return xd;
 }
 
@@ -130,21 +133,23 @@ __attribute__((target("avx2,fma"))) inline __m256 pair_scale(const uint8_t* row_
   return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(first)), _mm_set1_ps(second), 1);
 }
 
-// acc[r] += (sum_j w[j] * xp_r[8j .. 8j + 8)) * s for ROWS rows of x (xp_r = xp + r * stride): one pair.
-template <int ROWS>
+// acc[r] += (sum_j w[j] * step j of xp_r) * s for ROWS rows of x (xp_r = xp + r * stride, each step's values
+// COPIES times over): one pair.
+template <int ROWS, int COPIES>
 __attribute__((target("avx2,fma"))) inline void pair_products(const __m256 w[8], __m256 s, const float* xp,
                                                               int64_t stride, __m256 acc[ROWS]) {
   for (int r = 0; r < ROWS; ++r) {
     const float* xr = xp + r * stride;
     __m256 partial = _mm256_mul_ps(w[0], _mm256_loadu_ps(xr));
-    for (int j = 1; j < 8; ++j) partial = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * j), partial);
+    for (int j = 1; j < 8; ++j) partial = _mm256_fmadd_ps(w[j], _mm256_loadu_ps(xr + 8 * COPIES * j), partial);
     acc[r] = _mm256_fmadd_ps(partial, s, acc[r]);
   }
 }
 
 // out[r * ldo + n] = sum_k x[r, k] * W[n, k] for r < ROWS and n in [n_begin, n_end), x given in the
-// kernels' order (xd, rows `stride` floats apart): each pair of blocks is decoded once for all ROWS rows.
-template <int ROWS>
+// kernels' order (xd, rows `stride` floats apart, COPIES copies): each pair of blocks is decoded once for all
+// ROWS rows.
+template <int ROWS, int COPIES = 1>
 __attribute__((target("avx2,fma"))) void gemv_rows(const float* xd, int64_t stride, const uint8_t* packed,
                                                    const uint8_t* scale, int64_t K, float* out, int64_t ldo,
                                                    int64_t n_begin, int64_t n_end) {
@@ -160,11 +165,12 @@ __attribute__((target("avx2,fma"))) void gemv_rows(const float* xd, int64_t stri
         _mm_prefetch(reinterpret_cast<const char*>(row_bytes + p * kPairBytes + kAheadBytes), _MM_HINT_T0);
       }
       decode_pair(pair_bytes(row_bytes, p, true), w);
-      pair_products<ROWS>(w, pair_scale(row_scale, p, true), xd + kPair * p, stride, acc);
+      pair_products<ROWS, COPIES>(w, pair_scale(row_scale, p, true), xd + COPIES * kPair * p, stride, acc);
     }
     if (blocks % 2 == 1) {
       decode_pair(pair_bytes(row_bytes, whole, false), w);
-      pair_products<ROWS>(w, pair_scale(row_scale, whole, false), xd + kPair * whole, stride, acc);
+      pair_products<ROWS, COPIES>(w, pair_scale(row_scale, whole, false), xd + COPIES * kPair * whole, stride,
+                                  acc);
     }
     for (int r = 0; r < ROWS; ++r) out[r * ldo + n] = horizontal_sum(acc[r]);
   }
