@@ -115,8 +115,8 @@ K3_AVX512 inline __m512 half_scales(__m128i bytes) {
 // gemv_rows_pairs<1> with x's step values laid out twice (mxfp4_rows::nibble_layout, 2 copies): the FMAs read
 // x from memory instead of broadcasting it, and the scales of 8 pairs (16 blocks) of each row are converted
 // at once, each pair's 16 lanes picked out by one vpermt2ps. The same bits.
-K3_AVX512 void gemv_row_twice(const float* xd, int64_t, const uint8_t* packed, const uint8_t* scale, int64_t K,
-                              float* out, int64_t, int64_t n_begin, int64_t n_end) {
+K3_AVX512 inline void gemv_row_twice(const float* xd, int64_t, const uint8_t* packed, const uint8_t* scale,
+                                     int64_t K, float* out, int64_t, int64_t n_begin, int64_t n_end) {
   constexpr int64_t kGroup = 8;  // pairs whose scales are converted at once
   const int64_t blocks = K / kBlock, whole = blocks / 2, row = K / 2;
   const int64_t grouped = whole - whole % kGroup;  // pairs in whole groups (their scales read 16 at a time)
@@ -131,10 +131,10 @@ K3_AVX512 void gemv_row_twice(const float* xd, int64_t, const uint8_t* packed, c
       const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_rows::pair_bytes(row_bytes, p, full)),
                                                mxfp4_rows::pair_bytes(row_bytes + row, p, full), 1);
       const float* xp = xd + 2 * mxfp4_rows::kPair * p;
-      __m512 partial = _mm512_mul_ps(_mm512_permutexvar_ps(words, table), _mm512_load_ps(xp));
+      __m512 partial = _mm512_mul_ps(_mm512_permutexvar_ps(words, table), _mm512_loadu_ps(xp));
       for (int j = 1; j < 8; ++j)
         partial = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * j), table),
-                                  _mm512_load_ps(xp + 16 * j), partial);
+                                  _mm512_loadu_ps(xp + 16 * j), partial);
       acc = _mm512_fmadd_ps(partial, s, acc);
     };
     __m512 low = _mm512_setzero_ps(), high = low;
