@@ -321,15 +321,14 @@ struct Weight {
     if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
-    const int copies = mxfp4_rows512::copies_of_x(wide, B);
     thread_local std::vector<float> storage;
-    const float* xd = mxfp4_rows::lay_out(x, K, B, copies, storage);  // x in the MXFP4 kernels' order
-    const int64_t stride = mxfp4_rows::nibble_stride(K, copies);
+    const mxfp4_rows512::LaidOut xd = mxfp4_rows512::lay_out(x, K, B, wide, storage);  // the kernels' order
     for (int64_t nb = n0; nb < n1; nb += kRowBlock) {
       const int64_t ne = std::min(n1, nb + kRowBlock);
       for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
         const int64_t r = std::min<int64_t>(mxfp4_rows::kMaxRows, B - r0);
-        mxfp4_rows512::kernel(wide, B, r)(xd + r0 * stride, stride, packed, scale, K, y + r0 * ldy, ldy, nb, ne);
+        mxfp4_rows512::kernel(wide, B, r)(xd.data + r0 * xd.stride, xd.stride, packed, scale, K, y + r0 * ldy, ldy,
+                                          nb, ne);
       }
     }
   }

@@ -43,7 +43,7 @@
 
 namespace {
 
-using namespace mxfp4_rows;  // kBlock, decode_block, lay_out, kGemvRows, gemv_dense
+using namespace mxfp4_rows;  // kBlock, decode_block, kMaxRows, gemv_dense
 
 
 // dst[i, j] = W[n_begin + i, k_begin + j] in fp32, for a tile of `rows` x `cols` (cols a multiple of 32).
@@ -119,18 +119,16 @@ torch::Tensor matmul_gemv(const torch::Tensor& x, const torch::Tensor& packed, c
   const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  // x in the kernels' order (mxfp4_rows::lay_out)
-  const int copies = mxfp4_rows512::copies_of_x(wide, M);
-  const int64_t stride = nibble_stride(K, copies);
   std::vector<float> storage;
-  const float* xp = lay_out(x.data_ptr<float>(), K, M, copies, storage);
+  const mxfp4_rows512::LaidOut xd = mxfp4_rows512::lay_out(x.data_ptr<float>(), K, M, wide, storage);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
     for (int64_t r0 = 0; r0 < M; r0 += kMaxRows) {
       const int64_t rows = std::min<int64_t>(kMaxRows, M - r0);
-      mxfp4_rows512::kernel(wide, M, rows)(xp + r0 * stride, stride, pp, sp, K, op + r0 * N, N, n_begin, n_end);
+      mxfp4_rows512::kernel(wide, M, rows)(xd.data + r0 * xd.stride, xd.stride, pp, sp, K, op + r0 * N, N,
+                                           n_begin, n_end);
     }
   });
   return out;
@@ -324,7 +322,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
     thread_local std::vector<float> storage;  // x in the kernels' order
-    const float* xd = lay_out(x, cols, 1, mxfp4_rows512::copies_of_x(wide, 1), storage);
+    const float* xd = mxfp4_rows512::lay_out(x, cols, 1, wide, storage).data;
     mxfp4_rows512::kernel(wide, 1, 1)(xd, 0, pp, sp, cols, out, 0, 0, rows);
   };
   return run_experts(z, k, m, gemv, weights, act, beta, linear_beta);

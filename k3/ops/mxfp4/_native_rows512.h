@@ -18,6 +18,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mxfp4_rows512 {
 
@@ -46,23 +47,31 @@ inline bool wide_variant(const std::string& variant) {
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
 alignas(64) constexpr float kCodeTimesTwoF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// acc[r] += rows n and n + 1's pair p (row_bytes, row_scale: row n's; `row` bytes and `blocks` scales to the
-// next row) times x's row r: mxfp4_rows::pair_products for two weight rows, each step's eight values of x
-// broadcast to both halves.
+// Rows n and n + 1's pair p (row_bytes: row n's, `row` bytes to the next) as the eight steps w[j]: lanes 0-7
+// row n's element 8l + j times two, lanes 8-15 row n + 1's.
+K3_AVX512 inline void two_rows_steps(const uint8_t* row_bytes, int64_t row, int64_t p, bool whole, __m512 w[8]) {
+  const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_rows::pair_bytes(row_bytes, p, whole)),
+                                           mxfp4_rows::pair_bytes(row_bytes + row, p, whole), 1);
+  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
+  w[0] = _mm512_permutexvar_ps(words, table);
+  for (int j = 1; j < 8; ++j) w[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * j), table);
+}
+
+// [row n's mxfp4_rows::pair_scale | row n + 1's] (row_scale: row n's, `blocks` scales to the next row)
+K3_AVX512 inline __m512 two_rows_scale(const uint8_t* row_scale, int64_t blocks, int64_t p, bool whole) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(mxfp4_rows::pair_scale(row_scale, p, whole)),
+                            mxfp4_rows::pair_scale(row_scale + blocks, p, whole), 1);
+}
+
+// acc[r] += rows n and n + 1's pair p times x's row r: mxfp4_rows::pair_products for two weight rows, each
+// step's eight values of x broadcast to both halves.
 template <int ROWS>
 K3_AVX512 inline void two_rows_pair(const uint8_t* row_bytes, int64_t row, const uint8_t* row_scale,
                                     int64_t blocks, int64_t p, bool whole, const float* xd, int64_t stride,
                                     __m512 acc[ROWS]) {
-  using mxfp4_rows::pair_bytes;
-  using mxfp4_rows::pair_scale;
-  const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(pair_bytes(row_bytes, p, whole)),
-                                           pair_bytes(row_bytes + row, p, whole), 1);
-  const __m512 s = _mm512_insertf32x8(_mm512_castps256_ps512(pair_scale(row_scale, p, whole)),
-                                      pair_scale(row_scale + blocks, p, whole), 1);
-  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
   __m512 w[8];
-  w[0] = _mm512_permutexvar_ps(words, table);
-  for (int j = 1; j < 8; ++j) w[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * j), table);
+  two_rows_steps(row_bytes, row, p, whole, w);
+  const __m512 s = two_rows_scale(row_scale, blocks, p, whole);
   for (int r = 0; r < ROWS; ++r) {
     const float* xr = xd + r * stride + mxfp4_rows::kPair * p;
     __m512 partial = _mm512_mul_ps(w[0], _mm512_broadcast_f32x8(_mm256_loadu_ps(xr)));
@@ -120,7 +129,6 @@ K3_AVX512 inline void gemv_row_twice(const float* xd, int64_t, const uint8_t* pa
   constexpr int64_t kGroup = 8;  // pairs whose scales are converted at once
   const int64_t blocks = K / kBlock, whole = blocks / 2, row = K / 2;
   const int64_t grouped = whole - whole % kGroup;  // pairs in whole groups (their scales read 16 at a time)
-  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
   const __m512i first_pair = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 16, 16, 16, 16, 17, 17, 17, 17);
   int64_t n = n_begin;
   for (; n + 2 <= n_end; n += 2) {
@@ -128,13 +136,11 @@ K3_AVX512 inline void gemv_row_twice(const float* xd, int64_t, const uint8_t* pa
     const uint8_t* row_scale = scale + n * blocks;
     __m512 acc = _mm512_setzero_ps();
     const auto pair = [&](int64_t p, bool full, __m512 s) K3_AVX512 {
-      const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_rows::pair_bytes(row_bytes, p, full)),
-                                               mxfp4_rows::pair_bytes(row_bytes + row, p, full), 1);
+      __m512 w[8];
+      two_rows_steps(row_bytes, row, p, full, w);
       const float* xp = xd + 2 * mxfp4_rows::kPair * p;
-      __m512 partial = _mm512_mul_ps(_mm512_permutexvar_ps(words, table), _mm512_loadu_ps(xp));
-      for (int j = 1; j < 8; ++j)
-        partial = _mm512_fmadd_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * j), table),
-                                  _mm512_loadu_ps(xp + 16 * j), partial);
+      __m512 partial = _mm512_mul_ps(w[0], _mm512_loadu_ps(xp));
+      for (int j = 1; j < 8; ++j) partial = _mm512_fmadd_ps(w[j], _mm512_loadu_ps(xp + 16 * j), partial);
       acc = _mm512_fmadd_ps(partial, s, acc);
     };
     __m512 low = _mm512_setzero_ps(), high = low;
@@ -145,26 +151,19 @@ K3_AVX512 inline void gemv_row_twice(const float* xd, int64_t, const uint8_t* pa
         _mm_prefetch(reinterpret_cast<const char*>(ahead), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(ahead + row), _MM_HINT_T0);
       }
-      __m512 s;
-      if (p < grouped) {
-        if (p % kGroup == 0) {
-          low = half_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scale + 2 * p)));
-          high = half_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scale + blocks + 2 * p)));
-          index = first_pair;
-        }
-        s = _mm512_permutex2var_ps(low, index, high);
-        index = _mm512_add_epi32(index, _mm512_set1_epi32(2));
-      } else {
-        s = _mm512_insertf32x8(_mm512_castps256_ps512(mxfp4_rows::pair_scale(row_scale, p, true)),
-                               mxfp4_rows::pair_scale(row_scale + blocks, p, true), 1);
+      if (p >= grouped) {
+        pair(p, true, two_rows_scale(row_scale, blocks, p, true));
+        continue;
       }
-      pair(p, true, s);
+      if (p % kGroup == 0) {
+        low = half_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scale + 2 * p)));
+        high = half_scales(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row_scale + blocks + 2 * p)));
+        index = first_pair;
+      }
+      pair(p, true, _mm512_permutex2var_ps(low, index, high));
+      index = _mm512_add_epi32(index, _mm512_set1_epi32(2));
     }
-    if (blocks % 2 == 1) {
-      pair(whole, false,
-           _mm512_insertf32x8(_mm512_castps256_ps512(mxfp4_rows::pair_scale(row_scale, whole, false)),
-                              mxfp4_rows::pair_scale(row_scale + blocks, whole, false), 1));
-    }
+    if (blocks % 2 == 1) pair(whole, false, two_rows_scale(row_scale, blocks, whole, false));
     out[n] = mxfp4_rows::horizontal_sum(_mm512_castps512_ps256(acc));
     out[n + 1] = mxfp4_rows::horizontal_sum(_mm512_extractf32x8_ps(acc, 1));
   }
@@ -179,8 +178,18 @@ constexpr mxfp4_rows::GemvRowsFn kGemvRowsPairs[mxfp4_rows::kMaxRows + 1] = {
 // otherwise once, for gemv_rows_pairs (AVX-512) or mxfp4_rows::gemv_rows.
 inline int copies_of_x(bool wide, int64_t B) { return wide && B == 1 ? 2 : 1; }
 
-// The kernel for `rows` (<= kMaxRows) rows of x of a call with B rows in all, x laid out with
-// copies_of_x(wide, B) copies.
+// x [B, K] laid out for the kernels `wide` picks (mxfp4_rows::lay_out, copies_of_x(wide, B) copies) in
+// `storage`: where it starts, and the floats from one row of x to the next.
+struct LaidOut {
+  const float* data;
+  int64_t stride;
+};
+inline LaidOut lay_out(const float* x, int64_t K, int64_t B, bool wide, std::vector<float>& storage) {
+  const int copies = copies_of_x(wide, B);
+  return {mxfp4_rows::lay_out(x, K, B, copies, storage), mxfp4_rows::nibble_stride(K, copies)};
+}
+
+// The kernel for `rows` (<= kMaxRows) rows of x of a call with B rows in all, x laid out by lay_out.
 inline mxfp4_rows::GemvRowsFn kernel(bool wide, int64_t B, int64_t rows) {
   if (copies_of_x(wide, B) == 2) return gemv_row_twice;
   return wide ? kGemvRowsPairs[rows] : mxfp4_rows::kGemvRows[rows];
