@@ -157,13 +157,14 @@ K3_DECODE_AVX512 inline __m512 load8_twice(const uint16_t* p) {
 
 // `tile` for R rows x 2P vectors in 16 lanes: register (r, p) holds the 8-lane accumulators of vectors
 // b0 + 2p (lanes 0-7) and b0 + 2p + 1 (lanes 8-15), each lane doing what its AVX2 lane does, in the same
-// order, so every value has `tile`'s bits. A weight is loaded and converted once for 2P vectors.
-template <int R, int P, typename L, typename T>
+// order, so every value has `tile`'s bits. A weight is loaded and converted once for 2P vectors. Rows as
+// stored ([N, K]); tiled weights have their own blocks (tiled_block).
+template <int R, int P, typename T>
 K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, int64_t b0, float* y, int64_t ldy,
                                         int64_t n) {
   const int64_t body = K - K % 8;
-  const T* r0 = L::start(W, K, n);
-  const int64_t apart = L::rows_apart(K);
+  const T* r0 = RowMajor::start(W, K, n);
+  const int64_t apart = RowMajor::rows_apart(K);
   __m512 acc[R][P];
   for (auto& row : acc)
     for (auto& a : row) a = _mm512_setzero_ps();
@@ -173,10 +174,9 @@ K3_DECODE_AVX512 inline void tile_pairs(const T* W, int64_t K, const float* x, i
       const float* xp = x + (b0 + 2 * p) * K + i;
       xv[p] = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(xp)), _mm256_loadu_ps(xp + K), 1);
     }
-    if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
     for (int r = 0; r < R; ++r) {
-      if constexpr (std::is_same_v<L, RowMajor>) prefetch_ahead<L>(r0 + r * apart, i);
-      const __m512 w = load8_twice(r0 + r * apart + i * L::kStep);
+      prefetch_ahead<RowMajor>(r0 + r * apart, i);
+      const __m512 w = load8_twice(r0 + r * apart + i);
       for (int p = 0; p < P; ++p) acc[r][p] = _mm512_fmadd_ps(w, xv[p], acc[r][p]);
     }
   }
@@ -197,9 +197,9 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
   int64_t n = n0;
   for (; n + 6 <= n1; n += 6) {
     int64_t b = 0;
-    for (; b + 8 <= B; b += 8) tile_pairs<6, 4, RowMajor>(W, K, x, b, y, ldy, n);
-    for (; b + 4 <= B; b += 4) tile_pairs<6, 2, RowMajor>(W, K, x, b, y, ldy, n);
-    for (; b + 2 <= B; b += 2) tile_pairs<6, 1, RowMajor>(W, K, x, b, y, ldy, n);
+    for (; b + 8 <= B; b += 8) tile_pairs<6, 4>(W, K, x, b, y, ldy, n);
+    for (; b + 4 <= B; b += 4) tile_pairs<6, 2>(W, K, x, b, y, ldy, n);
+    for (; b + 2 <= B; b += 2) tile_pairs<6, 1>(W, K, x, b, y, ldy, n);
     if (b < B) tile<6, 1, RowMajor>(W, K, x, b, y, ldy, n);
   }
   return n;
