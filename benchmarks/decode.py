@@ -362,23 +362,26 @@ def print_step_profile(rows: list[dict]) -> None:
 
 # ---- batched decode ------------------------------------------------------------------------------------
 @torch.no_grad()
-def batch_throughput(model: K3ForCausalLM, batches: list[int], context: int, steps: int) -> list[dict]:
-    """Decode tokens/s of B sequences in one step (each prefilled alone to about `context`, lengths
-    differing, then stacked as the engine batches them), fused and general steps interleaved."""
+def prefilled(model: K3ForCausalLM, batch: int, context: int, gen: torch.Generator):
+    """`batch` sequences of random ids from `gen`, each prefilled alone to about `context` tokens (lengths 7
+    apart), their caches stacked as the engine batches them: a ModelCache."""
     from k3.model.cache import ModelCache
 
-    cfg = model.config
+    caches = []
+    for b in range(batch):
+        caches.append(model.new_cache(1))
+        ids = torch.randint(0, model.config.vocab_size, (1, context - 7 * b), generator=gen)
+        model(ids, caches[-1], logits_to_keep=1)
+    return ModelCache.stack(caches)
+
+
+@torch.no_grad()
+def batch_throughput(model: K3ForCausalLM, batches: list[int], context: int, steps: int) -> list[dict]:
+    """Decode tokens/s of B sequences in one step (`prefilled`), fused and general steps interleaved."""
     gen = torch.Generator().manual_seed(1)
     rows = []
     for B in batches:
-        caches = {}
-        for path in ("fused", "general"):
-            rows_ = []
-            for b in range(B):
-                rows_.append(model.new_cache(1))
-                ids = torch.randint(0, cfg.vocab_size, (1, context - 7 * b), generator=gen)
-                model(ids, rows_[-1], logits_to_keep=1)
-            caches[path] = ModelCache.stack(rows_)
+        caches = {path: prefilled(model, B, context, gen) for path in ("fused", "general")}
         token = torch.ones(B, 1, dtype=torch.long)
         times: dict[str, list[float]] = {"fused": [], "general": []}
         for step in range(steps + 2):

@@ -21,26 +21,16 @@ import statistics
 import time
 
 import torch
-from decode import component_bytes
+from decode import component_bytes, prefilled
 
 from k3.model import K3ForCausalLM
 from k3.model.cache import ModelCache
 from k3.ops.roofline import machine_line, read_bandwidth
 
 
-def prefilled(model: K3ForCausalLM, batch: int, context: int) -> tuple[ModelCache, torch.Tensor]:
-    """`batch` sequences of about `context` tokens (lengths 7 apart), stacked; and their next tokens."""
-    gen = torch.Generator().manual_seed(batch)
-    caches = []
-    for b in range(batch):
-        caches.append(model.new_cache(1))
-        ids = torch.randint(0, model.config.vocab_size, (1, context - 7 * b), generator=gen)
-        model(ids, caches[-1], logits_to_keep=1)
-    return ModelCache.stack(caches), torch.ones(batch, 1, dtype=torch.long)
-
-
-def step_ms(model: K3ForCausalLM, cache: ModelCache, token: torch.Tensor, steps: int, warmup: int) -> float:
-    """Median ms of `steps` decode steps after `warmup` untimed ones."""
+def step_ms(model: K3ForCausalLM, cache: ModelCache, batch: int, steps: int, warmup: int) -> float:
+    """Median ms of `steps` decode steps of the `batch` sequences in `cache` after `warmup` untimed ones."""
+    token = torch.ones(batch, 1, dtype=torch.long)
     times = []
     for i in range(warmup + steps):
         t = time.perf_counter()
@@ -67,13 +57,13 @@ def main() -> None:
     floor_bytes = sum(component_bytes(model).values())
     print(machine_line())
     print(f"{args.checkpoint}: {floor_bytes / 1e9:.3f} GB of weights a sequence's token reads")
-    caches = {b: prefilled(model, b, args.context) for b in batches}
+    caches = {b: prefilled(model, b, args.context, torch.Generator().manual_seed(b)) for b in batches}
     for r in range(args.rounds):
         order = ("tiled", "rows") if r % 2 == 0 else ("rows", "tiled")
         figures = {}
         for layout in order:
             moved = model.tile_weights() if layout == "tiled" else model.untile_weights()
-            figures[layout] = {b: step_ms(model, *caches[b], args.steps, args.warmup) for b in batches}
+            figures[layout] = {b: step_ms(model, caches[b], b, args.steps, args.warmup) for b in batches}
             print(f"  round {r + 1} {layout:>5} ({moved / 1e9:.2f} GB re-laid): ", end="")
             print(", ".join(f"B = {b} {ms:.1f} ms" for b, ms in figures[layout].items()), flush=True)
         read = read_bandwidth()
