@@ -253,7 +253,7 @@ void forward_sequence_head(const TokenLayout& l, int64_t n, int64_t h, const Chu
   for (int64_t i = 0, c0 = 0; c0 < length; ++i, c0 += C) {
     const int64_t valid = std::min(C, length - c0);
     t.load(l.q, l.k, l.v, l.g, l.beta, l.H, start + c0, valid, h, opt, start + c0 + C,
-           std::min(C, std::max<int64_t>(0, length - c0 - C)));
+           std::min(C, std::max<int64_t>(0, length - c0 - C)), true);
     float* u = scratch.u.data();
     if (kept_states) {
       transpose(S, K, V, scratch.state_t.data(), opt.wide);
@@ -354,7 +354,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
       float* dS = d_state.data_ptr<float>() + z * K * V;
       for (int64_t i = chunks - 1; i >= 0; --i) {
         const int64_t first_row = start + i * C, valid = std::min(C, length - i * C);
-        t.load(l.q, l.k, l.v, l.g, l.beta, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0);
+        t.load(l.q, l.k, l.v, l.g, l.beta, H, first_row, valid, h, opt, first_row - C, i > 0 ? C : 0, false);
         for (int64_t c = 0; c < C; ++c) {
           float* row = d.d_o() + c * V;
           if (c < valid) {

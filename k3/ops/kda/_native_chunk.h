@@ -57,10 +57,11 @@ struct ChunkTerms {
   // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
   // writes) and builds the terms. The `next_valid` rows from `next_first_row` on (the chunk to be loaded
   // next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each in K3's shapes,
-  // which the hardware prefetchers do not follow.
+  // which the hardware prefetchers do not follow. `with_u`: build U too (the backward reads the pseudo
+  // values kept by the forward instead, so it skips U's product).
   void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
             int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
-            int64_t next_first_row, int64_t next_valid) {
+            int64_t next_first_row, int64_t next_valid, bool with_u) {
     for (int64_t c = 0; c < next_valid; ++c) {
       const int64_t row = (next_first_row + c) * H + h;
       for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
@@ -82,10 +83,10 @@ struct ChunkTerms {
         beta[c] = 0.0f;
       }
     }
-    build(opt);
+    build(opt, with_u);
   }
 
-  __attribute__((target("avx2,fma"))) void build(const ChunkOptions& opt) {
+  __attribute__((target("avx2,fma"))) void build(const ChunkOptions& opt, bool with_u) {
     for (int64_t c = 0; c < C; ++c) {  // L2 norm (fla's x / sqrt(sum x^2 + eps)) and q's scale
       float* qc = q.data() + c * K;
       float* kc = k.data() + c * K;
@@ -147,7 +148,7 @@ struct ChunkTerms {
       for (int64_t j = 0; j < K; ++j) qg[j] = lq[j] * f[j], kg[j] = lk[j] * f[j], kh[j] = ko[j] * l[j];
     }
     run({C, K, C, plain(t_beta.data(), C), k_gamma.data(), 1.0f, nullptr, nullptr, w()}, opt.wide);
-    run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()}, opt.wide);
+    if (with_u) run({C, V, C, plain(t_beta.data(), C), v.data(), 1.0f, nullptr, nullptr, u_in.data()}, opt.wide);
   }
 };
 
