@@ -75,9 +75,17 @@ constexpr int64_t kAheadBytes = 8192;
 // the copies of each step's values (2 for the AVX-512 kernel at one row, _native_rows512.h; else 1).
 inline int64_t nibble_stride(int64_t K, int copies = 1) { return (K + kPair - 1) / kPair * kPair * copies; }
 
-// x [B, K] in the kernels' order: row b at xd + b * nibble_stride(K, copies), pair p, step j holds
-// x[b, 64p + 8l + j] at lanes l = 0..7, `copies` times over (xd[copies (64p + 8j) + 8c + l]); 0 past K (the
-// missing block of an odd last pair).
+// The steps' weights come out of the decoders as codes times two times 2^24 (kStepUnit): the AVX2 decoder
+// then needs the looked-up byte at the top of its 32-bit word only, not sign-extended back down (one shift
+// or one AND a step instead of two shifts). x is laid out times 2^-24 to match, so that each product
+// w_j x_j is the one of codes times two and x itself (exact: both scalings are powers of two, for every x
+// with |x| >= 2^-102 or 0).
+constexpr float kStepUnit = 16777216.0f;  // 2^24
+constexpr float kInverseStepUnit = 1.0f / kStepUnit;
+
+// x [B, K] in the kernels' order, times 2^-24 (kStepUnit): row b at xd + b * nibble_stride(K, copies), pair
+// p, step j holds x[b, 64p + 8l + j] / 2^24 at lanes l = 0..7, `copies` times over
+// (xd[copies (64p + 8j) + 8c + l]); 0 past K (the missing block of an odd last pair).
 inline void nibble_layout(const float* x, int64_t K, int64_t B, int copies, float* xd) {
   const int64_t stride = nibble_stride(K, copies);
   for (int64_t b = 0; b < B; ++b)
@@ -85,8 +93,8 @@ inline void nibble_layout(const float* x, int64_t K, int64_t B, int copies, floa
       for (int j = 0; j < 8; ++j)
         for (int l = 0; l < 8; ++l) {
           const int64_t k = kPair * p + 8 * l + j;
-          for (int c = 0; c < copies; ++c)
-            xd[b * stride + copies * (kPair * p + 8 * j) + 8 * c + l] = k < K ? x[b * K + k] : 0.0f;
+          const float value = k < K ? x[b * K + k] * kInverseStepUnit : 0.0f;
+          for (int c = 0; c < copies; ++c) xd[b * stride + copies * (kPair * p + 8 * j) + 8 * c + l] = value;
         }
 }
 
@@ -101,23 +109,26 @@ inline const float* lay_out(const float* x, int64_t K, int64_t B, int copies, st
   return xd;
 }
 
-// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two). The byte
-// shuffle looks up each nibble's value as an int8 (even elements from the low nibbles, odd from the high);
-// element 8l + 2q + t is then byte q of word l of the even or odd lookup: shifted to the top and back.
+// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two, times 2^24). The
+// byte shuffle looks up each nibble's value as an int8 (even elements from the low nibbles, odd from the
+// high); element 8l + 2q + t is then byte q of word l of the even or odd lookup: moved to the top of the word
+// (a shift) with the bytes below it cleared (the shift itself for q = 0, an AND after it for q = 1, 2, an AND
+// alone for q = 3), which is the int8 times 2^24 as an int32, converted exactly.
 __attribute__((target("avx2,fma"))) inline void decode_pair(__m256i bytes, __m256 w[8]) {
   const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodeTimesTwo));
   const __m256i lut = _mm256_broadcastsi128_si256(table);
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i top = _mm256_set1_epi32(static_cast<int32_t>(0xFF000000u));
   const __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, low_mask));
   const __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask));
-  w[0] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(even, 24), 24));
-  w[1] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(odd, 24), 24));
-  w[2] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(even, 16), 24));
-  w[3] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(odd, 16), 24));
-  w[4] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(even, 8), 24));
-  w[5] = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(odd, 8), 24));
-  w[6] = _mm256_cvtepi32_ps(_mm256_srai_epi32(even, 24));
-  w[7] = _mm256_cvtepi32_ps(_mm256_srai_epi32(odd, 24));
+  w[0] = _mm256_cvtepi32_ps(_mm256_slli_epi32(even, 24));
+  w[1] = _mm256_cvtepi32_ps(_mm256_slli_epi32(odd, 24));
+  w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), top));
+  w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), top));
+  w[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(even, 8), top));
+  w[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 8), top));
+  w[6] = _mm256_cvtepi32_ps(_mm256_and_si256(even, top));
+  w[7] = _mm256_cvtepi32_ps(_mm256_and_si256(odd, top));
 }
 
 // A row's pair p (p < blocks / 2): its 32 bytes, and its scales [half_scale(block 2p) x 4 | (2p + 1) x 4].
