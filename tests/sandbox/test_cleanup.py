@@ -41,7 +41,12 @@ SUPERVISOR = """
 import sys, threading
 from k3.sandbox import Sandbox
 sbx = Sandbox.create(backend=sys.argv[1], root=sys.argv[2])
-threading.Thread(target=sbx.commands.run, args=("sleep 100",), kwargs={"timeout": 200}, daemon=True).start()
+
+def run():  # the command never ends before the SIGKILL; if it does, its outcome goes to the test's stderr
+    result = sbx.commands.run("sleep 100", timeout=200)
+    print(f"the command ended before the SIGKILL: {result}", file=sys.stderr, flush=True)
+
+threading.Thread(target=run, daemon=True).start()
 print(sbx.sandbox_id, flush=True)
 threading.Event().wait()
 """
@@ -57,7 +62,8 @@ def test_sigkill_of_the_supervisor_leaves_nothing(backend, root):
         end = time.monotonic() + 20
         while not any("sleep 100" in item for item in leftovers(root, sid)) and time.monotonic() < end:
             time.sleep(0.05)
-        assert any("sleep 100" in item for item in leftovers(root, sid))  # the command is running
+        running = leftovers(root, sid)
+        assert any("sleep 100" in item for item in running), running  # the command is running
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
