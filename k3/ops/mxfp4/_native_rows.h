@@ -59,7 +59,8 @@ __attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
 // 32 packed bytes as eight 32-bit words. Lane l of an 8-lane vector takes word l (elements 8l..8l+7 of the
 // pair, all in block l/4), and step j takes nibble j of every word (element 8l + j), so that decoding a
 // step is a shift of the words and a table lookup, with no byte reordering. Per row of x and pair of blocks,
-// lane l forms partial = w_0 x_0 + ... + w_7 x_7 (a multiply, then seven FMAs, the codes times two unscaled)
+// lane l forms partial = w_0 x_0 + ... + w_7 x_7 (a multiply, then seven FMAs, the codes times two unscaled:
+// times 2^24 against x times 2^-24, kStepUnit below)
 // and carries acc = partial * half_scale(its block) + acc (one FMA); the output is acc's lanes summed
 // (horizontal_sum). The AVX-512 kernels (_native_rows512.h) run two weight rows per register, each lane
 // doing exactly this, so every CPU gives the same bits, at any number of rows of x (a row's result does not

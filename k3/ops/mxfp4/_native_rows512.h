@@ -58,7 +58,7 @@ struct StepTable {
 inline constexpr StepTable kStepTable;
 
 // Rows n and n + 1's pair p (row_bytes: row n's, `row` bytes to the next) as the eight steps w[j]: lanes 0-7
-// row n's element 8l + j times two, lanes 8-15 row n + 1's.
+// row n's element 8l + j times two times 2^24 (kStepTable), lanes 8-15 row n + 1's.
 K3_AVX512 inline void two_rows_steps(const uint8_t* row_bytes, int64_t row, int64_t p, bool whole, __m512 w[8]) {
   const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_rows::pair_bytes(row_bytes, p, whole)),
                                            mxfp4_rows::pair_bytes(row_bytes + row, p, whole), 1);
