@@ -17,6 +17,7 @@ it agrees with best and says so.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import combinations
 
@@ -58,23 +59,36 @@ class Expected:
         return self.top_logprobs[0]
 
 
+Outcome = tuple[tuple[NearTie, ...], torch.Tensor]  # (the near-ties flipped, [len(rows), V] log-probs)
+
+
 class CheckpointReference:
     """Every position computed by the model in memory (fp32), one forward per scored sequence, plus one per
-    combination of outcomes of its router near-ties (at most MAX_TIES of them, the closest)."""
+    combination of outcomes of its router near-ties (at most MAX_TIES of them, the closest).
 
-    def __init__(self, model: torch.nn.Module, top: int = 20, tie_gap: float = TIE_GAP) -> None:
+    The last `remember` requests' results are kept (least recently used dropped first): one is enough for a
+    single run, whose scenarios repeat a request right after itself or not at all; a reference held against
+    several servers of the same checkpoint keeps more, so that the sequences they agree on run once."""
+
+    def __init__(self, model: torch.nn.Module, top: int = 20, tie_gap: float = TIE_GAP, remember: int = 1):
+        if remember < 1:
+            raise ValueError(f"remember must be at least 1, not {remember}")
         self.model = model.eval()
-        self.top, self.tie_gap = top, tie_gap
-        self._memo: dict[tuple[int, ...], list[tuple[tuple[NearTie, ...], torch.Tensor]]] = {}
+        self.top, self.tie_gap, self.remember = top, tie_gap, remember
+        self.forwards = 0  # model forwards run so far (the memo's hits run none)
+        self._memo: OrderedDict[tuple[int, ...], list[Outcome]] = OrderedDict()
 
     def _forward(self, ids: list[int], rows: list[int]) -> torch.Tensor:
         """[len(rows), V] float64 log-softmax of the logits at those rows (row p: after ids[:p + 1])."""
+        self.forwards += 1
         return self.model(torch.tensor([ids]))[0, rows].double().log_softmax(-1)
 
-    def _outcomes(self, ids: list[int], rows: list[int]) -> list[tuple[tuple[NearTie, ...], torch.Tensor]]:
-        """[(the near-ties flipped, [len(rows), V] log-probabilities)], k3's own routing first."""
+    def _outcomes(self, ids: list[int], rows: list[int]) -> list[Outcome]:
+        """Every outcome of the request's near-ties, k3's own routing first."""
         key = (*ids, -1, *rows)
-        if key not in self._memo:
+        if key in self._memo:
+            self._memo.move_to_end(key)
+        else:
             with torch.no_grad():
                 with record_routing(self.model, weights=False) as trace:
                     outcomes = [((), self._forward(ids, rows))]
@@ -83,7 +97,9 @@ class CheckpointReference:
                     for flipped in combinations(ties, n):
                         with runner_up_at(self.model, list(flipped)):
                             outcomes.append((flipped, self._forward(ids, rows)))
-            self._memo = {key: outcomes}  # the last request only: bounded memory
+            self._memo[key] = outcomes
+            while len(self._memo) > self.remember:  # bounded memory
+                self._memo.popitem(last=False)
         return self._memo[key]
 
     def expect(self, ids: list[int], positions: list[int]) -> list[Expected]:

@@ -1,5 +1,5 @@
 """A `tiny` checkpoint with a 4,096-token context (so `long` reaches the limit cheaply) and a tokenizer; apps
-of k3's server on it, whole or broken (broken_engines.py), served on a local port."""
+of k3's server on it, whole or broken (broken_engines.py), served on a local port; one reference for all."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 import uvicorn
 
 from k3.config import K3Config
+from k3.conform.reference import CheckpointReference
+from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
 from k3.tokenizer.build import write_tokenizer
 
@@ -36,6 +38,14 @@ def checkpoint(tmp_path_factory):
     init_checkpoint(K3Config.from_dict(raw), out, seed=3)
     write_tokenizer(out, 1024)
     return out
+
+
+@pytest.fixture(scope="package")
+def reference(checkpoint):
+    """The checkpoint's reference, shared by every server the tests hold against it: the requests the servers
+    agree on (all of them for k3's own engine, most for the broken ones) are computed once. A few hundred
+    distinct requests at most, each a few [4, V] float64 tables."""
+    return CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint), remember=512)
 
 
 @contextlib.contextmanager

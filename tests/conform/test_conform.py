@@ -8,7 +8,6 @@ import pytest
 from broken_engines import SharedSlot, WrongBoundaryCache, drop_attn_res_read
 
 from k3.conform.client import EngineClient
-from k3.conform.reference import CheckpointReference
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
 from k3.conform.texts import chat_ids, equal_length_prompts, growing_chat, prompt_ids
@@ -22,11 +21,10 @@ from k3.tokenizer.kimi import Tokenizer
 ALL = list(SCENARIOS)
 
 
-def conform(serve, checkpoint, engine: Engine, names: list[str], max_tokens: int = 4):
+def conform(serve, checkpoint, reference, engine: Engine, names: list[str], max_tokens: int = 4):
     tokenizer = Tokenizer.from_source(checkpoint)
     with serve(create_app(engine, tokenizer, "tiny")) as base:
         client = EngineClient(f"{base}/v1", tokenizer)
-        reference = CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint))
         results = run_scenarios(Run(client, reference, THRESHOLDS["exact"], max_tokens), names)
         client.close()
     return {r.name: r for r in results}
@@ -37,12 +35,12 @@ def failing(results) -> set[str]:
 
 
 @pytest.mark.parametrize("interval", [2048, 64, None])
-def test_k3_serve_passes_every_scenario(serve, checkpoint, interval):
+def test_k3_serve_passes_every_scenario(serve, checkpoint, reference, interval):
     """k3's engine as `k3 serve` builds it: with its exact prefix cache (the default interval, 2,048 prompt
     tokens, and 64) and without (`--no-prefix-cache`)."""
     model = K3ForCausalLM.from_pretrained(checkpoint)
     cache = PrefixCache(interval, 2**30, checkpoint_identity(model), None) if interval else None
-    results = conform(serve, checkpoint, Engine(model, prefix_cache=cache), ALL)
+    results = conform(serve, checkpoint, reference, Engine(model, prefix_cache=cache), ALL)
     assert not failing(results), {n: r.notes for n, r in results.items()}
     assert all(r.skipped is None for r in results.values())
     assert max(r.max_dlogprob for r in results.values()) < 1e-4  # float rounding only
@@ -69,9 +67,9 @@ FAILS = {
 
 
 @pytest.mark.parametrize("break_", list(FAILS))
-def test_each_break_fails_exactly_its_scenarios(serve, checkpoint, break_):
+def test_each_break_fails_exactly_its_scenarios(serve, checkpoint, reference, break_):
     tokenizer = Tokenizer.from_source(checkpoint)
-    results = conform(serve, checkpoint, broken_engine(checkpoint, break_), ALL)
+    results = conform(serve, checkpoint, reference, broken_engine(checkpoint, break_), ALL)
     assert failing(results) == FAILS[break_], {n: r.notes for n, r in results.items()}
     if break_ == "boundary":
         # turn 1 filled the cache; turn 2 is the first to restore it, and parts at its first generated token

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from k3.cli import app
 from k3.conform.client import EngineClient
 from k3.conform.golden import read_sequences, verify_golden, write_golden
-from k3.conform.reference import CheckpointReference, GoldenReference
+from k3.conform.reference import GoldenReference
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import Run, run_scenarios
 from k3.engine.generate import Engine
@@ -118,7 +118,7 @@ def test_through_k3_stream_equals_in_memory(pack, checkpoint, tmp_path):
     assert manifest["computed"] == "k3 stream" and manifest["kda_every"] is None
 
 
-def test_conform_against_the_golden_pack(pack, checkpoint, serve):
+def test_conform_against_the_golden_pack(pack, checkpoint, reference, serve):
     tokenizer = Tokenizer.from_source(pack)  # the pack carries its tokenizer
     with serve(create_app(Engine(K3ForCausalLM.from_pretrained(checkpoint)), tokenizer, "tiny")) as base:
         client = EngineClient(f"{base}/v1", tokenizer)
@@ -126,12 +126,7 @@ def test_conform_against_the_golden_pack(pack, checkpoint, serve):
             Run(client, GoldenReference(read_sequences(pack)), THRESHOLDS["exact"], 4),
             ["prefix", "tools", "concurrent", "repeat"],
         )
-        exact = run_scenarios(
-            Run(
-                client, CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint)), THRESHOLDS["exact"], 4
-            ),
-            ["prefix"],
-        )
+        exact = run_scenarios(Run(client, reference, THRESHOLDS["exact"], 4), ["prefix"])
         client.close()
         result = runner.invoke(
             app,
