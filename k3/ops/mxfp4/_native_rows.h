@@ -57,17 +57,17 @@ __attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
 
 // The few-row GEMV (decode: one to kMaxRows rows of x per pass over W) reads W one pair of blocks at a time:
 // 32 packed bytes as eight 32-bit words. Lane l of an 8-lane vector takes word l (elements 8l..8l+7 of the
-// pair, all in block l/4), and step j takes nibble j of every word (element 8l + j), so that decoding a
-// step is a shift of the words and a table lookup, with no byte reordering. Per row of x and pair of blocks,
-// lane l forms partial = w_0 x_0 + ... + w_7 x_7 (a multiply, then seven FMAs, the codes times two unscaled:
-// times 2^24 against x times 2^-24, kStepUnit below)
-// and carries acc = partial * half_scale(its block) + acc (one FMA); the output is acc's lanes summed
-// (horizontal_sum). The AVX-512 kernels (_native_rows512.h) run two weight rows per register, each lane
-// doing exactly this, so every CPU gives the same bits, at any number of rows of x (a row's result does not
-// depend on its batch) and threads. An odd last block runs as a pair whose second block is zero codes
-// against zero x, with its own scale in all eight lanes. Each step asks for the weight bytes kAheadBytes
-// further on: one core's hardware prefetch alone left the kernel waiting on memory (measured: 8 KB ahead
-// took one thread from 9 to 17-19 GB/s on 44 experts cycled, AMD EPYC Zen 5).
+// pair, all in block l/4), and step j takes nibble j of every word (element 8l + j): for the AVX-512 kernels
+// a shift of the words and a table lookup, for the AVX2 one (decode_pair) one byte shuffle of the pair first,
+// then lookups and unpacks. Per row of x and pair of blocks, lane l forms partial = w_0 x_0 + ... + w_7 x_7
+// (a multiply, then seven FMAs, the codes times two unscaled: times 2^24 against x times 2^-24, kStepUnit
+// below) and carries acc = partial * half_scale(its block) + acc (one FMA); the output is acc's lanes summed
+// (horizontal_sum). The AVX-512 kernels (_native_rows512.h) run two weight rows per register, each lane doing
+// exactly this, so every CPU gives the same bits, at any number of rows of x (a row's result does not depend
+// on its batch) and threads. An odd last block runs as a pair whose second block is zero codes against zero
+// x, with its own scale in all eight lanes. Each step asks for the weight bytes kAheadBytes further on: one
+// core's hardware prefetch alone left the kernel waiting on memory (measured: 8 KB ahead took one thread from
+// 9 to 17-19 GB/s on 44 experts cycled, AMD EPYC Zen 5).
 constexpr int64_t kPair = 2 * kBlock;            // elements per pair of blocks
 constexpr int64_t kPairBytes = 2 * kBlockBytes;  // packed bytes per pair
 constexpr int64_t kAheadBytes = 8192;
@@ -76,11 +76,10 @@ constexpr int64_t kAheadBytes = 8192;
 // the copies of each step's values (2 for the AVX-512 kernel at one row, _native_rows512.h; else 1).
 inline int64_t nibble_stride(int64_t K, int copies = 1) { return (K + kPair - 1) / kPair * kPair * copies; }
 
-// The steps' weights come out of the decoders as codes times two times 2^24 (kStepUnit): the AVX2 decoder
-// then needs the looked-up byte at the top of its 32-bit word only, not sign-extended back down (one shift
-// or one AND a step instead of two shifts). x is laid out times 2^-24 to match, so that each product
-// w_j x_j is the one of codes times two and x itself (exact: both scalings are powers of two, for every x
-// with |x| >= 2^-102 or 0).
+// The steps' weights come out of the decoders as codes times two times 2^24 (kStepUnit; the AVX2 decoder
+// builds their fp32 patterns, the AVX-512 one looks them up, kStepTable). x is laid out times 2^-24 to
+// match, so that each product w_j x_j is the one of codes times two and x itself (exact: both scalings are
+// powers of two, for every x with |x| >= 2^-102 or 0).
 constexpr float kStepUnit = 16777216.0f;  // 2^24
 constexpr float kInverseStepUnit = 1.0f / kStepUnit;
 
@@ -110,26 +109,64 @@ inline const float* lay_out(const float* x, int64_t K, int64_t B, int copies, st
   return xd;
 }
 
-// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two, times 2^24). The
-// byte shuffle looks up each nibble's value as an int8 (even elements from the low nibbles, odd from the
-// high); element 8l + 2q + t is then byte q of word l of the even or odd lookup: moved to the top of the word
-// (a shift) with the bytes below it cleared (the shift itself for q = 0, an AND after it for q = 1, 2, an AND
-// alone for q = 3), which is the int8 times 2^24 as an int32, converted exactly.
+// The fp32 patterns of codes times two times 2^24 (kStepUnit): at most two significant bits, so the low 16
+// bits of each are zero and its top two bytes (a bf16) are the whole value; split into their high and low
+// bytes for two byte lookups. Code 8 (-0) is +0, as the integer path converts it.
+struct StepBytes {
+  alignas(16) uint8_t high[16];
+  alignas(16) uint8_t low[16];
+  constexpr StepBytes() : high{}, low{} {
+    for (int c = 0; c < 16; ++c) {
+      const int v = kCodeTimesTwo[c], a = v < 0 ? -v : v;  // a = 2^e or 3 * 2^(e-1)
+      if (a == 0) continue;
+      int e = 0;
+      while (a >> (e + 1)) ++e;
+      const uint32_t bits = (v < 0 ? 0x80000000u : 0u) | static_cast<uint32_t>(127 + 24 + e) << 23 |
+                            static_cast<uint32_t>(a != 1 << e) << 22;
+      high[c] = static_cast<uint8_t>(bits >> 24);
+      low[c] = static_cast<uint8_t>(bits >> 16);
+    }
+  }
+};
+inline constexpr StepBytes kStepBytes;
+
+// Where decode_pair's first byte shuffle takes each byte of a 16-byte half from: byte q of word k (4k + q)
+// goes to 8 (q / 2) + 2k + q % 2, where the unpacks below deliver it to lane k of step 2q + t.
+struct PairOrder {
+  alignas(16) uint8_t source[16];
+  constexpr PairOrder() : source{} {
+    for (int q = 0; q < 4; ++q)
+      for (int k = 0; k < 4; ++k) source[8 * (q / 2) + 2 * k + q % 2] = static_cast<uint8_t>(4 * k + q);
+  }
+};
+inline constexpr PairOrder kPairOrder;
+
+// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two, times 2^24),
+// built as fp32 bit patterns with no int -> float conversion (those conversions bounded this kernel on an
+// AVX2-only AMD EPYC, one of its 256-bit pipes doing them all). Element 8l + 2q + t is nibble t of byte q of
+// word l. The bytes are first reordered within each 16-byte half (kPairOrder); each nibble is looked up as
+// the high and the low byte of its value's pattern (kStepBytes), the two interleaved into 16-bit halves
+// (unpack), and each half moved to the top of its 32-bit lane with the other cleared (a shift for q = 0, 2,
+// an AND for q = 1, 3): the fp32 value itself, the same as converting the int8 code times 2^24.
 __attribute__((target("avx2,fma"))) inline void decode_pair(__m256i bytes, __m256 w[8]) {
-  const __m128i table = _mm_load_si128(reinterpret_cast<const __m128i*>(kCodeTimesTwo));
-  const __m256i lut = _mm256_broadcastsi128_si256(table);
+  const auto table = [](const uint8_t* t) __attribute__((target("avx2,fma"))) {
+    return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));
+  };
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i top = _mm256_set1_epi32(static_cast<int32_t>(0xFF000000u));
-  const __m256i even = _mm256_shuffle_epi8(lut, _mm256_and_si256(bytes, low_mask));
-  const __m256i odd = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask));
-  w[0] = _mm256_cvtepi32_ps(_mm256_slli_epi32(even, 24));
-  w[1] = _mm256_cvtepi32_ps(_mm256_slli_epi32(odd, 24));
-  w[2] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(even, 16), top));
-  w[3] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 16), top));
-  w[4] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(even, 8), top));
-  w[5] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_slli_epi32(odd, 8), top));
-  w[6] = _mm256_cvtepi32_ps(_mm256_and_si256(even, top));
-  w[7] = _mm256_cvtepi32_ps(_mm256_and_si256(odd, top));
+  const __m256i top_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const __m256i high = table(kStepBytes.high), low = table(kStepBytes.low);
+  bytes = _mm256_shuffle_epi8(bytes, table(kPairOrder.source));
+  const __m256i nibbles[2] = {_mm256_and_si256(bytes, low_mask),
+                              _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask)};  // even, odd
+  for (int t = 0; t < 2; ++t) {
+    const __m256i lo = _mm256_shuffle_epi8(low, nibbles[t]), hi = _mm256_shuffle_epi8(high, nibbles[t]);
+    const __m256i first = _mm256_unpacklo_epi8(lo, hi);   // lane k: bytes q = 0 (low half), 1 (high half)
+    const __m256i second = _mm256_unpackhi_epi8(lo, hi);  // lane k: bytes q = 2, 3
+    w[0 + t] = _mm256_castsi256_ps(_mm256_slli_epi32(first, 16));
+    w[2 + t] = _mm256_castsi256_ps(_mm256_and_si256(first, top_half));
+    w[4 + t] = _mm256_castsi256_ps(_mm256_slli_epi32(second, 16));
+    w[6 + t] = _mm256_castsi256_ps(_mm256_and_si256(second, top_half));
+  }
 }
 
 // A row's pair p (p < blocks / 2): its 32 bytes, and its scales [half_scale(block 2p) x 4 | (2p + 1) x 4].
