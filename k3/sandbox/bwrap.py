@@ -125,19 +125,32 @@ class BwrapBackend:
             os.close(fd)
 
     def signal(self, proc: Proc, sig: int) -> None:
-        """SIGKILL ends the command's cgroup; other signals go to every process of the command in it."""
+        """SIGKILL ends the command's cgroup; other signals go to every process of the command in it, parents
+        before their children: a shell gets its signal before the children it waits on, whose end would
+        otherwise let it finish before its trap ran (seen: `trap ...; sleep 50 & wait` exiting 0)."""
         if sig == signal.SIGKILL:
             proc.stop("killed")
             return
         group = self.cgroup_type(self.cgroup.root, f"{self.cgroup.name}/c{proc.pid}")
-        for p in group.pids():
+        parent: dict[int, int] = {}
+        for p in group.pids() - {proc.host_pid}:
             try:  # not the wrappers (sh joining the cgroup, setpriv, bwrap): they would die of it
-                if (
-                    Path(f"/proc/{p}/comm").read_text().strip() not in ("bwrap", "setpriv")
-                    and p != proc.host_pid
-                ):
-                    os.kill(p, sig)
-            except (ProcessLookupError, FileNotFoundError):
+                if Path(f"/proc/{p}/comm").read_text().strip() not in ("bwrap", "setpriv"):
+                    stat = Path(f"/proc/{p}/stat").read_text()
+                    parent[p] = int(stat[stat.rindex(")") + 2 :].split()[1])  # field 4 of proc_pid_stat(5)
+            except (FileNotFoundError, ProcessLookupError, ValueError):
+                pass  # gone meanwhile
+
+        def depth(p: int) -> int:  # ancestors among the signalled
+            n, seen = 0, {p}
+            while (p := parent[p]) in parent and p not in seen:
+                n, seen = n + 1, seen | {p}
+            return n
+
+        for p in sorted(parent, key=depth):
+            try:
+                os.kill(p, sig)
+            except ProcessLookupError:
                 pass
 
     def stop(self) -> None:
