@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -115,20 +116,17 @@ inline const float* lay_out(const float* x, int64_t K, int64_t B, int copies, st
 struct StepBytes {
   alignas(16) uint8_t high[16];
   alignas(16) uint8_t low[16];
-  constexpr StepBytes() : high{}, low{} {
+  StepBytes() {
     for (int c = 0; c < 16; ++c) {
-      const int v = kCodeTimesTwo[c], a = v < 0 ? -v : v;  // a = 2^e or 3 * 2^(e-1)
-      if (a == 0) continue;
-      int e = 0;
-      while (a >> (e + 1)) ++e;
-      const uint32_t bits = (v < 0 ? 0x80000000u : 0u) | static_cast<uint32_t>(127 + 24 + e) << 23 |
-                            static_cast<uint32_t>(a != 1 << e) << 22;
+      const float value = static_cast<float>(kCodeTimesTwo[c]) * kStepUnit;
+      uint32_t bits;
+      std::memcpy(&bits, &value, sizeof bits);
       high[c] = static_cast<uint8_t>(bits >> 24);
       low[c] = static_cast<uint8_t>(bits >> 16);
     }
   }
 };
-inline constexpr StepBytes kStepBytes;
+inline const StepBytes kStepBytes;
 
 // Where decode_pair's first byte shuffle takes each byte of a 16-byte half from: byte q of word k (4k + q)
 // goes to 8 (q / 2) + 2k + q % 2, where the unpacks below deliver it to lane k of step 2q + t.
