@@ -23,7 +23,9 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    decode batch of --batch sequences; the decode floor (weight bytes a token reads / the streaming read
    bandwidth measured before each round); k3 against llama.cpp with its default settings, experts MXFP4
    in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on them, or in bf16 with
-   `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the instructions).
+   `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the instructions);
+   `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply inputs rounded
+   to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also makes.
 The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
 machine are noisy.
 """
@@ -233,13 +235,13 @@ def first_parting(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], th
 ENGINE_SCRIPT = Path(__file__).with_name("llamacpp_engine.py")
 
 
-def engine_run(engine: str, path: Path, threads: int, args, vocab: int) -> dict:
+def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_experts: bool = False) -> dict:
     """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count."""
     command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
     command += ["--prefill", ",".join(map(str, args.prefill)), "--decode-steps", str(args.decode_steps)]
     command += ["--decode-context", str(args.decode_context), "--batch", str(args.batch)]
     command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
-    command += ["--compute", args.k3_compute]
+    command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8_experts else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
@@ -256,59 +258,68 @@ def row(label: str, ours: list[float], theirs: list[float], lower_is_better: boo
 
 def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     """Each engine in its own process, alternated k3, llama.cpp, k3, ... for --repeats rounds per thread
-    count; the streaming read bandwidth measured before each round gives the decode floor (bytes a token
-    reads / bandwidth); the best of the rounds is reported for each engine."""
+    count (with --k3-experts both: k3 exact, k3 with int8 expert inputs, llama.cpp); the streaming read
+    bandwidth measured before each round gives the decode floor (bytes a token reads / bandwidth); the best
+    of the rounds is reported for each engine."""
+    variants = {"exact": ["k3"], "int8": ["k3 int8"], "both": ["k3", "k3 int8"]}[args.k3_experts]
     print(
         f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; "
-        f"{args.weights} weights; k3 computes in {args.k3_compute}"
+        f"{args.weights} weights; k3 computes in {args.k3_compute}; 'k3 int8': its MXFP4 experts multiply "
+        "inputs rounded to int8 per block (k3.ops.mxfp4.int8_x; approximate, as llama.cpp)"
     )
     for n in args.threads:
         torch.set_num_threads(n)
-        runs: dict[str, list[dict]] = {"k3": [], "llama.cpp": []}
+        engines = [(name, ckpt, name == "k3 int8") for name in variants] + [("llama.cpp", gguf_path, False)]
+        runs: dict[str, list[dict]] = {name: [] for name, _, _ in engines}
         bandwidths = []
         for r in range(args.repeats):
             bandwidths.append(read_bandwidth())
-            for engine, path in (("k3", ckpt), ("llama.cpp", gguf_path)):
-                runs[engine].append(engine_run(engine, path, n, args, vocab))
-                print(f"  [{n} threads, round {r + 1}] {engine}: {json.dumps(runs[engine][-1])}", flush=True)
+            for name, path, int8 in engines:
+                runs[name].append(engine_run(name.split()[0], path, n, args, vocab, int8))
+                print(f"  [{n} threads, round {r + 1}] {name}: {json.dumps(runs[name][-1])}", flush=True)
             print(f"  [{n} threads, round {r + 1}] {machine_line()}", flush=True)
-        ours, theirs = runs["k3"], runs["llama.cpp"]
         print(f"\n  {n} thread(s); read bandwidth {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
-        print(f"  {'measure':>30} {'k3 (rounds)':>24} {'llama.cpp (rounds)':>24} {'k3 / llama.cpp':>15}")
+        for name in variants:
+            compare(name, runs[name], runs["llama.cpp"], max(bandwidths), args)
 
-        for T in args.prefill:
-            row(
-                f"prefill {T} tok/s",
-                [T / o["prefill_s"][str(T)] for o in ours],
-                [T / t["prefill_s"][str(T)] for t in theirs],
-            )
-        gemm = max(o["gemm_flops"] for o in ours)
-        for T in args.prefill:
-            best = min(ours, key=lambda o, T=T: o["prefill_s"][str(T)])
-            flops = 2 * best["macs_per_prefill_token"] * T / best["prefill_s"][str(T)]
-            print(
-                f"  k3 prefill {T}: {flops / 1e9:.0f} GFLOP/s of weight-matrix products = {flops / gemm:.0%} "
-                f"of torch's 2048^3 GEMM in {args.k3_compute}, same processes ({gemm / 1e9:.0f} GFLOP/s)"
-            )
-        if args.decode_steps:
-            ms = [[o["decode_s_per_token"] * 1e3 for o in runs[e]] for e in ("k3", "llama.cpp")]
-            row(f"decode ms/token @{args.decode_context}", *ms, lower_is_better=True)
-            floor = ours[0]["weight_bytes_per_token"] / max(bandwidths)
-            best_k = min(o["decode_s_per_token"] for o in ours)
-            best_l = min(o["decode_s_per_token"] for o in theirs)
-            print(
-                f"  decode floor: {ours[0]['weight_bytes_per_token'] / 1e9:.2f} GB read per token / "
-                f"{max(bandwidths) / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; k3 at {floor / best_k:.0%} of it, "
-                f"llama.cpp at {floor / best_l:.0%}"
-            )
-        if args.batch > 1:
-            rates = [[args.batch / o["batch_s_per_step"] for o in runs[e]] for e in ("k3", "llama.cpp")]
-            row(f"batch {args.batch} decode tok/s", *rates)
-            for name, results in (("k3", ours), ("llama.cpp", theirs)):
-                one = min(o["decode_s_per_token"] for o in results)
-                many = min(o["batch_s_per_step"] for o in results) / args.batch
-                print(f"  {name}: batch of {args.batch} gives {one / many:.2f}x the tokens/s of one sequence")
-        print(f"  engines: k3: {ours[0]['describe']}\n           llama.cpp: {theirs[0]['describe']}")
+
+def compare(name: str, ours: list[dict], theirs: list[dict], bandwidth: float, args) -> None:
+    """The table of one k3 variant against llama.cpp, rounds of the same run."""
+    ratio = f"{name} / llama.cpp"
+    print(f"  {'measure':>30} {name + ' (rounds)':>24} {'llama.cpp (rounds)':>24} {ratio:>15}")
+    for T in args.prefill:
+        row(
+            f"prefill {T} tok/s",
+            [T / o["prefill_s"][str(T)] for o in ours],
+            [T / t["prefill_s"][str(T)] for t in theirs],
+        )
+    gemm = max(o["gemm_flops"] for o in ours)
+    for T in args.prefill:
+        best = min(ours, key=lambda o, T=T: o["prefill_s"][str(T)])
+        flops = 2 * best["macs_per_prefill_token"] * T / best["prefill_s"][str(T)]
+        print(
+            f"  {name} prefill {T}: {flops / 1e9:.0f} GFLOP/s of weight-matrix products = {flops / gemm:.0%} "
+            f"of torch's 2048^3 GEMM in {args.k3_compute}, same processes ({gemm / 1e9:.0f} GFLOP/s)"
+        )
+    if args.decode_steps:
+        ms = [[o["decode_s_per_token"] * 1e3 for o in results] for results in (ours, theirs)]
+        row(f"decode ms/token @{args.decode_context}", *ms, lower_is_better=True)
+        floor = ours[0]["weight_bytes_per_token"] / bandwidth
+        best_k = min(o["decode_s_per_token"] for o in ours)
+        best_l = min(o["decode_s_per_token"] for o in theirs)
+        print(
+            f"  decode floor: {ours[0]['weight_bytes_per_token'] / 1e9:.2f} GB read per token / "
+            f"{bandwidth / 1e9:.1f} GB/s = {floor * 1e3:.1f} ms; {name} at {floor / best_k:.0%} of it, "
+            f"llama.cpp at {floor / best_l:.0%}"
+        )
+    if args.batch > 1:
+        rates = [[args.batch / o["batch_s_per_step"] for o in results] for results in (ours, theirs)]
+        row(f"batch {args.batch} decode tok/s", *rates)
+        for engine, results in ((name, ours), ("llama.cpp", theirs)):
+            one = min(o["decode_s_per_token"] for o in results)
+            many = min(o["batch_s_per_step"] for o in results) / args.batch
+            print(f"  {engine}: batch of {args.batch} gives {one / many:.2f}x the tokens/s of one sequence")
+    print(f"  engines: {name}: {ours[0]['describe']}\n           llama.cpp: {theirs[0]['describe']}\n")
 
 
 # ---- main -------------------------------------------------------------------------------------------------
@@ -391,6 +402,12 @@ def main() -> None:
         choices=("fp32", "bf16"),
         default="fp32",
         help="--speed: k3's activations (bf16: bf16 matmuls; decode then takes the general path)",
+    )
+    ap.add_argument(
+        "--k3-experts",
+        choices=("exact", "int8", "both"),
+        default="exact",
+        help="--speed: k3's MXFP4 experts exact, with inputs rounded to int8 per block, or both (3 engines)",
     )
     args = ap.parse_args()
     print(machine_line())

@@ -43,7 +43,7 @@ def seconds(fn) -> float:
 
 # ---- k3 ---------------------------------------------------------------------------------------------------
 class K3Engine:
-    def __init__(self, path: Path, threads: int, weights: str, compute: str) -> None:
+    def __init__(self, path: Path, threads: int, weights: str, compute: str, int8_experts: bool) -> None:
         import torch
 
         from k3.model import K3ForCausalLM
@@ -54,6 +54,7 @@ class K3Engine:
         compute_dtype = torch.bfloat16 if compute == "bf16" else torch.float32
         self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=compute_dtype).eval()
         self.model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling; nothing in bf16 compute)
+        self.model.set_int8_expert_inputs(int8_experts)  # `k3 generate --int8-expert-inputs`
 
     def weight_bytes(self) -> float:
         """Bytes of weights one decode token reads: all but the embedding table (one row of it is read), the
@@ -114,7 +115,9 @@ class K3Engine:
         from k3.ops.doctor import diagnose
 
         kernels = [f"{k['name']} {k['in_use']} {k['variant'] or ''}".strip() for k in diagnose()["kernels"]]
-        return f"k3 kernels: {', '.join(kernels)}"
+        int8 = any(getattr(m, "int8_inputs", False) for m in self.model.modules())
+        experts = "int8 inputs" if int8 else "exact"
+        return f"k3 kernels: {', '.join(kernels)}; MXFP4 experts {experts}"
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------------------
@@ -215,11 +218,14 @@ def main() -> None:
     ap.add_argument("--batch-context", type=int, default=64)
     ap.add_argument("--weights", choices=("f32", "bf16"), default="f32", help="k3: dtype of weight matrices")
     ap.add_argument("--compute", choices=("fp32", "bf16"), default="fp32", help="k3: dtype of activations")
+    ap.add_argument(
+        "--int8-expert-inputs", action="store_true", help="k3: MXFP4 experts multiply inputs rounded to int8"
+    )
     ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
     args = ap.parse_args()
     longest = max([*args.prefill, args.decode_context, args.batch_context])
     if args.engine == "k3":
-        engine = K3Engine(args.path, args.threads, args.weights, args.compute)
+        engine = K3Engine(args.path, args.threads, args.weights, args.compute, args.int8_expert_inputs)
     else:
         n_ctx = args.batch * (args.batch_context + args.decode_steps + WARMUP_STEPS) + longest
         n_ctx = max(n_ctx, longest + args.decode_steps + WARMUP_STEPS) + 16

@@ -5,7 +5,10 @@
 `mxfp4 bf16 x` is the same packed matrix times a bf16 x (k3's bf16 compute mode: bf16 dot products at
 M <= 8 where the CPU has AVX-512 BF16, bf16 tiles and torch's bf16 GEMM above). `mxfp4 decode` (M <= 8) is
 the product the fused decode step runs for each chosen expert (k3.ops.decode's `expert_rows`: the same
-nibble-order kernel as `mxfp4 native` at M <= 8, entered the way the step enters it).
+nibble-order kernel as `mxfp4 native` at M <= 8, entered the way the step enters it). `mxfp4 int8 x` is the
+approximate mode (k3.ops.mxfp4.int8_x: x rounded to int8 per block of 32, integer products); its distance
+from the exact product is printed beside it (largest |difference| / largest |exact|, and against the bound
+of the rounding).
 
 Measured as decode meets it: every call reads another matrix, each method cycling through distinct
 matrices totalling ``--cycle-mb`` (256 MB: 44 MXFP4 experts of 5.9 MB, far more than the caches hold; one
@@ -16,8 +19,8 @@ moves less than wall time on a shared machine), bytes of weight read per second 
 read bandwidth, GFLOP/s, and weight bytes per parameter (MXFP4: 16 packed bytes + 1 scale byte per 32).
 
 Targets checked: resident <= 0.54 B/param; at M = 1 and 8 the native kernel >= 80 % of the read bandwidth
-(issue 40, target 3) and faster than dense bfloat16; at M = 256 within 2x of dense fp32. Report the load
-(printed) with any figure.
+(issue 40, target 3; the int8 mode listed apart) and faster than dense bfloat16; at M = 256 within 2x of
+dense fp32. Report the load (printed) with any figure.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 
 from k3.ops.decode.native import load_native as load_decode_native
 from k3.ops.mxfp4 import dequantize_mxfp4, mxfp4_matmul, native_available
+from k3.ops.mxfp4.int8_x import rounding_bound
 from k3.ops.mxfp4.matmul import NATIVE_GEMV_MAX_M, NATIVE_TILE_K, NATIVE_TILE_N
 from k3.ops.mxfp4.native import load_native
 from k3.ops.roofline import machine_line, references, references_line
@@ -92,6 +96,21 @@ def decode_rows(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]
     return load_decode_native().expert_rows(x, *packed_scale)
 
 
+def matmul_int8_x(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The approximate mode: x rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x)."""
+    return mxfp4_matmul(x, *packed_scale, backend="native", int8_inputs=True)
+
+
+def int8_distance(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """How far the int8 mode is from the exact product, and the largest share of its bound it reaches."""
+    exact, rounded = matmul_native(x, packed_scale), matmul_int8_x(x, packed_scale)
+    error = (rounded - exact).abs()
+    bound = rounding_bound(x, *packed_scale)
+    share = (error.double() / bound).max().item()
+    distance = (error.max() / exact.abs().max()).item()
+    return f"distance {distance:.1e} of max |exact|, <= {share:.2f} of the bound"
+
+
 def matmul_torch(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return mxfp4_matmul(x, *packed_scale, backend="torch")
 
@@ -142,6 +161,7 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
                 if m <= NATIVE_GEMV_MAX_M:  # above it both run the tiled path
                     methods["mxfp4 avx2"] = (matmul_native_avx2, packed_scales, mxfp4_bytes)
                 methods["mxfp4 bf16 x"] = (matmul_native_bf16, packed_scales, mxfp4_bytes)
+                methods["mxfp4 int8 x"] = (matmul_int8_x, packed_scales, mxfp4_bytes)
             if m <= NATIVE_GEMV_MAX_M and load_decode_native() is not None:
                 methods["mxfp4 decode"] = (decode_rows, packed_scales, mxfp4_bytes)
             methods["mxfp4 torch"] = (matmul_torch, packed_scales[:2], mxfp4_bytes)
@@ -160,6 +180,7 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
                     f"{shape_name:<7}{m:>4}  {name:<14}{len(operands):>7}{ms:>8.3f}{cpu_ms:>8.3f}{rate:>7.1f}"
                     f"{100 * rate * 1e9 / read:>6.0f}%{2 * m * n * k / ms / 1e6:>9.1f}"
                     f"{weight_bytes / (n * k):>8.4f}"
+                    + (f"  {int8_distance(x, packed_scales[0])}" if name == "mxfp4 int8 x" else "")
                 )
             best = "mxfp4 native" if "mxfp4 native" in times else "mxfp4 torch"
             if best not in times:
@@ -167,12 +188,16 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
             share = mxfp4_bytes / times[best] * 1e3 / read
             where = f"{threads} threads, {shape_name} M={m}: {best}"
             if m <= 8:
-                checks.append(
-                    (
-                        f"{where} at {100 * share:.0f} % of read >= 80 %",
-                        share >= 0.8,
+                checks.append((f"{where} at {100 * share:.0f} % of read >= 80 %", share >= 0.8))
+                if "mxfp4 int8 x" in times:
+                    approximate = mxfp4_bytes / times["mxfp4 int8 x"] * 1e3 / read
+                    checks.append(
+                        (
+                            f"{threads} threads, {shape_name} M={m}: mxfp4 int8 x (approximate) at "
+                            f"{100 * approximate:.0f} % of read >= 80 %",
+                            approximate >= 0.8,
+                        )
                     )
-                )
             if m == 1 and "dense bf16" in times:
                 bf16 = times["dense bf16"]
                 checks.append(
@@ -211,13 +236,15 @@ def main() -> None:
             "mxfp4 native",
             "mxfp4 avx2",
             "mxfp4 bf16 x",
+            "mxfp4 int8 x",
             "mxfp4 decode",
             "mxfp4 torch",
             "dense bf16",
             "dense fp32",
         ],
         help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 bf16 x' (bf16 activations) "
-        "'mxfp4 decode' (the fused decode step's expert product) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
+        "'mxfp4 int8 x' (x rounded to int8 per block) 'mxfp4 decode' (the fused decode step's expert "
+        "product) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
     )
     args = parser.parse_args()
     native = load_native()

@@ -104,9 +104,9 @@ def chat_ids(tok, text: str) -> list[int]:
     return request_prompt(body, body.messages).ids(tok, body.add_generation_prompt)
 
 
-def load(checkpoint: str, layers: int | None):
-    """Model (BF16 weights tiled for decode: k3.model.tiling) + tokenizer of a checkpoint directory or URL,
-    or a one-line error."""
+def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False):
+    """Model (BF16 weights tiled for decode: k3.model.tiling; MXFP4 experts exact, or with their inputs
+    rounded to int8) + tokenizer of a checkpoint directory or URL, or a one-line error."""
     from k3.checkpoint import open_checkpoint
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -121,6 +121,7 @@ def load(checkpoint: str, layers: int | None):
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
         model = model_class.from_pretrained(pinned, layers=layers)
         model.tile_weights()  # BF16 weights laid out for the decode kernels (the same logits, faster)
+        model.set_int8_expert_inputs(int8_expert_inputs)
         tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:
         fail(f"{e}")
@@ -159,6 +160,12 @@ TOP_P = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (1 = off).")
 PENALTY = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeating tokens.")
 SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 LAYERS = typer.Option(None, "--layers", help="Run only the first N layers (a depth-truncated model).")
+INT8_EXPERTS = typer.Option(
+    False,
+    "--int8-expert-inputs",
+    help="MXFP4 experts multiply their inputs rounded to int8 per block of 32: approximate (as llama.cpp), "
+    "a faster decode where vector units are narrow (AVX2-only CPUs). Default: exact.",
+)
 IMAGES = typer.Option(None, "--image", help="An image before the prompt (repeat for more); needs a tower.")
 
 
@@ -186,12 +193,13 @@ def generate(
     repetition_penalty: float = PENALTY,
     seed: int = SEED,
     layers: int = LAYERS,
+    int8_expert_inputs: bool = INT8_EXPERTS,
     image: list[Path] = IMAGES,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; `--image`:
     the images' prompts (media tokens, size, pads) come first."""
     images = load_images(image)
-    model, tok = load(checkpoint, layers)
+    model, tok = load(checkpoint, layers, int8_expert_inputs)
     params = sampling_params(
         max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos}
     )
@@ -250,6 +258,7 @@ def chat(
     repetition_penalty: float = PENALTY,
     seed: int = SEED,
     layers: int = LAYERS,
+    int8_expert_inputs: bool = INT8_EXPERTS,
     image: list[Path] = typer.Option(
         None, "--image", help="An image for the first user turn (repeat for more); needs a tower."
     ),
@@ -272,7 +281,7 @@ def chat(
         except (OSError, ValueError) as e:
             fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
     attached = load_images(image)  # images for the next user turn (k3.engine.images.ImageInput)
-    model, tok = load(checkpoint, layers)
+    model, tok = load(checkpoint, layers, int8_expert_inputs)
     if attached and not hasattr(model, "encode_images"):
         fail("--image: this checkpoint has no vision tower (its config has no vision_config)")
     params = sampling_params(
@@ -394,6 +403,7 @@ def serve(
         None, "--state-dir", help="Prefix cache: keep the states in this folder too, read back at start."
     ),
     layers: int = LAYERS,
+    int8_expert_inputs: bool = INT8_EXPERTS,
     allow_remote_images: bool = typer.Option(
         False, "--allow-remote-images", help="Fetch http(s) image URLs (size-capped, 10 s timeout)."
     ),
@@ -419,7 +429,7 @@ def serve(
         sock = listening_socket(host, port)
     except K3Error as e:
         fail(str(e))
-    model, tok = load(checkpoint, layers)
+    model, tok = load(checkpoint, layers, int8_expert_inputs)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
     )

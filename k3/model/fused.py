@@ -1,14 +1,14 @@
 """The fused decode step: one token per sequence, each mixer and each FFN of a layer in one native call.
 
-`K3DecoderLayer.forward` asks these functions first on one-token forwards that continue a cache; each
-returns the layer's update (the same value as the general path, to rounding: tests/model/test_fused_decode.py)
-or None, and then the general path runs. They apply when no gradient is recorded (the kernels of
-k3.ops.decode have no backward), the kernels are built, the activations are fp32 on the CPU and the
-weights fp32 or BF16 (as the published checkpoint stores every non-expert weight: the kernels read a BF16
-matrix as fp32 in registers; a norm's or gate's small vectors are converted per call), routed experts fp32,
-BF16 or MXFP4. Modules' forwards are not called, so their hooks do not run, except that
-the MoE takes the general path while its router has hooks (`record_routing`, `route_with`) or its
-`dispatch` is replaced on the instance (k3.dist's expert parallelism).
+`K3DecoderLayer.forward` asks these functions first on one-token forwards that continue a cache; each returns
+the layer's update (the same value as the general path, to rounding: tests/model/test_fused_decode.py) or
+None, and then the general path runs. They apply when no gradient is recorded (the kernels of k3.ops.decode
+have no backward), the kernels are built, the activations are fp32 on the CPU and the weights fp32 or BF16 (as
+the published checkpoint stores every non-expert weight: the kernels read a BF16 matrix as fp32 in registers;
+a norm's or gate's small vectors are converted per call), routed experts fp32, BF16 or MXFP4 (exact, or with
+inputs rounded to int8 where the experts' `int8_inputs` say so: k3.ops.mxfp4.int8_x). Modules' forwards are
+not called, so their hooks do not run, except that the MoE takes the general path while its router has hooks
+(`record_routing`, `route_with`) or its `dispatch` is replaced on the instance (k3.dist's expert parallelism).
 
 A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
@@ -252,7 +252,12 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     dense: list[torch.Tensor] = []
     packed: list[torch.Tensor] = []
     scale: list[torch.Tensor] = []
+    int8_x = False
     if all(isinstance(m, MXFP4Linear) for m in matrices):
+        int8 = {m.int8_inputs for m in matrices}  # type: ignore[union-attr]
+        if len(int8) > 1:  # some experts exact, some approximate: each its own forward
+            return None
+        int8_x = int8.pop()
         packed = [_tensor(m, "weight_packed") for m in matrices]
         scale = [_tensor(m, "weight_scale") for m in matrices]
     elif all(isinstance(m, Linear) for m in matrices):
@@ -274,6 +279,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         0.0 if latent_norm is None else latent_norm.eps,
         up,
         *shared,
+        int8_x=int8_x,
     )
 
 

@@ -28,6 +28,7 @@ from k3.model.mlp import MLP
 from k3.model.moe import MoE, RoutedExpert, Router
 from k3.model.norm import Linear, RMSNorm, as_dtype
 from k3.model.tiling import tile_weights, untile_weights
+from k3.ops.mxfp4 import MXFP4Linear
 
 
 class K3DecoderLayer(nn.Module):
@@ -214,6 +215,17 @@ class K3ForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, KDAttention | MoE | K3Model):
                 module.fast_decode = enabled
+        return self
+
+    def set_int8_expert_inputs(self, enabled: bool) -> K3ForCausalLM:
+        """MXFP4 routed experts multiply their inputs rounded to int8 per block of 32 (approximate, as
+        llama.cpp does; on CPUs with narrow vector units a faster decode step: k3.ops.mxfp4.int8_x) or exactly
+        (the default). Plain experts are not affected."""
+        for module in self.modules():
+            if isinstance(module, RoutedExpert):
+                for matrix in (module.w1, module.w3, module.w2):
+                    if isinstance(matrix, MXFP4Linear):
+                        matrix.int8_inputs = enabled
         return self
 
     def new_cache(self, batch_size: int = 1) -> ModelCache:

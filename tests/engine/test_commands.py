@@ -59,6 +59,27 @@ def test_generate_streams_the_greedy_continuation(checkpoint: Path) -> None:
     assert r.stdout.startswith("Hola" + tok.decode(want))
 
 
+def test_generate_with_int8_expert_inputs(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--int8-expert-inputs sets the model's mode (k3.ops.mxfp4.int8_x) before it generates."""
+    tok = Tokenizer.from_dir(checkpoint)
+    model = K3ForCausalLM.from_pretrained(checkpoint).set_int8_expert_inputs(True)
+    params = SamplingParams(temperature=0, max_tokens=8, stop_ids={tok.special.eos})
+    want = Engine(model).generate([tok.encode("Hola")], params)[0]
+    modes: list[bool] = []
+    setter = K3ForCausalLM.set_int8_expert_inputs
+
+    def spy(model: K3ForCausalLM, enabled: bool) -> K3ForCausalLM:
+        modes.append(enabled)
+        return setter(model, enabled)
+
+    monkeypatch.setattr(K3ForCausalLM, "set_int8_expert_inputs", spy)
+    args = ["generate", str(checkpoint), "--prompt", "Hola", "-n", "8", "-t", "0"]
+    r = runner.invoke(app, [*args, "--int8-expert-inputs"])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("Hola" + tok.decode(want)) and modes == [True]
+    assert runner.invoke(app, args).exit_code == 0 and modes == [True, False]
+
+
 def test_chat_reads_piped_turns(checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(checkpoint)
     params = SamplingParams(temperature=0, max_tokens=6, stop_ids={tok.special.eos, tok.special.end_of_msg})

@@ -284,6 +284,23 @@ def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     assert counting.calls["project"] == 4 and counting.calls["attn_res_read"] > 0
 
 
+@pytest.mark.parametrize("lengths", [[9], [5, 12, 3]])  # one sequence: the general path's dispatch_one
+def test_fused_step_with_int8_expert_inputs_equals_general_path(counting, lengths):
+    """set_int8_expert_inputs: the fused MoE rounds the experts' inputs as the general path's modules do
+    (k3.ops.mxfp4.int8_x; had it stayed exact, the two would part by the rounding), away from exact logits."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=3)
+    cache, token = prefilled(model, lengths, seed=7)
+    exact = decode(model, cache, token, steps=4)
+    model.set_int8_expert_inputs(True)
+    fused_before = counting.calls["moe_experts"]
+    error, scale = fused_vs_general(model, lengths)
+    assert error <= 1e-5 and scale > 0.1
+    moe = sum(1 for layer in model.model.layers if layer.is_moe)
+    assert counting.calls["moe_experts"] - fused_before == 4 * moe
+    cache, token = prefilled(model, lengths, seed=7)
+    assert rel(decode(model, cache, token, steps=4), exact) > 1e-4
+
+
 @pytest.mark.parametrize("q_lora_rank,n_group", [(None, 1), (16, 2)])
 def test_fused_step_on_kimi_linear(tmp_path, counting, q_lora_rank, n_group):
     """Kimi Linear: softplus gate, low-rank output gate, plain experts of the hidden state, no AttnRes, v

@@ -120,13 +120,14 @@ std::vector<Tensor> moe_route(const Tensor& x, const Tensor& norm_w, double norm
 
 // Row r's routed mixture sum_j weights[r, j] expert_{slots[r, j]}(z[r]) over the distinct experts given
 // (w1, w3 [m, L] and w2 [L, m] each: `dense` fp32, or `packed` + `scale` MXFP4), then the latent norm and
-// up-projection when given, plus the shared experts' MLP of xn when given: [B, D].
+// up-projection when given, plus the shared experts' MLP of xn when given: [B, D]. `int8_x`: MXFP4 experts
+// multiply their inputs rounded to int8 per block (_native_int8.h; approximate), else exactly.
 Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, const std::vector<int64_t>& slots,
                    const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
                    const std::vector<Tensor>& scale, int64_t act, double beta, double linear_beta,
                    const Optional& latent_norm_w, double latent_eps, const Optional& w_up,
                    const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down,
-                   const std::string& variant) {
+                   const std::string& variant, bool int8_x) {
   const int64_t B = rows_of(z, "z"), L = z.size(-1), k = weights.size(1);
   const bool wide = mxfp4_rows512::wide_variant(variant);
   check_rows(z, B, L, "z");
@@ -141,6 +142,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
     const int64_t K = i % 3 == 2 ? (is_packed ? packed[i - 2].size(0) : matrix_rows(dense[i - 2])) : L;
     w[i] = is_packed ? packed_weight(packed[i], scale[i], K, "an expert's matrix") : dense_weight(dense[i], K, "an expert's matrix");
     w[i].wide = wide;
+    w[i].int8_x = int8_x && is_packed;
     TORCH_CHECK(w[i].N == (i % 3 == 2 ? L : w[i - i % 3].N), "expert ", i / 3, ": w1/w3 must be [m, L], w2 [L, m]");
   }
   const int64_t* slot = slots.data();
@@ -305,7 +307,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("xn"), py::arg("z"), py::arg("weights"), py::arg("slots"), py::arg("dense"), py::arg("packed"),
         py::arg("scale"), py::arg("act"), py::arg("beta"), py::arg("linear_beta"), py::arg("latent_norm_w"),
         py::arg("latent_eps"), py::arg("w_up"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"),
-        py::arg("variant") = "auto");
+        py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",

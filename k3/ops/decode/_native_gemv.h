@@ -22,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "mxfp4/_native_int8.h"
 #include "mxfp4/_native_rows.h"
 #include "mxfp4/_native_rows512.h"
 
@@ -315,12 +316,14 @@ struct Weight {
   bool wide = false;   // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at any rows, dense at 2+,
                        // tiled BF16 at any
   bool tiled = false;  // bf16 in the Tiled layout
+  bool int8_x = false; // MXFP4 times x rounded to int8 per block (_native_int8.h): approximate, opted into
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
+    if (int8_x) return mxfp4_int8::rows_product(x, B, packed, scale, K, y, ldy, n0, n1);
     thread_local std::vector<float> storage;
     const mxfp4_rows512::LaidOut xd = mxfp4_rows512::lay_out(x, K, B, wide, storage);  // the kernels' order
     for (int64_t nb = n0; nb < n1; nb += kRowBlock) {

@@ -26,6 +26,7 @@
 
 #include "_native_bf16.h"
 #include "_native_common.h"
+#include "_native_int8.h"
 #include "_native_rows.h"
 #include "_native_rows512.h"
 
@@ -201,6 +202,24 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
   return matmul_tiled<float>(x, packed, scale, tile_n, tile_k);
 }
 
+// The approximate path (_native_int8.h): x rounded to int8 per block of 32 (once), integer products.
+// Parallel over output rows like matmul_gemv; groups of up to kMaxRows rows of x per pass over W.
+torch::Tensor matmul_int8_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+  check_inputs(x, packed, scale);
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  torch::Tensor out = torch::empty({M, N}, x.options());
+  mxfp4_int8::QuantizedRows xq;
+  mxfp4_int8::quantize_rows(x.data_ptr<float>(), K, M, xq);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const uint8_t* sp = scale.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
+    mxfp4_int8::multiply(xq, M, pp, sp, K, op, N, n_begin, n_end);
+  });
+  return out;
+}
+
 // Histograms for the atlas scan (k3.atlas.stats), 65,536 bins each. Single-threaded on purpose: the scan
 // runs one per worker thread, with the GIL released. Counts go to a uint32 table (256 KiB, stays in L2)
 // that is added into the int64 output after every 2^31 elements, so no count can overflow.
@@ -296,10 +315,12 @@ torch::Tensor run_experts(const torch::Tensor& z, int64_t k, int64_t m, const Ge
   return out;
 }
 
-// MXFP4 experts: w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32].
+// MXFP4 experts: w1, w3 packed [m, L/2] + scales [m, L/32]; w2 [L, m/2] + [L, m/32]. `int8_x`: each
+// matrix's input rounded to int8 per block first (_native_int8.h), else exact.
 torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch::Tensor>& packed,
                                 const std::vector<torch::Tensor>& scale, const torch::Tensor& weights,
-                                int64_t act, double beta, double linear_beta, const std::string& variant) {
+                                int64_t act, double beta, double linear_beta, const std::string& variant,
+                                bool int8_x) {
   const bool wide = mxfp4_rows512::wide_variant(variant);
   const int64_t k = static_cast<int64_t>(packed.size()) / 3;
   TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
@@ -321,6 +342,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
+    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows);
     thread_local std::vector<float> storage;  // x in the kernels' order
     const float* xd = mxfp4_rows512::lay_out(x, cols, 1, wide, storage).data;
     mxfp4_rows512::kernel(wide, 1, 1)(xd, 0, pp, sp, cols, out, 0, 0, rows);
@@ -355,6 +377,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul", &matmul, "x[M, K] fp32 or bf16 @ W^T with W packed MXFP4 [N, K/2] + scales [N, K/32]",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("gemv_max_m"), py::arg("tile_n"),
         py::arg("tile_k"), py::arg("variant") = "auto");
+  m.def("matmul_int8_x", &matmul_int8_x,
+        "x[M, K] fp32 rounded to int8 per block of 32, @ W^T with W packed MXFP4 (integer products)",
+        py::arg("x"), py::arg("packed"), py::arg("scale"));
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
   m.def("bf16_gemv_supported", &mxfp4_bf16::cpu_supported,
         "whether few rows of a bfloat16 x use bf16 dot products (AVX-512 BF16) rather than fp32 FMAs");
@@ -366,7 +391,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("experts_one_token", &experts_one_token,
         "sum_j weight_j W2_j act(W1_j z, W3_j z) over one token's MXFP4 experts ((w1, w3, w2) per expert)",
         py::arg("z"), py::arg("packed"), py::arg("scale"), py::arg("weights"), py::arg("act"), py::arg("beta"),
-        py::arg("linear_beta"), py::arg("variant") = "auto");
+        py::arg("linear_beta"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("experts_one_token_dense", &experts_one_token_dense,
         "the same for plain float32 experts", py::arg("z"), py::arg("dense"), py::arg("weights"),
         py::arg("act"), py::arg("beta"), py::arg("linear_beta"));

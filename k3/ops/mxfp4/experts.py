@@ -3,9 +3,9 @@
 A decode step's MoE runs k tiny expert MLPs (mini: [128 x 256] matrices); run one torch op at a time,
 dispatch costs more than the arithmetic. The native kernels (``experts_one_token`` and
 ``experts_one_token_dense`` in ``_native.cpp``) run the k experts, their activation and the weighted sum
-in one call, on MXFP4-packed experts (``MXFP4Linear``) or on plain fp32 ones (any bias-free module with
-a ``weight`` [out, in]); :func:`experts_one_token_torch` is the same in torch (the reference, and the
-path for other dtypes or without the native kernels).
+in one call, on MXFP4-packed experts (``MXFP4Linear``, exact or with their ``int8_inputs``) or on plain
+fp32 ones (any bias-free module with a ``weight`` [out, in]); :func:`experts_one_token_torch` is the same
+in torch (the reference, and the path for other dtypes or without the native kernels).
 
 Activations: SiLU-GLU ``silu(g) u`` (``situ=None``) or SiTU ``b tanh(g/b) sigmoid(g) c tanh(u/c)``
 (``situ=(b, c)``), as k3.model.activations defines them.
@@ -61,9 +61,13 @@ def experts_one_token(
         native = None
     matrices = [w for expert in experts for w in expert]  # (w1, w3, w2) per expert
     args = (weights.to(torch.float32).contiguous().view(-1), 0 if situ is None else 1, *(situ or (0.0, 0.0)))
-    if native is not None and all(isinstance(w, MXFP4Linear) and w.bias is None for w in matrices):
-        packed = [w.weight_packed for w in matrices]
-        return native.experts_one_token(z.contiguous(), packed, [w.weight_scale for w in matrices], *args)
+    packed = all(isinstance(w, MXFP4Linear) and w.bias is None for w in matrices)
+    int8 = {w.int8_inputs for w in matrices} if packed else set()  # one mode for all, or each its own forward
+    if native is not None and packed and len(int8) == 1:
+        scales = [w.weight_scale for w in matrices]
+        return native.experts_one_token(
+            z.contiguous(), [w.weight_packed for w in matrices], scales, *args, int8_x=int8.pop()
+        )
     if native is not None and all(_plain_fp32(w) for w in matrices):
         return native.experts_one_token_dense(
             z.contiguous(), [w.weight.contiguous() for w in matrices], *args

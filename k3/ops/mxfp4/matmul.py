@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from k3.ops.mxfp4.codec import BLOCK_SIZE, check_packed, dequantize_mxfp4, quantize_mxfp4
+from k3.ops.mxfp4.int8_x import round_int8_blocks
 from k3.ops.mxfp4.native import load_native
 
 Backend = Literal["auto", "native", "torch"]
@@ -56,13 +57,16 @@ def mxfp4_matmul(
     bias: torch.Tensor | None = None,
     *,
     backend: Backend = "auto",
+    int8_inputs: bool = False,
 ) -> torch.Tensor:
     """``x @ W^T (+ bias)``: ``x`` [..., K]; ``W`` [N, K] as ``packed`` [N, K/2] and ``scale`` [N, K/32].
 
     Computes in float32 and returns ``x.dtype``, but for a bfloat16 ``x`` on the native path: bf16 products
     (exact), fp32 sums, bf16 out (few rows: fp32 FMAs where the CPU lacks AVX-512 BF16).
     ``backend="auto"`` uses the native kernels when they are built and ``x`` is on the CPU, else the
-    pure-torch path; ``"native"`` and ``"torch"`` force one.
+    pure-torch path; ``"native"`` and ``"torch"`` force one. ``int8_inputs``: approximate, ``x`` (as
+    float32) rounded to int8 per block of 32 first and multiplied with integer products
+    (k3.ops.mxfp4.int8_x; one pass over ``W`` per 8 rows of ``x``).
     """
     check_packed(packed, scale)
     if packed.dim() != 2:
@@ -85,9 +89,13 @@ def mxfp4_matmul(
         )
 
     x2d = x.reshape(-1, k)  # [M, K]
-    bf16_products = native is not None and x.dtype == torch.bfloat16
+    bf16_products = native is not None and x.dtype == torch.bfloat16 and not int8_inputs
     x2d = x2d.contiguous() if bf16_products else x2d.to(torch.float32).contiguous()
-    if native is not None:
+    if int8_inputs and native is not None:
+        out = native.matmul_int8_x(x2d, packed.contiguous(), scale.contiguous())
+    elif int8_inputs:
+        out = _matmul_torch(round_int8_blocks(x2d), packed, scale)
+    elif native is not None:
         out = native.matmul(
             x2d,
             packed.contiguous(),
@@ -109,6 +117,7 @@ class MXFP4Linear(nn.Module):
     Buffers follow the compressed-tensors checkpoint names: ``weight_packed`` uint8 [out, in/2] and
     ``weight_scale`` uint8 [out, in/32], so a checkpoint's tensors load with ``load_state_dict``. A fresh
     layer holds zeros (all codes +0, scale byte 0, as :func:`quantize_mxfp4` writes for a zero block).
+    ``int8_inputs``: multiply inputs rounded to int8 per block (approximate; ``mxfp4_matmul``), default False.
     """
 
     weight_packed: torch.Tensor
@@ -135,6 +144,7 @@ class MXFP4Linear(nn.Module):
             torch.zeros(out_features, in_features // BLOCK_SIZE, dtype=torch.uint8, device=device),
         )
         self.bias = nn.Parameter(torch.zeros(out_features, device=device)) if bias else None
+        self.int8_inputs = False
 
     @classmethod
     def from_float(cls, linear_or_weight: nn.Linear | torch.Tensor) -> MXFP4Linear:
@@ -161,9 +171,11 @@ class MXFP4Linear(nn.Module):
         return dequantize_mxfp4(self.weight_packed, self.weight_scale, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return mxfp4_matmul(x, self.weight_packed, self.weight_scale, self.bias)
+        return mxfp4_matmul(x, self.weight_packed, self.weight_scale, self.bias, int8_inputs=self.int8_inputs)
 
     def extra_repr(self) -> str:
+        int8 = ", int8_inputs=True" if self.int8_inputs else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            + int8
         )

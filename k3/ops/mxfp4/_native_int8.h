@@ -1,0 +1,174 @@
+// MXFP4 rows times a few vectors quantized to int8 per block of 32: the approximate mode of the expert GEMV.
+//
+// The exact kernels (_native_rows.h) turn every weight into an fp32 value and multiply it in fp32: on a CPU
+// whose 256-bit operations are split in two (AMD Zen 1) that decoding and the FMAs bound them well below the
+// memory's read rate. Here x is rounded once, per block of 32 values, to q = round(x * 127 / max|x|) with the
+// block's scale max|x| / 127 (as llama.cpp's Q8_0 does, the scale kept in fp32), and each block's products
+// are integers: vpmaddubsw multiplies 32 unsigned weight bytes by 32 int8 codes of x, with no conversion of
+// the weights at all. The result is exactly W times the rounded x (each block's integer sum is exact, then
+// scaled and summed in fp32), so its distance from the exact product is bounded by the rounding of x: at most
+// sum_k |W[n, k]| * scale_x(block of k) / 2 (tests/ops/test_mxfp4_int8.py checks both).
+//
+// Per pair of blocks (32 packed bytes, 64 elements), with the layout of _native_rows.h:
+//   even / odd  nibbles of the 32 bytes, looked up as u = code * 2 + 12 (0..24, unsigned: vpmaddubsw's
+//               unsigned operand; the code times two is an integer, kCodeTimesTwo)
+//   x codes     [even elements 2j | odd elements 2j + 1] of the pair, 32 int8 each, laid out once per call
+//   products    vpmaddubsw(u_even, x_even) + vpmaddubsw(u_odd, x_odd): int16 i holds elements 4i .. 4i + 3
+//               (|sum| <= 4 * 24 * 127, no saturation); vpmaddwd with ones: int32 lane l holds elements
+//               8l .. 8l + 7 (lanes 0-3 block 2p, 4-7 block 2p + 1), minus 12 * the sum of lane l's x codes
+//               (the offset that made u unsigned, precomputed with x): sum of code * 2 * q, exact
+//   scale       acc_l += float(lane l) * (half_scale(weight block) * scale_x(block)): one FMA per 8 elements
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "_native_rows.h"
+
+namespace mxfp4_int8 {
+
+using mxfp4_rows::kBlock;
+using mxfp4_rows::kPair;
+using mxfp4_rows::kPairBytes;
+
+constexpr int32_t kOffset = 12;  // added to every code times two so that vpmaddubsw can take it unsigned
+// E2M1 codes times two plus kOffset: 0 .5 1 1.5 2 3 4 6 and their negatives as 12 13 14 15 16 18 20 24, 12 .. 0
+alignas(16) constexpr uint8_t kCodeOffset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+constexpr float kLevels = 127.0f;  // x codes are in [-127, 127]
+
+// x [B, K] rounded per block and laid out for the kernel: for row b and pair p (pairs = K / 64 rounded up),
+// codes[(b pairs + p) 64 + ...] = the pair's even then odd elements, lane_scale[(b pairs + p) 8 + l] = the
+// scale of lane l's block, lane_offset[...] = kOffset times the sum of lane l's eight codes. The missing block
+// of an odd last pair has zero codes and a zero scale.
+struct QuantizedRows {
+  int64_t pairs = 0;
+  std::vector<int8_t> codes;
+  std::vector<float> lane_scale;
+  std::vector<int32_t> lane_offset;
+};
+
+// The block's scale and codes, as tests/ops/test_mxfp4_int8.py's reference computes them: amax = max |x|,
+// scale = amax / 127, q = round-half-even(x * (127 / amax)) in fp32. A zero block has scale 0 and codes 0; a
+// block with an inf or NaN has codes 0 and a NaN scale, so that every output it reaches is NaN.
+inline float quantize_block(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  bool finite = std::isfinite(amax);
+  for (int64_t i = 0; i < kBlock && finite; ++i) finite = !std::isnan(x[i]);
+  if (!finite || amax == 0.0f) {
+    std::fill(q, q + kBlock, int8_t{0});
+    return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  const float inverse = kLevels / amax;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float rounded = std::nearbyint(x[i] * inverse);  // the default rounding mode: half to even
+    q[i] = static_cast<int8_t>(std::clamp(rounded, -kLevels, kLevels));
+  }
+  return amax / kLevels;
+}
+
+inline void quantize_rows(const float* x, int64_t K, int64_t B, QuantizedRows& out) {
+  const int64_t blocks = K / kBlock;
+  out.pairs = (blocks + 1) / 2;
+  out.codes.assign(B * out.pairs * kPair, 0);
+  out.lane_scale.assign(B * out.pairs * 8, 0.0f);
+  out.lane_offset.assign(B * out.pairs * 8, 0);
+  int8_t q[kBlock];
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t block = 0; block < blocks; ++block) {
+      const float scale = quantize_block(x + b * K + block * kBlock, q);
+      const int64_t pair = b * out.pairs + block / 2, half = block % 2;  // half: bytes 16 .. 31 of the pair
+      int8_t* codes = out.codes.data() + pair * kPair;
+      for (int64_t j = 0; j < kBlock / 2; ++j) {
+        codes[16 * half + j] = q[2 * j];           // the low nibble of byte j of this block
+        codes[32 + 16 * half + j] = q[2 * j + 1];  // its high nibble
+      }
+      for (int64_t l = 0; l < 4; ++l) {
+        int32_t sum = 0;
+        for (int64_t i = 0; i < 8; ++i) sum += q[8 * l + i];
+        out.lane_scale[pair * 8 + 4 * half + l] = scale;
+        out.lane_offset[pair * 8 + 4 * half + l] = kOffset * sum;
+      }
+    }
+}
+
+// out[r * ldo + n] = sum_k W[n, k] * xq[row0 + r, k] for r < ROWS, n in [n_begin, n_end): each pair of blocks
+// looked up once for all ROWS rows of x. (Converting eight weight scales at once and spreading them with a
+// lane permute instead of pair_scale's two table loads: 0.84x at one row on an AVX2-only EPYC, Zen 1.)
+template <int ROWS>
+__attribute__((target("avx2,fma"))) void gemv_rows(const QuantizedRows& xq, int64_t row0, const uint8_t* packed,
+                                                   const uint8_t* scale, int64_t K, float* out, int64_t ldo,
+                                                   int64_t n_begin, int64_t n_end) {
+  const int64_t blocks = K / kBlock, whole = blocks / 2;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodeOffset)));
+  const __m256i low_mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* codes = xq.codes.data() + row0 * xq.pairs * kPair;
+  const float* lane_scale = xq.lane_scale.data() + row0 * xq.pairs * 8;
+  const int32_t* lane_offset = xq.lane_offset.data() + row0 * xq.pairs * 8;
+  const int64_t code_stride = xq.pairs * kPair, lane_stride = xq.pairs * 8;  // between rows of x
+  for (int64_t n = n_begin; n < n_end; ++n) {
+    const uint8_t* row_bytes = packed + n * (K / 2);
+    const uint8_t* row_scale = scale + n * blocks;
+    __m256 acc[ROWS];
+    for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < xq.pairs; ++p) {
+      const bool is_whole = p < whole;  // else an odd last block, as _native_rows.h reads it
+      if (p % 2 == 0) {
+        _mm_prefetch(reinterpret_cast<const char*>(row_bytes + p * kPairBytes + mxfp4_rows::kAheadBytes),
+                     _MM_HINT_T0);
+      }
+      const __m256i bytes = mxfp4_rows::pair_bytes(row_bytes, p, is_whole);
+      const __m256i even = _mm256_shuffle_epi8(table, _mm256_and_si256(bytes, low_mask));
+      const __m256i odd = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask));
+      const __m256 weight_scale = mxfp4_rows::pair_scale(row_scale, p, is_whole);
+      for (int r = 0; r < ROWS; ++r) {
+        const int8_t* xc = codes + r * code_stride + p * kPair;
+        const __m256i quads =
+            _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc))),
+                             _mm256_maddubs_epi16(odd, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xc + 32))));
+        const __m256i lanes = _mm256_sub_epi32(
+            _mm256_madd_epi16(quads, ones),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lane_offset + r * lane_stride + 8 * p)));
+        const __m256 s = _mm256_mul_ps(weight_scale, _mm256_loadu_ps(lane_scale + r * lane_stride + 8 * p));
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lanes), s, acc[r]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r) out[r * ldo + n] = mxfp4_rows::horizontal_sum(acc[r]);
+  }
+}
+
+using GemvRowsFn = void (*)(const QuantizedRows&, int64_t, const uint8_t*, const uint8_t*, int64_t, float*, int64_t,
+                            int64_t, int64_t);
+constexpr GemvRowsFn kGemvRows[mxfp4_rows::kMaxRows + 1] = {nullptr,      gemv_rows<1>, gemv_rows<2>,
+                                                             gemv_rows<3>, gemv_rows<4>, gemv_rows<5>,
+                                                             gemv_rows<6>, gemv_rows<7>, gemv_rows<8>};
+
+// out[r * ldo + n] = sum_k W[n, k] * xq[r, k] for r < B, n in [n_begin, n_end): up to kMaxRows rows of x per
+// pass over W, every kRowBlock rows of W read by all the groups while they are in cache.
+inline void multiply(const QuantizedRows& xq, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                     float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
+  constexpr int64_t kRowBlock = 16;
+  for (int64_t nb = n_begin; nb < n_end; nb += kRowBlock) {
+    const int64_t ne = std::min(n_end, nb + kRowBlock);
+    for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
+      const int64_t rows = std::min<int64_t>(mxfp4_rows::kMaxRows, B - r0);
+      kGemvRows[rows](xq, r0, packed, scale, K, out + r0 * ldo, ldo, nb, ne);
+    }
+  }
+}
+
+// `multiply` on x [B, K] as given, rounded here into this thread's scratch.
+inline void rows_product(const float* x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                         float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
+  thread_local QuantizedRows xq;
+  quantize_rows(x, K, B, xq);
+  multiply(xq, B, packed, scale, K, out, ldo, n_begin, n_end);
+}
+
+}  // namespace mxfp4_int8
