@@ -19,7 +19,8 @@ are noisy; `--threads 1` (default) avoids torch's thread spinning when other pro
 `--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
 profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for
 the fused decode path and the general one (`K3ForCausalLM.set_fast_decode(False)`), steps of the two
-interleaved in one process so that both see the same machine load; experts MXFP4 and F32. The fused path
+interleaved in one process so that both see the same machine load; experts MXFP4 and F32 (and MXFP4 with
+inputs rounded to int8, `--int8-expert-inputs`: k3.ops.mxfp4.int8_x). The fused path
 is k3.model.fused (a layer's mixer and FFN one native call each): its component times are those of its
 functions, `fused calls` how many of them ran in the profiled step (0 on the general path). Then, for the
 fused path, the bytes of weights a token reads by component (`component_bytes`) and the GB/s each part
@@ -342,7 +343,7 @@ class ComponentClock:
 def print_step_profile(rows: list[dict]) -> None:
     kinds = [k for k, _ in COMPONENTS]
     print(
-        f"{'experts':>7} {'path':>8} {'ms/token':>9} "
+        f"{'experts':>10} {'path':>8} {'ms/token':>9} "
         + " ".join(f"{k + ' ms':>8}" for k in kinds)
         + f" {'rest ms':>8} | {'aten ops':>8} "
         + " ".join(f"{k:>5}" for k in [*kinds, "rest"])
@@ -351,7 +352,7 @@ def print_step_profile(rows: list[dict]) -> None:
     for r in rows:
         rest = r["ms_per_token"] - sum(r["component_ms"].values())
         print(
-            f"{r['experts']:>7} {r['path']:>8} {r['ms_per_token']:9.2f} "
+            f"{r['experts']:>10} {r['path']:>8} {r['ms_per_token']:9.2f} "
             + " ".join(f"{r['component_ms'][k]:8.2f}" for k in kinds)
             + f" {rest:8.2f} | "
             + f"{r['aten_ops']:8d} "
@@ -488,6 +489,9 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="--step-profile / --batch on this checkpoint instead of --preset")
     ap.add_argument("--batch", help="batched decode tokens/s at these batch sizes, e.g. 1,4,8")
     ap.add_argument("--untiled", action="store_true", help="--checkpoint's BF16 weights kept in rows")
+    ap.add_argument(
+        "--int8-expert-inputs", action="store_true", help="MXFP4 experts multiply inputs rounded to int8"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     cfg = K3Config.preset(args.preset)
@@ -499,10 +503,13 @@ def main() -> None:
             model = K3ForCausalLM.from_pretrained(args.checkpoint, compute_dtype=torch.float32)
             if not args.untiled:
                 model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling)
-            return [("mxfp4" if model.config.experts_mxfp4 else "f32", model)]
+            model.set_int8_expert_inputs(args.int8_expert_inputs)
+            experts = "mxfp4" if model.config.experts_mxfp4 else "f32"
+            return [(experts + (" int8" if args.int8_expert_inputs else ""), model)]
         return [
-            (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q))
-            for e, q in (("mxfp4", None), ("f32", False))
+            (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q).set_int8_expert_inputs(i8))
+            for e, q, i8 in (("mxfp4", None, False), ("f32", False, False), ("mxfp4 int8", None, True))
+            if args.int8_expert_inputs or not i8
         ]
 
     if args.batch:
