@@ -52,27 +52,38 @@ struct QuantizedRows {
   std::vector<int32_t> lane_offset;
 };
 
-// The block's scale and codes, as tests/ops/test_mxfp4_int8.py's reference computes them: amax = max |x|,
-// scale = amax / 127, q = round-half-even(x * (127 / amax)) in fp32. A zero block has scale 0 and codes 0; a
-// block with an inf or NaN has codes 0 and a NaN scale, so that every output it reaches is NaN.
-inline float quantize_block(const float* x, int8_t* q) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
-  bool finite = std::isfinite(amax);
-  for (int64_t i = 0; i < kBlock && finite; ++i) finite = !std::isnan(x[i]);
-  if (!finite || amax == 0.0f) {
+// The block's scale and codes, as k3.ops.mxfp4.int8_x.quantize_int8_blocks computes them: amax = max |x|,
+// scale = amax / 127, q = round-half-even(x * (127 / amax)) in fp32 (vroundps to nearest: the same rounding;
+// |q| <= 127 needs no clamp). A zero block has scale 0 and codes 0; a block with an inf or NaN has codes 0 and
+// a NaN scale, so that every output it reaches is NaN.
+__attribute__((target("avx2,fma"))) inline float quantize_block(const float* x, int8_t* q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 v[4], amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], magnitude));
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v[i], v[i], _CMP_UNORD_Q));  // NaN lanes
+  }
+  const __m128 half = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  const __m128 quarter = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  const float top = _mm_cvtss_f32(_mm_max_ss(quarter, _mm_shuffle_ps(quarter, quarter, 1)));
+  const bool finite = _mm256_movemask_ps(unordered) == 0 && std::isfinite(top);
+  if (!finite || top == 0.0f) {
     std::fill(q, q + kBlock, int8_t{0});
     return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
   }
-  const float inverse = kLevels / amax;
-  for (int64_t i = 0; i < kBlock; ++i) {
-    const float rounded = std::nearbyint(x[i] * inverse);  // the default rounding mode: half to even
-    q[i] = static_cast<int8_t>(std::clamp(rounded, -kLevels, kLevels));
+  const __m256 inverse = _mm256_set1_ps(kLevels / top);
+  alignas(32) int32_t rounded[kBlock];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 scaled = _mm256_round_ps(_mm256_mul_ps(v[i], inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(rounded + 8 * i), _mm256_cvtps_epi32(scaled));
   }
-  return amax / kLevels;
+  for (int64_t i = 0; i < kBlock; ++i) q[i] = static_cast<int8_t>(rounded[i]);
+  return top / kLevels;
 }
 
-inline void quantize_rows(const float* x, int64_t K, int64_t B, QuantizedRows& out) {
+__attribute__((target("avx2,fma"))) inline void quantize_rows(const float* x, int64_t K, int64_t B,
+                                                              QuantizedRows& out) {
   const int64_t blocks = K / kBlock;
   out.pairs = (blocks + 1) / 2;
   out.codes.assign(B * out.pairs * kPair, 0);
