@@ -23,6 +23,7 @@ from rich.console import Console
 from k3.dist.group import torchrun_env
 from k3.engine.commands import (
     IMAGES,
+    INT8_EXPERTS,
     LAYERS,
     MAX_TOKENS,
     PENALTY,
@@ -52,6 +53,7 @@ def generate(
     repetition_penalty: float = PENALTY,
     seed: int = SEED,
     layers: int = LAYERS,
+    int8_expert_inputs: bool = INT8_EXPERTS,
     nproc: int = NPROC,
     image: list[Path] = IMAGES,
 ) -> None:
@@ -59,9 +61,9 @@ def generate(
     `--nproc N` the routed experts are sharded over N processes."""
     sampling = (max_tokens, temperature, top_k, top_p, repetition_penalty, seed)
     if torchrun_env():
-        _generate_on_ranks(checkpoint, prompt, sampling, layers)
+        _generate_on_ranks(checkpoint, prompt, sampling, layers, int8_expert_inputs)
     elif nproc == 1:
-        generate_on_one_process(checkpoint, prompt, *sampling, layers, image)
+        generate_on_one_process(checkpoint, prompt, *sampling, layers, int8_expert_inputs, image)
     elif image:
         fail("--image runs on one process (without --nproc)")
     else:
@@ -82,12 +84,17 @@ def _command_line(ctx: typer.Context, drop: str) -> list[str]:
         value = ctx.params[param.name]
         if param.name == drop or value is None or (isinstance(value, list | tuple) and not value):
             continue  # unset (an unset list option, `--image`, parses to an empty tuple)
+        if isinstance(value, bool):  # a flag: named when on, absent when off
+            args += [param.opts[0]] if value else []
+            continue
         text = repr(value) if isinstance(value, float) else str(value)  # repr: a float's every digit
         args += [text] if param.param_type_name == "argument" else [param.opts[0], text]
     return args
 
 
-def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: int | None) -> None:
+def _generate_on_ranks(
+    checkpoint: str, prompt: str, sampling: tuple, layers: int | None, int8_expert_inputs: bool
+) -> None:
     import torch
 
     from k3.dist.data_parallel import cpu_threads
@@ -97,7 +104,7 @@ def _generate_on_ranks(checkpoint: str, prompt: str, sampling: tuple, layers: in
 
     comm = Comm.from_env(timeout=120.0, backend="gloo")  # the model runs on the CPU
     torch.set_num_threads(cpu_threads(comm.world))
-    model, tok = load(checkpoint, layers)
+    model, tok = load(checkpoint, layers, int8_expert_inputs)
     shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
     ExpertParallel(comm).install(model)
     params = sampling_params(*sampling, {tok.special.eos})
