@@ -37,8 +37,14 @@ using mxfp4_rows::kPair;
 using mxfp4_rows::kPairBytes;
 
 constexpr int32_t kOffset = 12;  // added to every code times two so that vpmaddubsw can take it unsigned
-// E2M1 codes times two plus kOffset: 0 .5 1 1.5 2 3 4 6 and their negatives as 12 13 14 15 16 18 20 24, 12 .. 0
-alignas(16) constexpr uint8_t kCodeOffset[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
+// E2M1 codes times two (mxfp4_rows::kCodeTimesTwo) plus kOffset: 12 13 14 15 16 18 20 24, 12 11 10 9 8 6 4 0
+struct CodeOffset {
+  alignas(16) uint8_t value[16];
+  constexpr CodeOffset() : value{} {
+    for (int c = 0; c < 16; ++c) value[c] = static_cast<uint8_t>(mxfp4_rows::kCodeTimesTwo[c] + kOffset);
+  }
+};
+inline constexpr CodeOffset kCodeOffset;
 constexpr float kLevels = 127.0f;  // x codes are in [-127, 127]
 
 // x [B, K] rounded per block and laid out for the kernel: for row b and pair p (pairs = K / 64 rounded up),
@@ -116,7 +122,7 @@ __attribute__((target("avx2,fma"))) void gemv_rows(const QuantizedRows& xq, int6
                                                    const uint8_t* scale, int64_t K, float* out, int64_t ldo,
                                                    int64_t n_begin, int64_t n_end) {
   const int64_t blocks = K / kBlock, whole = blocks / 2;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodeOffset)));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kCodeOffset.value)));
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   const int8_t* codes = xq.codes.data() + row0 * xq.pairs * kPair;
