@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.model.norm import Linear, RMSNorm, as_dtype
+from k3.model.norm import Linear, RMSNorm, as_dtype, parameter
 from k3.ops.decode.native import load_native
 
 
@@ -51,11 +51,11 @@ def attn_res_read_stacked(values: list[torch.Tensor], norm: RMSNorm, proj: Linea
 def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor | None:
     """`attn_res_read` in one native call (k3.ops.decode) when no gradient is recorded and the values are
     fp32 on the CPU (the two weight vectors fp32 or BF16, as a checkpoint stores them); None otherwise."""
-    weights = (norm.weight, proj.weight)
+    weights = (parameter(norm, "weight"), parameter(proj, "weight"))  # read once each (a decode step has 18)
     if (
         torch.is_grad_enabled()
-        or any(v.dtype != torch.float32 or v.device.type != "cpu" for v in values)
-        or any(w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu" for w in weights)
+        or any(v.dtype != torch.float32 or not v.is_cpu for v in values)
+        or any(w.dtype not in (torch.float32, torch.bfloat16) or not w.is_cpu for w in weights)
     ):
         return None
     native = load_native()

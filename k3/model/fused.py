@@ -25,21 +25,20 @@ from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
 from k3.model.moe import MoE
-from k3.model.norm import Linear, RMSNorm
+from k3.model.norm import Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear
 
 
-def _tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
-    """`module.<name>` for a parameter or buffer, read from its dicts: a decode step reads ~500 weights, and
-    nn.Module.__getattr__ costs ~1 us each (as much as a layer's native call takes to dispatch)."""
-    found = module.__dict__["_parameters"].get(name)
-    return module.__dict__["_buffers"][name] if found is None else found
+def _weight(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """`module.<name>.weight`, read from the module dicts (k3.model.norm.parameter)."""
+    return parameter(child(module, name), "weight")
 
 
-def _weight(module: torch.nn.Module, child: str) -> torch.Tensor:
-    """`module.<child>.weight`, the same way."""
-    return _tensor(module.__dict__["_modules"][child], "weight")
+def _weights(module: torch.nn.Module, *names: str) -> list[torch.Tensor]:
+    """The weights of these children of `module`, in order."""
+    children = module.__dict__["_modules"]
+    return [parameter(children[name], "weight") for name in names]
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
@@ -47,7 +46,7 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
 
 def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType | None:
     """The kernels, if they may run on x [B, 1, H] and these weights (None entries are absent ones)."""
-    if torch.is_grad_enabled() or x.dtype != torch.float32 or x.device.type != "cpu":
+    if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu:
         return None
     if any(t is not None and t.dtype not in WEIGHT_DTYPES for t in tensors):
         return None
@@ -77,48 +76,39 @@ def mixer_update(
 def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState) -> torch.Tensor | None:
     if state.recurrent is None or state.conv_q is None or state.conv_k is None or state.conv_v is None:
         return None  # nothing prefilled: the general path starts the state
-    low_rank = not kda.full_rank_gate
-    w_gate = _weight(kda, "g_a_proj") if low_rank else _weight(kda, "g_proj")
-    w_gate_b = _weight(kda, "g_b_proj") if low_rank else None
-    convs = (_weight(kda, "q_conv1d"), _weight(kda, "k_conv1d"), _weight(kda, "v_conv1d"))
-    weights = [
-        _tensor(norm, "weight"),
-        _weight(kda, "q_proj"),
-        _weight(kda, "k_proj"),
-        _weight(kda, "v_proj"),
-        *convs,
-    ]
-    weights += [
-        _weight(kda, "f_a_proj"),
-        _weight(kda, "f_b_proj"),
-        _tensor(kda, "A_log"),
-        _tensor(kda, "dt_bias"),
-        _weight(kda, "b_proj"),
-        w_gate,
-    ]
-    weights += [w_gate_b, _weight(kda, "o_norm"), _weight(kda, "o_proj")]
-    native = _native(x, weights)
+    # Each weight is looked up once (a step runs this for every KDA layer: lookups cost as much as math here).
+    w_q, w_k, w_v, w_fa, w_fb, w_b, o_norm, w_o = _weights(
+        kda, "q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "o_norm", "o_proj"
+    )
+    convs = _weights(kda, "q_conv1d", "k_conv1d", "v_conv1d")  # [P, 1, ks] each
+    w_gate, w_gate_b = (
+        (_weight(kda, "g_proj"), None) if kda.full_rank_gate else _weights(kda, "g_a_proj", "g_b_proj")
+    )
+    norm_w, a_log, dt_bias = parameter(norm, "weight"), parameter(kda, "A_log"), parameter(kda, "dt_bias")
+    native = _native(
+        x, [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
+    )
     if native is None:
         return None
     update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
         x.contiguous(),  # [B, 1, hidden]; the kernels take the model's shapes as they are
-        _f32(_tensor(norm, "weight")),
+        _f32(norm_w),
         norm.eps,
-        _weight(kda, "q_proj"),
-        _weight(kda, "k_proj"),
-        _weight(kda, "v_proj"),
-        *(_f32(w) for w in convs),  # [P, 1, ks]
-        _weight(kda, "f_a_proj"),
-        _weight(kda, "f_b_proj"),
-        _f32(_tensor(kda, "A_log")),
-        _f32(_tensor(kda, "dt_bias")),
+        w_q,
+        w_k,
+        w_v,
+        *(_f32(w) for w in convs),
+        w_fa,
+        w_fb,
+        _f32(a_log),
+        _f32(dt_bias),
         kda.lower_bound,  # None: Kimi Linear's softplus gate
-        _weight(kda, "b_proj"),
+        w_b,
         w_gate,
         w_gate_b,
-        _f32(_weight(kda, "o_norm")),
-        kda.o_norm.eps,
-        _weight(kda, "o_proj"),
+        _f32(o_norm),
+        child(kda, "o_norm").eps,
+        w_o,
         state.conv_q.contiguous(),
         state.conv_k.contiguous(),
         state.conv_v.contiguous(),
@@ -130,38 +120,35 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
 
 
 def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> torch.Tensor | None:
-    w_q = _weight(mla, "q_a_proj") if mla.q_lora else _weight(mla, "q_proj")
-    q_norm = _weight(mla, "q_a_layernorm") if mla.q_lora else None
-    w_q_b = _weight(mla, "q_b_proj") if mla.q_lora else None
-    w_g = _weight(mla, "g_proj") if mla.output_gate else None
-    weights = [
-        _tensor(norm, "weight"),
-        w_q,
-        q_norm,
-        w_q_b,
-        _weight(mla, "kv_a_proj_with_mqa"),
-        _weight(mla, "kv_a_layernorm"),
-    ]
-    weights += [_weight(mla, "kv_b_proj"), w_g, _weight(mla, "o_proj")]
     if state.latent is None or state.k_rope is None or state.latent.dtype != torch.float32:
         return None  # nothing prefilled (the general path allocates the cache) or another cache dtype
-    native = _native(x, weights)
+    w_q, q_norm, w_q_b = (
+        _weights(mla, "q_a_proj", "q_a_layernorm", "q_b_proj")
+        if mla.q_lora
+        else (_weight(mla, "q_proj"), None, None)
+    )
+    w_g = _weight(mla, "g_proj") if mla.output_gate else None
+    w_kv_a, kv_norm, w_kv_b, w_o = _weights(
+        mla, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"
+    )
+    norm_w = parameter(norm, "weight")
+    native = _native(x, [norm_w, w_q, q_norm, w_q_b, w_kv_a, kv_norm, w_kv_b, w_g, w_o])
     if native is None:
         return None
     state.reserve(1)
     update = native.mla_mixer(
         x.contiguous(),
-        _f32(_tensor(norm, "weight")),
+        _f32(norm_w),
         norm.eps,
         w_q,
         _f32(q_norm),
         w_q_b,
-        mla.kv_a_layernorm.eps,
-        _weight(mla, "kv_a_proj_with_mqa"),
-        _f32(_weight(mla, "kv_a_layernorm")),
-        _weight(mla, "kv_b_proj"),
+        child(mla, "kv_a_layernorm").eps,
+        w_kv_a,
+        _f32(kv_norm),
+        w_kv_b,
         w_g,
-        _weight(mla, "o_proj"),
+        w_o,
         state.latent,
         state.k_rope,
         state.lengths,
@@ -185,56 +172,40 @@ def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor |
 
 
 def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
-    weights = [
-        _tensor(norm, "weight"),
-        _weight(mlp, "gate_proj"),
-        _weight(mlp, "up_proj"),
-        _weight(mlp, "down_proj"),
-    ]
-    native = _native(y, weights)
+    norm_w = parameter(norm, "weight")
+    matrices = _weights(mlp, "gate_proj", "up_proj", "down_proj")
+    native = _native(y, [norm_w, *matrices])
     if native is None:
         return None
-    return native.mlp(y.contiguous(), _f32(weights[0]), norm.eps, *weights[1:], *_act(mlp.situ))
+    return native.mlp(y.contiguous(), _f32(norm_w), norm.eps, *matrices, *_act(mlp.situ))
 
 
 def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
-    router = moe.gate
+    router = child(moe, "gate")
     if router._forward_hooks or router._forward_pre_hooks:  # recorded or replayed routing: its own forward
         return None
     if "dispatch" in moe.__dict__:  # a dispatch of its own (k3.dist's expert parallelism): the general path
         return None
-    if _packed_dense_part(moe):  # MXFP4 latent projections or shared experts: the kernel takes plain ones
+    dense_parts = _dense_parts(moe)
+    if dense_parts is None:  # MXFP4 latent projections or shared experts: the kernel takes plain ones
         return None
-    down = _weight(moe, "routed_expert_down_proj") if moe.latent else None
-    up = _weight(moe, "routed_expert_up_proj") if moe.latent else None
-    latent_norm = moe.routed_expert_norm if moe.latent_norm else None
-    shared = (
-        [
-            _weight(moe.shared_experts, "gate_proj"),
-            _weight(moe.shared_experts, "up_proj"),
-            _weight(moe.shared_experts, "down_proj"),
-        ]
-        if moe.shared
-        else [None, None, None]
+    down, up, shared = dense_parts
+    latent_norm = child(moe, "routed_expert_norm") if moe.latent_norm else None
+    latent_norm_w = None if latent_norm is None else parameter(latent_norm, "weight")
+    norm_w, router_w, bias = (
+        parameter(norm, "weight"),
+        parameter(router, "weight"),
+        parameter(router, "e_score_correction_bias"),
     )
-    weights = [
-        _tensor(norm, "weight"),
-        _tensor(router, "weight"),
-        _tensor(router, "e_score_correction_bias"),
-        down,
-        up,
-        *shared,
-    ]
-    weights.append(None if latent_norm is None else _tensor(latent_norm, "weight"))
-    native = _native(y, weights)
+    native = _native(y, [norm_w, router_w, bias, down, up, *shared, latent_norm_w])
     if native is None:
         return None
     xn, z, mixing, indices = native.moe_route(
         y.contiguous(),
-        _f32(_tensor(norm, "weight")),
+        _f32(norm_w),
         norm.eps,
-        _tensor(router, "weight"),
-        _f32(_tensor(router, "e_score_correction_bias")),
+        router_w,
+        _f32(bias),
         router.num_groups,
         router.topk_groups,
         router.top_k,
@@ -247,8 +218,10 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     chosen = [e for row in indices.tolist() for e in row]  # [B * k], row-major
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}
-    experts = moe.experts._modules  # {"0": RoutedExpert, ...}: ModuleList indexing costs more than the call
-    matrices = [experts[str(e)].__dict__["_modules"][w] for e in distinct for w in ("w1", "w3", "w2")]  # type: ignore[union-attr]
+    experts = child(
+        moe, "experts"
+    )._modules  # {"0": RoutedExpert, ...}: ModuleList indexing costs more than the call
+    matrices = [experts[str(e)].__dict__["_modules"][w] for e in distinct for w in ("w1", "w3", "w2")]
     dense: list[torch.Tensor] = []
     packed: list[torch.Tensor] = []
     scale: list[torch.Tensor] = []
@@ -258,10 +231,10 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         if len(int8) > 1:  # some experts exact, some approximate: each its own forward
             return None
         int8_x = int8.pop()
-        packed = [_tensor(m, "weight_packed") for m in matrices]
-        scale = [_tensor(m, "weight_scale") for m in matrices]
+        packed = [parameter(m, "weight_packed") for m in matrices]
+        scale = [parameter(m, "weight_scale") for m in matrices]
     elif all(isinstance(m, Linear) for m in matrices):
-        dense = [_tensor(m, "weight") for m in matrices]
+        dense = [parameter(m, "weight") for m in matrices]
         if any(w.dtype not in WEIGHT_DTYPES for w in dense):
             return None
     else:
@@ -275,7 +248,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         packed,
         scale,
         *_act(moe.situ),
-        None if latent_norm is None else _f32(_tensor(latent_norm, "weight")),
+        None if latent_norm_w is None else _f32(latent_norm_w),
         0.0 if latent_norm is None else latent_norm.eps,
         up,
         *shared,
@@ -283,18 +256,32 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     )
 
 
-def _packed_dense_part(moe: MoE) -> bool:
-    """True when the MoE's latent projections or shared experts are MXFP4 (a checkpoint packed them)."""
-    parts = [moe.routed_expert_down_proj, moe.routed_expert_up_proj] if moe.latent else []
-    if moe.shared:
-        parts += [moe.shared_experts.gate_proj, moe.shared_experts.up_proj, moe.shared_experts.down_proj]
-    return any(isinstance(p, MXFP4Linear) for p in parts)
+def _dense_parts(
+    moe: MoE,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]] | None:
+    """The MoE's latent down- and up-projection weights (None without a latent) and its shared experts' gate,
+    up and down weights ([None] * 3 without); None when any of them is MXFP4 (a checkpoint packed them)."""
+    parts = (
+        [child(moe, "routed_expert_down_proj"), child(moe, "routed_expert_up_proj")]
+        if moe.latent
+        else [None, None]
+    )
+    shared_experts = child(moe, "shared_experts") if moe.shared else None
+    if shared_experts is not None:
+        parts += [child(shared_experts, name) for name in ("gate_proj", "up_proj", "down_proj")]
+    else:
+        parts += [None, None, None]
+    if any(isinstance(p, MXFP4Linear) for p in parts):
+        return None
+    down, up, *shared = (None if p is None else parameter(p, "weight") for p in parts)
+    return down, up, shared
 
 
 def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:
     """lm_head(h) for h [B, 1, hidden] in one native call (its rows split across threads); None: general."""
-    native = _native(h, [_tensor(lm_head, "weight")])
+    weight = parameter(lm_head, "weight")
+    native = _native(h, [weight])
     if native is None:
         return None
     x = h.contiguous()  # [B, 1, hidden]; h may be the last position of a longer prefill
-    return native.project(x, None, 0.0, [_tensor(lm_head, "weight")])[0]
+    return native.project(x, None, 0.0, [weight])[0]
