@@ -226,17 +226,25 @@ class _LayerDispatch:
         replica_weights = dict(
             zip([e for e, _ in incoming], recv_w.split(n) if incoming else [], strict=True)
         )
-        outputs, start = [], 0
-        for e, count in enumerate(got.sum(0).tolist()):
-            if count:
-                chunk = rows[start : start + count]
-                if self.homes[e] == s:
-                    outputs.append(experts[e](chunk))
-                else:
-                    outputs.append(_run_replica(self.template, replica_weights[e], chunk))
-                start += count
-        # rows * 0 keeps an empty host attached to the graph, so it joins every backward collective too
-        host_out = torch.cat(outputs) if outputs else rows * 0
+        here = got.sum(0).tolist()  # [E] rows of each expert on this rank
+        host_out = None
+        if not incoming and self.moe.fast_decode and not torch.is_grad_enabled():
+            # the hosted experts in one native call, decided on the whole batch's busiest expert as one
+            # process decides: then each row's value is the one process's, bit for bit
+            starts = [0, *np.cumsum(here).tolist()]
+            host_out = self.moe.experts_over_rows(rows, starts, int(counts.sum(0).max()))
+        if host_out is None:
+            outputs, start = [], 0
+            for e, count in enumerate(here):
+                if count:
+                    chunk = rows[start : start + count]
+                    if self.homes[e] == s:
+                        outputs.append(experts[e](chunk))
+                    else:
+                        outputs.append(_run_replica(self.template, replica_weights[e], chunk))
+                    start += count
+            # rows * 0 keeps an empty host attached to the graph, so it joins every backward collective too
+            host_out = torch.cat(outputs) if outputs else rows * 0
         back_out = host_out[torch.argsort(by_expert)]  # (source, expert) order, as received
 
         # 3. combine: home again, in send order, then pair order

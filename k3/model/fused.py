@@ -24,7 +24,7 @@ from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
-from k3.model.moe import MoE
+from k3.model.moe import MoE, native_activation, native_expert_weights
 from k3.model.norm import Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear
@@ -56,10 +56,6 @@ def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType |
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
     """A small weight (a norm's, a gate's constants, a short convolution) as the kernels take it: fp32."""
     return t if t is None or t.dtype == torch.float32 else t.float()
-
-
-def _act(situ: tuple[float, float] | None) -> tuple[int, float, float]:
-    return (0, 0.0, 0.0) if situ is None else (1, *situ)
 
 
 def mixer_update(
@@ -177,7 +173,7 @@ def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
     native = _native(y, [norm_w, *matrices])
     if native is None:
         return None
-    return native.mlp(y.contiguous(), _f32(norm_w), norm.eps, *matrices, *_act(mlp.situ))
+    return native.mlp(y.contiguous(), _f32(norm_w), norm.eps, *matrices, *native_activation(mlp.situ))
 
 
 def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
@@ -218,41 +214,25 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     chosen = [e for row in indices.tolist() for e in row]  # [B * k], row-major
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}
-    experts = child(
-        moe, "experts"
-    )._modules  # {"0": RoutedExpert, ...}: ModuleList indexing costs more than the call
+    experts = child(moe, "experts")._modules  # {"0": RoutedExpert, ...}: cheaper than ModuleList indexing
     matrices = [experts[str(e)].__dict__["_modules"][w] for e in distinct for w in ("w1", "w3", "w2")]
-    dense: list[torch.Tensor] = []
-    packed: list[torch.Tensor] = []
-    scale: list[torch.Tensor] = []
-    int8_x = False
-    if all(isinstance(m, MXFP4Linear) for m in matrices):
-        int8 = {m.int8_inputs for m in matrices}  # type: ignore[union-attr]
-        if len(int8) > 1:  # some experts exact, some approximate: each its own forward
-            return None
-        int8_x = int8.pop()
-        packed = [parameter(m, "weight_packed") for m in matrices]
-        scale = [parameter(m, "weight_scale") for m in matrices]
-    elif all(isinstance(m, Linear) for m in matrices):
-        dense = [parameter(m, "weight") for m in matrices]
-        if any(w.dtype not in WEIGHT_DTYPES for w in dense):
-            return None
-    else:
+    found = native_expert_weights(matrices)  # type: ignore[arg-type]
+    if found is None:  # mixed kinds, or some experts exact and some approximate: each its own forward
         return None
     return native.moe_experts(
         xn,
         z,
         mixing,
         [slot[e] for e in chosen],  # row-major [B, k]: each pair's position in `distinct`
-        dense,
-        packed,
-        scale,
-        *_act(moe.situ),
+        found.dense,
+        found.packed,
+        found.scale,
+        *native_activation(moe.situ),
         None if latent_norm_w is None else _f32(latent_norm_w),
         0.0 if latent_norm is None else latent_norm.eps,
         up,
         *shared,
-        int8_x=int8_x,
+        int8_x=found.int8_x,
     )
 
 

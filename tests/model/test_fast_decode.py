@@ -118,7 +118,7 @@ def test_fast_decode_equals_general_path_and_full_forward(preset, quantized):
     model.set_fast_decode(True)
     with torch.no_grad():
         full = model(ids)
-    assert torch.equal(fast[:, :16], general[:, :16])  # the prefill takes the same path
+    assert rel(fast[:, :16], general[:, :16]) <= 1e-5  # the prefill's experts: one native call or one by one
     assert rel(fast, general) <= 1e-5
     assert rel(fast, full) <= 1e-4  # chunked vs recurrent KDA, as tests/model/test_cache.py allows
     assert rel(general, full) <= 1e-4

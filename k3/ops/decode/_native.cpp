@@ -10,6 +10,7 @@
 //                             AVX2), their weighted sum, latent norm, up-projection and shared experts
 //   attn_res_read             an AttnRes read over the stream's values
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
+//   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //
@@ -119,22 +120,11 @@ std::vector<Tensor> moe_route(const Tensor& x, const Tensor& norm_w, double norm
   return {xn, z, weights, indices};
 }
 
-// Row r's routed mixture sum_j weights[r, j] expert_{slots[r, j]}(z[r]) over the distinct experts given
-// (w1, w3 [m, L] and w2 [L, m] each: `dense` fp32, or `packed` + `scale` MXFP4), then the latent norm and
-// up-projection when given, plus the shared experts' MLP of xn when given: [B, D]. `int8_x`: MXFP4 experts
-// multiply their inputs rounded to int8 per block (_native_int8.h; approximate), else exactly.
-Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, const std::vector<int64_t>& slots,
-                   const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
-                   const std::vector<Tensor>& scale, int64_t act, double beta, double linear_beta,
-                   const Optional& latent_norm_w, double latent_eps, const Optional& w_up,
-                   const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down,
-                   const std::string& variant, bool int8_x) {
-  const int64_t B = rows_of(z, "z"), L = z.size(-1), k = weights.size(1);
-  const bool wide = mxfp4_rows512::wide_variant(variant);
-  check_rows(z, B, L, "z");
-  check_rows(weights, B, k, "weights");
-  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B * k, "slots must hold B * k expert positions");
-  const bool is_packed = dense.empty();
+// The matrices of U experts ((w1, w3, w2) each: w1, w3 [m, L] and w2 [L, m]; `dense` fp32 / BF16, or `packed` +
+// `scale` MXFP4, exact or with `int8_x`) as the kernels take them.
+std::vector<Weight> expert_weights(int64_t L, const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
+                                   const std::vector<Tensor>& scale, const std::string& variant, bool int8_x) {
+  const bool is_packed = dense.empty(), wide = mxfp4_rows512::wide_variant(variant);
   const int64_t U = static_cast<int64_t>(is_packed ? packed.size() : dense.size()) / 3;
   TORCH_CHECK(U >= 1 && (is_packed ? packed.size() == 3 * U && scale.size() == packed.size() : dense.size() == 3 * U),
               "experts: (w1, w3, w2) of each distinct expert, fp32 in `dense` or MXFP4 in `packed` + `scale`");
@@ -146,6 +136,62 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
     w[i].int8_x = int8_x && is_packed;
     TORCH_CHECK(w[i].N == (i % 3 == 2 ? L : w[i - i % 3].N), "expert ", i / 3, ": w1/w3 must be [m, L], w2 [L, m]");
   }
+  return w;
+}
+
+// out [M, L] = w2(act(w1 rows, w3 rows)) for M rows [M, L] of one expert (w: its three matrices), on the calling
+// thread; each row's value does not depend on the others (the kernels' rows are independent).
+inline void expert_over_rows(const Weight* w, const Activation& f, const float* rows, int64_t M, float* out) {
+  const int64_t m = w[0].N, L = w[2].N;
+  std::vector<float> gate(M * m), up(M * m);
+  w[0].rows(rows, M, gate.data(), m, 0, m);
+  w[1].rows(rows, M, up.data(), m, 0, m);
+  for (int64_t i = 0; i < M * m; ++i) gate[i] = f(gate[i], up[i]);
+  w[2].rows(gate.data(), M, out, L, 0, L);
+}
+
+// Expert u's output for each of its counts[u] rows, the experts' rows consecutive in `rows` [R, L] (expert-major,
+// as MoE.dispatch sorts its pairs): [R, L] in the same order. The experts are spread over the threads.
+Tensor experts_rows(const Tensor& rows, const std::vector<int64_t>& counts, const std::vector<Tensor>& dense,
+                    const std::vector<Tensor>& packed, const std::vector<Tensor>& scale, int64_t act, double beta,
+                    double linear_beta, const std::string& variant, bool int8_x) {
+  const int64_t R = rows_of(rows, "rows"), L = rows.size(-1), U = static_cast<int64_t>(counts.size());
+  check_rows(rows, R, L, "rows");
+  const std::vector<Weight> w = expert_weights(L, dense, packed, scale, variant, int8_x);
+  TORCH_CHECK(static_cast<int64_t>(w.size()) == 3 * U, "counts: one per expert given");
+  std::vector<int64_t> start(U + 1, 0);
+  for (int64_t u = 0; u < U; ++u) {
+    TORCH_CHECK(counts[u] >= 0, "counts must not be negative");
+    start[u + 1] = start[u] + counts[u];
+  }
+  TORCH_CHECK(start[U] == R, "counts must add up to the rows given");
+  const Activation f = activation(act, beta, linear_beta);
+  Tensor out = torch::empty_like(rows);
+  const float* in = rows.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u)
+      if (counts[u] > 0) expert_over_rows(&w[3 * u], f, in + start[u] * L, counts[u], o + start[u] * L);
+  });
+  return out;
+}
+
+// Row r's routed mixture sum_j weights[r, j] expert_{slots[r, j]}(z[r]) over the distinct experts given
+// (w1, w3 [m, L] and w2 [L, m] each: `dense` fp32, or `packed` + `scale` MXFP4), then the latent norm and
+// up-projection when given, plus the shared experts' MLP of xn when given: [B, D]. `int8_x`: MXFP4 experts
+// multiply their inputs rounded to int8 per block (_native_int8.h; approximate), else exactly.
+Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, const std::vector<int64_t>& slots,
+                   const std::vector<Tensor>& dense, const std::vector<Tensor>& packed,
+                   const std::vector<Tensor>& scale, int64_t act, double beta, double linear_beta,
+                   const Optional& latent_norm_w, double latent_eps, const Optional& w_up,
+                   const Optional& shared_gate, const Optional& shared_up, const Optional& shared_down,
+                   const std::string& variant, bool int8_x) {
+  const int64_t B = rows_of(z, "z"), L = z.size(-1), k = weights.size(1);
+  check_rows(z, B, L, "z");
+  check_rows(weights, B, k, "weights");
+  TORCH_CHECK(static_cast<int64_t>(slots.size()) == B * k, "slots must hold B * k expert positions");
+  const std::vector<Weight> w = expert_weights(L, dense, packed, scale, variant, int8_x);
+  const int64_t U = static_cast<int64_t>(w.size()) / 3;
   const int64_t* slot = slots.data();
   std::vector<std::vector<int64_t>> pairs(U);  // per distinct expert, the pairs r * k + j that chose it
   for (int64_t i = 0; i < B * k; ++i) {
@@ -154,17 +200,15 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   }
   const Activation f = activation(act, beta, linear_beta);
   std::vector<float> per_pair(B * k * L);
+  const float* zp = z.data_ptr<float>();
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
-    std::vector<float> rows, gate, up, down;
+    std::vector<float> rows, down;
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t M = static_cast<int64_t>(pairs[u].size()), m = w[3 * u].N;
+      const int64_t M = static_cast<int64_t>(pairs[u].size());
       if (M == 0) continue;
-      rows.resize(M * L), gate.resize(M * m), up.resize(M * m), down.resize(M * L);
-      for (int64_t i = 0; i < M; ++i) std::copy_n(z.data_ptr<float>() + pairs[u][i] / k * L, L, rows.data() + i * L);
-      w[3 * u].rows(rows.data(), M, gate.data(), m, 0, m);
-      w[3 * u + 1].rows(rows.data(), M, up.data(), m, 0, m);
-      for (int64_t i = 0; i < M * m; ++i) gate[i] = f(gate[i], up[i]);
-      w[3 * u + 2].rows(gate.data(), M, down.data(), L, 0, L);
+      rows.resize(M * L), down.resize(M * L);
+      for (int64_t i = 0; i < M; ++i) std::copy_n(zp + pairs[u][i] / k * L, L, rows.data() + i * L);
+      expert_over_rows(&w[3 * u], f, rows.data(), M, down.data());
       for (int64_t i = 0; i < M; ++i) std::copy_n(down.data() + i * L, L, per_pair.data() + pairs[u][i] * L);
     }
   });
@@ -315,6 +359,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("act"), py::arg("beta"), py::arg("linear_beta"), py::arg("latent_norm_w"),
         py::arg("latent_eps"), py::arg("w_up"), py::arg("shared_gate"), py::arg("shared_up"), py::arg("shared_down"),
         py::arg("variant") = "auto", py::arg("int8_x") = false);
+  m.def("experts_rows", &experts_rows,
+        "each expert's MLP over its block of rows (experts' rows consecutive, `counts` each): [R, L] in order",
+        py::arg("rows"), py::arg("counts"), py::arg("dense"), py::arg("packed"), py::arg("scale"), py::arg("act"),
+        py::arg("beta"), py::arg("linear_beta"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",

@@ -30,7 +30,7 @@ def quantize_int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(
             f"x must be float32 [..., K], K a multiple of {BLOCK_SIZE}; got {x.dtype} {list(x.shape)}"
         )
-    blocks = x.reshape(*x.shape[:-1], -1, BLOCK_SIZE)  # [..., K/32, 32]
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // BLOCK_SIZE, BLOCK_SIZE)  # [..., K/32, 32]
     amax = blocks.abs().amax(-1)  # [..., K/32]
     finite = torch.isfinite(blocks).all(-1)
     usable = finite & (amax > 0)
@@ -44,7 +44,7 @@ def quantize_int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def round_int8_blocks(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The x [..., K] that the int8 mode multiplies: each code times its block's scale, in `dtype`."""
     codes, scales = quantize_int8_blocks(x)
-    blocks = codes.reshape(*codes.shape[:-1], -1, BLOCK_SIZE).to(dtype)
+    blocks = codes.reshape(*codes.shape[:-1], codes.shape[-1] // BLOCK_SIZE, BLOCK_SIZE).to(dtype)
     return (blocks * scales.to(dtype)[..., None]).reshape(codes.shape)
 
 
