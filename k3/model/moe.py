@@ -208,14 +208,15 @@ class MoE(nn.Module):
         if N == 1 and native:
             return self.dispatch_one(z, weights[0], indices[0])
         order, starts = pairs_by_expert(indices, len(self.experts))
-        rows = z[order // k]  # [N*k, L]: each pair's row, in expert order
-        sorted_out = self.experts_over_rows(rows, starts, busiest_expert(starts)) if native else None
+        busiest, sorted_out = busiest_expert(starts), None
+        if native and busiest <= NATIVE_DISPATCH_ROWS_SMALL:  # else no gathered copy of every pair's row
+            sorted_out = self.experts_over_rows(z[order // k], starts, busiest)  # rows [N*k, L], expert order
         if sorted_out is None:
-            sorted_out = torch.empty_like(rows)
+            sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
             for e in range(len(self.experts)):
                 a, b = starts[e], starts[e + 1]
                 if a < b:
-                    sorted_out[a:b] = self.experts[e](rows[a:b])
+                    sorted_out[a:b] = self.experts[e](z[order[a:b] // k])
         pair_out = torch.empty_like(sorted_out)
         pair_out[order] = sorted_out  # back to pair order [N*k, L]
         return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
