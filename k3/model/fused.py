@@ -188,11 +188,8 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     down, up, shared = dense_parts
     latent_norm = child(moe, "routed_expert_norm") if moe.latent_norm else None
     latent_norm_w = None if latent_norm is None else parameter(latent_norm, "weight")
-    norm_w, router_w, bias = (
-        parameter(norm, "weight"),
-        parameter(router, "weight"),
-        parameter(router, "e_score_correction_bias"),
-    )
+    norm_w = parameter(norm, "weight")
+    router_w, bias = parameter(router, "weight"), parameter(router, "e_score_correction_bias")
     native = _native(y, [norm_w, router_w, bias, down, up, *shared, latent_norm_w])
     if native is None:
         return None
@@ -241,13 +238,10 @@ def _dense_parts(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]] | None:
     """The MoE's latent down- and up-projection weights (None without a latent) and its shared experts' gate,
     up and down weights ([None] * 3 without); None when any of them is MXFP4 (a checkpoint packed them)."""
-    parts = (
-        [child(moe, "routed_expert_down_proj"), child(moe, "routed_expert_up_proj")]
-        if moe.latent
-        else [None, None]
-    )
-    shared_experts = child(moe, "shared_experts") if moe.shared else None
-    if shared_experts is not None:
+    latent = ("routed_expert_down_proj", "routed_expert_up_proj")
+    parts = [child(moe, name) for name in latent] if moe.latent else [None, None]
+    if moe.shared:
+        shared_experts = child(moe, "shared_experts")
         parts += [child(shared_experts, name) for name in ("gate_proj", "up_proj", "down_proj")]
     else:
         parts += [None, None, None]

@@ -238,9 +238,8 @@ class MoE(nn.Module):
         rank of k3.dist passes the batch's, so that it decides as one process would); None otherwise."""
         if busiest > NATIVE_DISPATCH_ROWS_SMALL or rows.dtype != torch.float32 or not rows.is_cpu:
             return None
-        if (
-            self.situ is not None and self.situ[1] is None
-        ):  # an uncapped SiTU: the kernels cap the up projection
+        uncapped_situ = self.situ is not None and self.situ[1] is None  # the kernels cap the up projection
+        if uncapped_situ:
             return None
         native = load_decode_native()
         if native is None:
@@ -253,9 +252,8 @@ class MoE(nn.Module):
         found = native_expert_weights(matrices)  # type: ignore[arg-type]
         if found is None:
             return None
-        expert_bytes = sum(t.nbytes for t in (*found.dense, *found.packed, *found.scale)) // max(
-            1, len(active)
-        )
+        matrix_bytes = sum(t.nbytes for t in (*found.dense, *found.packed, *found.scale))
+        expert_bytes = matrix_bytes // len(active)  # every expert of a layer has the same shapes
         if busiest > NATIVE_DISPATCH_ROWS and expert_bytes > SMALL_EXPERT_BYTES:
             return None
         return native.experts_rows(
