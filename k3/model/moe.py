@@ -233,8 +233,8 @@ class MoE(nn.Module):
     def experts_over_rows(self, rows: torch.Tensor, starts: list[int], busiest: int) -> torch.Tensor | None:
         """Expert e's output for each of its rows `rows[starts[e] : starts[e + 1]]` (rows [R, L], experts in
         order), in one native call (k3.ops.decode's `experts_rows`, the experts spread over the threads; each
-        row's value independent of the others). For fp32 rows on the CPU, experts `native_expert_weights`
-        takes, and at most NATIVE_DISPATCH_ROWS(_SMALL) rows for the `busiest` expert of the whole batch (a
+        row's value independent of the others). For fp32 rows on the CPU, MXFP4 experts (one int8 mode), and
+        at most NATIVE_DISPATCH_ROWS(_SMALL) rows for the `busiest` expert of the whole batch (a
         rank of k3.dist passes the batch's, so that it decides as one process would); None otherwise."""
         if busiest > NATIVE_DISPATCH_ROWS_SMALL or rows.dtype != torch.float32 or not rows.is_cpu:
             return None
@@ -250,7 +250,10 @@ class MoE(nn.Module):
         experts = self.experts._modules  # {"0": RoutedExpert, ...}
         matrices = [experts[str(e)].__dict__["_modules"][w] for e in active for w in ("w1", "w3", "w2")]
         found = native_expert_weights(matrices)  # type: ignore[arg-type]
-        if found is None:
+        if found is None or not found.packed:
+            # plain experts are a model in training (k3.rl and k3.distill dequantize them): its forward
+            # without gradients keeps the differentiable one's values, so that a model scoring its own
+            # samples sees the numbers it trains on (a self-teacher's KL gradient exactly 0)
             return None
         matrix_bytes = sum(t.nbytes for t in (*found.dense, *found.packed, *found.scale))
         expert_bytes = matrix_bytes // len(active)  # every expert of a layer has the same shapes
