@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from k3.model.norm import Linear, RMSNorm, as_dtype, parameter
+from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, as_dtype, parameter
 from k3.ops.decode.native import load_native
 
 
@@ -55,7 +55,7 @@ def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear
     if (
         torch.is_grad_enabled()
         or any(v.dtype != torch.float32 or not v.is_cpu for v in values)
-        or any(w.dtype not in (torch.float32, torch.bfloat16) or not w.is_cpu for w in weights)
+        or any(w.dtype not in NATIVE_WEIGHT_DTYPES or not w.is_cpu for w in weights)
     ):
         return None
     native = load_native()

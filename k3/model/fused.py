@@ -25,7 +25,7 @@ from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
 from k3.model.moe import MoE, native_activation, native_expert_weights
-from k3.model.norm import Linear, RMSNorm, child, parameter
+from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear
 
@@ -37,18 +37,14 @@ def _weight(module: torch.nn.Module, name: str) -> torch.Tensor:
 
 def _weights(module: torch.nn.Module, *names: str) -> list[torch.Tensor]:
     """The weights of these children of `module`, in order."""
-    children = module.__dict__["_modules"]
-    return [parameter(children[name], "weight") for name in names]
-
-
-WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+    return [_weight(module, name) for name in names]
 
 
 def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType | None:
     """The kernels, if they may run on x [B, 1, H] and these weights (None entries are absent ones)."""
     if torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu:
         return None
-    if any(t is not None and t.dtype not in WEIGHT_DTYPES for t in tensors):
+    if any(t is not None and t.dtype not in NATIVE_WEIGHT_DTYPES for t in tensors):
         return None
     return load_native()
 

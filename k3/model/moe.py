@@ -21,7 +21,7 @@ from torch import nn
 from k3.config import K3Config
 from k3.model.activations import GatedActivation, gated_activation, situ_parameters
 from k3.model.mlp import MLP
-from k3.model.norm import Linear, RMSNorm, as_dtype, parameter
+from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, as_dtype, parameter
 from k3.ops.decode.native import load_native as load_decode_native
 from k3.ops.mxfp4 import MXFP4Linear, experts_one_token
 
@@ -144,7 +144,7 @@ def native_expert_weights(matrices: list[nn.Module]) -> ExpertWeights | None:
         return ExpertWeights([], packed, scale, int8.pop())
     if all(isinstance(m, Linear) for m in matrices):
         dense = [parameter(m, "weight") for m in matrices]
-        if any(w.dtype not in (torch.float32, torch.bfloat16) for w in dense):
+        if any(w.dtype not in NATIVE_WEIGHT_DTYPES for w in dense):
             return None
         return ExpertWeights(dense, [], [], False)
     return None

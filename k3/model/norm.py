@@ -14,6 +14,9 @@ from k3.model.tiling import ROWS as TILE_ROWS
 from k3.model.tiling import is_tiled, matrix_shape, rows_of, untiled_state
 from k3.ops.decode.native import load_native
 
+# The dtypes the native kernels read weight matrices in: fp32, or BF16 as fp32 in registers.
+NATIVE_WEIGHT_DTYPES = (torch.float32, torch.bfloat16)
+
 
 def parameter(module: nn.Module, name: str) -> torch.Tensor:
     """`module.<name>` for a parameter or buffer, read from its dicts: the decode step reads ~500 of them a

@@ -10,11 +10,11 @@ expert-by-expert path would pass every equality), and that it does not run where
 
 from __future__ import annotations
 
-import collections
 import os
 
 import pytest
 import torch
+from native_counting import Counting
 
 import k3.model.moe as moe_module
 from k3.config import K3Config
@@ -135,21 +135,9 @@ def test_experts_rows_refuses_counts_that_do_not_add_up():
         native_rows(group, torch.randn(5, 64), [5], None)
 
 
-class Counting:
-    def __init__(self) -> None:
-        self.native, self.calls = load_native(), collections.Counter()
-
-    def __getattr__(self, name: str):
-        def call(*args, **kwargs):
-            self.calls[name] += 1
-            return getattr(self.native, name)(*args, **kwargs)
-
-        return call
-
-
 @pytest.fixture
 def counting(monkeypatch) -> Counting:
-    counter = Counting()
+    counter = Counting(load_native())
     monkeypatch.setattr(moe_module, "load_decode_native", lambda: counter)
     return counter
 

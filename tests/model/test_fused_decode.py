@@ -10,13 +10,13 @@ to the general path would pass every equality). 1e-5 relative to the largest val
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import os
 
 import pytest
 import torch
 from kimi_linear_oracle import tiny_kimi_linear
+from native_counting import Counting
 
 import k3.model.attn_res as attn_res_module
 import k3.model.fused as fused
@@ -41,23 +41,9 @@ def gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-class Counting:
-    """The native module, counting its calls by name."""
-
-    def __init__(self) -> None:
-        self.native, self.calls = load_native(), collections.Counter()
-
-    def __getattr__(self, name: str):
-        def call(*args, **kwargs):
-            self.calls[name] += 1
-            return getattr(self.native, name)(*args, **kwargs)
-
-        return call
-
-
 @pytest.fixture
 def counting(monkeypatch) -> Counting:
-    counter = Counting()
+    counter = Counting(load_native())
     monkeypatch.setattr(fused, "load_native", lambda: counter)
     monkeypatch.setattr(attn_res_module, "load_native", lambda: counter)
     return counter
