@@ -206,16 +206,18 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     assert ((batch.double() - exact).abs()[finite] <= tolerance[finite]).all()
 
 
+@pytest.mark.parametrize("K", [7168 + 5, 256 + 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_dense_rows_against_float64_avx2_and_one_row(dtype):
+def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
     """The decode step's dense products (`dense_rows_product`: at B > 1 the 16-lane tiles, two vectors per
     register, where the CPU has AVX-512) against the 8-lane tiles forced (bit for bit), each row against the
     same vector alone (bit for bit: batch-invariant), at 1 and 2 threads (bit for bit: a row is summed in one
-    thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body; 37 rows leave a
+    thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body, at K3's width and
+    at a short one (one vector's tiles then ask for the next tile's block: kShortTileBytes); 37 rows leave a
     short tile; the batch sizes reach every pair tile and odd ones."""
     native = load_native()
     g = gen(11)
-    K, N = 7168 + 5, 37
+    N = 37
     w = torch.randn(N, K, generator=g).to(dtype)
     x = torch.randn(13, K, generator=g)
     alone = torch.cat([native.dense_rows_product(x[b : b + 1], w) for b in range(13)])
