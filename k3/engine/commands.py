@@ -120,7 +120,7 @@ def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False):
             pinned = ckpt.location  # a Hub source: hf://ORG/REPO@<commit>, so all three read one commit
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
         model = model_class.from_pretrained(pinned, layers=layers)
-        model.tile_weights()  # BF16 weights laid out for the decode kernels (the same logits, faster)
+        model.tile_weights()  # laid out for the decode kernels (k3.model.tiling: the same logits, faster)
         model.set_int8_expert_inputs(int8_expert_inputs)
         tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:

@@ -240,8 +240,9 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def tile_weights(self) -> int:
-        """Lay the BF16 weights out for the decode kernels (k3.model.tiling: the same logits, bit for bit, and
-        a faster one-token step; inference only, fp32 computation); returns the bytes tiled."""
+        """Lay the BF16 weights out for the decode kernels and put large fp32 ones on huge pages
+        (k3.model.tiling: the same logits, bit for bit, and a faster one-token step; inference only, fp32
+        computation); returns the bytes tiled or copied."""
         return tile_weights(self)
 
     def untile_weights(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.norm import Linear
-from k3.model.tiling import is_tiled, matrix_shape, rows_of, tile_weights, untile_weights
+from k3.model.tiling import HUGE_PAGE_BYTES, is_tiled, matrix_shape, rows_of, tile_weights, untile_weights
 from k3.ops.decode.native import load_native
 
 pytestmark = pytest.mark.skipif(
@@ -101,6 +102,42 @@ def test_the_tiled_kernels_equal_the_row_kernels_and_the_layout():
         torch.set_num_threads(before)
 
 
+def advised_huge(address: int) -> bool:
+    """Whether the mapping holding `address` is advised to use huge pages (its VmFlags in smaps say `hg`)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: start-end perms ...
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("VmFlags:"):
+            return "hg" in line.split()[1:]
+    return False
+
+
+def test_large_fp32_matrices_move_onto_huge_pages_with_the_same_logits():
+    """fp32 matrices of at least one 2 MB page (mini's lm_head [32768, 512], its dense MLP's [1536, 512])
+    are copied onto pages advised huge (smaps), keep their values and rows, and the logits stay bit for bit;
+    smaller ones stay where they were."""
+    model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5).requires_grad_(False)
+    placed = copy.deepcopy(model)
+    small = placed.model.layers[0].self_attn.q_proj.weight  # [512, 512] fp32: 1 MB
+    linears = {f"{n}.weight": m.weight for n, m in placed.named_modules() if isinstance(m, Linear)}
+    large = {n: w for n, w in linears.items() if w.nbytes >= HUGE_PAGE_BYTES}  # not the embedding table
+    assert {"lm_head.weight", "model.layers.0.mlp.gate_proj.weight"} <= large.keys()
+    assert placed.tile_weights() == sum(p.nbytes for p in large.values())
+    assert placed.model.layers[0].self_attn.q_proj.weight is small
+    for name, before in large.items():
+        after = placed.get_parameter(name)
+        assert after is not before and not is_tiled(after) and torch.equal(after, before)
+    lm_head = placed.lm_head.weight
+    inner = -(-lm_head.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # its first whole 2 MB page
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    assert advised_huge(inner) or not thp.exists()  # madvise(MADV_HUGEPAGE) needs the kernel's THP
+    for a, b in zip(logits(model, [70, 5], 2), logits(placed, [70, 5], 2), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_a_tiled_state_dict_is_the_rows_and_untiling_restores_them():
     model = bf16_model(None)
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -134,8 +171,8 @@ def test_what_is_not_tiled_and_bad_requests():
     model = bf16_model(None)
     model.compute_dtype = torch.bfloat16  # bf16 computation converts per product: tiling would not pay
     assert model.tile_weights() == 0
-    fp32 = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=1)  # fp32 weights: nothing to tile
-    assert fp32.tile_weights() == 0
+    training = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=1)  # weights that want gradients
+    assert training.tile_weights() == 0
     native = load_native()
     with pytest.raises(RuntimeError, match="multiples of 8"):
         native.tile_rows(torch.zeros(12, 16, dtype=torch.bfloat16))

@@ -401,6 +401,14 @@ inline Tensor tile_rows(const Tensor& w) {
   return tiled;
 }
 
+// A copy of w (any dtype and shape) whose whole 2 MB pages are huge pages where the OS allows: fewer TLB
+// misses for a matrix every decode step streams (k3.model.tiling places large fp32 matrices so).
+inline Tensor on_huge_pages(const Tensor& w) {
+  Tensor placed = k3_native::empty_on_huge_pages(w.sizes(), w.options());
+  placed.copy_(w);
+  return placed;
+}
+
 inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kUInt8 &&
                   packed.is_contiguous() && scale.is_contiguous() && packed.dim() == 2 && scale.dim() == 2 &&
