@@ -208,8 +208,7 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}
     experts = child(moe, "experts")._modules  # {"0": RoutedExpert, ...}: cheaper than ModuleList indexing
-    matrices = [experts[str(e)].__dict__["_modules"][w] for e in distinct for w in ("w1", "w3", "w2")]
-    found = native_expert_weights(matrices)  # type: ignore[arg-type]
+    found = native_expert_weights([experts[str(e)] for e in distinct])  # type: ignore[misc]
     if found is None:  # mixed kinds, or some experts exact and some approximate: each its own forward
         return None
     return native.moe_experts(

@@ -132,22 +132,29 @@ class ExpertWeights(NamedTuple):
     int8_x: bool  # MXFP4 with inputs rounded to int8 per block (their `int8_inputs`)
 
 
-def native_expert_weights(matrices: list[nn.Module]) -> ExpertWeights | None:
-    """The experts' matrices for the native kernels when all are MXFP4 (one `int8_inputs` mode) or all
-    plain fp32 / BF16 Linears; None otherwise (mixed kinds or modes: each expert its own forward)."""
-    if all(isinstance(m, MXFP4Linear) for m in matrices):
-        int8 = {m.int8_inputs for m in matrices}  # type: ignore[union-attr]
-        if len(int8) > 1:
-            return None
-        packed = [parameter(m, "weight_packed") for m in matrices]
-        scale = [parameter(m, "weight_scale") for m in matrices]
-        return ExpertWeights([], packed, scale, int8.pop())
-    if all(isinstance(m, Linear) for m in matrices):
-        dense = [parameter(m, "weight") for m in matrices]
-        if any(w.dtype not in NATIVE_WEIGHT_DTYPES for w in dense):
-            return None
-        return ExpertWeights(dense, [], [], False)
-    return None
+def native_expert_weights(experts: list[nn.Module]) -> ExpertWeights | None:
+    """The matrices (w1, w3, w2) of these RoutedExperts for the native kernels when all are MXFP4 (one
+    `int8_inputs` mode) or all plain fp32 / BF16 Linears; None otherwise (mixed kinds or modes: each expert
+    its own forward). One pass, reading the module dicts: a decode step asks this for every MoE layer."""
+    dense: list[torch.Tensor] = []
+    packed: list[torch.Tensor] = []
+    scale: list[torch.Tensor] = []
+    int8_modes = set()
+    for expert in experts:
+        modules = expert.__dict__["_modules"]
+        for name in ("w1", "w3", "w2"):
+            matrix = modules[name]
+            if isinstance(matrix, MXFP4Linear):
+                packed.append(parameter(matrix, "weight_packed"))
+                scale.append(parameter(matrix, "weight_scale"))
+                int8_modes.add(matrix.int8_inputs)
+            elif isinstance(matrix, Linear):
+                dense.append(parameter(matrix, "weight"))
+            else:
+                return None
+    if (dense and packed) or len(int8_modes) > 1 or any(w.dtype not in NATIVE_WEIGHT_DTYPES for w in dense):
+        return None
+    return ExpertWeights(dense, packed, scale, int8_modes == {True})
 
 
 def busiest_expert(starts: list[int]) -> int:
@@ -248,8 +255,7 @@ class MoE(nn.Module):
         if not active:
             return None
         experts = self.experts._modules  # {"0": RoutedExpert, ...}
-        matrices = [experts[str(e)].__dict__["_modules"][w] for e in active for w in ("w1", "w3", "w2")]
-        found = native_expert_weights(matrices)  # type: ignore[arg-type]
+        found = native_expert_weights([experts[str(e)] for e in active])  # type: ignore[misc]
         if found is None or not found.packed:
             # plain experts are a model in training (k3.rl and k3.distill dequantize them): its forward
             # without gradients keeps the differentiable one's values, so that a model scoring its own

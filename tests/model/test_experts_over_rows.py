@@ -76,8 +76,7 @@ def reference(expert: RoutedExpert, rows: torch.Tensor, act, int8: bool) -> torc
 def native_rows(
     group: list[RoutedExpert], rows: torch.Tensor, counts: list[int], situ_params
 ) -> torch.Tensor:
-    matrices = [getattr(e, w) for e in group for w in ("w1", "w3", "w2")]
-    found = moe_module.native_expert_weights(matrices)
+    found = moe_module.native_expert_weights(group)
     assert found is not None
     act = moe_module.native_activation(situ_params)
     return load_native().experts_rows(
@@ -210,3 +209,22 @@ def test_dispatch_takes_one_call_only_within_its_limits(counting, monkeypatch):
         assert counting.calls["experts_rows"] == 2
     moe.dispatch(z[:4], weights[:4], indices[:4])  # gradients recorded: the differentiable path
     assert counting.calls["experts_rows"] == 2
+
+
+def test_which_experts_the_kernels_take():
+    """native_expert_weights: each expert's (w1, w3, w2) in order, MXFP4 with their one int8 mode or plain
+    fp32 / BF16; None for mixed kinds, mixed modes or another dtype (each expert then its own forward)."""
+    packed, plain = experts(2, 64, 32, "mxfp4", seed=3), experts(2, 64, 32, "fp32", seed=4)
+    found = moe_module.native_expert_weights(packed)
+    assert found is not None and not found.dense and not found.int8_x
+    want = [getattr(e, w).weight_packed for e in packed for w in ("w1", "w3", "w2")]
+    assert all(a is b for a, b in zip(found.packed, want, strict=True)) and len(found.scale) == 6
+    found = moe_module.native_expert_weights(plain)
+    assert found is not None and [w.shape for w in found.dense] == [(32, 64), (32, 64), (64, 32)] * 2
+    assert moe_module.native_expert_weights([packed[0], plain[1]]) is None  # mixed kinds
+    for matrix in (packed[1].w1, packed[1].w3, packed[1].w2):
+        matrix.int8_inputs = True
+    assert moe_module.native_expert_weights(packed) is None  # mixed modes
+    assert moe_module.native_expert_weights(packed[1:]).int8_x  # type: ignore[union-attr]
+    plain[0].w3.weight.data = plain[0].w3.weight.data.half()
+    assert moe_module.native_expert_weights(plain) is None  # fp16: not a dtype the kernels read
