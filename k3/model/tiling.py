@@ -15,13 +15,15 @@ back to rows for torch's GEMM), `state_dict()` hands it out as [N, K], and `unti
 back. Only inference weights are tiled: fp32 computation (the fused decode step's), no gradient, N and K
 multiples of 8, and not a Linear that says `tileable = False` (MLA's kv_b_proj, read head by head in place).
 
-fp32 matrices keep their rows (the kernels read 8 fp32 values in one load either way), but those of at least
-one 2 MB page are copied onto huge pages: read from the shards' memory map or a fresh allocation they sit on
-4 kB pages, and a decode step's stream through them misses the TLB every 4 kB (`mini`'s fp32 lm_head
-[32768, 512] times one vector, the two alternated in one process, EPYC Zen 4: one thread 22-25 GB/s on 4 kB
-pages, 26-28 on 2 MB ones; two threads level at 37-41; a `mini` decode step after 512 tokens 10.6-11.4 ->
-10.5-11.5 ms at one thread, medians 11.1 -> 10.7, and 7.6-7.9 -> 7.5-8.0 at two, medians 7.9 -> 7.7). The
-values and the layout stay, so the logits do too, bit for bit.
+fp32 matrices keep their rows (the kernels read 8 fp32 values in one load either way; MLA's kv_b_proj too),
+but are copied together onto huge pages: read from the shards' memory map or fresh allocations they sit on
+4 kB pages, and a decode step's stream through them misses the TLB every 4 kB (a KDA layer's 1 MB o_proj
+took 110-170 us at one thread with its pages out of the caches, against ~40 at the read bandwidth). Each
+stays a tensor of its own, in one allocation. `mini`, fp32, EPYC Zen 4, as loaded against placed, alternated
+in one process (medians of 40 steps after 512 tokens, six rounds): one thread 10.5-15.9 -> 9.3-13.7 ms
+(five rounds faster; median of rounds 11.6 -> 10.1), two threads 7.5-10.7 -> 7.3-8.1 (four faster; 8.1 ->
+7.7); its lm_head alone 22-25 -> 26-28 GB/s at one thread. The values and the layout stay, so the logits do
+too, bit for bit.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from k3.ops.decode.native import load_native
 
 ROWS = 8  # rows per block (Tiled::kRows)
 COLUMNS = 8  # columns per step (one 8-lane load)
-HUGE_PAGE_BYTES = 1 << 21  # fp32 matrices at least this large are copied onto huge pages
 
 
 def is_tiled(w: torch.Tensor) -> bool:
@@ -61,14 +62,8 @@ def can_tile(w: torch.Tensor) -> bool:
 
 
 def can_place(w: torch.Tensor) -> bool:
-    """Whether w is an fp32 CPU matrix of at least one huge page, no gradient: copied onto huge pages."""
-    return (
-        w.dim() == 2
-        and w.dtype == torch.float32
-        and w.device.type == "cpu"
-        and not w.requires_grad
-        and w.nbytes >= HUGE_PAGE_BYTES
-    )
+    """Whether w is an fp32 CPU matrix without gradient: copied onto huge pages with the others."""
+    return w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and not w.requires_grad
 
 
 def rows_of(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -90,7 +85,7 @@ def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: d
 
 
 def tile_weights(model: nn.Module) -> int:
-    """Tile every eligible BF16 Linear weight of an inference model in place and copy its large fp32 ones
+    """Tile every eligible BF16 Linear weight of an inference model in place and copy its fp32 ones together
     onto huge pages; returns the bytes tiled or copied. A weight shared with another module (tied
     embeddings) stays as it is. Computing in another dtype than fp32 (the fused decode step's), nothing is
     tiled: each product would convert the tiles back."""
@@ -103,17 +98,21 @@ def tile_weights(model: nn.Module) -> int:
             if p is not None:
                 uses[id(p)] = uses.get(id(p), 0) + 1
     done = 0
+    placed: list[nn.Module] = []  # the modules whose fp32 weights go onto huge pages, together
     for module in model.modules():
-        w = module._parameters.get("weight") if getattr(module, "tileable", False) else None
+        w = module._parameters.get("weight") if hasattr(module, "tileable") else None  # k3's Linears
         if w is None or uses[id(w)] > 1:
             continue
-        if can_tile(w):  # [N/8, K/8, 8, 8]: a new tensor, on huge pages where the OS allows
+        if module.tileable and can_tile(w):  # [N/8, K/8, 8, 8]: a new tensor, on huge pages if allowed
             module._parameters["weight"] = nn.Parameter(native.tile_rows(w.data), requires_grad=False)
-        elif can_place(w):  # the same rows, on huge pages
-            module._parameters["weight"] = nn.Parameter(native.on_huge_pages(w.data), requires_grad=False)
-        else:
-            continue
-        done += w.nbytes
+            done += w.nbytes
+        elif can_place(w):
+            placed.append(module)
+    if placed:
+        copies = native.on_huge_pages([m._parameters["weight"].data for m in placed])  # type: ignore[union-attr]
+        for module, copy in zip(placed, copies, strict=True):
+            module._parameters["weight"] = nn.Parameter(copy, requires_grad=False)
+            done += copy.nbytes
     return done
 
 

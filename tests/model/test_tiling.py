@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.norm import Linear
-from k3.model.tiling import HUGE_PAGE_BYTES, is_tiled, matrix_shape, rows_of, tile_weights, untile_weights
+from k3.model.tiling import is_tiled, matrix_shape, rows_of, tile_weights, untile_weights
 from k3.ops.decode.native import load_native
 
 pytestmark = pytest.mark.skipif(
@@ -115,27 +116,30 @@ def advised_huge(address: int) -> bool:
     return False
 
 
-def test_large_fp32_matrices_move_onto_huge_pages_with_the_same_logits():
-    """fp32 matrices of at least one 2 MB page (mini's lm_head [32768, 512], its dense MLP's [1536, 512])
-    are copied onto pages advised huge (smaps), keep their values and rows, and the logits stay bit for bit;
-    smaller ones stay where they were."""
+def test_fp32_matrices_move_together_onto_huge_pages_with_the_same_logits(tmp_path):
+    """Every fp32 Linear weight of an inference model is copied onto pages advised huge (smaps): its values
+    and rows kept, each a tensor with a storage of its own (a state_dict saves as it did), and the logits
+    stay bit for bit."""
     model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5).requires_grad_(False)
     placed = copy.deepcopy(model)
-    small = placed.model.layers[0].self_attn.q_proj.weight  # [512, 512] fp32: 1 MB
     linears = {f"{n}.weight": m.weight for n, m in placed.named_modules() if isinstance(m, Linear)}
-    large = {n: w for n, w in linears.items() if w.nbytes >= HUGE_PAGE_BYTES}  # not the embedding table
-    assert {"lm_head.weight", "model.layers.0.mlp.gate_proj.weight"} <= large.keys()
-    assert placed.tile_weights() == sum(p.nbytes for p in large.values())
-    assert placed.model.layers[0].self_attn.q_proj.weight is small
-    for name, before in large.items():
+    assert placed.tile_weights() == sum(w.nbytes for w in linears.values())
+    storages = set()
+    for name, before in linears.items():
         after = placed.get_parameter(name)
         assert after is not before and not is_tiled(after) and torch.equal(after, before)
-    lm_head = placed.lm_head.weight
-    inner = -(-lm_head.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES  # its first whole 2 MB page
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    assert advised_huge(inner) or not thp.exists()  # madvise(MADV_HUGEPAGE) needs the kernel's THP
+        assert after.data_ptr() % 64 == 0
+        storages.add(after.untyped_storage().data_ptr())
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        assert advised_huge(after.data_ptr()) or not thp.exists()  # MADV_HUGEPAGE needs the kernel's THP
+    assert len(storages) == len(linears)
+    save_file(placed.state_dict(), str(tmp_path / "placed.safetensors"))  # refuses tensors that share memory
+    saved = load_file(str(tmp_path / "placed.safetensors"))
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     for a, b in zip(logits(model, [70, 5], 2), logits(placed, [70, 5], 2), strict=True):
         assert torch.equal(a, b)
+    del model, placed, linears, after, before  # the allocation goes when its last tensor does
+    assert saved["lm_head.weight"].abs().sum() > 0
 
 
 def test_a_tiled_state_dict_is_the_rows_and_untiling_restores_them():

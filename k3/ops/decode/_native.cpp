@@ -13,7 +13,7 @@
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
-//   on_huge_pages             a copy of a matrix on huge pages (k3.model.tiling)
+//   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
 // step of `mini` dispatched ~100 views); outputs keep its leading dims.
@@ -368,8 +368,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",
         py::arg("w"));
-  m.def("on_huge_pages", &on_huge_pages, "a copy of w whose whole 2 MB pages are huge pages where the OS allows",
-        py::arg("w"));
+  m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
+        py::arg("tensors"));
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",
         py::arg("x"), py::arg("w"), py::arg("variant") = "auto");
   m.def("weighted_rows_product", &weighted_rows_product, "sum_t a[j, t] c[t, :] as MLA's decode step sums its cache",

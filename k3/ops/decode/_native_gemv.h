@@ -401,11 +401,30 @@ inline Tensor tile_rows(const Tensor& w) {
   return tiled;
 }
 
-// A copy of w (any dtype and shape) whose whole 2 MB pages are huge pages where the OS allows: fewer TLB
-// misses for a matrix every decode step streams (k3.model.tiling places large fp32 matrices so).
-inline Tensor on_huge_pages(const Tensor& w) {
-  Tensor placed = k3_native::empty_on_huge_pages(w.sizes(), w.options());
-  placed.copy_(w);
+// Copies of these tensors packed into one allocation on huge pages where the OS allows (a decode step
+// streams every weight once: on 4 kB pages it misses the TLB every 4 kB, and a small matrix's page walks
+// cost as much as reading it), each 64-byte aligned and a tensor with a storage of its own (the allocation
+// lives while any of them does), so that nothing looks shared to a state_dict's savers. k3.model.tiling.
+inline std::vector<Tensor> on_huge_pages(const std::vector<Tensor>& tensors) {
+  constexpr int64_t kAlign = 64, kHuge = int64_t{1} << 21;
+  const auto slot = [](int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
+  int64_t total = 0;
+  for (const Tensor& t : tensors) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "only contiguous CPU tensors are placed, got ", t.sizes());
+    total += slot(t.nbytes());
+  }
+  // whole huge pages from the first 2 MB boundary on: one page more than the slots need, rounded up
+  const int64_t bytes = (total + 2 * kHuge - 1) / kHuge * kHuge;
+  const Tensor arena = k3_native::empty_on_huge_pages({bytes}, torch::TensorOptions().dtype(torch::kUInt8));
+  auto* base = static_cast<uint8_t*>(arena.data_ptr());
+  int64_t at = static_cast<int64_t>((kHuge - reinterpret_cast<uintptr_t>(base) % kHuge) % kHuge);
+  std::vector<Tensor> placed;
+  for (const Tensor& t : tensors) {
+    Tensor copy = torch::from_blob(base + at, t.sizes(), [arena](void*) {}, t.options());
+    copy.copy_(t);
+    placed.push_back(copy);
+    at += slot(t.nbytes());
+  }
   return placed;
 }
 
