@@ -138,8 +138,6 @@ def test_fp32_matrices_move_together_onto_huge_pages_with_the_same_logits(tmp_pa
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     for a, b in zip(logits(model, [70, 5], 2), logits(placed, [70, 5], 2), strict=True):
         assert torch.equal(a, b)
-    del model, placed, linears, after, before  # the allocation goes when its last tensor does
-    assert saved["lm_head.weight"].abs().sum() > 0
 
 
 def test_a_tiled_state_dict_is_the_rows_and_untiling_restores_them():
