@@ -109,22 +109,31 @@ constexpr int64_t kTiledAhead = 8192;
 // GB/s, [1536, 512] 17.5 -> 23.3, [256, 512] 18.2 -> 26.4; two threads level to 1.2x; a decode step of `mini`
 // 12.9-14.9 -> 10.9-13.4 ms at one thread). Asking for whole next tiles of 32 and 48 kB ([1024, 1024], [512,
 // 1536]) lost 4-20 %: they no longer fit in the L1 cache beside the tile being read.
+// Rows and short tiles ask for their lines into the L2 cache (prefetcht1), tiled blocks into L1: rows and
+// blocks cycled with the caches flushed before each pass, one process, T0 against T1, EPYC Zen 4: BF16
+// rows [4096, 7168] one thread 14.9-15.3 -> 20.1-20.3 GB/s, two 26.0-26.4 -> 32.0-32.2; `mini`'s fp32
+// [32768, 512] 16.0 -> 23.5 and 27.5 -> 34.3, [512, 512] 16.5 -> 24.2 and 22.3 -> 34.1; tiled BF16 blocks
+// 21.4-22.2 -> 19.6-20.5 and 38.0-43.4 -> 39.1-39.2, so they keep T0. Not measured on other CPUs.
 constexpr int64_t kShortTileBytes = 16384;
 
 template <typename T>
-inline void prefetch_at(const T* p, int64_t bytes) {
+inline void prefetch_at(const T* p, int64_t bytes) {  // into the L1 cache
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
+}
+
+template <typename T>
+inline void prefetch_to_l2(const T* p, int64_t bytes) {  // prefetcht1
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), 0, 2);
 }
 
 // `row` is a tile's first row (tiled: where its block's step i starts, to within a line)
 template <typename L, typename T>
 inline void prefetch_ahead(const T* row, int64_t i) {
-  const auto at = [](const T* p, int64_t bytes) { prefetch_at(p, bytes); };
   if constexpr (std::is_same_v<L, Tiled>) {
-    at(row + i * Tiled::kStep, kTiledAhead);
-    at(row + i * Tiled::kStep, kTiledAhead + 64);
+    prefetch_at(row + i * Tiled::kStep, kTiledAhead);
+    prefetch_at(row + i * Tiled::kStep, kTiledAhead + 64);
   } else if constexpr (std::is_same_v<T, uint16_t>) {
-    if (i % 32 == 0) at(row + i, kPrefetchBytes);  // one 64-byte line per 4 steps of 8
+    if (i % 32 == 0) prefetch_to_l2(row + i, kPrefetchBytes);  // one 64-byte line per 4 steps of 8
   }
 }
 
@@ -150,7 +159,7 @@ __attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, cons
     for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
     if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
     if (short_rows)
-      for (int64_t line = 0; line < kStepBytes; line += 64) prefetch_at(r0 + R * K, i / 8 * kStepBytes + line);
+      for (int64_t line = 0; line < kStepBytes; line += 64) prefetch_to_l2(r0 + R * K, i / 8 * kStepBytes + line);
     for (int r = 0; r < R; ++r) {
       if constexpr (std::is_same_v<L, RowMajor>)
         if (!short_rows) prefetch_ahead<L>(r0 + r * apart, i);
