@@ -240,7 +240,7 @@ class K3ForCausalLM(nn.Module):
         return self
 
     def tile_weights(self) -> int:
-        """Lay the BF16 weights out for the decode kernels and put large fp32 ones on huge pages
+        """Lay the BF16 weights out for the decode kernels and copy the fp32 ones together onto huge pages
         (k3.model.tiling: the same logits, bit for bit, and a faster one-token step; inference only, fp32
         computation); returns the bytes tiled or copied."""
         return tile_weights(self)

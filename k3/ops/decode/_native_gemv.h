@@ -411,9 +411,9 @@ inline Tensor tile_rows(const Tensor& w) {
 }
 
 // Copies of these tensors packed into one allocation on huge pages where the OS allows (a decode step
-// streams every weight once: on 4 kB pages it misses the TLB every 4 kB, and a small matrix's page walks
-// cost as much as reading it), each 64-byte aligned and a tensor with a storage of its own (the allocation
-// lives while any of them does), so that nothing looks shared to a state_dict's savers. k3.model.tiling.
+// streams every weight once, and on 4 kB pages it misses the TLB every 4 kB), each 64-byte aligned and a
+// tensor with a storage of its own (the allocation lives while any of them does), so that nothing looks
+// shared to a state_dict's savers. k3.model.tiling.
 inline std::vector<Tensor> on_huge_pages(const std::vector<Tensor>& tensors) {
   constexpr int64_t kAlign = 64, kHuge = int64_t{1} << 21;
   const auto slot = [](int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
