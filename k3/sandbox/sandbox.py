@@ -164,6 +164,7 @@ class Sandbox:
         self._kill_lock = threading.Lock()
         self._killed = False
         self._lost = False  # its processes were killed from outside (gVisor: its kernel is gone)
+        self._snapshotting = False  # between checkpoint and restore its kernel is down, and it is not dead
         self._reaper = subprocess.Popen(
             [sys.executable, "-S", "-I", str(REAPER)],
             stdin=subprocess.PIPE,
@@ -284,12 +285,12 @@ class Sandbox:
         return not self._killed and not self._lost and self._reaper.poll() is None and self._remaining() > 0
 
     def is_running(self) -> bool:
-        return (
-            not self._killed
-            and self._reaper.poll() is None
-            and self._remaining() > 0
-            and self._backend.alive()
-        )
+        """Alive and within its lifetime. In the middle of a snapshot it counts as running: its kernel is
+        checkpointed and restored (gVisor), and a server's TTL reaper asking meanwhile must not remove it
+        (which removed its directory under the restore: tests/sandbox/test_snapshot.py)."""
+        if self._killed or self._reaper.poll() is not None or self._remaining() <= 0:
+            return False
+        return self._snapshotting or self._backend.alive()
 
     def set_timeout(self, timeout: float) -> None:
         """Make the sandbox end `timeout` seconds from now."""
@@ -311,6 +312,7 @@ class Sandbox:
                 if not proc.done:
                     proc.stop("killed")
                     proc.wait(KILL_TIMEOUT_S)
+            self._snapshotting = True
             try:
                 if kind == "memory+fs":
                     self._backend.checkpoint(path / "image")
@@ -324,6 +326,8 @@ class Sandbox:
             except BaseException:
                 snapshots.remove_directory(path)
                 raise
+            finally:
+                self._snapshotting = False
             size += snapshots.image_bytes(path)
             snap = Snapshot(sid, kind, self.backend, self.template, str(path), size, self.limits)
             snapshots.save(snap)

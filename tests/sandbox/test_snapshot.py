@@ -13,6 +13,7 @@ import pytest
 from sandbox_testing import require
 
 from k3.sandbox import Sandbox, SandboxError
+from k3.sandbox.server import Registry
 
 COUNTER = """
 import json, os, random, sys, time
@@ -110,6 +111,26 @@ def test_restoring_one_snapshot_twice_is_deterministic(parent, root):
             runs.append([ask(child, k) for k in (1, 2, 3)])
     assert runs[0] == runs[1]
     assert [a["n"] for a in runs[0]] == [8, 10, 13]
+
+
+def test_a_servers_ttl_reap_during_a_snapshot_leaves_the_sandbox(parent, root, monkeypatch):
+    """A server's TTL reaper that asks in the middle of a snapshot, while the gVisor kernel is checkpointed
+    and not yet restored, finds the sandbox running and leaves it (it once killed it there, and its
+    reaper removed the bundle the restore was reading: "runsc restore failed: ... config.json")."""
+    registry = Registry(quota=4)
+    registry.sandboxes[parent.sandbox_id] = ("someone", parent)
+    checkpoint, seen = parent._backend.checkpoint, []
+
+    def checkpoint_then_reap(image):
+        checkpoint(image)
+        seen.append(parent._backend.alive())  # the kernel is down here
+        registry.reap()
+
+    monkeypatch.setattr(parent._backend, "checkpoint", checkpoint_then_reap)
+    snap = parent.create_snapshot()
+    assert seen == [False] and parent.sandbox_id in registry.sandboxes
+    assert parent.is_running() and ask(parent, 1)["n"] == 8  # restored, its memory intact
+    Sandbox.delete_snapshot(snap, root=root)
 
 
 def test_pause_and_connect_resume_the_process(parent, root):
