@@ -124,14 +124,14 @@ def test_fp32_matrices_move_together_onto_huge_pages_with_the_same_logits(tmp_pa
     placed = copy.deepcopy(model)
     linears = {f"{n}.weight": m.weight for n, m in placed.named_modules() if isinstance(m, Linear)}
     assert placed.tile_weights() == sum(w.nbytes for w in linears.values())
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()  # MADV_HUGEPAGE needs the kernel's THP
     storages = set()
     for name, before in linears.items():
         after = placed.get_parameter(name)
         assert after is not before and not is_tiled(after) and torch.equal(after, before)
         assert after.data_ptr() % 64 == 0
         storages.add(after.untyped_storage().data_ptr())
-        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-        assert advised_huge(after.data_ptr()) or not thp.exists()  # MADV_HUGEPAGE needs the kernel's THP
+        assert advised_huge(after.data_ptr()) or not thp
     assert len(storages) == len(linears)
     save_file(placed.state_dict(), str(tmp_path / "placed.safetensors"))  # refuses tensors that share memory
     saved = load_file(str(tmp_path / "placed.safetensors"))
