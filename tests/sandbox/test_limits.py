@@ -20,6 +20,7 @@ BOMB = "f() { f | f & }; f; sleep 30"  # the classic, kept alive by its first sh
 SPIN = "while :; do :; done"
 FLOOD = "yes k3-flood"
 FORK = "python3 -c 'import os; p = os.fork(); os._exit(0) if p == 0 else print(os.waitpid(p, 0)[1])'"
+QUICK_BOMB = "f() { f | f & }; f"  # its first shell ends at once, the bomb goes on without it
 
 
 @pytest.fixture
@@ -60,6 +61,20 @@ def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx, backend):
     background.stop()
     out = background.wait(20)
     assert out is not None and out.stopped_by == "killed"
+
+
+def test_a_fork_bomb_whose_first_process_ends_at_once_leaves_a_sandbox_that_forks(sbx, backend):
+    """After a fork bomb whose first shell ends at once (a limit ends it, or it starves on the sandbox's
+    process limit and dies out), the next command forks at once: on gVisor the bomb's dead, orphans of the
+    guest's init, are reaped before the command returns (an init that slept a second left them there,
+    counted against the limit, and the next command could not fork)."""
+    allowed = {"pids", "cpu", "timeout", None} if backend == "gvisor" else {"pids", None}
+    for _ in range(5):
+        r = sbx.commands.run(QUICK_BOMB, timeout=6)
+        assert r.killed_by in allowed, r
+        # the shell execs python, which forks once: a fork refused for want of processes fails it
+        after = sbx.commands.run(f"exec {FORK}", timeout=30)
+        assert after.stdout == "0\n", after
 
 
 def test_commands_run_side_by_side_and_signals_reach_one(sbx):

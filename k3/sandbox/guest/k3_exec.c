@@ -5,8 +5,10 @@
  * tree's resident memory (less file-backed pages; as this guest counts a page shared after fork in each
  * process, the figure is capped by the whole guest's AnonPages, which count it once) and counts its
  * processes and their CPU time from the guest's /proc. When the tree passes MEMORY bytes, holds PIDS
- * processes or has used CPU_MS milliseconds of CPU (0: no limit), or on SIGUSR1 (the host's "kill this command"), it SIGKILLs the whole tree and
- * first writes "MARK killed_by=<why>" on stderr, so the guest ends the command and the sandbox lives on. SIGTERM,
+ * processes (its dead not yet reaped by init included: they count against RLIMIT_NPROC) or has used CPU_MS
+ * milliseconds of CPU (0: no limit), even after its first process has ended, or on SIGUSR1 (the host's
+ * "kill this command"), it first writes "MARK killed_by=<why>" on stderr, then SIGKILLs the whole tree and
+ * waits until init has reaped it, so the guest ends the command and the sandbox lives on, able to fork. SIGTERM,
  * SIGINT and SIGHUP are passed to the command. When ARGV's first process ends, the processes of its tree
  * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and
  * it exits with that first process's status (128 + signal if killed); processes started in the background
@@ -28,11 +30,19 @@
 #define TICK_MS 5
 #define MAX_PROCS 4096
 #define GRACE_TICKS 40 /* after the first process ends, 200 ms for a background child to redirect its output */
+#define KILL_GIVE_UP_S 30.0 /* a tree that still has processes after this long is left (the host gave up before) */
 
 static volatile sig_atomic_t kill_requested = 0;
 static volatile pid_t child = -1;
 
-static void on_usr1(int sig) { (void)sig; kill_requested = 1; }
+/* The host's "kill this command": the command's process group dies here, in the handler (kill() is
+ * async-signal-safe), not at the end of the tick. Under a fork bomb on gVisor's ptrace platform a tick's
+ * /proc scan can take seconds; the handler runs as soon as this task next gets the CPU. */
+static void on_usr1(int sig) {
+    (void)sig;
+    kill_requested = 1;
+    if (child > 0) kill(-child, SIGKILL);
+}
 static void forward(int sig) { if (child > 0) kill(child, sig); }
 
 /* The command's processes: those in its session (the child's, made by setsid) and those under `self` by
@@ -124,13 +134,25 @@ static void kill_one(pid_t pid, pid_t self) {
     if (pid > 0 && pid != self) kill(pid, SIGKILL);
 }
 
+static double seconds_since(const struct timespec *start) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)(now.tv_sec - start->tv_sec) + (now.tv_nsec - start->tv_nsec) / 1e9;
+}
+
+/* Ends the command's tree: done once two scans in a row find nothing (one scan can miss a child forked by
+ * a parent that died before the scan read it), or after KILL_GIVE_UP_S. */
 static void kill_tree(pid_t self) {
     static pid_t procs[MAX_PROCS];
     long long rss, cpu;
-    kill(-child, SIGKILL); /* the command's process group at once (a fork bomb cannot outrun it) */
-    for (int pass = 0; pass < 1000; pass++) { /* then whoever left the group */
-        int n = tree(self, procs, &rss, &cpu);
-        if (n == 0) return;
+    struct timespec start;
+    clock_gettime(CLOCK_MONOTONIC, &start);
+    for (int empty = 0; empty < 2 && seconds_since(&start) < KILL_GIVE_UP_S;) {
+        /* the command's process group at once, on every pass: a process forked while the group was being
+         * killed can outlive that kill (seen on gVisor), and a fork bomb refills the group between passes */
+        kill(-child, SIGKILL);
+        int n = tree(self, procs, &rss, &cpu); /* then whoever left the group */
+        empty = n == 0 ? empty + 1 : 0;
         for (int i = 1; i <= n; i++) kill_one(procs[i], self);
         while (waitpid(-1, NULL, WNOHANG) > 0) {}
         struct timespec ts = {0, 1000000};
@@ -194,6 +216,9 @@ int main(int argc, char **argv) {
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGHUP, &sa, NULL);
+    /* if the host has stopped reading (it gave up on a starved supervisor), the "killed_by" line must not
+     * end this supervisor before it has ended the tree */
+    signal(SIGPIPE, SIG_IGN);
     child = fork();
     if (child < 0) {
         perror("k3-exec: fork");
@@ -204,6 +229,7 @@ int main(int argc, char **argv) {
         signal(SIGTERM, SIG_DFL);
         signal(SIGINT, SIG_DFL);
         signal(SIGHUP, SIG_DFL);
+        signal(SIGPIPE, SIG_DFL);
         setsid();
         struct rlimit lim = {.rlim_cur = nproc, .rlim_max = nproc};
         if (setrlimit(RLIMIT_NPROC, &lim)) {
@@ -219,7 +245,7 @@ int main(int argc, char **argv) {
         _exit(127);
     }
     const char *why = NULL;
-    int status = 0, done = 0, ticks_done = 0;
+    int status = 0, done = 0, ticks_done = 0, quiet = 0;
     for (;;) {
         pid_t p;
         int st;
@@ -227,17 +253,25 @@ int main(int argc, char **argv) {
             if (p == child) status = st, done = 1;
         long long rss, anon, cpu;
         int n = tree(self, procs, &rss, &cpu);
-        if (done && (n == 0 || !end_holders(procs, n, ++ticks_done > GRACE_TICKS, self))) break;
-        if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
         if (kill_requested) why = "signal";
-        else if (memory > 0 && rss > memory) why = "oom";
-        else if (pids > 0 && n >= pids) why = "pids";
-        else if (cpu_ms > 0 && (cpu + reaped_ticks()) * 1000 / clk_tck > cpu_ms) why = "cpu";
+        else if (n > 0 || !done) { /* the limits, before whether it is over, while anything of the tree is
+                                    * left (a fork bomb whose first process has ended is still a fork bomb) */
+            if (memory > 0 && rss > memory && (anon = anon_bytes()) >= 0 && anon < rss) rss = anon;
+            if (memory > 0 && rss > memory) why = "oom";
+            else if (pids > 0 && n >= pids) why = "pids";
+            else if (cpu_ms > 0 && (cpu + reaped_ticks()) * 1000 / clk_tck > cpu_ms) why = "cpu";
+        }
         if (why) { /* the reason first (one write), so it is on record whatever happens while killing */
             fprintf(stderr, "%s killed_by=%s\n", mark, why);
             kill_tree(self);
             waitpid(child, &status, 0);
             return 128 + SIGKILL;
+        }
+        if (done) { /* over once two scans in a row find nothing holding the output (as in kill_tree) */
+            int held = n > 0 && end_holders(procs, n, ++ticks_done > GRACE_TICKS, self);
+            quiet = held ? 0 : quiet + 1;
+            if (quiet == 2) break;
+            if (quiet == 1) continue; /* the second scan at once */
         }
         struct timespec ts = {0, TICK_MS * 1000000L};
         nanosleep(&ts, NULL);
