@@ -65,9 +65,10 @@ def test_a_limit_ends_the_command_and_the_sandbox_lives_on(sbx, backend):
 
 def test_a_fork_bomb_whose_first_process_ends_at_once_leaves_a_sandbox_that_forks(sbx, backend):
     """After a fork bomb whose first shell ends at once (a limit ends it, or it starves on the sandbox's
-    process limit and dies out), the next command forks at once: on gVisor the bomb's dead, orphans of the
-    guest's init, are reaped before the command returns (an init that slept a second left them there,
-    counted against the limit, and the next command could not fork)."""
+    process limit and dies out), the next command forks at once. On gVisor the bomb's dead are orphans of
+    the guest's init, counted against the sandbox's process limit until it reaps them: a killed tree is
+    waited for until reaped, and init reaps as they exit (one that slept a second when it had no children
+    left them there, and the next command could not fork)."""
     allowed = {"pids", "cpu", "timeout", None} if backend == "gvisor" else {"pids", None}
     for _ in range(5):
         r = sbx.commands.run(QUICK_BOMB, timeout=6)
