@@ -49,21 +49,19 @@ def matrix_shape(w: torch.Tensor) -> tuple[int, int]:
     return w.shape[0], w.shape[1]
 
 
+def _inference_matrix(w: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether w is a CPU matrix of `dtype` without gradient: what tile_weights may replace."""
+    return w.dim() == 2 and w.dtype == dtype and w.device.type == "cpu" and not w.requires_grad
+
+
 def can_tile(w: torch.Tensor) -> bool:
     """Whether the kernels take w tiled: a BF16 CPU matrix with N and K multiples of 8, no gradient."""
-    return (
-        w.dim() == 2
-        and w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
-        and not w.requires_grad
-        and w.shape[0] % ROWS == 0
-        and w.shape[1] % COLUMNS == 0
-    )
+    return _inference_matrix(w, torch.bfloat16) and w.shape[0] % ROWS == 0 and w.shape[1] % COLUMNS == 0
 
 
 def can_place(w: torch.Tensor) -> bool:
     """Whether w is an fp32 CPU matrix without gradient: copied onto huge pages with the others."""
-    return w.dim() == 2 and w.dtype == torch.float32 and w.device.type == "cpu" and not w.requires_grad
+    return _inference_matrix(w, torch.float32)
 
 
 def rows_of(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
