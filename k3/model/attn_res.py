@@ -51,18 +51,23 @@ def attn_res_read_stacked(values: list[torch.Tensor], norm: RMSNorm, proj: Linea
 def attn_res_read_native(values: list[torch.Tensor], norm: RMSNorm, proj: Linear) -> torch.Tensor | None:
     """`attn_res_read` in one native call (k3.ops.decode) when no gradient is recorded and the values are
     fp32 on the CPU (the two weight vectors fp32 or BF16, as a checkpoint stores them); None otherwise."""
-    weights = (parameter(norm, "weight"), parameter(proj, "weight"))  # read once each (a decode step has 18)
-    if (
-        torch.is_grad_enabled()
-        or any(v.dtype != torch.float32 or not v.is_cpu for v in values)
-        or any(w.dtype not in NATIVE_WEIGHT_DTYPES or not w.is_cpu for w in weights)
-    ):
+    if torch.is_grad_enabled() or any(v.dtype != torch.float32 or not v.is_cpu for v in values):
         return None
-    native = load_native()
+    weights = native_read_weights(norm, proj)
+    native = None if weights is None else load_native()
     if native is None:
         return None
-    norm_w, proj_w = (as_dtype(w, torch.float32) for w in weights)  # [H], [1, H]: a few kB
-    return native.attn_res_read([v.contiguous() for v in values], norm_w, proj_w, norm.eps)
+    return native.attn_res_read([v.contiguous() for v in values], *weights)
+
+
+def native_read_weights(norm: RMSNorm, proj: Linear) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """A read site's (norm weight [H], projection weight [1, H], eps) as the native read takes them (fp32),
+    or None when the weights are in a dtype the kernels do not read."""
+    weights = (parameter(norm, "weight"), parameter(proj, "weight"))  # read once each (a decode step has 18)
+    if any(w.dtype not in NATIVE_WEIGHT_DTYPES or not w.is_cpu for w in weights):
+        return None
+    norm_w, proj_w = (as_dtype(w, torch.float32) for w in weights)  # a few kB
+    return norm_w, proj_w, norm.eps
 
 
 class ResidualStream:

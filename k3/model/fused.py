@@ -12,14 +12,22 @@ not called, so their hooks do not run, except that the MoE takes the general pat
 
 A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
+
+`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first): the
+same functions build each piece's arguments, the loop over the layers (AttnRes reads, residual adds, the
+kernels in the same order) runs in k3/ops/decode/_native_step.h and returns to Python only to pick each MoE
+layer's experts, so the bits are those of the layers one by one (tests/model/test_decoder_layers.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 
 import torch
+from torch import nn
 
+from k3.model.attn_res import ResidualStream, native_read_weights
 from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
@@ -38,6 +46,11 @@ def _weight(module: torch.nn.Module, name: str) -> torch.Tensor:
 def _weights(module: torch.nn.Module, *names: str) -> list[torch.Tensor]:
     """The weights of these children of `module`, in order."""
     return [_weight(module, name) for name in names]
+
+
+def _children(module: nn.Module, *names: str) -> list[nn.Module]:
+    """These children of `module`, in order."""
+    return [child(module, name) for name in names]
 
 
 def _native(x: torch.Tensor, tensors: list[torch.Tensor | None]) -> ModuleType | None:
@@ -66,6 +79,19 @@ def mixer_update(
 
 
 def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState) -> torch.Tensor | None:
+    args = kda_arguments(norm, kda, x, state)
+    if args is None:
+        return None
+    native = load_native()
+    update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
+        x.contiguous(), *args
+    )
+    return update
+
+
+def kda_arguments(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState) -> tuple | None:
+    """kda_mixer's arguments after x [B, 1, hidden] (the recurrent state is updated in place; the new
+    convolution tails come back with the update), or None: take the general path."""
     if state.recurrent is None or state.conv_q is None or state.conv_k is None or state.conv_v is None:
         return None  # nothing prefilled: the general path starts the state
     # Each weight is looked up once (a step runs this for every KDA layer: lookups cost as much as math here).
@@ -77,13 +103,14 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
         (_weight(kda, "g_proj"), None) if kda.full_rank_gate else _weights(kda, "g_a_proj", "g_b_proj")
     )
     norm_w, a_log, dt_bias = parameter(norm, "weight"), parameter(kda, "A_log"), parameter(kda, "dt_bias")
-    native = _native(
-        x, [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
-    )
-    if native is None:
+    if (
+        _native(
+            x, [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
+        )
+        is None
+    ):
         return None
-    update, state.conv_q, state.conv_k, state.conv_v, state.recurrent = native.kda_mixer(
-        x.contiguous(),  # [B, 1, hidden]; the kernels take the model's shapes as they are
+    return (
         _f32(norm_w),
         norm.eps,
         w_q,
@@ -101,17 +128,27 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
         _f32(o_norm),
         child(kda, "o_norm").eps,
         w_o,
-        state.conv_q.contiguous(),
+        state.conv_q.contiguous(),  # [B, width, P]: the convolutions' last inputs
         state.conv_k.contiguous(),
         state.conv_v.contiguous(),
-        state.recurrent.contiguous(),  # updated in place (and returned)
+        state.recurrent.contiguous(),  # [B, heads, K, V], updated in place (and returned)
         kda.l2norm_eps,
         kda.head_dim**-0.5,
     )
-    return update
 
 
 def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> torch.Tensor | None:
+    args = mla_arguments(norm, mla, x, state)
+    if args is None:
+        return None
+    update = load_native().mla_mixer(x.contiguous(), *args)  # wrote each row's latent at lengths[b]
+    state.lengths = state.lengths + 1
+    return update
+
+
+def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> tuple | None:
+    """mla_mixer's arguments after x [B, 1, hidden], the cache given room for one more token (the caller
+    advances `state.lengths` after the call), or None: take the general path."""
     if state.latent is None or state.k_rope is None or state.latent.dtype != torch.float32:
         return None  # nothing prefilled (the general path allocates the cache) or another cache dtype
     w_q, q_norm, w_q_b = (
@@ -124,12 +161,10 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
         mla, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"
     )
     norm_w = parameter(norm, "weight")
-    native = _native(x, [norm_w, w_q, q_norm, w_q_b, w_kv_a, kv_norm, w_kv_b, w_g, w_o])
-    if native is None:
+    if _native(x, [norm_w, w_q, q_norm, w_q_b, w_kv_a, kv_norm, w_kv_b, w_g, w_o]) is None:
         return None
     state.reserve(1)
-    update = native.mla_mixer(
-        x.contiguous(),
+    return (
         _f32(norm_w),
         norm.eps,
         w_q,
@@ -149,30 +184,46 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
         mla.rope,
         mla.v_dim,
         mla.scale,
-    )  # wrote each row's latent at its position lengths[b]
-    state.lengths = state.lengths + 1
-    return update
+    )
 
 
 def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
     """ffn(norm(y)) for y [B, 1, hidden]; None: take the general path."""
-    if ffn.situ is not None and ffn.situ[1] is None:  # an uncapped SiTU: the kernels cap the up projection
-        return None
     if isinstance(ffn, MLP):
-        return mlp_update(norm, ffn, y)
-    return moe_update(norm, ffn, y) if isinstance(ffn, MoE) else None
+        args = mlp_arguments(norm, ffn, y)
+        return None if args is None else load_native().mlp(y.contiguous(), *args)
+    found = moe_route_arguments(norm, ffn, y) if isinstance(ffn, MoE) else None
+    if found is None:
+        return None
+    route, experts_tail = found
+    native = load_native()
+    xn, z, mixing, indices = native.moe_route(y.contiguous(), *route)
+    args = moe_experts_arguments(ffn, indices, experts_tail)
+    return None if args is None else native.moe_experts(xn, z, mixing, *args)
 
 
-def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
+def _capped(ffn: MLP | MoE) -> bool:
+    """Whether the kernels compute this FFN's activation: SiLU-GLU or a capped SiTU (they cap the up
+    projection; an uncapped SiTU takes the general path)."""
+    return ffn.situ is None or ffn.situ[1] is not None
+
+
+def mlp_arguments(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> tuple | None:
+    """mlp's arguments after y [B, 1, hidden] (the norm included), or None: take the general path."""
+    if not _capped(mlp):
+        return None
     norm_w = parameter(norm, "weight")
     matrices = _weights(mlp, "gate_proj", "up_proj", "down_proj")
-    native = _native(y, [norm_w, *matrices])
-    if native is None:
+    if _native(y, [norm_w, *matrices]) is None:
         return None
-    return native.mlp(y.contiguous(), _f32(norm_w), norm.eps, *matrices, *native_activation(mlp.situ))
+    return (_f32(norm_w), norm.eps, *matrices, *native_activation(mlp.situ))
 
 
-def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
+def moe_route_arguments(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """(moe_route's arguments after y [B, 1, hidden], the MoE's part of moe_experts' arguments), or None:
+    take the general path."""
+    if not _capped(moe):
+        return None
     router = child(moe, "gate")
     if router._forward_hooks or router._forward_pre_hooks:  # recorded or replayed routing: its own forward
         return None
@@ -186,11 +237,9 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     latent_norm_w = None if latent_norm is None else parameter(latent_norm, "weight")
     norm_w = parameter(norm, "weight")
     router_w, bias = parameter(router, "weight"), parameter(router, "e_score_correction_bias")
-    native = _native(y, [norm_w, router_w, bias, down, up, *shared, latent_norm_w])
-    if native is None:
+    if _native(y, [norm_w, router_w, bias, down, up, *shared, latent_norm_w]) is None:
         return None
-    xn, z, mixing, indices = native.moe_route(
-        y.contiguous(),
+    route = (
         _f32(norm_w),
         norm.eps,
         router_w,
@@ -202,6 +251,19 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
         router.scaling,
         down,
     )
+    experts_tail = (
+        *native_activation(moe.situ),
+        _f32(latent_norm_w),
+        0.0 if latent_norm is None else latent_norm.eps,
+        up,
+        *shared,
+    )
+    return route, experts_tail
+
+
+def moe_experts_arguments(moe: MoE, indices: torch.Tensor, experts_tail: tuple) -> tuple | None:
+    """moe_experts' arguments after (xn, z, weights) for the experts `indices` [B, k] chose, or None when
+    they cannot run in one call (mixed kinds, or some exact and some approximate: each its own forward)."""
     if moe.load_experts is not None:  # k3.model.on_demand: read the chosen experts not read yet
         moe.load_experts(indices)
     chosen = [e for row in indices.tolist() for e in row]  # [B * k], row-major
@@ -209,22 +271,16 @@ def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
     slot = {e: i for i, e in enumerate(distinct)}
     experts = child(moe, "experts")._modules  # {"0": RoutedExpert, ...}: cheaper than ModuleList indexing
     found = native_expert_weights([experts[str(e)] for e in distinct])  # type: ignore[misc]
-    if found is None:  # mixed kinds, or some experts exact and some approximate: each its own forward
+    if found is None:
         return None
-    return native.moe_experts(
-        xn,
-        z,
-        mixing,
+    return (
         [slot[e] for e in chosen],  # row-major [B, k]: each pair's position in `distinct`
         found.dense,
         found.packed,
         found.scale,
-        *native_activation(moe.situ),
-        None if latent_norm_w is None else _f32(latent_norm_w),
-        0.0 if latent_norm is None else latent_norm.eps,
-        up,
-        *shared,
-        int8_x=found.int8_x,
+        *experts_tail,
+        "auto",  # the kernel variant: the widest this CPU has (the same bits)
+        found.int8_x,
     )
 
 
@@ -244,6 +300,84 @@ def _dense_parts(
         return None
     down, up, *shared = (None if p is None else parameter(p, "weight") for p in parts)
     return down, up, shared
+
+
+def decoder_layers(
+    layers: Sequence[nn.Module], stream: ResidualStream, states: Sequence[LayerState], block_size: int | None
+) -> bool:
+    """Run a decode step's K3DecoderLayers (`layers`, with their cache `states`) on `stream` in one native
+    call (`decoder_layers`, _native_step.h): the same kernels in the same order as the layers one by one,
+    the same bits, without a return to Python per piece. An FFN the kernels do not take (hooks, another
+    dispatch, mixed experts) runs its general forward, called back from the loop. False, with nothing done,
+    when some mixer cannot run natively (the caller then runs the layers one by one)."""
+    x = stream.partial
+    if x is None or stream.blocks or torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu:
+        return False
+    native = load_native()
+    if native is None:
+        return False
+    specs, by_index, experts_tails = [], {}, {}
+    for layer, state in zip(layers, states, strict=True):
+        spec = _layer_spec(layer, state, x, experts_tails)
+        if spec is None:
+            return False
+        specs.append(spec)
+        by_index[layer.index] = layer
+
+    def ffn(index: int, y: torch.Tensor, route: tuple | None) -> tuple | torch.Tensor:
+        """The chosen experts' arguments of an MoE layer (`route`: moe_route's outputs), or the FFN's update
+        through its general forward."""
+        layer = by_index[index]
+        if route is not None:
+            args = moe_experts_arguments(child(layer, "block_sparse_moe"), route[3], experts_tails[index])
+            if args is not None:
+                return args
+        return layer.ffn(layer.post_attention_layernorm(y))
+
+    blocks, partial, kda_states = native.decoder_layers(x.contiguous(), block_size or 0, specs, ffn)
+    updated = iter(kda_states)
+    for state in states:
+        if isinstance(state, KDAState):
+            state.conv_q, state.conv_k, state.conv_v, state.recurrent = next(updated)
+        else:
+            state.lengths = state.lengths + 1  # MLA: each row's token was written at lengths[b]
+    stream.blocks, stream.partial = list(blocks), partial
+    return True
+
+
+def _layer_spec(layer: nn.Module, state: LayerState, x: torch.Tensor, experts_tails: dict) -> tuple | None:
+    """One layer as `decoder_layers` takes it: (index, mixer read, FFN read, mixer kind, its arguments, FFN
+    kind, its arguments); None when its mixer or AttnRes reads cannot run natively."""
+    reads = (None, None)
+    if layer.uses_attn_res:
+        reads = (
+            native_read_weights(
+                child(layer, "self_attention_res_norm"), child(layer, "self_attention_res_proj")
+            ),
+            native_read_weights(child(layer, "mlp_res_norm"), child(layer, "mlp_res_proj")),
+        )
+        if None in reads:
+            return None
+    mixer, norm = child(layer, "self_attn"), child(layer, "input_layernorm")
+    if isinstance(mixer, KDAttention) and isinstance(state, KDAState):
+        mixer_kind, mixer_args = "kda", kda_arguments(norm, mixer, x, state)
+    elif isinstance(mixer, MLAttention) and isinstance(state, MLAState):
+        mixer_kind, mixer_args = "mla", mla_arguments(norm, mixer, x, state)
+    else:
+        return None
+    if mixer_args is None:
+        return None
+    ffn, norm = (
+        child(layer, "block_sparse_moe" if layer.is_moe else "mlp"),
+        child(layer, "post_attention_layernorm"),
+    )
+    ffn_kind, ffn_args = "python", None
+    if isinstance(ffn, MLP):
+        ffn_args = mlp_arguments(norm, ffn, x)
+        ffn_kind = "python" if ffn_args is None else "mlp"
+    elif isinstance(ffn, MoE) and (found := moe_route_arguments(norm, ffn, x)) is not None:
+        ffn_kind, (ffn_args, experts_tails[layer.index]) = "moe", found
+    return (layer.index, *reads, mixer_kind, mixer_args, ffn_kind, ffn_args)
 
 
 def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:

@@ -133,8 +133,13 @@ class K3Model(nn.Module):
             self.config.attn_res_block_size,
             stacked=self.fast_decode and input_ids.shape[1] == 1,
         )
-        for i, layer in enumerate(self.layers):
-            layer(stream, None if cache is None else cache.layers[i], counts)
+        one_call = (
+            stream.stacked and counts is None and cache is not None
+        )  # a decode step: try k3.model.fused
+        block_size = self.config.attn_res_block_size
+        if not (one_call and fused_step.decoder_layers(self.layers, stream, cache.layers, block_size)):
+            for i, layer in enumerate(self.layers):
+                layer(stream, None if cache is None else cache.layers[i], counts)
         if cache is not None:
             cache.tokens += input_ids.shape[1] if counts is None else counts
         return self.output(stream)

@@ -10,6 +10,7 @@
 //                             AVX2), their weighted sum, latent norm, up-projection and shared experts
 //   attn_res_read             an AttnRes read over the stream's values
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
+//   decoder_layers            a step's layers in one call, running the kernels above (_native_step.h)
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
@@ -334,6 +335,8 @@ Tensor expert_rows(const Tensor& x, const Tensor& packed, const Tensor& scale, c
 
 }  // namespace decode_native
 
+#include "_native_step.h"  // decoder_layers: the loop over a step's layers, calling the kernels above
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace decode_native;
   namespace py = pybind11;
@@ -379,5 +382,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("norm_w"), py::arg("proj_w"), py::arg("eps"));
   m.def("project", &project_all, "x [B, K] (normalised if norm_w is given) times each matrix", py::arg("x"),
         py::arg("norm_w"), py::arg("norm_eps"), py::arg("matrices"));
+  m.def("decoder_layers", &decoder_layers, "a decode step's decoder layers in one call: (blocks, partial, kda_states)",
+        py::arg("x"), py::arg("block_size"), py::arg("layers"), py::arg("ffn"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

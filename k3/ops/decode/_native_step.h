@@ -1,0 +1,123 @@
+// A decode step's decoder layers in one call (k3/model/fused.py `decoder_layers`): the loop that
+// K3DecoderLayer.forward runs in Python, with the same kernels in the same order, so the same bits.
+//
+// Per layer, in order:
+//   x = the mixer's read of the residual stream (AttnRes over the finished blocks and the open one; a new block
+//       starts at layers that are multiples of block_size)
+//   partial += kda_mixer(x, ...) or mla_mixer(x, ...)
+//   y = the FFN's read;  partial += mlp(y, ...) or the MoE (moe_route, then `ffn` picks the experts) or `ffn`
+//
+// Python builds each layer's arguments (the weights looked up as on every step: nothing is cached here, so a
+// replaced weight or a changed mode is seen at once), and `ffn(index, y, route)` is called back for what stays
+// in Python: which experts' matrices to multiply (the module dicts, on-demand reads) or a whole FFN that takes
+// the general path. A decode step of `mini` crossed into Python ~20 times a layer this way instead of ~100.
+//
+// Included by _native.cpp after the kernels it calls.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstddef>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace decode_native {
+
+namespace py = pybind11;
+
+// f(x, args[0], args[1], ...) with each element of the Python tuple cast to the parameter's type.
+template <typename R, typename... A, std::size_t... I>
+R call_unpacked(R (*f)(const Tensor&, A...), const Tensor& x, const py::tuple& args, std::index_sequence<I...>) {
+  return f(x, args[I].template cast<std::decay_t<A>>()...);
+}
+
+template <typename R, typename... A>
+R call_with(R (*f)(const Tensor&, A...), const Tensor& x, const py::handle& args, const char* what) {
+  const py::tuple t = py::reinterpret_borrow<py::tuple>(args);
+  TORCH_CHECK(t.size() == sizeof...(A), what, ": expected ", sizeof...(A), " arguments after x, got ", t.size());
+  return call_unpacked(f, x, t, std::index_sequence_for<A...>{});
+}
+
+// The residual stream of one step: finished blocks and the open block's partial sum (k3.model.attn_res).
+struct Stream {
+  std::vector<Tensor> blocks;
+  Tensor partial;  // undefined right after a block closes
+
+  // A read site: AttnRes over [blocks..., partial] with weights (norm_w, proj_w, eps), or the partial sum while
+  // no block is finished; `weights` None: a model without AttnRes (the plain residual stream).
+  Tensor read(const py::handle& weights) const {
+    if (weights.is_none() || blocks.empty()) {
+      TORCH_CHECK(partial.defined(), "the residual stream has no open block to read");
+      return partial;
+    }
+    const py::tuple w = py::reinterpret_borrow<py::tuple>(weights);
+    std::vector<Tensor> values;
+    for (const Tensor& b : blocks) values.push_back(b.contiguous());
+    if (partial.defined()) values.push_back(partial.contiguous());
+    return attn_res_read(values, w[0].cast<Tensor>(), w[1].cast<Tensor>(), w[2].cast<double>());
+  }
+
+  void add(const Tensor& update) { partial = partial.defined() ? partial + update : update; }
+};
+
+// layers: one tuple per layer, (index, mixer_read, ffn_read, mixer_kind, mixer_args, ffn_kind, ffn_args):
+//   mixer_read / ffn_read  (norm_w fp32, proj_w fp32, eps) of the AttnRes read sites, or None (no AttnRes)
+//   mixer_kind "kda"       mixer_args: kda_mixer's arguments after x; its states come back in `kda_states`
+//              "mla"       mla_mixer's arguments after x (the cache must have room; the caller advances lengths)
+//   ffn_kind   "mlp"       ffn_args: mlp's arguments after x
+//              "moe"       moe_route's arguments after x; then ffn(index, y, (xn, z, weights, indices)) returns
+//                          moe_experts' arguments after (xn, z, weights), or the FFN's update
+//              "python"    ffn(index, y, None) returns the FFN's update
+// Returns (blocks, partial, kda_states): the stream after the last layer and each KDA layer's kda_mixer
+// outputs after its update (new conv tails, the recurrent state), in layer order.
+py::tuple decoder_layers(const Tensor& x, int64_t block_size, const py::list& layers, const py::function& ffn) {
+  Stream stream{{}, x};
+  py::list kda_states;
+  for (const py::handle& layer : layers) {
+    const py::tuple l = py::reinterpret_borrow<py::tuple>(layer);
+    TORCH_CHECK(l.size() == 7, "a layer is (index, mixer_read, ffn_read, mixer_kind, mixer_args, ffn_kind, ffn_args)");
+    const int64_t index = l[0].cast<int64_t>();
+    const Tensor mixer_in = stream.read(l[1]);
+    if (!l[1].is_none() && block_size > 0 && index % block_size == 0) {  // a new block starts at this layer
+      stream.blocks.push_back(stream.partial);
+      stream.partial = Tensor();
+    }
+    const std::string mixer = l[3].cast<std::string>();
+    if (mixer == "kda") {
+      std::vector<Tensor> out = call_with(kda_mixer, mixer_in, l[4], "kda_mixer");
+      stream.add(out[0]);
+      kda_states.append(py::make_tuple(out[1], out[2], out[3], out[4]));
+    } else {
+      TORCH_CHECK(mixer == "mla", "mixer_kind must be 'kda' or 'mla', got ", mixer);
+      stream.add(call_with(mla_mixer, mixer_in, l[4], "mla_mixer"));
+    }
+    const Tensor y = stream.read(l[2]);
+    const std::string kind = l[5].cast<std::string>();
+    if (kind == "mlp") {
+      stream.add(call_with(mlp, y, l[6], "mlp"));
+    } else if (kind == "moe") {
+      const std::vector<Tensor> route = call_with(moe_route, y, l[6], "moe_route");
+      const py::object chosen = ffn(index, y, py::make_tuple(route[0], route[1], route[2], route[3]));
+      if (!py::isinstance<py::tuple>(chosen)) {
+        stream.add(chosen.cast<Tensor>());  // the FFN's update, from the general path
+      } else {
+        const py::tuple args = py::reinterpret_borrow<py::tuple>(chosen);
+        TORCH_CHECK(args.size() == 15, "ffn must return moe_experts' 15 arguments after (xn, z, weights)");
+        stream.add(moe_experts(route[0], route[1], route[2], args[0].cast<std::vector<int64_t>>(),
+                               args[1].cast<std::vector<Tensor>>(), args[2].cast<std::vector<Tensor>>(),
+                               args[3].cast<std::vector<Tensor>>(), args[4].cast<int64_t>(), args[5].cast<double>(),
+                               args[6].cast<double>(), args[7].cast<Optional>(), args[8].cast<double>(),
+                               args[9].cast<Optional>(), args[10].cast<Optional>(), args[11].cast<Optional>(),
+                               args[12].cast<Optional>(), args[13].cast<std::string>(), args[14].cast<bool>()));
+      }
+    } else {
+      TORCH_CHECK(kind == "python", "ffn_kind must be 'mlp', 'moe' or 'python', got ", kind);
+      stream.add(ffn(index, y, py::none()).cast<Tensor>());
+    }
+  }
+  return py::make_tuple(stream.blocks, stream.partial, kda_states);
+}
+
+}  // namespace decode_native

@@ -1,0 +1,215 @@
+"""A decode step's layers in one native call (k3.model.fused.decoder_layers, k3/ops/decode/_native_step.h)
+equal the same layers run one by one (each mixer and FFN its own native call: the route that
+tests/model/test_fused_decode.py ties to the general path), bit for bit: the logits of every step and every
+tensor of the cache after them.
+
+The reference route is the same code with `decoder_layers` switched off. Counters show that the one-call
+route really ran (`decoder_layers` once a step, no layer-by-layer kernel call, no general MoE forward), so
+a silent fallback, which would equal the reference trivially, fails them.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+from kimi_linear_oracle import tiny_kimi_linear
+from native_counting import Counting
+
+import k3.model.fused as fused
+from k3.config import K3Config
+from k3.model import K3ForCausalLM
+from k3.model.cache import ModelCache
+from k3.model.moe import MoE
+from k3.model.routing import record_routing
+from k3.ops.decode.native import load_native
+
+pytestmark = pytest.mark.skipif(
+    load_native() is None and os.environ.get("CI") != "true", reason="native kernels unavailable (k3 doctor)"
+)
+
+
+@pytest.fixture
+def counting(monkeypatch) -> Counting:
+    """The native module, counting its calls; `general_moe` counts the MoE forwards of the general path."""
+    counter = Counting(load_native())
+    monkeypatch.setattr(fused, "load_native", lambda: counter)
+    forward = MoE.forward
+
+    def counted(self, *args, **kwargs):
+        counter.calls["general_moe"] += 1
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(MoE, "forward", counted)
+    return counter
+
+
+@contextlib.contextmanager
+def layer_by_layer():
+    """The reference route: every step's layers one by one (k3.model.fused's per-layer functions)."""
+    one_call = fused.decoder_layers
+    fused.decoder_layers = lambda *args: False
+    try:
+        yield
+    finally:
+        fused.decoder_layers = one_call
+
+
+def prefilled(model: K3ForCausalLM, lengths: list[int], seed: int = 7) -> tuple[ModelCache, torch.Tensor]:
+    """Sequences of these lengths prefilled one by one and stacked, and the next token of each [B, 1]."""
+    vocab, caches = model.config.vocab_size, []
+    with torch.no_grad():
+        for i, n in enumerate(lengths):
+            caches.append(model.new_cache(1))
+            ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + i))
+            model(ids, caches[-1])
+    token = torch.randint(0, vocab, (len(lengths), 1), generator=torch.Generator().manual_seed(seed + 99))
+    return ModelCache.stack(caches), token
+
+
+def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
+    """Every tensor the cache holds, layer by layer (KDA: convolution tails and recurrent state; MLA:
+    lengths, latents and rope keys)."""
+    found = []
+    for state in cache.layers:
+        for field in dataclasses.fields(state):
+            value = getattr(state, field.name)
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+    return found
+
+
+def steps_both_ways(model: K3ForCausalLM, lengths: list[int], counting: Counting, steps: int = 4) -> tuple:
+    """(logits of each step, cache tensors after) on the one-call route, then on the reference route, and
+    the calls `counting` saw during the decode steps of both (not the prefills)."""
+    results, during_steps = [], collections.Counter()
+    for route in (contextlib.nullcontext, layer_by_layer):
+        cache, token = prefilled(model, lengths)
+        before = collections.Counter(counting.calls)
+        with route(), torch.no_grad():
+            logits = [model(token + t, cache) for t in range(steps)]
+        during_steps += collections.Counter(counting.calls) - before
+        results.append((logits, cache_tensors(cache)))
+    return results[0], results[1], during_steps
+
+
+def assert_same_bits(one: tuple[list, list], reference: tuple[list, list]) -> None:
+    for kind, (got_all, want_all) in (("logits", (one[0], reference[0])), ("cache", (one[1], reference[1]))):
+        assert len(got_all) == len(want_all) > 0
+        for i, (got, want) in enumerate(zip(got_all, want_all, strict=True)):
+            assert got.shape == want.shape and torch.equal(got, want), (
+                f"{kind} {i}: {(got - want).abs().max()}"
+            )
+
+
+def bf16_weights(model: K3ForCausalLM) -> K3ForCausalLM:
+    """Every floating parameter stored as BF16 (MXFP4 stays packed), as the published checkpoint stores its
+    non-expert weights."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.data = p.data.bfloat16()
+    return model
+
+
+def kimi_linear(tmp_path) -> K3ForCausalLM:
+    tiny_kimi_linear(16, 2).save_pretrained(tmp_path)  # low-rank q, grouped routing, no AttnRes
+    return K3ForCausalLM.from_pretrained(tmp_path)
+
+
+MODELS: dict[str, Callable] = {
+    "tiny, MXFP4 experts": lambda _: K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=3),
+    "tiny, plain experts": lambda _: K3ForCausalLM.from_config(
+        K3Config.preset("tiny"), seed=3, quantized_experts=False
+    ),
+    "mini, 5 layers (AttnRes blocks)": lambda _: K3ForCausalLM.from_config(
+        K3Config.preset("mini"), seed=3, num_layers=5
+    ),
+    "mini, BF16 weights": lambda _: bf16_weights(
+        K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)
+    ),
+    "tiny, int8 expert inputs": lambda _: K3ForCausalLM.from_config(
+        K3Config.preset("tiny"), seed=3
+    ).set_int8_expert_inputs(True),
+    "tiny, grouped routing": lambda _: K3ForCausalLM.from_config(
+        dataclasses.replace(K3Config.preset("tiny"), num_expert_group=4, topk_group=2, kda_l2norm_eps=1e-2),
+        seed=5,
+        quantized_experts=False,
+    ),
+    "Kimi Linear (transformers' save_pretrained)": kimi_linear,
+}
+
+
+@pytest.mark.parametrize("lengths", [[9], [5, 12, 3]])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_one_call_equals_the_layers_one_by_one(tmp_path, counting, name, lengths):
+    model = MODELS[name](tmp_path)
+    one, reference, calls = steps_both_ways(model, lengths, counting)
+    assert_same_bits(one, reference)
+    assert max(logits.abs().max().item() for logits in one[0]) > 0.1
+    assert calls["decoder_layers"] == 4  # one call a step, on the one-call route only
+    assert calls["general_moe"] == 0  # every MoE through the kernels, on both routes
+    assert calls["kda_mixer"] + calls["mla_mixer"] == 4 * model.num_layers  # the reference route's
+
+
+@pytest.mark.parametrize("cause", ["recorded routing", "a replaced dispatch", "experts in two modes"])
+def test_an_moe_the_kernels_do_not_take_runs_its_general_forward_from_inside_the_call(counting, cause):
+    """Recorded routing (router hooks), a dispatch replaced on the instance (k3.dist's expert parallelism)
+    and chosen experts in two modes (some with int8 inputs, some exact) make an MoE take its general forward,
+    called back from the native loop: the same bits as the layers one by one, and the hooks and the
+    dispatch run as often on both routes."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=0)
+    moes = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
+    with contextlib.ExitStack() as stack:
+        if cause == "recorded routing":
+            trace = stack.enter_context(record_routing(model))
+        elif cause == "a replaced dispatch":
+            dispatch = moes[0].dispatch
+            object.__setattr__(
+                moes[0], "dispatch", lambda *a: counting.calls.update(["dispatch"]) or dispatch(*a)
+            )
+        else:
+            for moe in moes:
+                for i, expert in enumerate(moe.experts):
+                    expert.w1.int8_inputs = expert.w3.int8_inputs = expert.w2.int8_inputs = i % 2 == 0
+        one, reference, calls = steps_both_ways(model, [5, 9], counting, steps=2)
+    assert_same_bits(one, reference)
+    assert calls["decoder_layers"] == 2
+    if cause == "recorded routing":  # every router's hooks, on both routes: two prefills and two steps
+        assert all(trace.calls(layer) == 2 * (2 + 2) for layer in trace.layers)
+        assert calls["general_moe"] == 2 * 2 * len(moes)
+    elif cause == "a replaced dispatch":
+        assert calls["dispatch"] == 2 * 2 and calls["general_moe"] == 2 * 2
+    else:  # the layers whose rows chose experts of both modes (the same ones on both routes)
+        assert calls["general_moe"] > 0 and calls["general_moe"] % 2 == 0
+
+
+def test_a_cache_not_yet_prefilled_or_a_gradient_takes_the_layers_one_by_one(counting):
+    """A first token into an empty cache (no KDA state to continue) and a step that records gradients (the
+    kernels have no backward) do not take the one-call route, and still give the general path's logits."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=1)
+    token = torch.tensor([[3], [7]])
+    with torch.no_grad():
+        first = model(token, model.new_cache(2))
+        with layer_by_layer():
+            want = model.set_fast_decode(False)(token, model.new_cache(2))
+        model.set_fast_decode(True)
+    assert torch.allclose(first, want, rtol=0, atol=1e-5 * want.abs().max().item())
+    cache, token = prefilled(model, [4])
+    model(token, cache)  # grad enabled
+    assert counting.calls["decoder_layers"] == 0
+
+
+def test_a_malformed_layer_is_a_clear_error():
+    native = load_native()
+    x = torch.zeros(1, 1, 8)
+    with pytest.raises(RuntimeError, match="a layer is"):
+        native.decoder_layers(x, 0, [(0, None, None, "kda")], lambda *a: None)
+    with pytest.raises(RuntimeError, match="mixer_kind must be"):
+        native.decoder_layers(x, 0, [(0, None, None, "ssm", (), "mlp", ())], lambda *a: None)
+    with pytest.raises(RuntimeError, match="kda_mixer: expected"):
+        native.decoder_layers(x, 0, [(0, None, None, "kda", (1, 2), "mlp", ())], lambda *a: None)
