@@ -54,10 +54,14 @@ from k3.ops.roofline import machine_line, read_bandwidth
 class MixerClock:
     """Accumulates wall time spent in KDA and MLA mixers: forward pre/post hooks for the general path, and
     k3.model.fused's `kda_update` / `mla_update` wrapped for the fused decode step, which calls no module
-    forward (a fused call that returns None hands the layer to the general path, whose hooks time it).
-    `close()` puts the fused functions back."""
+    forward (a fused call that returns None hands the layer to the general path, whose hooks time it); the
+    step's layers run one by one meanwhile (not in one native call), so that each mixer is seen.
+    `close()` puts the fused functions and the one-call route back."""
 
     def __init__(self, model: torch.nn.Module) -> None:
+        self._model = model
+        if hasattr(model.model, "one_call_decode"):  # a tree that has the one-call route
+            model.model.one_call_decode = False
         self.seconds = {"kda": 0.0, "mla": 0.0}
         self._start: dict[int, float] = {}
         self._hooks = []
@@ -91,6 +95,8 @@ class MixerClock:
         self.seconds = {"kda": 0.0, "mla": 0.0}
 
     def close(self) -> None:
+        if hasattr(self._model.model, "one_call_decode"):
+            self._model.model.one_call_decode = True
         for name, function in self._originals.items():
             setattr(fused_step, name, function)
         for hook in self._hooks:
@@ -262,6 +268,19 @@ def count_ops(events) -> dict[str, int]:
     return counts
 
 
+def decode_paths(model: K3ForCausalLM) -> dict[str, dict | None]:
+    """The decode paths of the model's tree, each as `set_fast_decode`'s arguments: `one call` (a step's
+    layers in one native call: only its total is timed, no component is seen), `fused` (layer by layer: each
+    component timed), `general`; a tree without set_fast_decode (k3 before the fused paths; PYTHONPATH=that
+    tree) has one path, `original` (None)."""
+    if not hasattr(model, "set_fast_decode"):
+        return {"original": None}
+    if not hasattr(model.model, "one_call_decode"):
+        return {"fused": {"enabled": True}, "general": {"enabled": False}}
+    one_call, layer_by_layer = {"enabled": True}, {"enabled": True, "one_call": False}
+    return {"one call": one_call, "fused": layer_by_layer, "general": {"enabled": False}}
+
+
 @torch.no_grad()
 def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -> list[dict]:
     from torch.profiler import profile
@@ -270,21 +289,23 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
     label_components(model)
     clock = ComponentClock(model)
     wrap_fused(clock)
-    # a tree without set_fast_decode (k3 before the fused paths; PYTHONPATH=that tree) has one path
-    paths = {"fused": True, "general": False} if hasattr(model, "set_fast_decode") else {"original": None}
-    select = getattr(model, "set_fast_decode", lambda fused: model)
+    paths = decode_paths(model)
+
+    def select(setting: dict | None) -> K3ForCausalLM:
+        return model if setting is None else model.set_fast_decode(**setting)
+
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (1, context), generator=gen)
     caches, tokens = {}, {}
-    for path, fused in paths.items():
+    for path, setting in paths.items():
         caches[path] = model.new_cache(1)
-        select(fused)(prompt, caches[path], logits_to_keep=1)
+        select(setting)(prompt, caches[path], logits_to_keep=1)
         tokens[path] = torch.tensor([[1]])
     times = {p: [] for p in paths}
     parts = {p: dict.fromkeys(clock.seconds, 0.0) for p in paths}
     for step in range(steps + 2):  # two warm-up steps
-        for path, fused in paths.items():
-            select(fused)
+        for path, setting in paths.items():
+            select(setting)
             clock.reset()
             t = time.perf_counter()
             logits = model(tokens[path], caches[path])
@@ -295,8 +316,8 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
             tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
     rows = []
     weights = component_bytes(model)
-    for path, fused in paths.items():
-        select(fused)
+    for path, setting in paths.items():
+        select(setting)
         clock.native_calls = 0
         with profile() as prof:
             model(tokens[path], caches[path])

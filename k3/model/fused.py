@@ -13,7 +13,8 @@ not called, so their hooks do not run, except that the MoE takes the general pat
 A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
 
-`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first): the
+`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first, unless
+`set_fast_decode(True, one_call=False)`): the
 same functions build each piece's arguments, the loop over the layers (AttnRes reads, residual adds, the
 kernels in the same order) runs in k3/ops/decode/_native_step.h and returns to Python only to pick each MoE
 layer's experts, so the bits are those of the layers one by one (tests/model/test_decoder_layers.py).
@@ -190,15 +191,23 @@ def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLASt
 def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
     """ffn(norm(y)) for y [B, 1, hidden]; None: take the general path."""
     if isinstance(ffn, MLP):
-        args = mlp_arguments(norm, ffn, y)
-        return None if args is None else load_native().mlp(y.contiguous(), *args)
-    found = moe_route_arguments(norm, ffn, y) if isinstance(ffn, MoE) else None
+        return mlp_update(norm, ffn, y)
+    return moe_update(norm, ffn, y) if isinstance(ffn, MoE) else None
+
+
+def mlp_update(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> torch.Tensor | None:
+    args = mlp_arguments(norm, mlp, y)
+    return None if args is None else load_native().mlp(y.contiguous(), *args)
+
+
+def moe_update(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> torch.Tensor | None:
+    found = moe_route_arguments(norm, moe, y)
     if found is None:
         return None
     route, experts_tail = found
     native = load_native()
     xn, z, mixing, indices = native.moe_route(y.contiguous(), *route)
-    args = moe_experts_arguments(ffn, indices, experts_tail)
+    args = moe_experts_arguments(moe, indices, experts_tail)
     return None if args is None else native.moe_experts(xn, z, mixing, *args)
 
 

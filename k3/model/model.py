@@ -113,6 +113,7 @@ class K3Model(nn.Module):
             self.output_attn_res_norm, self.output_attn_res_proj = RMSNorm(H, cfg.rms_norm_eps), Linear(H, 1)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fast_decode = True  # one-token forwards read the residual stream stacked (attn_res)
+        self.one_call_decode = True  # and run a decode step's layers in one native call (k3.model.fused)
 
     def forward(
         self,
@@ -133,9 +134,8 @@ class K3Model(nn.Module):
             self.config.attn_res_block_size,
             stacked=self.fast_decode and input_ids.shape[1] == 1,
         )
-        one_call = (
-            stream.stacked and counts is None and cache is not None
-        )  # a decode step: try k3.model.fused
+        # a decode step: all layers in one native call (k3.model.fused), else one by one
+        one_call = self.one_call_decode and stream.stacked and counts is None and cache is not None
         block_size = self.config.attn_res_block_size
         if not (one_call and fused_step.decoder_layers(self.layers, stream, cache.layers, block_size)):
             for i, layer in enumerate(self.layers):
@@ -215,11 +215,14 @@ class K3ForCausalLM(nn.Module):
         """{layer index: its router}, for every MoE layer kept (see k3.model.routing to record or replay)."""
         return {layer.index: layer.block_sparse_moe.gate for layer in self.model.layers if layer.is_moe}
 
-    def set_fast_decode(self, enabled: bool) -> K3ForCausalLM:
-        """One-token steps through the fused decode paths (default) or the general ones (to compare)."""
+    def set_fast_decode(self, enabled: bool, *, one_call: bool = True) -> K3ForCausalLM:
+        """One-token steps through the fused decode paths (default) or the general ones (to compare).
+        `one_call=False`: the fused paths layer by layer, each mixer and FFN its own native call, instead of
+        the step's layers in one (the same bits; a profiler then sees each piece)."""
         for module in self.modules():
             if isinstance(module, KDAttention | MoE | K3Model):
                 module.fast_decode = enabled
+        self.model.one_call_decode = one_call
         return self
 
     def set_int8_expert_inputs(self, enabled: bool) -> K3ForCausalLM:

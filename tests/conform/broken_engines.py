@@ -70,6 +70,7 @@ class SharedSlot(Engine):
 
 def drop_attn_res_read(model, layer: int) -> None:
     """Layer `layer`'s mixer reads the open block alone in decode steps instead of the AttnRes mixture."""
+    model.set_fast_decode(True, one_call=False)  # the break is in Python: decode steps layer by layer
     target = model.model.layers[layer]
     original = target.mixer_read
 

@@ -3,9 +3,9 @@ equal the same layers run one by one (each mixer and FFN its own native call: th
 tests/model/test_fused_decode.py ties to the general path), bit for bit: the logits of every step and every
 tensor of the cache after them.
 
-The reference route is the same code with `decoder_layers` switched off. Counters show that the one-call
-route really ran (`decoder_layers` once a step, no layer-by-layer kernel call, no general MoE forward), so
-a silent fallback, which would equal the reference trivially, fails them.
+The reference route is the same model with `set_fast_decode(True, one_call=False)`. Counters show that the
+one-call route really ran (`decoder_layers` once a step, no layer-by-layer kernel call, no general MoE
+forward), so a silent fallback, which would equal the reference trivially, fails them.
 """
 
 from __future__ import annotations
@@ -50,14 +50,13 @@ def counting(monkeypatch) -> Counting:
 
 
 @contextlib.contextmanager
-def layer_by_layer():
+def layer_by_layer(model: K3ForCausalLM):
     """The reference route: every step's layers one by one (k3.model.fused's per-layer functions)."""
-    one_call = fused.decoder_layers
-    fused.decoder_layers = lambda *args: False
+    model.set_fast_decode(True, one_call=False)
     try:
         yield
     finally:
-        fused.decoder_layers = one_call
+        model.set_fast_decode(True)
 
 
 def prefilled(model: K3ForCausalLM, lengths: list[int], seed: int = 7) -> tuple[ModelCache, torch.Tensor]:
@@ -91,7 +90,7 @@ def steps_both_ways(model: K3ForCausalLM, lengths: list[int], counting: Counting
     for route in (contextlib.nullcontext, layer_by_layer):
         cache, token = prefilled(model, lengths)
         before = collections.Counter(counting.calls)
-        with route(), torch.no_grad():
+        with route(model), torch.no_grad():
             logits = [model(token + t, cache) for t in range(steps)]
         during_steps += collections.Counter(counting.calls) - before
         results.append((logits, cache_tensors(cache)))
@@ -195,8 +194,7 @@ def test_a_cache_not_yet_prefilled_or_a_gradient_takes_the_layers_one_by_one(cou
     token = torch.tensor([[3], [7]])
     with torch.no_grad():
         first = model(token, model.new_cache(2))
-        with layer_by_layer():
-            want = model.set_fast_decode(False)(token, model.new_cache(2))
+        want = model.set_fast_decode(False)(token, model.new_cache(2))
         model.set_fast_decode(True)
     assert torch.allclose(first, want, rtol=0, atol=1e-5 * want.abs().max().item())
     cache, token = prefilled(model, [4])
@@ -211,5 +209,5 @@ def test_a_malformed_layer_is_a_clear_error():
         native.decoder_layers(x, 0, [(0, None, None, "kda")], lambda *a: None)
     with pytest.raises(RuntimeError, match="mixer_kind must be"):
         native.decoder_layers(x, 0, [(0, None, None, "ssm", (), "mlp", ())], lambda *a: None)
-    with pytest.raises(RuntimeError, match="kda_mixer: expected"):
+    with pytest.raises(RuntimeError, match="kda_mixer: expected 25 arguments, got 2"):
         native.decoder_layers(x, 0, [(0, None, None, "kda", (1, 2), "mlp", ())], lambda *a: None)

@@ -133,8 +133,8 @@ def test_url_model_decodes_like_the_local_one(checkpoints, tmp_path, monkeypatch
     """Prefill, then one-token steps with experts arriving as chosen: the one-token expert path (stored
     dtype) and the fused layer step (fp32, k3.model.fused), which must fetch its chosen experts too."""
     fused_moe = []
-    general = fused.moe_update
-    monkeypatch.setattr(fused, "moe_update", lambda *a: fused_moe.append(out := general(*a)) or out)
+    chosen = fused.moe_experts_arguments  # the fused MoE's pick of its chosen experts' matrices
+    monkeypatch.setattr(fused, "moe_experts_arguments", lambda *a: fused_moe.append(out := chosen(*a)) or out)
     ckpt_dir = checkpoints("k3ish")
     local = K3ForCausalLM.from_pretrained(ckpt_dir, dtype=dtype)
     with RangeServer(ckpt_dir) as server, torch.no_grad():
