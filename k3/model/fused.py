@@ -13,11 +13,11 @@ not called, so their hooks do not run, except that the MoE takes the general pat
 A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
 
-`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first, unless
-`set_fast_decode(True, one_call=False)`): the
-same functions build each piece's arguments, the loop over the layers (AttnRes reads, residual adds, the
-kernels in the same order) runs in k3/ops/decode/_native_step.h and returns to Python only to pick each MoE
-layer's experts, so the bits are those of the layers one by one (tests/model/test_decoder_layers.py).
+`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first unless
+`set_fast_decode(True, one_call=False)`): the same functions build each piece's arguments, the loop over the
+layers (AttnRes reads, residual adds, the kernels in the same order) runs in k3/ops/decode/_native_step.h
+and returns to Python only to pick each MoE layer's experts, so the bits are those of the layers one by one
+(tests/model/test_decoder_layers.py).
 """
 
 from __future__ import annotations
@@ -104,12 +104,8 @@ def kda_arguments(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDASt
         (_weight(kda, "g_proj"), None) if kda.full_rank_gate else _weights(kda, "g_a_proj", "g_b_proj")
     )
     norm_w, a_log, dt_bias = parameter(norm, "weight"), parameter(kda, "A_log"), parameter(kda, "dt_bias")
-    if (
-        _native(
-            x, [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
-        )
-        is None
-    ):
+    weights = [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
+    if _native(x, weights) is None:
         return None
     return (
         _f32(norm_w),
@@ -360,10 +356,8 @@ def _layer_spec(layer: nn.Module, state: LayerState, x: torch.Tensor, experts_ta
     reads = (None, None)
     if layer.uses_attn_res:
         reads = (
-            native_read_weights(
-                child(layer, "self_attention_res_norm"), child(layer, "self_attention_res_proj")
-            ),
-            native_read_weights(child(layer, "mlp_res_norm"), child(layer, "mlp_res_proj")),
+            native_read_weights(*_children(layer, "self_attention_res_norm", "self_attention_res_proj")),
+            native_read_weights(*_children(layer, "mlp_res_norm", "mlp_res_proj")),
         )
         if None in reads:
             return None
@@ -376,10 +370,8 @@ def _layer_spec(layer: nn.Module, state: LayerState, x: torch.Tensor, experts_ta
         return None
     if mixer_args is None:
         return None
-    ffn, norm = (
-        child(layer, "block_sparse_moe" if layer.is_moe else "mlp"),
-        child(layer, "post_attention_layernorm"),
-    )
+    ffn = child(layer, "block_sparse_moe" if layer.is_moe else "mlp")
+    norm = child(layer, "post_attention_layernorm")
     ffn_kind, ffn_args = "python", None
     if isinstance(ffn, MLP):
         ffn_args = mlp_arguments(norm, ffn, x)
