@@ -56,11 +56,12 @@ class MixerClock:
     k3.model.fused's `kda_update` / `mla_update` wrapped for the fused decode step, which calls no module
     forward (a fused call that returns None hands the layer to the general path, whose hooks time it); the
     step's layers run one by one meanwhile (not in one native call), so that each mixer is seen.
-    `close()` puts the fused functions and the one-call route back."""
+    `close()` puts the fused functions and the route back as they were."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._model = model
-        if hasattr(model.model, "one_call_decode"):  # a tree that has the one-call route
+        self._one_call = getattr(model.model, "one_call_decode", None)  # None: a tree without that route
+        if self._one_call is not None:
             model.model.one_call_decode = False
         self.seconds = {"kda": 0.0, "mla": 0.0}
         self._start: dict[int, float] = {}
@@ -95,8 +96,8 @@ class MixerClock:
         self.seconds = {"kda": 0.0, "mla": 0.0}
 
     def close(self) -> None:
-        if hasattr(self._model.model, "one_call_decode"):
-            self._model.model.one_call_decode = True
+        if self._one_call is not None:
+            self._model.model.one_call_decode = self._one_call
         for name, function in self._originals.items():
             setattr(fused_step, name, function)
         for hook in self._hooks:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from decode_steps import prefilled, with_bf16_weights
 from kimi_linear_oracle import tiny_kimi_linear
 from native_counting import Counting
 
@@ -59,18 +60,6 @@ def layer_by_layer(model: K3ForCausalLM):
         model.set_fast_decode(True)
 
 
-def prefilled(model: K3ForCausalLM, lengths: list[int], seed: int = 7) -> tuple[ModelCache, torch.Tensor]:
-    """Sequences of these lengths prefilled one by one and stacked, and the next token of each [B, 1]."""
-    vocab, caches = model.config.vocab_size, []
-    with torch.no_grad():
-        for i, n in enumerate(lengths):
-            caches.append(model.new_cache(1))
-            ids = torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed + i))
-            model(ids, caches[-1])
-    token = torch.randint(0, vocab, (len(lengths), 1), generator=torch.Generator().manual_seed(seed + 99))
-    return ModelCache.stack(caches), token
-
-
 def cache_tensors(cache: ModelCache) -> list[torch.Tensor]:
     """Every tensor the cache holds, layer by layer (KDA: convolution tails and recurrent state; MLA:
     lengths, latents and rope keys)."""
@@ -88,7 +77,7 @@ def steps_both_ways(model: K3ForCausalLM, lengths: list[int], counting: Counting
     the calls `counting` saw during the decode steps of both (not the prefills)."""
     results, during_steps = [], collections.Counter()
     for route in (contextlib.nullcontext, layer_by_layer):
-        cache, token = prefilled(model, lengths)
+        cache, token = prefilled(model, lengths, seed=7)
         before = collections.Counter(counting.calls)
         with route(model), torch.no_grad():
             logits = [model(token + t, cache) for t in range(steps)]
@@ -106,15 +95,6 @@ def assert_same_bits(one: tuple[list, list], reference: tuple[list, list]) -> No
             )
 
 
-def bf16_weights(model: K3ForCausalLM) -> K3ForCausalLM:
-    """Every floating parameter stored as BF16 (MXFP4 stays packed), as the published checkpoint stores its
-    non-expert weights."""
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.bfloat16()
-    return model
-
-
 def kimi_linear(tmp_path) -> K3ForCausalLM:
     tiny_kimi_linear(16, 2).save_pretrained(tmp_path)  # low-rank q, grouped routing, no AttnRes
     return K3ForCausalLM.from_pretrained(tmp_path)
@@ -128,7 +108,7 @@ MODELS: dict[str, Callable] = {
     "mini, 5 layers (AttnRes blocks)": lambda _: K3ForCausalLM.from_config(
         K3Config.preset("mini"), seed=3, num_layers=5
     ),
-    "mini, BF16 weights": lambda _: bf16_weights(
+    "mini, BF16 weights": lambda _: with_bf16_weights(
         K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)
     ),
     "tiny, int8 expert inputs": lambda _: K3ForCausalLM.from_config(
@@ -197,7 +177,7 @@ def test_a_cache_not_yet_prefilled_or_a_gradient_takes_the_layers_one_by_one(cou
         want = model.set_fast_decode(False)(token, model.new_cache(2))
         model.set_fast_decode(True)
     assert torch.allclose(first, want, rtol=0, atol=1e-5 * want.abs().max().item())
-    cache, token = prefilled(model, [4])
+    cache, token = prefilled(model, [4], seed=7)
     model(token, cache)  # grad enabled
     assert counting.calls["decoder_layers"] == 0
 

@@ -15,6 +15,7 @@ import os
 
 import pytest
 import torch
+from decode_steps import prefilled, with_bf16_weights
 from kimi_linear_oracle import tiny_kimi_linear
 from native_counting import Counting
 
@@ -53,18 +54,6 @@ def counting(monkeypatch) -> Counting:
     return counter
 
 
-def prefilled(model: K3ForCausalLM, lengths: list[int], seed: int) -> tuple[ModelCache, torch.Tensor]:
-    """Sequences of these lengths prefilled one by one and stacked (as the engine batches them), and the
-    next token of each [B, 1]."""
-    vocab = model.config.vocab_size
-    caches = []
-    with torch.no_grad():
-        for i, n in enumerate(lengths):
-            caches.append(model.new_cache(1))
-            model(torch.randint(0, vocab, (1, n), generator=gen(seed + i)), caches[-1])
-    return ModelCache.stack(caches), torch.randint(0, vocab, (len(lengths), 1), generator=gen(seed + 99))
-
-
 @torch.no_grad()
 def decode(model: K3ForCausalLM, cache: ModelCache, token: torch.Tensor, steps: int) -> torch.Tensor:
     """Greedy-free decode: the logits of `steps` steps fed fixed tokens (token + step)."""
@@ -99,15 +88,6 @@ def test_fused_step_equals_general_path(counting, preset, quantized, lengths):
     steps = 4
     assert {name: counting.calls[name] for name in per_step} == {k: v * steps for k, v in per_step.items()}
     assert counting.calls["attn_res_read"] > 0  # K3's AttnRes reads, natively too
-
-
-def with_bf16_weights(model: K3ForCausalLM) -> K3ForCausalLM:
-    """Every floating parameter stored as BF16 (matrices, norms, gate constants, convolutions; MXFP4 stays
-    packed): the published checkpoint's non-expert weights, and stricter (it keeps a few F32)."""
-    for p in model.parameters():
-        if p.is_floating_point():
-            p.data = p.data.bfloat16()
-    return model
 
 
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
