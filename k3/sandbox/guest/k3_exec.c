@@ -10,9 +10,11 @@
  * "kill this command"), it first writes "MARK killed_by=<why>" on stderr, then SIGKILLs the whole tree and
  * waits until init has reaped it, so the guest ends the command and the sandbox lives on, able to fork. SIGTERM,
  * SIGINT and SIGHUP are passed to the command. When ARGV's first process ends, the processes of its tree
- * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and
- * it exits with that first process's status (128 + signal if killed); processes started in the background
- * with their own output (`nohup cmd >log 2>&1 &`) keep running, outside its watch. */
+ * that still hold the command's stdout or stderr are killed (as bubblewrap's pid namespace ends them) and,
+ * once the tree has settled (scans in a row find no holder and the same processes: a leftover that is
+ * still forking stays under the limits until it settles or a limit ends it), it exits with that first
+ * process's status (128 + signal if killed); processes started in the background with their own output
+ * (`nohup cmd >log 2>&1 &`) keep running, outside its watch. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
@@ -196,8 +198,11 @@ static int load_filter(const char *file) {
     return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
 }
 
+static int by_pid(const void *a, const void *b) { return *(const pid_t *)a - *(const pid_t *)b; }
+
 int main(int argc, char **argv) {
-    static pid_t procs[MAX_PROCS];
+    static pid_t procs[MAX_PROCS], last[MAX_PROCS];
+    int last_n = 0; /* the processes of the last scan: none before the first */
     if (argc < 8) {
         fprintf(stderr, "usage: k3-exec FILTER NPROC PIDS MEMORY CPU_MS MARK ARGV...\n");
         return 127;
@@ -267,9 +272,15 @@ int main(int argc, char **argv) {
             waitpid(child, &status, 0);
             return 128 + SIGKILL;
         }
-        if (done) { /* over once two scans in a row find nothing holding the output (as in kill_tree) */
+        if (done) { /* over once two scans in a row find nothing holding the output and the processes of
+                     * the scan before (as in kill_tree); a tree whose processes come and go (a fork bomb
+                     * whose holders have just died: its processes are caught between fork and exit) is not */
             int held = n > 0 && end_holders(procs, n, ++ticks_done > GRACE_TICKS, self);
-            quiet = held ? 0 : quiet + 1;
+            qsort(procs + 1, n, sizeof procs[0], by_pid);
+            int same = n == last_n && !memcmp(procs + 1, last, n * sizeof procs[0]);
+            memcpy(last, procs + 1, n * sizeof procs[0]);
+            last_n = n;
+            quiet = held || !same ? 0 : quiet + 1;
             if (quiet == 2) break;
             if (quiet == 1) continue; /* the second scan at once */
         }
