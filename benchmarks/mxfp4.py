@@ -101,6 +101,11 @@ def matmul_int8_x(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tenso
     return mxfp4_matmul(x, *packed_scale, backend="native", int8_inputs=True)
 
 
+def matmul_int8_avx2(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The int8 mode with its AVX2 kernel forced (the same bits as the VNNI one, which runs from 4 rows)."""
+    return load_native().matmul_int8_x(x, *packed_scale, "avx2")
+
+
 def int8_distance(x: torch.Tensor, packed_scale: tuple[torch.Tensor, torch.Tensor]) -> str:
     """How far the int8 mode is from the exact product, and the largest share of its bound it reaches."""
     exact, rounded = matmul_native(x, packed_scale), matmul_int8_x(x, packed_scale)
@@ -162,6 +167,7 @@ def bench_threads(args: argparse.Namespace, threads: int, checks: list[tuple[str
                     methods["mxfp4 avx2"] = (matmul_native_avx2, packed_scales, mxfp4_bytes)
                 methods["mxfp4 bf16 x"] = (matmul_native_bf16, packed_scales, mxfp4_bytes)
                 methods["mxfp4 int8 x"] = (matmul_int8_x, packed_scales, mxfp4_bytes)
+                methods["mxfp4 int8 avx2"] = (matmul_int8_avx2, packed_scales, mxfp4_bytes)
             if m <= NATIVE_GEMV_MAX_M and load_decode_native() is not None:
                 methods["mxfp4 decode"] = (decode_rows, packed_scales, mxfp4_bytes)
             methods["mxfp4 torch"] = (matmul_torch, packed_scales[:2], mxfp4_bytes)
@@ -237,13 +243,15 @@ def main() -> None:
             "mxfp4 avx2",
             "mxfp4 bf16 x",
             "mxfp4 int8 x",
+            "mxfp4 int8 avx2",
             "mxfp4 decode",
             "mxfp4 torch",
             "dense bf16",
             "dense fp32",
         ],
         help="of 'mxfp4 native' 'mxfp4 avx2' (AVX2 GEMV forced) 'mxfp4 bf16 x' (bf16 activations) "
-        "'mxfp4 int8 x' (x rounded to int8 per block) 'mxfp4 decode' (the fused decode step's expert "
+        "'mxfp4 int8 x' (x rounded to int8 per block) 'mxfp4 int8 avx2' (its AVX2 kernel forced) "
+        "'mxfp4 decode' (the fused decode step's expert "
         "product) 'mxfp4 torch' 'dense bf16' 'dense fp32'",
     )
     args = parser.parse_args()

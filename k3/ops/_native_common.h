@@ -7,7 +7,8 @@
 //   cpu_supported()        whether this CPU has AVX2 and FMA (the kernels are compiled with
 //                          __attribute__((target)) per function, so the module loads on any x86-64 CPU)
 //   cpu_features()         {feature: detected at run time} for avx2, fma, avx512f, avx512bw, avx512vl,
-//                          avx512bf16, amx-tile, amx-bf16 (as the compiler's __builtin_cpu_supports sees them)
+//                          avx512vnni, avx512bf16, amx-tile, amx-bf16 (as the compiler's
+//                          __builtin_cpu_supports sees them)
 // and, for the kernels with an AVX-512 variant, `k3_native::wide_variant` (the `variant` argument's check);
 // `k3_native::empty_on_huge_pages` allocates the large fresh tensors the kernels return.
 #pragma once
@@ -41,6 +42,7 @@ inline std::map<std::string, bool> cpu_features() {
       {"avx512f", static_cast<bool>(__builtin_cpu_supports("avx512f"))},
       {"avx512bw", static_cast<bool>(__builtin_cpu_supports("avx512bw"))},
       {"avx512vl", static_cast<bool>(__builtin_cpu_supports("avx512vl"))},
+      {"avx512vnni", static_cast<bool>(__builtin_cpu_supports("avx512vnni"))},
       {"avx512bf16", static_cast<bool>(__builtin_cpu_supports("avx512bf16"))},
       {"amx-tile", static_cast<bool>(__builtin_cpu_supports("amx-tile"))},
       {"amx-bf16", static_cast<bool>(__builtin_cpu_supports("amx-bf16"))},

@@ -47,6 +47,7 @@ CPU_FLAGS = {
     "avx512f": "avx512f",
     "avx512bw": "avx512bw",
     "avx512vl": "avx512vl",
+    "avx512_vnni": "avx512vnni",
     "avx512_bf16": "avx512bf16",
     "amx_tile": "amx-tile",
     "amx_bf16": "amx-bf16",
@@ -87,6 +88,15 @@ def bf16_products(module) -> bool | None:
     return module.bf16_gemv_supported()
 
 
+def int8_vnni(module) -> bool | None:
+    """Whether four or more rows of activations rounded to int8 (`--int8-expert-inputs`) multiply MXFP4
+    weights with AVX-512 VNNI in this native module (the MXFP4 one; the same bits as its AVX2 kernel); None
+    for the others."""
+    if module is None or not hasattr(module, "int8_vnni_supported"):
+        return None
+    return module.int8_vnni_supported()
+
+
 # what runs in AVX-512 where a module's "avx512" variant is in use (the rest: AVX2 + FMA)
 AVX512_PARTS = {
     MXFP4_EXTENSION.name: "the few-row MXFP4 GEMV (M <= 8)",
@@ -116,6 +126,7 @@ def diagnose() -> dict:
                 "in_use": "native" if status.in_use else "torch fallback",
                 "variant": kernel_variant(status.module),
                 "bf16_dot_products": bf16_products(status.module),
+                "int8_vnni": int8_vnni(status.module),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -194,4 +205,7 @@ def render(report: dict) -> str:
             dot = k["bf16_dot_products"]
             few = "bf16 dot products (AVX-512 BF16)" if dot else "fp32 FMAs (no AVX-512 BF16)"
             lines.append(f"    bf16 activations: {few} at <= 8 rows, bf16 tiles + torch's bf16 GEMM above")
+        if k["int8_vnni"] is not None:
+            how = "AVX-512 VNNI at >= 4 rows" if k["int8_vnni"] else "AVX2 (no AVX-512 VNNI)"
+            lines.append(f"    int8 expert inputs: {how}")
     return "\n".join(lines)

@@ -44,6 +44,11 @@ def test_doctor_reports_the_kernels_in_use():
         assert mxfp4["bf16_dot_products"] == native_status(MXFP4_EXTENSION).module.bf16_gemv_supported()
         assert mxfp4["bf16_dot_products"] <= (cpu["avx512bf16"] and cpu["avx512f"] and cpu["avx512bw"])
     assert all(k["bf16_dot_products"] is None for k in report["kernels"][1:])
+    if mxfp4["int8_vnni"] is not None:  # VNNI only where the CPU has it, as the module says
+        assert mxfp4["int8_vnni"] == native_status(MXFP4_EXTENSION).module.int8_vnni_supported()
+        cpu = report["cpu"]["features"]
+        assert mxfp4["int8_vnni"] <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512vnni"])
+    assert all(k["int8_vnni"] is None for k in report["kernels"][1:])
     assert report["torch"]["threads"] >= 1 and report["cpu"]["logical_cpus"] >= 1
     if report["cpu"]["features_native"] is not None:  # two run-time detections of the same CPU agree
         assert report["cpu"]["features_native"] == report["cpu"]["features"]
@@ -55,6 +60,7 @@ def test_doctor_reports_the_kernels_in_use():
         assert ("runs AVX2 + FMA" in text) == (report["kernels"][1]["variant"] == "avx2")  # KDA
         assert ("runs AVX-512" in text) == (mxfp4["variant"] == "avx512")
         assert ("bf16 activations: bf16 dot products" in text) == mxfp4["bf16_dot_products"]
+        assert ("int8 expert inputs: AVX-512 VNNI" in text) == mxfp4["int8_vnni"]
 
 
 def test_doctor_says_why_a_kernel_is_not_in_use():

@@ -136,6 +136,37 @@ def test_bits_do_not_depend_on_threads_or_the_batch():
     assert torch.equal(one_thread, two_threads) and torch.equal(rows, two_threads)
 
 
+@needs_native
+@pytest.mark.parametrize("n,k", [(301, 512), (37, 96), (64, 3584)])
+def test_the_vnni_kernel_gives_the_avx2_bits(n, k):
+    """From four rows of x, a CPU with AVX-512 VNNI takes its own kernel (two rows of x per register,
+    vpdpbusd, four weight rows per tile): bit for bit the AVX2 kernel's, in the MXFP4 module and in the decode
+    step's experts, with an odd last row of x, an odd last block of 32, weight rows left over after the tiles
+    and a block of x holding a NaN."""
+    from k3.ops.decode.native import load_native as load_decode
+    from k3.ops.mxfp4.native import load_native
+
+    mxfp4, decode = load_native(), load_decode()
+    packed, scale = random_matrix(n, k, seed=n)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(k)) * torch.logspace(-2, 2, k)
+    x[6, 3] = float("nan")  # row 6's first block: that row's outputs are all NaN
+    if not mxfp4.int8_vnni_supported():
+        with pytest.raises(RuntimeError, match="lacks AVX-512"):
+            mxfp4.matmul_int8_x(x[:4], packed, scale, "avx512")
+        pytest.skip("this CPU has no AVX-512 VNNI: only the AVX2 kernel runs")
+    for rows in range(1, 12):
+        xs = x[:rows].contiguous()
+        avx2 = mxfp4.matmul_int8_x(xs, packed, scale, "avx2").view(torch.int32)
+        assert torch.equal(mxfp4.matmul_int8_x(xs, packed, scale, "avx512").view(torch.int32), avx2), rows
+        for variant in ("avx2", "auto"):
+            step = decode.expert_rows(xs, packed, scale, variant=variant, int8_x=True)
+            assert torch.equal(step.view(torch.int32), avx2), (rows, variant)
+    out = avx2.view(torch.float32)
+    assert torch.isnan(out[6]).all() and not torch.isnan(out[:6]).any()
+    want, size = rounded_product(x[:6], packed, scale)  # and it is the product (the rows without NaN)
+    assert ((out[:6].double() - want).abs() / size).max() < 2e-6
+
+
 def experts(k: int, latent: int, m: int, seed: int) -> list[tuple[MXFP4Linear, ...]]:
     out = []
     for j in range(k):

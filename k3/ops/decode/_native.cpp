@@ -12,7 +12,8 @@
 //   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
 //   decoder_layers            a step's layers in one call, running the kernels above (_native_step.h)
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
-//   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each (tests, benchmarks)
+//   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each, x exact or
+//                             rounded to int8 (tests, benchmarks)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
@@ -323,11 +324,13 @@ Tensor weighted_rows_product(const Tensor& a, const Tensor& c, const std::string
 // expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
 // its rows split across threads by `project` (moe_experts gives each thread whole experts instead): [B, N].
 // For tests and benchmarks/mxfp4.py.
-Tensor expert_rows(const Tensor& x, const Tensor& packed, const Tensor& scale, const std::string& variant) {
+Tensor expert_rows(const Tensor& x, const Tensor& packed, const Tensor& scale, const std::string& variant,
+                   bool int8_x) {
   const int64_t B = rows_of(x, "x"), K = x.size(-1);
   check_rows(x, B, K, "x");
   Weight w = packed_weight(packed, scale, K, "the matrix");
   w.wide = mxfp4_rows512::wide_variant(variant);
+  w.int8_x = int8_x;
   Tensor y = rows_like(x, w.N);
   project(x.data_ptr<float>(), B, {{w, y.data_ptr<float>()}});
   return y;
@@ -368,7 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("rows"), py::arg("counts"), py::arg("dense"), py::arg("packed"), py::arg("scale"), py::arg("act"),
         py::arg("beta"), py::arg("linear_beta"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
-        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",
         py::arg("w"));
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",

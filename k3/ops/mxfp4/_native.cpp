@@ -204,17 +204,22 @@ torch::Tensor matmul(const torch::Tensor& x, const torch::Tensor& packed, const 
 
 // The approximate path (_native_int8.h): x rounded to int8 per block of 32 (once), integer products.
 // Parallel over output rows like matmul_gemv; groups of up to kMaxRows rows of x per pass over W.
-torch::Tensor matmul_int8_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale) {
+torch::Tensor matmul_int8_x(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale,
+                            const std::string& variant) {
   check_inputs(x, packed, scale);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
+  const bool vnni = mxfp4_int8::vnni_variant(variant) && M >= mxfp4_int8::kVnniMinRows;
   torch::Tensor out = torch::empty({M, N}, x.options());
   mxfp4_int8::QuantizedRows xq;
+  mxfp4_int8::RowPairs xp;
   mxfp4_int8::quantize_rows(x.data_ptr<float>(), K, M, xq);
+  if (vnni) mxfp4_int8::pair_rows(xq, M, xp);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
+    if (vnni) return mxfp4_int8::multiply_row_pairs(xp, M, pp, sp, K, op, N, n_begin, n_end);
     mxfp4_int8::multiply(xq, M, pp, sp, K, op, N, n_begin, n_end);
   });
   return out;
@@ -342,7 +347,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
-    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows);
+    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows, false);  // one row: AVX2
     thread_local std::vector<float> storage;  // x in the kernels' order
     const float* xd = mxfp4_rows512::lay_out(x, cols, 1, wide, storage).data;
     mxfp4_rows512::kernel(wide, 1, 1)(xd, 0, pp, sp, cols, out, 0, 0, rows);
@@ -379,8 +384,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("tile_k"), py::arg("variant") = "auto");
   m.def("matmul_int8_x", &matmul_int8_x,
         "x[M, K] fp32 rounded to int8 per block of 32, @ W^T with W packed MXFP4 (integer products)",
-        py::arg("x"), py::arg("packed"), py::arg("scale"));
+        py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
+  m.def("int8_vnni_supported", &mxfp4_int8::vnni_supported,
+        "whether 4 or more rows of x rounded to int8 use AVX-512 VNNI (vpdpbusd) rather than AVX2 (the same bits)");
   m.def("bf16_gemv_supported", &mxfp4_bf16::cpu_supported,
         "whether few rows of a bfloat16 x use bf16 dot products (AVX-512 BF16) rather than fp32 FMAs");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
