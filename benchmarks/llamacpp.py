@@ -18,14 +18,15 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    llama.cpp's scheduler eval callback (`cb_eval`, through ctypes) against k3's through forward hooks; the
    first tensor whose max |d| / max |value| exceeds --threshold is printed.
 3. Greedy continuations of --greedy tokens after a 16-token prompt, each engine with its own cache.
-4. --speed (benchmarks/llamacpp_engine.py, one process per engine and thread count, so two large models
-   never share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a
-   decode batch of --batch sequences; the decode floor (weight bytes a token reads / the streaming read
-   bandwidth measured before each round); k3 against llama.cpp with its default settings, experts MXFP4
-   in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on them, or in bf16 with
-   `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the instructions);
-   `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply inputs rounded
-   to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also makes.
+4. --speed (benchmarks/llamacpp_engine.py, one process per engine and thread count, so two large models never
+   share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a decode batch
+   of --batch sequences; the decode floor (weight bytes a token reads / the streaming read bandwidth, the
+   highest measured before each round and in each engine's process); k3 against llama.cpp with its default
+   settings, experts MXFP4 in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on
+   them, or in bf16 with `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the
+   instructions); `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply
+   inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also
+   makes.
 The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
 machine are noisy.
 """
@@ -259,8 +260,9 @@ def row(label: str, ours: list[float], theirs: list[float], lower_is_better: boo
 def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     """Each engine in its own process, alternated k3, llama.cpp, k3, ... for --repeats rounds per thread
     count (with --k3-experts both: k3 exact, k3 with int8 expert inputs, llama.cpp); the streaming read
-    bandwidth measured before each round gives the decode floor (bytes a token reads / bandwidth); the best
-    of the rounds is reported for each engine."""
+    bandwidth, measured before each round and in each engine's process after its timings (the highest of
+    them), gives the decode floor (bytes a token reads / bandwidth); the best of the rounds is reported for
+    each engine."""
     variants = {"exact": ["k3"], "int8": ["k3 int8"], "both": ["k3", "k3 int8"]}[args.k3_experts]
     print(
         f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; "
@@ -278,9 +280,16 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
                 runs[name].append(engine_run(name.split()[0], path, n, args, vocab, int8))
                 print(f"  [{n} threads, round {r + 1}] {name}: {json.dumps(runs[name][-1])}", flush=True)
             print(f"  [{n} threads, round {r + 1}] {machine_line()}", flush=True)
-        print(f"\n  {n} thread(s); read bandwidth {', '.join(f'{b / 1e9:.1f}' for b in bandwidths)} GB/s")
+        print(f"\n  {n} thread(s); read bandwidth before each round {gb(bandwidths)} GB/s; in each engine's")
+        in_engines = "; ".join(f"{k} {gb(r['read_bytes_per_s'] for r in v)}" for k, v in runs.items())
+        print(f"  process after its timings: {in_engines} GB/s (the floor takes the highest)")
+        highest = max([*bandwidths, *(r["read_bytes_per_s"] for v in runs.values() for r in v)])
         for name in variants:
-            compare(name, runs[name], runs["llama.cpp"], max(bandwidths), args)
+            compare(name, runs[name], runs["llama.cpp"], highest, args)
+
+
+def gb(rates) -> str:
+    return ", ".join(f"{b / 1e9:.1f}" for b in rates)
 
 
 def compare(name: str, ours: list[dict], theirs: list[dict], bandwidth: float, args) -> None:

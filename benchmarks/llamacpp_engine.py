@@ -203,7 +203,21 @@ def measure(engine, args) -> dict:
             seconds(lambda: [engine.step(cache, args.batch) for _ in range(args.decode_steps)])
             / args.decode_steps
         )
+    out["read_bytes_per_s"] = read_here(args.threads)
     return out
+
+
+def read_here(threads: int) -> float:
+    """The streaming read bandwidth (k3.ops.roofline) measured in this engine's process after its timings, at
+    its threads: the memory as this process has it. On a VM the figure moves with the process (EPYC Zen 4,
+    2026-12-04: 33-39 GB/s in a fresh process, 30-34 with k3-slice just loaded, 62-66 once its weights were
+    tiled and the loading copies freed), so the floor takes the highest of the run."""
+    import torch
+
+    from k3.ops.roofline import read_bandwidth
+
+    torch.set_num_threads(threads)
+    return read_bandwidth()
 
 
 def main() -> None:
