@@ -80,21 +80,14 @@ def kernel_variant(module) -> str | None:
     return "avx2"
 
 
-def bf16_products(module) -> bool | None:
-    """Whether few rows of bf16 activations multiply MXFP4 weights with bf16 dot products (AVX-512 BF16) in
-    this native module (the MXFP4 one); None for modules without bf16 activations."""
-    if module is None or not hasattr(module, "bf16_gemv_supported"):
+def module_answer(module, question: str) -> bool | None:
+    """`module.<question>()` from a native module that has it; None for the modules that do not (and without
+    the module). The MXFP4 module answers `bf16_gemv_supported` (few rows of bf16 activations multiply MXFP4
+    weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (four or more rows of activations
+    rounded to int8, `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel)."""
+    if module is None or not hasattr(module, question):
         return None
-    return module.bf16_gemv_supported()
-
-
-def int8_vnni(module) -> bool | None:
-    """Whether four or more rows of activations rounded to int8 (`--int8-expert-inputs`) multiply MXFP4
-    weights with AVX-512 VNNI in this native module (the MXFP4 one; the same bits as its AVX2 kernel); None
-    for the others."""
-    if module is None or not hasattr(module, "int8_vnni_supported"):
-        return None
-    return module.int8_vnni_supported()
+    return getattr(module, question)()
 
 
 # what runs in AVX-512 where a module's "avx512" variant is in use (the rest: AVX2 + FMA)
@@ -125,8 +118,8 @@ def diagnose() -> dict:
                 "serves": serves,
                 "in_use": "native" if status.in_use else "torch fallback",
                 "variant": kernel_variant(status.module),
-                "bf16_dot_products": bf16_products(status.module),
-                "int8_vnni": int8_vnni(status.module),
+                "bf16_dot_products": module_answer(status.module, "bf16_gemv_supported"),
+                "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,

@@ -209,18 +209,14 @@ torch::Tensor matmul_int8_x(const torch::Tensor& x, const torch::Tensor& packed,
   check_inputs(x, packed, scale);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
-  const bool vnni = mxfp4_int8::vnni_variant(variant) && M >= mxfp4_int8::kVnniMinRows;
   torch::Tensor out = torch::empty({M, N}, x.options());
-  mxfp4_int8::QuantizedRows xq;
-  mxfp4_int8::RowPairs xp;
-  mxfp4_int8::quantize_rows(x.data_ptr<float>(), K, M, xq);
-  if (vnni) mxfp4_int8::pair_rows(xq, M, xp);
+  mxfp4_int8::RoundedRows xr;
+  mxfp4_int8::round_rows(x.data_ptr<float>(), K, M, mxfp4_int8::vnni_variant(variant), xr);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
-    if (vnni) return mxfp4_int8::multiply_row_pairs(xp, M, pp, sp, K, op, N, n_begin, n_end);
-    mxfp4_int8::multiply(xq, M, pp, sp, K, op, N, n_begin, n_end);
+    mxfp4_int8::multiply(xr, M, pp, sp, K, op, N, n_begin, n_end);
   });
   return out;
 }

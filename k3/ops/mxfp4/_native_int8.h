@@ -53,6 +53,7 @@ struct CodeOffset {
 };
 inline constexpr CodeOffset kCodeOffset;
 constexpr float kLevels = 127.0f;  // x codes are in [-127, 127]
+constexpr int64_t kRowBlock = 16;  // weight rows read by every group of x's rows while they are in cache
 
 // x [B, K] rounded per block and laid out for the kernel: for row b and pair p (pairs = K / 64 rounded up),
 // codes[(b pairs + p) 64 + ...] = the pair's even then odd elements, lane_scale[(b pairs + p) 8 + l] = the
@@ -177,7 +178,6 @@ constexpr GemvRowsFn kGemvRows[mxfp4_rows::kMaxRows + 1] = {nullptr,      gemv_r
 // pass over W, every kRowBlock rows of W read by all the groups while they are in cache.
 inline void multiply(const QuantizedRows& xq, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
                      float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t kRowBlock = 16;
   for (int64_t nb = n_begin; nb < n_end; nb += kRowBlock) {
     const int64_t ne = std::min(n_end, nb + kRowBlock);
     for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
@@ -310,7 +310,6 @@ constexpr GemvRowPairsFn kGemvRowPairs[kMaxRowPairs + 1] = {nullptr, gemv_row_pa
 // `multiply` with the VNNI kernel on x's B rows laid out by pair_rows: up to kMaxRows rows per pass over W.
 inline void multiply_row_pairs(const RowPairs& xp, int64_t B, const uint8_t* packed, const uint8_t* scale,
                                int64_t K, float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
-  constexpr int64_t kRowBlock = 16;
   const int64_t row_pairs = (B + 1) / 2;
   for (int64_t nb = n_begin; nb < n_end; nb += kRowBlock) {
     const int64_t ne = std::min(n_end, nb + kRowBlock);
@@ -321,16 +320,33 @@ inline void multiply_row_pairs(const RowPairs& xp, int64_t B, const uint8_t* pac
   }
 }
 
-// `multiply` on x [B, K] as given, rounded here into this thread's scratch; `vnni`: the VNNI kernel from
-// kVnniMinRows rows (the same bits).
+// x [B, K] rounded and laid out for the kernel that multiplies it: the VNNI one where `vnni` allows it and B is
+// at least kVnniMinRows (the same bits either way), else the AVX2 one.
+struct RoundedRows {
+  QuantizedRows rows;
+  RowPairs pairs;  // for the VNNI kernel only
+  bool vnni = false;
+};
+
+inline void round_rows(const float* x, int64_t K, int64_t B, bool vnni, RoundedRows& out) {
+  quantize_rows(x, K, B, out.rows);
+  out.vnni = vnni && B >= kVnniMinRows;
+  if (out.vnni) pair_rows(out.rows, B, out.pairs);
+}
+
+// out[r * ldo + n] = sum_k W[n, k] * x[r, k] for r < B, n in [n_begin, n_end), by the kernel x was laid out for.
+inline void multiply(const RoundedRows& x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                     float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
+  if (x.vnni) return multiply_row_pairs(x.pairs, B, packed, scale, K, out, ldo, n_begin, n_end);
+  multiply(x.rows, B, packed, scale, K, out, ldo, n_begin, n_end);
+}
+
+// `multiply` on x [B, K] as given, rounded here into this thread's scratch.
 inline void rows_product(const float* x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
                          float* out, int64_t ldo, int64_t n_begin, int64_t n_end, bool vnni) {
-  thread_local QuantizedRows xq;
-  thread_local RowPairs xp;
-  quantize_rows(x, K, B, xq);
-  if (!vnni || B < kVnniMinRows) return multiply(xq, B, packed, scale, K, out, ldo, n_begin, n_end);
-  pair_rows(xq, B, xp);
-  multiply_row_pairs(xp, B, packed, scale, K, out, ldo, n_begin, n_end);
+  thread_local RoundedRows rounded;
+  round_rows(x, K, B, vnni, rounded);
+  multiply(rounded, B, packed, scale, K, out, ldo, n_begin, n_end);
 }
 
 }  // namespace mxfp4_int8
