@@ -104,9 +104,10 @@ def chat_ids(tok, text: str) -> list[int]:
     return request_prompt(body, body.messages).ids(tok, body.add_generation_prompt)
 
 
-def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False):
-    """Model (BF16 weights tiled for decode: k3.model.tiling; MXFP4 experts exact, or with their inputs
-    rounded to int8) + tokenizer of a checkpoint directory or URL, or a one-line error."""
+def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False, bf16_products: bool = False):
+    """Model (BF16 weights tiled for decode, or paired for bf16 products: k3.model.tiling; MXFP4 experts
+    exact, or with their inputs rounded to int8) + tokenizer of a checkpoint directory or URL, or a one-line
+    error."""
     from k3.checkpoint import open_checkpoint
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM, K3ForConditionalGeneration
@@ -120,7 +121,7 @@ def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False):
             pinned = ckpt.location  # a Hub source: hf://ORG/REPO@<commit>, so all three read one commit
         model_class = K3ForConditionalGeneration if vision else K3ForCausalLM
         model = model_class.from_pretrained(pinned, layers=layers)
-        model.tile_weights()  # laid out for the decode kernels (k3.model.tiling: the same logits, faster)
+        model.tile_weights(bf16_products)  # for the decode kernels (k3.model.tiling; exact by default)
         model.set_int8_expert_inputs(int8_expert_inputs)
         tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:
@@ -166,6 +167,12 @@ INT8_EXPERTS = typer.Option(
     help="MXFP4 experts multiply their inputs rounded to int8 per block of 32: approximate (as llama.cpp), "
     "a faster decode where vector units are narrow (AVX2-only CPUs). Default: exact.",
 )
+BF16_PRODUCTS = typer.Option(
+    False,
+    "--bf16-products",
+    help="Decode steps multiply the BF16 weights by their inputs rounded to bfloat16 (bf16 dot products, "
+    "fp32 sums): approximate, a faster step of several sequences. CPUs with AVX-512 BF16. Default: exact.",
+)
 IMAGES = typer.Option(None, "--image", help="An image before the prompt (repeat for more); needs a tower.")
 
 
@@ -194,12 +201,13 @@ def generate(
     seed: int = SEED,
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
+    bf16_products: bool = BF16_PRODUCTS,
     image: list[Path] = IMAGES,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; `--image`:
     the images' prompts (media tokens, size, pads) come first."""
     images = load_images(image)
-    model, tok = load(checkpoint, layers, int8_expert_inputs)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
     params = sampling_params(
         max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos}
     )
@@ -259,6 +267,7 @@ def chat(
     seed: int = SEED,
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
+    bf16_products: bool = BF16_PRODUCTS,
     image: list[Path] = typer.Option(
         None, "--image", help="An image for the first user turn (repeat for more); needs a tower."
     ),
@@ -281,7 +290,7 @@ def chat(
         except (OSError, ValueError) as e:
             fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
     attached = load_images(image)  # images for the next user turn (k3.engine.images.ImageInput)
-    model, tok = load(checkpoint, layers, int8_expert_inputs)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
     if attached and not hasattr(model, "encode_images"):
         fail("--image: this checkpoint has no vision tower (its config has no vision_config)")
     params = sampling_params(
@@ -404,6 +413,7 @@ def serve(
     ),
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
+    bf16_products: bool = BF16_PRODUCTS,
     allow_remote_images: bool = typer.Option(
         False, "--allow-remote-images", help="Fetch http(s) image URLs (size-capped, 10 s timeout)."
     ),
@@ -429,7 +439,7 @@ def serve(
         sock = listening_socket(host, port)
     except K3Error as e:
         fail(str(e))
-    model, tok = load(checkpoint, layers, int8_expert_inputs)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
     )

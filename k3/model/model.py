@@ -247,11 +247,13 @@ class K3ForCausalLM(nn.Module):
                 module.dequantize(dtype or self.compute_dtype)
         return self
 
-    def tile_weights(self) -> int:
+    def tile_weights(self, bf16_products: bool = False) -> int:
         """Lay the BF16 weights out for the decode kernels and copy the fp32 ones together onto huge pages
         (k3.model.tiling: the same logits, bit for bit, and a faster one-token step; inference only, fp32
-        computation); returns the bytes tiled or copied."""
-        return tile_weights(self)
+        computation); returns the bytes tiled or copied. `bf16_products`: lay them out for bf16 dot
+        products instead (approximate: the kernels' inputs rounded to bfloat16; a faster step of several
+        sequences; CPUs with AVX-512 BF16)."""
+        return tile_weights(self, bf16_products)
 
     def untile_weights(self) -> int:
         """Put tiled weights back in rows (k3.model.tiling); returns the bytes untiled."""

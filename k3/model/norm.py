@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.model.tiling import ROWS as TILE_ROWS
-from k3.model.tiling import is_tiled, matrix_shape, rows_of, untiled_state
+from k3.model.tiling import block_rows, is_tiled, matrix_shape, rows_of, untiled_state
 from k3.ops.decode.native import load_native
 
 # The dtypes the native kernels read weight matrices in: fp32, or BF16 as fp32 in registers.
@@ -74,11 +73,10 @@ def _native_bf16(x: torch.Tensor, w: torch.Tensor):
     return load_native()
 
 
-def _slice_rows(N: int, wanted: int, tiled: bool) -> int:
-    """Rows per converted slice: `wanted`, at least one, a whole number of blocks of a tiled weight."""
-    if not tiled:
-        return max(1, min(N, wanted))
-    return max(TILE_ROWS, min(N, wanted) // TILE_ROWS * TILE_ROWS)
+def _slice_rows(N: int, wanted: int, block: int) -> int:
+    """Rows per converted slice: `wanted`, at least one, a whole number of blocks of `block` rows (a tiled
+    weight's; 1 in rows)."""
+    return max(block, min(N, wanted) // block * block)
 
 
 def _converted_in_slices(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -87,7 +85,7 @@ def _converted_in_slices(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     N, K = matrix_shape(w)
     if N * K <= CONVERT_ROWS_ELEMENTS:
         return F.linear(x, rows_of(w, 0, N).to(x.dtype))
-    rows = _slice_rows(N, CONVERT_ROWS_ELEMENTS // K, is_tiled(w))
+    rows = _slice_rows(N, CONVERT_ROWS_ELEMENTS // K, block_rows(w))
     slices = [F.linear(x, rows_of(w, i, min(N, i + rows)).to(x.dtype)) for i in range(0, N, rows)]
     return torch.cat(slices, dim=-1)
 
@@ -97,7 +95,7 @@ def _converted_in_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     would be a fresh allocation, which the kernel hands over page by page, each time), each block's GEMM
     written into its columns of the output."""
     N, K = matrix_shape(w)
-    rows = _slice_rows(N, CONVERT_BLOCK_ELEMENTS // K, is_tiled(w))
+    rows = _slice_rows(N, CONVERT_BLOCK_ELEMENTS // K, block_rows(w))
     block = torch.empty(rows, K, dtype=x.dtype)  # [rows, K]
     out = x.new_empty(*x.shape[:-1], N)  # [..., N]
     for i in range(0, N, rows):

@@ -24,6 +24,16 @@ in one process (medians of 40 steps after 512 tokens, six rounds): one thread 10
 (five rounds faster; median of rounds 11.6 -> 10.1), two threads 7.5-10.7 -> 7.3-8.1 (four faster; 8.1 ->
 7.7); its lm_head alone 22-25 -> 26-28 GB/s at one thread. The values and the layout stay, so the logits do
 too, bit for bit.
+
+With `bf16_products=True` (`K3ForCausalLM.tile_weights(bf16_products=True)`, `k3 generate --bf16-products`;
+CPUs with AVX-512 BF16 only) the BF16 matrices are "paired" instead: blocks of 16 rows stored [K/2][16
+rows][2 columns] ([N/16, K/2, 16, 2]), which the decode kernels multiply by their vectors rounded to bfloat16
+with bf16 dot products (k3/ops/decode/_native_paired.h): twice the products an instruction, for a step of
+several sequences, which is compute-bound. Approximate and opted into: the vectors lose their low 16 bits
+(round to nearest even; sums stay fp32), so the logits move from the exact ones (measured in docs/native.md,
+"bf16 products in decode steps"); a row's value depends on nothing but its weights and its vector, so a
+sequence gets the same bits alone or in a batch, at any thread count. A prefill longer than the kernels'
+reach converts blocks back to rows and stays exact. Matrices whose N is not a multiple of 16 are tiled.
 """
 
 from __future__ import annotations
@@ -31,21 +41,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from k3.errors import K3Error
 from k3.ops.decode.native import load_native
 
-ROWS = 8  # rows per block (Tiled::kRows)
-COLUMNS = 8  # columns per step (one 8-lane load)
+ROWS, COLUMNS = 8, 8  # tiled: rows per block (Tiled::kRows), columns per step (one 8-lane load)
+PAIRED_ROWS, PAIRED_COLUMNS = 16, 2  # paired: rows per block (16 lanes), columns per step (a pair)
 
 
 def is_tiled(w: torch.Tensor) -> bool:
-    """Whether w is a tiled BF16 matrix [N/8, K/8, 8, 8]."""
+    """Whether w is a BF16 matrix laid out in blocks: tiled [N/8, K/8, 8, 8] or paired [N/16, K/2, 16, 2]."""
     return w.dim() == 4
 
 
+def is_paired(w: torch.Tensor) -> bool:
+    """Whether w is a paired BF16 matrix [N/16, K/2, 16, 2] (multiplied with bf16 products)."""
+    return w.dim() == 4 and w.shape[2:] == (PAIRED_ROWS, PAIRED_COLUMNS)
+
+
+def block_rows(w: torch.Tensor) -> int:
+    """Rows per block of a tiled or paired matrix (1 for a matrix in rows)."""
+    return w.shape[2] if is_tiled(w) else 1
+
+
 def matrix_shape(w: torch.Tensor) -> tuple[int, int]:
-    """(N, K) of a weight matrix, tiled or not."""
+    """(N, K) of a weight matrix, in rows, tiled or paired ([blocks, steps, rows, columns])."""
     if is_tiled(w):
-        return w.shape[0] * ROWS, w.shape[1] * COLUMNS
+        return w.shape[0] * w.shape[2], w.shape[1] * w.shape[3]
     return w.shape[0], w.shape[1]
 
 
@@ -54,9 +75,10 @@ def _inference_matrix(w: torch.Tensor, dtype: torch.dtype) -> bool:
     return w.dim() == 2 and w.dtype == dtype and w.device.type == "cpu" and not w.requires_grad
 
 
-def can_tile(w: torch.Tensor) -> bool:
-    """Whether the kernels take w tiled: a BF16 CPU matrix with N and K multiples of 8, no gradient."""
-    return _inference_matrix(w, torch.bfloat16) and w.shape[0] % ROWS == 0 and w.shape[1] % COLUMNS == 0
+def can_tile(w: torch.Tensor, rows: int = ROWS, columns: int = COLUMNS) -> bool:
+    """Whether the kernels take w tiled (or paired: `rows`, `columns` = PAIRED_*): a BF16 CPU matrix with N
+    and K multiples of those, no gradient."""
+    return _inference_matrix(w, torch.bfloat16) and w.shape[0] % rows == 0 and w.shape[1] % columns == 0
 
 
 def can_place(w: torch.Tensor) -> bool:
@@ -66,13 +88,14 @@ def can_place(w: torch.Tensor) -> bool:
 
 def rows_of(w: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """Rows [start, stop) of the matrix w as [stop - start, K] in w's dtype: a view of a row-major w, a copy
-    of a tiled one (start, and stop unless it is N, multiples of 8)."""
+    of a tiled or paired one (start, and stop unless it is N, multiples of its block's rows)."""
     if not is_tiled(w):
         return w[start:stop]
-    if start % ROWS or (stop % ROWS and stop != matrix_shape(w)[0]):
-        raise ValueError(f"rows of a tiled matrix are taken in blocks of {ROWS}, got [{start}, {stop})")
-    blocks = w[start // ROWS : -(-stop // ROWS)]  # [b, K/8, 8, 8]
-    return blocks.transpose(1, 2).reshape(-1, w.shape[1] * COLUMNS)[: stop - start]
+    rows = block_rows(w)
+    if start % rows or (stop % rows and stop != matrix_shape(w)[0]):
+        raise ValueError(f"rows of a tiled matrix are taken in blocks of {rows}, got [{start}, {stop})")
+    blocks = w[start // rows : -(-stop // rows)]  # [b, steps, rows, columns]
+    return blocks.transpose(1, 2).reshape(-1, matrix_shape(w)[1])[: stop - start]
 
 
 def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
@@ -82,12 +105,15 @@ def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: d
         state[key] = rows_of(state[key], 0, matrix_shape(state[key])[0])
 
 
-def tile_weights(model: nn.Module) -> int:
-    """Tile every eligible BF16 Linear weight of an inference model in place and copy its fp32 ones together
-    onto huge pages; returns the bytes tiled or copied. A weight shared with another module (tied
-    embeddings) stays as it is. Computing in another dtype than fp32 (the fused decode step's), nothing is
-    tiled: each product would convert the tiles back."""
+def tile_weights(model: nn.Module, bf16_products: bool = False) -> int:
+    """Tile every eligible BF16 Linear weight of an inference model in place (or pair it, for bf16 products)
+    and copy its fp32 ones together onto huge pages; returns the bytes tiled or copied. A weight shared with
+    another module (tied embeddings) stays as it is. Computing in another dtype than fp32 (the fused decode
+    step's), nothing is tiled: each product would convert the tiles back. Weights already tiled or paired
+    stay as they are (untile_weights first to change the layout)."""
     native = load_native()
+    if bf16_products and (native is None or not native.bf16_products_supported()):
+        raise K3Error("bf16 products need a CPU with AVX-512 BF16 (avx512_bf16) and the native kernels")
     if getattr(model, "compute_dtype", torch.float32) != torch.float32 or native is None:
         return 0
     uses: dict[int, int] = {}
@@ -101,7 +127,10 @@ def tile_weights(model: nn.Module) -> int:
         w = module._parameters.get("weight") if hasattr(module, "tileable") else None  # k3's Linears
         if w is None or uses[id(w)] > 1:
             continue
-        if module.tileable and can_tile(w):  # [N/8, K/8, 8, 8]: a new tensor, on huge pages if allowed
+        if module.tileable and bf16_products and can_tile(w, PAIRED_ROWS, PAIRED_COLUMNS):
+            module._parameters["weight"] = nn.Parameter(native.pair_rows(w.data), requires_grad=False)
+            done += w.nbytes  # [N/16, K/2, 16, 2], on huge pages if allowed
+        elif module.tileable and can_tile(w):  # [N/8, K/8, 8, 8]: a new tensor, on huge pages if allowed
             module._parameters["weight"] = nn.Parameter(native.tile_rows(w.data), requires_grad=False)
             done += w.nbytes
         elif can_place(w):

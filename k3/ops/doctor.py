@@ -84,7 +84,8 @@ def module_answer(module, question: str) -> bool | None:
     """`module.<question>()` from a native module that has it; None for the modules that do not (and without
     the module). The MXFP4 module answers `bf16_gemv_supported` (few rows of bf16 activations multiply MXFP4
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (four or more rows of activations
-    rounded to int8, `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel)."""
+    rounded to int8, `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
+    module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()
@@ -120,6 +121,7 @@ def diagnose() -> dict:
                 "variant": kernel_variant(status.module),
                 "bf16_dot_products": module_answer(status.module, "bf16_gemv_supported"),
                 "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
+                "bf16_products": module_answer(status.module, "bf16_products_supported"),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -201,4 +203,7 @@ def render(report: dict) -> str:
         if k["int8_vnni"] is not None:
             how = "AVX-512 VNNI at >= 4 rows" if k["int8_vnni"] else "AVX2 (no AVX-512 VNNI)"
             lines.append(f"    int8 expert inputs: {how}")
+        if k["bf16_products"] is not None:
+            how = "AVX-512 BF16" if k["bf16_products"] else "not on this CPU (no AVX-512 BF16)"
+            lines.append(f"    bf16 products in decode steps (--bf16-products): {how}")
     return "\n".join(lines)

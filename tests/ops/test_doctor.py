@@ -49,6 +49,12 @@ def test_doctor_reports_the_kernels_in_use():
         cpu = report["cpu"]["features"]
         assert mxfp4["int8_vnni"] <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512vnni"])
     assert all(k["int8_vnni"] is None for k in report["kernels"][1:])
+    decode = report["kernels"][2]
+    if decode["bf16_products"] is not None:  # bf16 products only where the CPU has them, as the module says
+        assert decode["bf16_products"] == native_status(DECODE_EXTENSION).module.bf16_products_supported()
+        cpu = report["cpu"]["features"]
+        assert decode["bf16_products"] <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512bf16"])
+    assert all(k["bf16_products"] is None for k in report["kernels"][:2])
     assert report["torch"]["threads"] >= 1 and report["cpu"]["logical_cpus"] >= 1
     if report["cpu"]["features_native"] is not None:  # two run-time detections of the same CPU agree
         assert report["cpu"]["features_native"] == report["cpu"]["features"]
@@ -61,6 +67,9 @@ def test_doctor_reports_the_kernels_in_use():
         assert ("runs AVX-512" in text) == (mxfp4["variant"] == "avx512")
         assert ("bf16 activations: bf16 dot products" in text) == mxfp4["bf16_dot_products"]
         assert ("int8 expert inputs: AVX-512 VNNI" in text) == mxfp4["int8_vnni"]
+    if decode["bf16_products"] is not None:
+        said = "bf16 products in decode steps (--bf16-products): AVX-512 BF16" in text
+        assert said == decode["bf16_products"]
 
 
 def test_doctor_says_why_a_kernel_is_not_in_use():

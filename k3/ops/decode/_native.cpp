@@ -15,6 +15,8 @@
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each, x exact or
 //                             rounded to int8 (tests, benchmarks)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
+//   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
+//   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
@@ -293,7 +295,7 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
   return outs;
 }
 
-// x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled) as the decode step multiplies it (Weight::rows:
+// x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled, or paired) as the decode step multiplies it (Weight::rows:
 // the AVX-512 tiles where `variant` allows, the same bits), rows split across threads: [B, N].
 // For tests and benchmarks.
 Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant) {
@@ -374,6 +376,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",
         py::arg("w"));
+  m.def("pair_rows", &decode_paired::pair_rows,
+        "a BF16 [N, K] matrix laid out for bf16 products (vectors rounded to bf16): [N/16, K/2, 16, 2]", py::arg("w"));
+  m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
         py::arg("tensors"));
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",

@@ -25,6 +25,7 @@
 #include "mxfp4/_native_int8.h"
 #include "mxfp4/_native_rows.h"
 #include "mxfp4/_native_rows512.h"
+#include "_native_paired.h"
 
 namespace decode_native {
 
@@ -343,11 +344,13 @@ struct Weight {
   bool wide = false;   // the AVX-512 kernels, the same bits as the AVX2 ones: MXFP4 at any rows, dense at 2+,
                        // tiled BF16 at any
   bool tiled = false;  // bf16 in the Tiled layout
+  bool paired = false; // bf16 in the paired layout: multiplied with bf16 products (_native_paired.h), opted into
   bool int8_x = false; // MXFP4 times x rounded to int8 per block (_native_int8.h): approximate, opted into
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
     if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
+    if (bf16 != nullptr && paired) return decode_paired::paired_rows(bf16, K, x, B, y, ldy, n0, n1);
     if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     static const bool vnni = mxfp4_int8::vnni_supported();
@@ -376,20 +379,27 @@ inline void check_rows(const Tensor& t, int64_t rows, int64_t cols, const char* 
               name, " must be a contiguous float32 CPU tensor of ", rows, " rows of ", cols, ", got ", t.sizes());
 }
 
-// N of a matrix [N, K], or of a tiled one [N/8, K/8, 8, 8]
-inline int64_t matrix_rows(const Tensor& w) { return w.dim() == 4 ? w.size(0) * Tiled::kRows : w.size(0); }
+// N of a matrix [N, K], or of a tiled one [N/8, K/8, 8, 8] or a paired one [N/16, K/2, 16, 2]
+inline int64_t matrix_rows(const Tensor& w) { return w.dim() == 4 ? w.size(0) * w.size(2) : w.size(0); }
 
-// A float32 or BF16 [N, K] matrix, or a BF16 one tiled ([N/8, K/8, 8, 8]: the Tiled layout, k3.model.tiling).
+// A float32 or BF16 [N, K] matrix, or a BF16 one tiled ([N/8, K/8, 8, 8]: the Tiled layout) or paired
+// ([N/16, K/2, 16, 2]: bf16 products, _native_paired.h), both made by k3.model.tiling.
 inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
   const bool bf16 = w.scalar_type() == torch::kBFloat16;
-  const bool tiled = bf16 && w.dim() == 4 && w.size(1) * 8 == K && w.size(2) == Tiled::kRows && w.size(3) == 8;
+  const auto laid_out = [&](int64_t rows, int64_t columns) {
+    return bf16 && w.dim() == 4 && w.size(1) * columns == K && w.size(2) == rows && w.size(3) == columns;
+  };
+  const bool tiled = laid_out(Tiled::kRows, 8), paired = laid_out(decode_paired::kRows, decode_paired::kColumns);
   TORCH_CHECK((bf16 || w.scalar_type() == torch::kFloat32) && w.is_contiguous() && w.device().is_cpu() &&
-                  ((w.dim() == 2 && w.size(1) == K) || tiled),
-              name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix or a tiled bfloat16 [N/8, ",
-              K / 8, ", 8, 8] one, got ", w.sizes(), " ", w.scalar_type());
+                  ((w.dim() == 2 && w.size(1) == K) || tiled || paired),
+              name, " must be a contiguous float32 or bfloat16 [N, ", K, "] CPU matrix, a tiled bfloat16 [N/8, ",
+              K / 8, ", 8, 8] one or a paired one [N/16, ", K / 2, ", 16, 2], got ", w.sizes(), " ",
+              w.scalar_type());
+  TORCH_CHECK(!paired || decode_paired::supported(), name,
+              " is paired for bf16 products, which need a CPU with AVX-512 BF16 (avx512_bf16)");
   const bool wide = mxfp4_rows512::gemv_variant() == "avx512";  // the CPU's best tiles (the same bits)
   const int64_t N = matrix_rows(w);
-  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, N, K, wide, tiled};
+  if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, N, K, wide, tiled, paired};
   return {w.data_ptr<float>(), nullptr, nullptr, nullptr, N, K, wide};
 }
 

@@ -148,7 +148,7 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
   const Weight q = dense_weight(w_q, D, "q_proj / q_a_proj"), kv_a = dense_weight(w_kv_a, D, "kv_a_proj_with_mqa");
   const Weight kv_b = dense_weight(w_kv_b, L, "kv_b_proj"), o_proj = dense_weight(w_o, heads * v_dim, "o_proj");
   TORCH_CHECK(kv_a.N == L + rope && kv_b.N == heads * (nope + v_dim) && o_proj.N == D, "MLA projection shapes");
-  TORCH_CHECK(!kv_b.tiled, "kv_b_proj is read head by head in place: it must stay row-major, not tiled");
+  TORCH_CHECK(!kv_b.tiled && !kv_b.paired, "kv_b_proj is read head by head in place: it must stay row-major");
   const float eps = static_cast<float>(norm_eps), leps = static_cast<float>(latent_eps);
 
   Buffer xn(B * D);

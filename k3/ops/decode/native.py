@@ -1,5 +1,6 @@
-"""The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_mixers.h`` and
-``_native_step.h``, which include k3/ops/kda/_native_decode.h and k3/ops/mxfp4/_native_{rows,rows512,int8}.h;
+"""The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_paired.h``,
+``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h and
+k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h;
 compiled on first use into the user cache, see :mod:`k3.ops.extension`).
 
 :func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
@@ -21,12 +22,14 @@ DECODE_EXTENSION = NativeExtension(
     HERE / "_native.cpp",
     (
         HERE / "_native_gemv.h",
+        HERE / "_native_paired.h",
         HERE / "_native_mixers.h",
         HERE / "_native_step.h",
         OPS / "kda" / "_native_decode.h",
         OPS / "mxfp4" / "_native_rows.h",
         OPS / "mxfp4" / "_native_rows512.h",
         OPS / "mxfp4" / "_native_int8.h",
+        OPS / "mxfp4" / "_native_bf16.h",
     ),
 )
 
