@@ -26,7 +26,8 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    them, or in bf16 with `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the
    instructions); `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply
    inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also
-   makes.
+   makes; `--k3-bf16-products`: k3's decode steps multiply the BF16 weights by inputs rounded to bf16
+   (k3.model.tiling; CPUs with AVX-512 BF16), as llama.cpp rounds its activations for BF16 weights.
 The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
 machine are noisy.
 """
@@ -237,12 +238,14 @@ ENGINE_SCRIPT = Path(__file__).with_name("llamacpp_engine.py")
 
 
 def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_experts: bool = False) -> dict:
-    """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count."""
+    """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count (k3 with bf16 products
+    where --k3-bf16-products says so)."""
     command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
     command += ["--prefill", ",".join(map(str, args.prefill)), "--decode-steps", str(args.decode_steps)]
     command += ["--decode-context", str(args.decode_context), "--batch", str(args.batch)]
     command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
     command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8_experts else [])
+    command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
@@ -264,14 +267,17 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     them), gives the decode floor (bytes a token reads / bandwidth); the best of the rounds is reported for
     each engine."""
     variants = {"exact": ["k3"], "int8": ["k3 int8"], "both": ["k3", "k3 int8"]}[args.k3_experts]
+    if args.k3_bf16_products:
+        variants = [f"{name} bf16p" for name in variants]
     print(
         f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; "
         f"{args.weights} weights; k3 computes in {args.k3_compute}; 'k3 int8': its MXFP4 experts multiply "
-        "inputs rounded to int8 per block (k3.ops.mxfp4.int8_x; approximate, as llama.cpp)"
+        "inputs rounded to int8 per block (k3.ops.mxfp4.int8_x; approximate, as llama.cpp); 'bf16p': its "
+        "decode steps multiply BF16 weights by inputs rounded to bf16 (k3.model.tiling; approximate)"
     )
     for n in args.threads:
         torch.set_num_threads(n)
-        engines = [(name, ckpt, name == "k3 int8") for name in variants] + [("llama.cpp", gguf_path, False)]
+        engines = [(name, ckpt, "int8" in name) for name in variants] + [("llama.cpp", gguf_path, False)]
         runs: dict[str, list[dict]] = {name: [] for name, _, _ in engines}
         bandwidths = []
         for r in range(args.repeats):
@@ -417,6 +423,11 @@ def main() -> None:
         choices=("exact", "int8", "both"),
         default="exact",
         help="--speed: k3's MXFP4 experts exact, with inputs rounded to int8 per block, or both (3 engines)",
+    )
+    ap.add_argument(
+        "--k3-bf16-products",
+        action="store_true",
+        help="--speed: k3 decodes with bf16 products (BF16 weights paired: k3 generate --bf16-products)",
     )
     args = ap.parse_args()
     print(machine_line())

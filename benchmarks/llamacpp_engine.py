@@ -43,7 +43,9 @@ def seconds(fn) -> float:
 
 # ---- k3 ---------------------------------------------------------------------------------------------------
 class K3Engine:
-    def __init__(self, path: Path, threads: int, weights: str, compute: str, int8_experts: bool) -> None:
+    def __init__(
+        self, path: Path, threads: int, weights: str, compute: str, int8_experts: bool, bf16_products: bool
+    ) -> None:
         import torch
 
         from k3.model import K3ForCausalLM
@@ -53,7 +55,7 @@ class K3Engine:
         dtype = torch.bfloat16 if weights == "bf16" else torch.float32
         compute_dtype = torch.bfloat16 if compute == "bf16" else torch.float32
         self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=compute_dtype).eval()
-        self.model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling; nothing in bf16 compute)
+        self.model.tile_weights(bf16_products)  # as `k3 generate` loads it (k3.model.tiling)
         self.model.set_int8_expert_inputs(int8_experts)  # `k3 generate --int8-expert-inputs`
 
     def weight_bytes(self) -> float:
@@ -112,12 +114,15 @@ class K3Engine:
             self.model(self.torch.ones(count, 1, dtype=self.torch.long), cache)
 
     def describe(self) -> str:
+        from k3.model.tiling import is_paired
         from k3.ops.doctor import diagnose
 
         kernels = [f"{k['name']} {k['in_use']} {k['variant'] or ''}".strip() for k in diagnose()["kernels"]]
         int8 = any(getattr(m, "int8_inputs", False) for m in self.model.modules())
         experts = "int8 inputs" if int8 else "exact"
-        return f"k3 kernels: {', '.join(kernels)}; MXFP4 experts {experts}"
+        paired = any(is_paired(p) for p in self.model.parameters())
+        products = "bf16 products (paired)" if paired else "exact (tiled)"
+        return f"k3 kernels: {', '.join(kernels)}; MXFP4 experts {experts}; BF16 weights {products}"
 
 
 # ---- llama.cpp --------------------------------------------------------------------------------------------
@@ -235,11 +240,14 @@ def main() -> None:
     ap.add_argument(
         "--int8-expert-inputs", action="store_true", help="k3: MXFP4 experts multiply inputs rounded to int8"
     )
+    ap.add_argument("--bf16-products", action="store_true", help="k3: BF16 weights paired for bf16 products")
     ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
     args = ap.parse_args()
     longest = max([*args.prefill, args.decode_context, args.batch_context])
     if args.engine == "k3":
-        engine = K3Engine(args.path, args.threads, args.weights, args.compute, args.int8_expert_inputs)
+        engine = K3Engine(
+            args.path, args.threads, args.weights, args.compute, args.int8_expert_inputs, args.bf16_products
+        )
     else:
         n_ctx = args.batch * (args.batch_context + args.decode_steps + WARMUP_STEPS) + longest
         n_ctx = max(n_ctx, longest + args.decode_steps + WARMUP_STEPS) + 16

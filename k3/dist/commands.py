@@ -22,6 +22,7 @@ from rich.console import Console
 
 from k3.dist.group import torchrun_env
 from k3.engine.commands import (
+    BF16_PRODUCTS,
     IMAGES,
     INT8_EXPERTS,
     LAYERS,
@@ -54,6 +55,7 @@ def generate(
     seed: int = SEED,
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
+    bf16_products: bool = BF16_PRODUCTS,
     nproc: int = NPROC,
     image: list[Path] = IMAGES,
 ) -> None:
@@ -61,9 +63,9 @@ def generate(
     `--nproc N` the routed experts are sharded over N processes."""
     sampling = (max_tokens, temperature, top_k, top_p, repetition_penalty, seed)
     if torchrun_env():
-        _generate_on_ranks(checkpoint, prompt, sampling, layers, int8_expert_inputs)
+        _generate_on_ranks(checkpoint, prompt, sampling, layers, int8_expert_inputs, bf16_products)
     elif nproc == 1:
-        generate_on_one_process(checkpoint, prompt, *sampling, layers, int8_expert_inputs, image)
+        generate_on_one_process(checkpoint, prompt, *sampling, layers, int8_expert_inputs, bf16_products, image)
     elif image:
         fail("--image runs on one process (without --nproc)")
     else:
@@ -93,7 +95,12 @@ def _command_line(ctx: typer.Context, drop: str) -> list[str]:
 
 
 def _generate_on_ranks(
-    checkpoint: str, prompt: str, sampling: tuple, layers: int | None, int8_expert_inputs: bool
+    checkpoint: str,
+    prompt: str,
+    sampling: tuple,
+    layers: int | None,
+    int8_expert_inputs: bool,
+    bf16_products: bool,
 ) -> None:
     import torch
 
@@ -104,7 +111,7 @@ def _generate_on_ranks(
 
     comm = Comm.from_env(timeout=120.0, backend="gloo")  # the model runs on the CPU
     torch.set_num_threads(cpu_threads(comm.world))
-    model, tok = load(checkpoint, layers, int8_expert_inputs)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
     shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
     ExpertParallel(comm).install(model)
     params = sampling_params(*sampling, {tok.special.eos})

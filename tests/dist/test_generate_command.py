@@ -58,21 +58,22 @@ def test_launch_passes_every_parsed_option_but_nproc_to_the_ranks(tmp_path, monk
         "--layers",
         "2",
         "--int8-expert-inputs",
+        "--bf16-products",
     ]
     result = CliRunner().invoke(app, [*user, "--nproc", "3"])
     assert result.exit_code == 0, result.output
     ((nproc, args),) = launched
     assert nproc == 3 and args[:3] == ["-m", "k3", "generate"] and "--nproc" not in args
     assert "--seed" not in args  # left unset: the ranks get the default, as the user did
-    assert args[-1] == "--int8-expert-inputs"  # a flag: its name alone
+    assert args[-2:] == ["--int8-expert-inputs", "--bf16-products"]  # flags: their names alone
     assert (
         CliRunner().invoke(app, args[2:]).exit_code == 0
     )  # each rank's parse (outside torchrun: one process)
     assert CliRunner().invoke(app, user).exit_code == 0  # what the user typed, on one process
-    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2, True, None)  # no image
+    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2, True, True, None)
     assert CliRunner().invoke(app, [*user[:-1], "--nproc", "3"]).exit_code == 0  # the flag off: left out
-    assert "--int8-expert-inputs" not in launched[1][1] and CliRunner().invoke(app, launched[1][1][2:]).exit_code == 0
-    assert ran[2][-2] is False
+    assert "--bf16-products" not in launched[1][1] and CliRunner().invoke(app, launched[1][1][2:]).exit_code == 0
+    assert ran[2][-3:-1] == (True, False)
 
 
 def test_generate_from_a_url_on_two_processes_prints_what_one_process_prints(tmp_path):

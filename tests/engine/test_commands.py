@@ -80,6 +80,23 @@ def test_generate_with_int8_expert_inputs(checkpoint: Path, monkeypatch: pytest.
     assert runner.invoke(app, args).exit_code == 0 and modes == [True, False]
 
 
+def test_generate_with_bf16_products(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--bf16-products reaches the model's tiling. Without AVX-512 BF16: a one-line error."""
+    from k3.ops.decode.native import load_native
+
+    asked: list[bool] = []
+    tile = K3ForCausalLM.tile_weights
+    monkeypatch.setattr(K3ForCausalLM, "tile_weights", lambda m, b=False: asked.append(b) or tile(m, b))
+    args = ["generate", str(checkpoint), "--prompt", "Hola", "-n", "4", "-t", "0"]
+    r = runner.invoke(app, [*args, "--bf16-products"])
+    native = load_native()
+    if native is not None and native.bf16_products_supported():
+        assert r.exit_code == 0 and r.stdout.startswith("Hola"), r.output
+    else:
+        assert r.exit_code == 1 and "AVX-512 BF16" in r.output
+    assert runner.invoke(app, args).exit_code == 0 and asked == [True, False]
+
+
 def test_chat_reads_piped_turns(checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(checkpoint)
     params = SamplingParams(temperature=0, max_tokens=6, stop_ids={tok.special.eos, tok.special.end_of_msg})
