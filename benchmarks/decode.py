@@ -15,6 +15,7 @@ are noisy; `--threads 1` (default) avoids torch's thread spinning when other pro
     .venv/bin/python benchmarks/decode.py --step-profile --threads 2   # the decode step, fused vs general
     .venv/bin/python benchmarks/decode.py --step-profile --checkpoint CKPT   # the same on a checkpoint
     .venv/bin/python benchmarks/decode.py --batch 1,4,8 [--checkpoint CKPT]  # batched decode tokens/s
+    .venv/bin/python benchmarks/decode.py --batch 1,8 --checkpoint CKPT --bf16-products  # bf16 products
 
 `--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
 profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for
@@ -514,7 +515,12 @@ def main() -> None:
     ap.add_argument(
         "--int8-expert-inputs", action="store_true", help="MXFP4 experts multiply inputs rounded to int8"
     )
+    ap.add_argument(
+        "--bf16-products", action="store_true", help="--checkpoint's BF16 weights paired for bf16 products"
+    )
     args = ap.parse_args()
+    if args.bf16_products and (args.untiled or not args.checkpoint):
+        ap.error("--bf16-products pairs a --checkpoint's BF16 weights (not with --untiled)")
     torch.set_num_threads(args.threads)
     cfg = K3Config.preset(args.preset)
 
@@ -524,10 +530,11 @@ def main() -> None:
             # 24 GB), computing in fp32
             model = K3ForCausalLM.from_pretrained(args.checkpoint, compute_dtype=torch.float32)
             if not args.untiled:
-                model.tile_weights()  # as `k3 generate` loads it (k3.model.tiling)
+                model.tile_weights(args.bf16_products)  # as `k3 generate` loads it (k3.model.tiling)
             model.set_int8_expert_inputs(args.int8_expert_inputs)
             experts = "mxfp4" if model.config.experts_mxfp4 else "f32"
-            return [(experts + (" int8" if args.int8_expert_inputs else ""), model)]
+            modes = " int8" if args.int8_expert_inputs else ""
+            return [(experts + modes + (" bf16 products" if args.bf16_products else ""), model)]
         return [
             (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q).set_int8_expert_inputs(i8))
             for e, q, i8 in (("mxfp4", None, False), ("f32", False, False), ("mxfp4 int8", None, True))
