@@ -55,7 +55,7 @@ K3_PAIRED inline void round_vectors(const float* x, int64_t B, int64_t K, std::v
 // b0 + V - 1: each block's line loaded once per step for the V vectors.
 template <int R, int V>
 K3_PAIRED void blocks_times_vectors(const uint16_t* W, int64_t K, const uint16_t* x, int64_t b0, float* y,
-                                         int64_t ldy, int64_t n, const __mmask16* keep) {
+                                    int64_t ldy, int64_t n, const __mmask16* keep) {
   const uint16_t* block[R];
   for (int r = 0; r < R; ++r) block[r] = W + (n + r * kRows) * K;  // [K/2][16][2]
   __m512 acc[R][V];
@@ -106,8 +106,8 @@ inline __mmask16 lanes_in(int64_t m, int64_t n0, int64_t n1) {
 // blocks that hold those rows (a block split between two ranges is computed whole by both, each storing its
 // own lanes), one vector four blocks at a time (four streams in flight), several two blocks x up to eight
 // vectors (the second pass of more than eight reads the blocks from the L2 cache).
-K3_PAIRED inline void paired_rows(const uint16_t* W, int64_t K, const float* x, int64_t B, float* y,
-                                       int64_t ldy, int64_t n0, int64_t n1) {
+K3_PAIRED inline void paired_rows(const uint16_t* W, int64_t K, const float* x, int64_t B, float* y, int64_t ldy,
+                                  int64_t n0, int64_t n1) {
   thread_local std::vector<uint16_t> rounded;
   round_vectors(x, B, K, rounded);
   const int64_t R = B == 1 ? 4 : 2;
@@ -116,10 +116,13 @@ K3_PAIRED inline void paired_rows(const uint16_t* W, int64_t K, const float* x, 
     const int64_t blocks = std::min<int64_t>(R, (n1 - m + kRows - 1) / kRows);
     __mmask16 keep[4];
     for (int64_t r = 0; r < blocks; ++r) keep[r] = lanes_in(m + r * kRows, n0, n1);
+    if (blocks == 4) {  // one vector
+      blocks_times_vectors<4, 1>(W, K, rounded.data(), 0, y, ldy, m, keep);
+      continue;
+    }
     for (int64_t b = 0; b < B; b += kMaxVectors) {
       const int64_t V = std::min(kMaxVectors, B - b);
-      const Pass pass = blocks == 4 ? pass_of<4>(V) : blocks >= 2 ? pass_of<2>(V) : pass_of<1>(V);
-      pass(W, K, rounded.data(), b, y, ldy, m, keep);
+      (blocks >= 2 ? pass_of<2>(V) : pass_of<1>(V))(W, K, rounded.data(), b, y, ldy, m, keep);
       if (blocks == 3) pass_of<1>(V)(W, K, rounded.data(), b, y, ldy, m + 2 * kRows, keep + 2);
     }
   }
