@@ -137,11 +137,12 @@ def test_bits_do_not_depend_on_threads_or_the_batch():
 
 
 @needs_native
-@pytest.mark.parametrize("n,k", [(301, 512), (37, 96), (64, 3584)])
+@pytest.mark.parametrize("n,k", [(301, 512), (37, 96), (64, 3584), (45, 1056)])
 def test_the_vnni_kernel_gives_the_avx2_bits(n, k):
-    """From four rows of x, a CPU with AVX-512 VNNI takes its own kernel (two rows of x per register,
-    vpdpbusd, four weight rows per tile): bit for bit the AVX2 kernel's, in the MXFP4 module and in the decode
-    step's experts, with an odd last row of x, an odd last block of 32, weight rows left over after the tiles
+    """A CPU with AVX-512 VNNI takes its own kernel (a group of 16 blocks in one register, one lane a
+    block, vpdpbusd): bit for bit the AVX2 kernel's (two 8-lane halves, vpmaddubsw) at 1-11 rows of x, in the
+    MXFP4 module and in the decode step's experts, with an odd last row of x, a last group of fewer than 16
+    blocks (K = 96: 3 blocks, K = 1056: 2 groups and 1 block), weight rows left over after the blocks of 16
     and a block of x holding a NaN. A CPU without VNNI refuses it (a skip would fail under CI=true, and the
     refusal is what there is to check there)."""
     from k3.ops.decode.native import load_native as load_decode

@@ -21,13 +21,14 @@ from k3.ops.mxfp4.native import load_native as load_mxfp4
 
 # The AVX-512 kernels, by name: the 16-lane KDA products and transpose, the decode step's pair tiles and MLA
 # block, the MXFP4 GEMVs of _native_rows512.h (two weight rows per register, and their pair step), the
-# bf16-compute MXFP4 rows (avx512_bf16), the int8 rows' VNNI tiles and the paired BF16 rows (bf16 products,
-# reached only from a matrix paired where the CPU has avx512_bf16), each by name: their namespaces also hold
-# code every CPU runs.
+# bf16-compute MXFP4 rows (avx512_bf16), the int8 rows' VNNI kernel (a group of 16 blocks a register) and the
+# paired BF16 rows (bf16 products, reached only from a matrix paired where the CPU has avx512_bf16), each by
+# name: their namespaces also hold code every CPU runs.
 AVX512_KERNELS = re.compile(
     r"wide_block|run_wide|wide_dot_block|transpose_wide|tile_pairs|dense_rows_pairs|tiled_block|weighted_block32"
     r"|mxfp4_rows512::(gemv_rows_pairs|gemv_row_twice|two_rows_pair)\b|mxfp4_bf16::gemv_rows\b"
-    r"|mxfp4_int8::row_pairs_tile\b|decode_paired::(paired_rows|blocks_times_vectors|round_vectors)\b"
+    r"|mxfp4_int8::(vnni_rows|group_codes|sixteen_half_scales)\b"
+    r"|decode_paired::(paired_rows|blocks_times_vectors|round_vectors)\b"
 )
 EVEX = re.compile(r"zmm|[xy]mm(1[6-9]|2\d|3[01])\b|\{%?k[1-7]\}")
 FUNCTION = re.compile(r"^[0-9a-f]+ <(.*)>:$")

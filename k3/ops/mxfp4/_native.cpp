@@ -323,6 +323,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
                                 int64_t act, double beta, double linear_beta, const std::string& variant,
                                 bool int8_x) {
   const bool wide = mxfp4_rows512::wide_variant(variant);
+  static const bool vnni = mxfp4_int8::vnni_supported();
   const int64_t k = static_cast<int64_t>(packed.size()) / 3;
   TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
               "packed and scale: (w1, w3, w2) of each expert, in expert order");
@@ -343,7 +344,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
-    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows, false);  // one row: AVX2
+    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows, wide && vnni);
     thread_local std::vector<float> storage;  // x in the kernels' order
     const float* xd = mxfp4_rows512::lay_out(x, cols, 1, wide, storage).data;
     mxfp4_rows512::kernel(wide, 1, 1)(xd, 0, pp, sp, cols, out, 0, 0, rows);
