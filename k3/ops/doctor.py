@@ -83,8 +83,8 @@ def kernel_variant(module) -> str | None:
 def module_answer(module, question: str) -> bool | None:
     """`module.<question>()` from a native module that has it; None for the modules that do not (and without
     the module). The MXFP4 module answers `bf16_gemv_supported` (few rows of bf16 activations multiply MXFP4
-    weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (four or more rows of activations
-    rounded to int8, `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
+    weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
+    `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
     module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16)."""
     if module is None or not hasattr(module, question):
         return None
@@ -201,7 +201,7 @@ def render(report: dict) -> str:
             few = "bf16 dot products (AVX-512 BF16)" if dot else "fp32 FMAs (no AVX-512 BF16)"
             lines.append(f"    bf16 activations: {few} at <= 8 rows, bf16 tiles + torch's bf16 GEMM above")
         if k["int8_vnni"] is not None:
-            how = "AVX-512 VNNI at >= 4 rows" if k["int8_vnni"] else "AVX2 (no AVX-512 VNNI)"
+            how = "AVX-512 VNNI" if k["int8_vnni"] else "AVX2 (no AVX-512 VNNI)"
             lines.append(f"    int8 expert inputs: {how}")
         if k["bf16_products"] is not None:
             how = "AVX-512 BF16" if k["bf16_products"] else "not on this CPU (no AVX-512 BF16)"

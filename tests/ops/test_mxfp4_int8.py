@@ -100,16 +100,20 @@ def test_ties_round_half_to_even(backend):
 
 
 @needs_native
-def test_planted_blocks_and_scales():
+@pytest.mark.parametrize("variant", ["avx2", "auto"])
+def test_planted_blocks_and_scales(variant):
     """A zero block of x, an inf in x (NaN out, as the exact path gives), W scale bytes 0 (2^-127) and 255
-    (NaN)."""
+    (NaN), through each kernel this CPU has (the AVX2 one forced, and the one `auto` picks: VNNI where the
+    CPU has it; the two build the weights' scales each their own way)."""
+    from k3.ops.mxfp4.native import load_native
+
     packed, scale = random_matrix(6, 128, seed=1)
     scale[0, 1], scale[1, :] = 0, 0
     scale[2, 3] = 255
     x = torch.randn(3, 128, generator=torch.Generator().manual_seed(2))
     x[0, :32] = 0.0
     x[2, 70] = float("inf")
-    out = mxfp4_matmul(x, packed, scale, backend="native", int8_inputs=True)
+    out = load_native().matmul_int8_x(x, packed, scale, variant)
     want, size = rounded_product(x, packed, scale)
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(out), nan) and nan[2].all() and nan[:, 2].all() and nan.sum() == 6 + 2

@@ -384,7 +384,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the M = 1 GEMV in use: 'avx512' or 'avx2'");
   m.def("int8_vnni_supported", &mxfp4_int8::vnni_supported,
-        "whether 4 or more rows of x rounded to int8 use AVX-512 VNNI (vpdpbusd) rather than AVX2 (the same bits)");
+        "whether x rounded to int8 is multiplied with AVX-512 VNNI (vpdpbusd) rather than AVX2 (the same bits)");
   m.def("bf16_gemv_supported", &mxfp4_bf16::cpu_supported,
         "whether few rows of a bfloat16 x use bf16 dot products (AVX-512 BF16) rather than fp32 FMAs");
   m.def("histogram_u16", &histogram_u16, "out[65536] int64 += counts of the 16-bit patterns of data",
