@@ -47,7 +47,8 @@ def test_doctor_reports_the_kernels_in_use():
     if mxfp4["int8_vnni"] is not None:  # VNNI only where the CPU has it, as the module says
         assert mxfp4["int8_vnni"] == native_status(MXFP4_EXTENSION).module.int8_vnni_supported()
         cpu = report["cpu"]["features"]
-        assert mxfp4["int8_vnni"] <= (cpu["avx512f"] and cpu["avx512bw"] and cpu["avx512vl"] and cpu["avx512vnni"])
+        needs = ("avx512f", "avx512bw", "avx512vl", "avx512vnni")
+        assert mxfp4["int8_vnni"] <= all(cpu[name] for name in needs)
     assert all(k["int8_vnni"] is None for k in report["kernels"][1:])
     decode = report["kernels"][2]
     if decode["bf16_products"] is not None:  # bf16 products only where the CPU has them, as the module says
