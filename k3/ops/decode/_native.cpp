@@ -14,6 +14,7 @@
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each, x exact or
 //                             rounded to int8 (tests, benchmarks)
+//   gated_activation          the MLPs' and experts' act(gate, up), as they apply it (tests)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
@@ -55,7 +56,7 @@ Tensor mlp(const Tensor& x, const Optional& norm_w, double norm_eps, const Tenso
   project(xn, B, {{gate, g.data()}, {up, u.data()}});
   float* gp = g.data();
   const float* upp = u.data();
-  for (int64_t i = 0; i < B * gate.N; ++i) gp[i] = f(gp[i], upp[i]);
+  f.apply(gp, upp, B * gate.N);
   project(gp, B, {{down, out.data_ptr<float>()}});
   return out;
 }
@@ -151,7 +152,7 @@ inline void expert_over_rows(const Weight* w, const Activation& f, const float* 
   std::vector<float> gate(M * m), up(M * m);
   w[0].rows(rows, M, gate.data(), m, 0, m);
   w[1].rows(rows, M, up.data(), m, 0, m);
-  for (int64_t i = 0; i < M * m; ++i) gate[i] = f(gate[i], up[i]);
+  f.apply(gate.data(), up.data(), M * m);
   w[2].rows(gate.data(), M, out, L, 0, L);
 }
 
@@ -322,6 +323,17 @@ Tensor weighted_rows_product(const Tensor& a, const Tensor& c, const std::string
   return o;
 }
 
+// act(g, u) elementwise over fp32 g and u of one shape, as mlp and the experts apply it (Activation::apply):
+// for tests of its accuracy and bits.
+Tensor gated_activation(const Tensor& g, const Tensor& u, int64_t act, double beta, double linear_beta) {
+  TORCH_CHECK(g.scalar_type() == torch::kFloat32 && u.scalar_type() == torch::kFloat32 && g.sizes() == u.sizes(),
+              "g and u must be fp32 tensors of one shape");
+  Tensor out = g.contiguous().clone();
+  const Tensor up = u.contiguous();
+  activation(act, beta, linear_beta).apply(out.data_ptr<float>(), up.data_ptr<float>(), out.numel());
+  return out;
+}
+
 // x [B, K] times one MXFP4 matrix (packed [N, K/2], scale [N, K/32]) as the decode step multiplies a chosen
 // expert's matrices (Weight::rows: batch-invariant bits; at B = 1 the AVX-512 kernel where `variant` allows),
 // its rows split across threads by `project` (moe_experts gives each thread whole experts instead): [B, N].
@@ -374,6 +386,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("beta"), py::arg("linear_beta"), py::arg("variant") = "auto", py::arg("int8_x") = false);
   m.def("expert_rows", &expert_rows, "x [B, K] times one MXFP4 matrix as the decode step's experts",
         py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("variant") = "auto", py::arg("int8_x") = false);
+  m.def("gated_activation", &gated_activation, "act(g, u) elementwise, as the MLPs and experts apply it",
+        py::arg("g"), py::arg("u"), py::arg("act"), py::arg("beta") = 0.0, py::arg("linear_beta") = 0.0);
   m.def("tile_rows", &tile_rows, "a BF16 [N, K] matrix in the layout the decode kernels read fastest: [N/8, K/8, 8, 8]",
         py::arg("w"));
   m.def("pair_rows", &decode_paired::pair_rows,

@@ -1,6 +1,6 @@
 """The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_paired.h``,
-``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h and
-k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h;
+``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h,
+k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h and k3/ops/_native_math.h;
 compiled on first use into the user cache, see :mod:`k3.ops.extension`).
 
 :func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
@@ -30,6 +30,7 @@ DECODE_EXTENSION = NativeExtension(
         OPS / "mxfp4" / "_native_rows512.h",
         OPS / "mxfp4" / "_native_int8.h",
         OPS / "mxfp4" / "_native_bf16.h",
+        OPS / "_native_math.h",
     ),
 )
 

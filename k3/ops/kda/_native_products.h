@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "_native_math.h"
+
 namespace {
 
 constexpr int kRows = 6;  // rows of the output per register block: 6 x 16 floats = 12 accumulators
@@ -261,26 +263,7 @@ __attribute__((target("avx2,fma"))) void product_with_transpose_narrow(const flo
   }
 }
 
-// exp(x): 2^n exp(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by Cephes'
-// degree-6 polynomial (relative error ~2e-7, about torch's vectorised exp); 0 below -87.3 (where fp32
-// turns subnormal; the kernels never need those), x clamped at 88.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n ln2_hi
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
-}
+using k3_math::exp8;
 
 // dst[0, n) = src[0, n), with non-temporal stores where dst is 32-byte aligned: for data that is read
 // again much later (the states kept for the backward), so neither kept in cache nor read in first.

@@ -20,9 +20,10 @@ HERE = Path(__file__).resolve().parent
 KDA_EXTENSION = NativeExtension(
     "k3.ops.kda._native",
     HERE / "_native.cpp",
-    tuple(
-        HERE / name
-        for name in ("_native_chunk.h", "_native_products.h", "_native_products512.h", "_native_decode.h")
+    (
+        *(HERE / name for name in ("_native_chunk.h", "_native_products.h", "_native_products512.h")),
+        HERE / "_native_decode.h",
+        HERE.parent / "_native_math.h",
     ),
 )
 

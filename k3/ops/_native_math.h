@@ -1,0 +1,70 @@
+// Vectorised fp32 exp, sigmoid and tanh in 8 lanes (AVX2 + FMA), shared by the KDA and decode kernels. The
+// same code runs on every CPU (no AVX-512 variant), and a caller that sends every value through it (tails
+// padded, not computed by libm) gets bits that depend on the value alone: not on the CPU's vector width, the
+// batch or the value's position. Accuracy against float64 is tested in tests/ops/test_native_math.py.
+#pragma once
+
+#include <immintrin.h>
+
+namespace k3_math {
+
+#define K3_MATH __attribute__((target("avx2,fma")))
+
+// exp(x): 2^n exp(r) with n = round(x / ln 2) and r = x - n ln 2 in [-ln2/2, ln2/2], exp(r) by Cephes'
+// degree-6 polynomial (relative error ~2e-7, about torch's vectorised exp); 0 below -87.3 (where fp32
+// turns subnormal; the kernels never need those), x clamped at 88 (a NaN is taken as -87.3: callers that can
+// see one say what they do with it).
+K3_MATH inline __m256 exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n ln2_hi
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(two_n)));
+}
+
+// x where x is NaN, else `value`.
+K3_MATH inline __m256 keep_nan(__m256 x, __m256 value) {
+  return _mm256_blendv_ps(value, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+
+// 1 / (1 + exp(-x)); exactly 0 below -88 (where exp(-x) leaves fp32: so -inf * sigmoid(-inf) is NaN, as in
+// torch), NaN for NaN.
+K3_MATH inline __m256 sigmoid8(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+  return keep_nan(x, _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_LT_OQ), s));
+}
+
+// tanh(x), Cephes' tanhf: below |x| = 0.625 the odd polynomial x + x^3 P(x^2), above it sign(x) (1 - 2 / (e^2|x|
+// + 1)) (exp8 clamped at 88: 1 from |x| = 44 on); NaN for NaN.
+K3_MATH inline __m256 tanh8(__m256 x) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign, x);
+  const __m256 z = _mm256_mul_ps(x, x);
+  __m256 p = _mm256_set1_ps(-5.70498872745e-3f);
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(2.06390887954e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-5.37397155531e-2f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(1.33314422036e-1f));
+  p = _mm256_fmadd_ps(p, z, _mm256_set1_ps(-3.33332819422e-1f));
+  const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(p, z), x, x);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  const __m256 e = exp8(_mm256_add_ps(a, a));
+  const __m256 large = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+  const __m256 signed_large = _mm256_or_ps(large, _mm256_and_ps(sign, x));
+  const __m256 y = _mm256_blendv_ps(signed_large, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.625f), _CMP_LT_OQ));
+  return keep_nan(x, y);
+}
+
+#undef K3_MATH
+
+}  // namespace k3_math
