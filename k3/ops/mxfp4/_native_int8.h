@@ -404,4 +404,7 @@ inline void rows_product(const float* x, int64_t B, const uint8_t* packed, const
   multiply(rounded, B, packed, scale, K, out, ldo, n_begin, n_end);
 }
 
+#undef K3_VNNI
+#undef K3_AVX2
+
 }  // namespace mxfp4_int8
