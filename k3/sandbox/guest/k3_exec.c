@@ -14,7 +14,8 @@
  * once the tree has settled (scans in a row find no holder and the same processes: a leftover that is
  * still forking stays under the limits until it settles or a limit ends it), it exits with that first
  * process's status (128 + signal if killed); processes started in the background with their own output
- * (`nohup cmd >log 2>&1 &`) keep running, outside its watch. */
+ * (`nohup cmd >log 2>&1 &`) keep running, outside its watch. Before it returns from a command whose tree held
+ * more than its first process (or that it killed), it waits until a process under NPROC can fork again. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
@@ -33,6 +34,7 @@
 #define MAX_PROCS 4096
 #define GRACE_TICKS 40 /* after the first process ends, 200 ms for a background child to redirect its output */
 #define KILL_GIVE_UP_S 30.0 /* a tree that still has processes after this long is left (the host gave up before) */
+#define FORKABLE_GIVE_UP_S 5.0 /* how long the end of a command waits for the sandbox to fork again */
 
 static volatile sig_atomic_t kill_requested = 0;
 static volatile pid_t child = -1;
@@ -162,6 +164,32 @@ static void kill_tree(pid_t self) {
     }
 }
 
+/* Returns once a process under the command's RLIMIT_NPROC can fork (or after FORKABLE_GIVE_UP_S): a tree's
+ * dead may still count against the limit when they no longer show in the guest's /proc (once, in a CI run,
+ * the command after a fork bomb that had died out could not fork), and the next command must find the
+ * sandbox able to fork. A prober child takes the limit and forks until that works. */
+static void wait_until_forkable(rlim_t nproc) {
+    pid_t prober = fork();
+    if (prober < 0) return;
+    if (prober == 0) {
+        struct rlimit lim = {.rlim_cur = nproc, .rlim_max = nproc};
+        struct timespec start, pause = {0, 2000000};
+        clock_gettime(CLOCK_MONOTONIC, &start);
+        if (setrlimit(RLIMIT_NPROC, &lim)) _exit(1);
+        while (seconds_since(&start) < FORKABLE_GIVE_UP_S) {
+            pid_t p = fork();
+            if (p == 0) _exit(0);
+            if (p > 0) {
+                waitpid(p, NULL, 0);
+                _exit(0);
+            }
+            nanosleep(&pause, NULL);
+        }
+        _exit(1);
+    }
+    waitpid(prober, NULL, 0);
+}
+
 /* SIGKILL (if `really`) the processes of the tree that still hold this command's stdout or stderr (when
  * its first process has ended they would keep the command open, as bubblewrap's pid namespace would not);
  * those started with their own output live on. Returns how many there were. */
@@ -250,7 +278,7 @@ int main(int argc, char **argv) {
         _exit(127);
     }
     const char *why = NULL;
-    int status = 0, done = 0, ticks_done = 0, quiet = 0;
+    int status = 0, done = 0, ticks_done = 0, quiet = 0, crowded = 0;
     for (;;) {
         pid_t p;
         int st;
@@ -258,6 +286,7 @@ int main(int argc, char **argv) {
             if (p == child) status = st, done = 1;
         long long rss, anon, cpu;
         int n = tree(self, procs, &rss, &cpu);
+        crowded |= n > 1; /* more than the command's first process: its dead may outlast the scans */
         if (kill_requested) why = "signal";
         else if (n > 0 || !done) { /* the limits, before whether it is over, while anything of the tree is
                                     * left (a fork bomb whose first process has ended is still a fork bomb) */
@@ -270,6 +299,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "%s killed_by=%s\n", mark, why);
             kill_tree(self);
             waitpid(child, &status, 0);
+            wait_until_forkable(nproc);
             return 128 + SIGKILL;
         }
         if (done) { /* over once two scans in a row find nothing holding the output and the processes of
@@ -287,5 +317,6 @@ int main(int argc, char **argv) {
         struct timespec ts = {0, TICK_MS * 1000000L};
         nanosleep(&ts, NULL);
     }
+    if (crowded) wait_until_forkable(nproc);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
