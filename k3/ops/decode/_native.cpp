@@ -38,7 +38,7 @@ Tensor mlp(const Tensor& x, const Optional& norm_w, double norm_eps, const Tenso
            const Tensor& w_down, int64_t act, double beta, double linear_beta) {
   const int64_t B = rows_of(x, "x"), D = x.size(-1);
   check_rows(x, B, D, "x");
-  const Activation f = activation(act, beta, linear_beta);
+  const k3_math::GatedActivation f = activation(act, beta, linear_beta);
   const Weight gate = dense_weight(w_gate, D, "gate_proj"), up = dense_weight(w_up, D, "up_proj");
   const Weight down = dense_weight(w_down, gate.N, "down_proj");
   TORCH_CHECK(up.N == gate.N && down.N == D, "MLP shapes");
@@ -147,7 +147,8 @@ std::vector<Weight> expert_weights(int64_t L, const std::vector<Tensor>& dense, 
 
 // out [M, L] = w2(act(w1 rows, w3 rows)) for M rows [M, L] of one expert (w: its three matrices), on the calling
 // thread; each row's value does not depend on the others (the kernels' rows are independent).
-inline void expert_over_rows(const Weight* w, const Activation& f, const float* rows, int64_t M, float* out) {
+inline void expert_over_rows(const Weight* w, const k3_math::GatedActivation& f, const float* rows, int64_t M,
+                             float* out) {
   const int64_t m = w[0].N, L = w[2].N;
   std::vector<float> gate(M * m), up(M * m);
   w[0].rows(rows, M, gate.data(), m, 0, m);
@@ -171,7 +172,7 @@ Tensor experts_rows(const Tensor& rows, const std::vector<int64_t>& counts, cons
     start[u + 1] = start[u] + counts[u];
   }
   TORCH_CHECK(start[U] == R, "counts must add up to the rows given");
-  const Activation f = activation(act, beta, linear_beta);
+  const k3_math::GatedActivation f = activation(act, beta, linear_beta);
   Tensor out = torch::empty_like(rows);
   const float* in = rows.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -204,7 +205,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
     TORCH_CHECK(0 <= slot[i] && slot[i] < U, "slots must index the experts given");
     pairs[slot[i]].push_back(i);
   }
-  const Activation f = activation(act, beta, linear_beta);
+  const k3_math::GatedActivation f = activation(act, beta, linear_beta);
   std::vector<float> per_pair(B * k * L);
   const float* zp = z.data_ptr<float>();
   at::parallel_for(0, U, 1, [&](int64_t u0, int64_t u1) {
@@ -323,7 +324,7 @@ Tensor weighted_rows_product(const Tensor& a, const Tensor& c, const std::string
   return o;
 }
 
-// act(g, u) elementwise over fp32 g and u of one shape, as mlp and the experts apply it (Activation::apply):
+// act(g, u) elementwise over fp32 g and u of one shape, as mlp and the experts apply it (GatedActivation::apply):
 // for tests of its accuracy and bits.
 Tensor gated_activation(const Tensor& g, const Tensor& u, int64_t act, double beta, double linear_beta) {
   TORCH_CHECK(g.scalar_type() == torch::kFloat32 && u.scalar_type() == torch::kFloat32 && g.sizes() == u.sizes(),

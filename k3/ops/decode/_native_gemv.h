@@ -566,37 +566,8 @@ inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float
 inline float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 inline float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }  // torch's threshold 20
 
-// The gated activations of k3.model.activations: 0 SiLU-GLU silu(g) u, 1 SiTU b tanh(g/b) sigmoid(g) c tanh(u/c),
-// 8 values at a time through k3_math's exp, sigmoid and tanh (libm's scalar tanh and exp took ~6 % of a
-// `k3-slice` decode step of 8 sequences). Every value goes through the vector code (a tail is padded), so each
-// result depends on its g and u alone.
-struct Activation {
-  int64_t kind;
-  float beta, linear_beta;
-
-  __attribute__((target("avx2,fma"))) __m256 operator()(__m256 g, __m256 u) const {
-    const __m256 s = k3_math::sigmoid8(g);
-    if (kind == 0) return _mm256_mul_ps(_mm256_mul_ps(g, s), u);
-    const __m256 b = _mm256_set1_ps(beta), c = _mm256_set1_ps(linear_beta);
-    const __m256 capped_gate = _mm256_mul_ps(b, k3_math::tanh8(_mm256_div_ps(g, b)));
-    const __m256 capped_up = _mm256_mul_ps(c, k3_math::tanh8(_mm256_div_ps(u, c)));
-    return _mm256_mul_ps(_mm256_mul_ps(capped_gate, s), capped_up);
-  }
-
-  // g[i] = act(g[i], u[i]) for i < n.
-  __attribute__((target("avx2,fma"))) void apply(float* g, const float* u, int64_t n) const {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, (*this)(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-    if (i == n) return;
-    alignas(32) float tail_g[8] = {}, tail_u[8] = {};
-    std::copy(g + i, g + n, tail_g);
-    std::copy(u + i, u + n, tail_u);
-    _mm256_store_ps(tail_g, (*this)(_mm256_load_ps(tail_g), _mm256_load_ps(tail_u)));
-    std::copy(tail_g, tail_g + (n - i), g + i);
-  }
-};
-
-inline Activation activation(int64_t kind, double beta, double linear_beta) {
+// The MLPs' and experts' act(gate, up) (k3_math::GatedActivation), checked.
+inline k3_math::GatedActivation activation(int64_t kind, double beta, double linear_beta) {
   TORCH_CHECK(kind == 0 || kind == 1, "act must be 0 (SiLU-GLU) or 1 (SiTU)");
   return {kind, static_cast<float>(beta), static_cast<float>(linear_beta)};
 }

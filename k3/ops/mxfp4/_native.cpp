@@ -27,6 +27,7 @@
 #include "_native_bf16.h"
 #include "_native_common.h"
 #include "_native_int8.h"
+#include "_native_math.h"
 #include "_native_rows.h"
 #include "_native_rows512.h"
 
@@ -281,7 +282,8 @@ void histogram_scaled_bytes(const torch::Tensor& packed, const torch::Tensor& sc
 
 // The routed experts of one token in one call (k3/ops/mxfp4/experts.py holds the same steps in torch):
 //     out[L] = sum_j weight_j * W2_j act(W1_j z, W3_j z)
-// act 0: SiLU-GLU silu(g) u; act 1: SiTU b tanh(g/b) sigmoid(g) c tanh(u/c), b = beta, c = linear_beta.
+// act 0: SiLU-GLU silu(g) u; act 1: SiTU b tanh(g/b) sigmoid(g) c tanh(u/c), b = beta, c = linear_beta
+// (k3_math::GatedActivation, as the decode step applies it).
 // `gemv(j, matrix, x, out)` applies matrix 0 (W1, [m, L]), 1 (W3) or 2 (W2, [L, m]) of expert j; the
 // experts are split across threads, the weighted sum runs in expert order.
 template <typename Gemv>
@@ -294,16 +296,13 @@ torch::Tensor run_experts(const torch::Tensor& z, int64_t k, int64_t m, const Ge
   TORCH_CHECK(act == 0 || act == 1, "act must be 0 (SiLU-GLU) or 1 (SiTU)");
   const int64_t L = z.size(1);
   std::vector<float> per_expert(k * L);
-  const float b = static_cast<float>(beta), c = static_cast<float>(linear_beta);
+  const k3_math::GatedActivation f{act, static_cast<float>(beta), static_cast<float>(linear_beta)};
   at::parallel_for(0, k, 1, [&](int64_t j0, int64_t j1) {
     std::vector<float> gate(m), up(m);
     for (int64_t j = j0; j < j1; ++j) {
       gemv(j, 0, z.data_ptr<float>(), gate.data());
       gemv(j, 1, z.data_ptr<float>(), up.data());
-      for (int64_t i = 0; i < m; ++i) {
-        const float g = gate[i], sig = 1.0f / (1.0f + std::exp(-g));
-        gate[i] = act == 0 ? g * sig * up[i] : b * std::tanh(g / b) * sig * (c * std::tanh(up[i] / c));
-      }
+      f.apply(gate.data(), up.data(), m);
       gemv(j, 2, gate.data(), per_expert.data() + j * L);
     }
   });

@@ -16,7 +16,13 @@ HERE = Path(__file__).resolve().parent
 MXFP4_EXTENSION = NativeExtension(
     "k3.ops.mxfp4._native",
     HERE / "_native.cpp",
-    (HERE / "_native_rows.h", HERE / "_native_rows512.h", HERE / "_native_bf16.h", HERE / "_native_int8.h"),
+    (
+        HERE / "_native_rows.h",
+        HERE / "_native_rows512.h",
+        HERE / "_native_bf16.h",
+        HERE / "_native_int8.h",
+        HERE.parent / "_native_math.h",
+    ),
 )
 
 
