@@ -354,8 +354,9 @@ struct Weight {
     if (bf16 != nullptr && paired) return decode_paired::paired_rows(bf16, K, x, B, y, ldy, n0, n1);
     if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
-    static const bool vnni = mxfp4_int8::vnni_supported();
-    if (int8_x) return mxfp4_int8::rows_product(x, B, packed, scale, K, y, ldy, n0, n1, wide && vnni);
+    if (int8_x) {
+      return mxfp4_int8::rows_product(x, B, packed, scale, K, y, ldy, n0, n1, wide && mxfp4_int8::vnni_here());
+    }
     thread_local std::vector<float> storage;
     const mxfp4_rows512::LaidOut xd = mxfp4_rows512::lay_out(x, K, B, wide, storage);  // the kernels' order
     for (int64_t nb = n0; nb < n1; nb += kRowBlock) {

@@ -211,13 +211,14 @@ torch::Tensor matmul_int8_x(const torch::Tensor& x, const torch::Tensor& packed,
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x must be float32");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   torch::Tensor out = torch::empty({M, N}, x.options());
-  mxfp4_int8::RoundedRows xr;
-  mxfp4_int8::round_rows(x.data_ptr<float>(), K, M, mxfp4_int8::vnni_variant(variant), xr);
+  const bool vnni = mxfp4_int8::vnni_variant(variant);
+  mxfp4_int8::LaidOutRows xr;
+  mxfp4_int8::lay_out_rows(x.data_ptr<float>(), K, M, xr);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const uint8_t* sp = scale.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, N, gemv_grain(K), [&](int64_t n_begin, int64_t n_end) {
-    mxfp4_int8::multiply(xr, M, pp, sp, K, op, N, n_begin, n_end);
+    mxfp4_int8::multiply(xr, M, pp, sp, K, op, N, n_begin, n_end, vnni);
   });
   return out;
 }
@@ -322,7 +323,6 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
                                 int64_t act, double beta, double linear_beta, const std::string& variant,
                                 bool int8_x) {
   const bool wide = mxfp4_rows512::wide_variant(variant);
-  static const bool vnni = mxfp4_int8::vnni_supported();
   const int64_t k = static_cast<int64_t>(packed.size()) / 3;
   TORCH_CHECK(k > 0 && packed.size() == 3 * k && scale.size() == packed.size(),
               "packed and scale: (w1, w3, w2) of each expert, in expert order");
@@ -343,7 +343,7 @@ torch::Tensor experts_one_token(const torch::Tensor& z, const std::vector<torch:
     const int64_t i = 3 * j + matrix, rows = matrix == 2 ? L : m, cols = matrix == 2 ? m : L;
     const uint8_t* pp = packed[i].data_ptr<uint8_t>();
     const uint8_t* sp = scale[i].data_ptr<uint8_t>();
-    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows, wide && vnni);
+    if (int8_x) return mxfp4_int8::rows_product(x, 1, pp, sp, cols, out, 0, 0, rows, wide && mxfp4_int8::vnni_here());
     thread_local std::vector<float> storage;  // x in the kernels' order
     const float* xd = mxfp4_rows512::lay_out(x, cols, 1, wide, storage).data;
     mxfp4_rows512::kernel(wide, 1, 1)(xd, 0, pp, sp, cols, out, 0, 0, rows);

@@ -355,10 +355,15 @@ K3_VNNI void vnni_rows(const LaidOutRows& x, int64_t row0, const uint8_t* packed
           _mm256_add_ps(_mm512_castps512_ps256(acc[n - n_begin][r]), _mm512_extractf32x8_ps(acc[n - n_begin][r], 1)));
 }
 
+// vnni_supported, asked once.
+inline bool vnni_here() {
+  static const bool supported = vnni_supported();
+  return supported;
+}
+
 // Whether `variant` ("auto", "avx2", "avx512") asks for the VNNI kernel on this CPU.
 inline bool vnni_variant(const std::string& variant) {
-  static const bool supported = vnni_supported();
-  return k3_native::wide_variant(variant, supported, "F/BW/DQ/VL/VNNI");
+  return k3_native::wide_variant(variant, vnni_here(), "F/BW/DQ/VL/VNNI");
 }
 
 using RowsFn = void (*)(const LaidOutRows&, int64_t, const uint8_t*, const uint8_t*, int64_t, float*, int64_t,
@@ -370,38 +375,27 @@ constexpr RowsFn kVnniRows[mxfp4_rows::kMaxRows + 1] = {nullptr,       vnni_rows
                                                         vnni_rows<3>,  vnni_rows<4>, vnni_rows<5>,
                                                         vnni_rows<6>,  vnni_rows<7>, vnni_rows<8>};
 
-// x [B, K] rounded and laid out, and the kernel that multiplies it: the VNNI one where `vnni` allows it (the same
-// bits either way), else the AVX2 one.
-struct RoundedRows {
-  LaidOutRows rows;
-  bool vnni = false;
-};
-
-inline void round_rows(const float* x, int64_t K, int64_t B, bool vnni, RoundedRows& out) {
-  lay_out_rows(x, K, B, out.rows);
-  out.vnni = vnni;
-}
-
-// out[r * ldo + n] = sum_k W[n, k] * x[r, k] for r < B, n in [n_begin, n_end): up to kMaxRows rows of x per
-// pass over W, every kRowBlock rows of W read by all the groups of rows while they are in cache.
-inline void multiply(const RoundedRows& x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
-                     float* out, int64_t ldo, int64_t n_begin, int64_t n_end) {
-  const RowsFn* kernels = x.vnni ? kVnniRows : kAvx2Rows;
+// out[r * ldo + n] = sum_k W[n, k] * x[r, k] for r < B, n in [n_begin, n_end), x laid out by lay_out_rows:
+// up to kMaxRows rows of x per pass over W, every kRowBlock rows of W read by all the groups of rows while they
+// are in cache; by the VNNI kernel where `vnni` allows it (the same bits either way), else the AVX2 one.
+inline void multiply(const LaidOutRows& x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
+                     float* out, int64_t ldo, int64_t n_begin, int64_t n_end, bool vnni) {
+  const RowsFn* kernels = vnni ? kVnniRows : kAvx2Rows;
   for (int64_t nb = n_begin; nb < n_end; nb += kRowBlock) {
     const int64_t ne = std::min(n_end, nb + kRowBlock);
     for (int64_t r0 = 0; r0 < B; r0 += mxfp4_rows::kMaxRows) {
       const int64_t rows = std::min<int64_t>(mxfp4_rows::kMaxRows, B - r0);
-      kernels[rows](x.rows, r0, packed, scale, K, out + r0 * ldo, ldo, nb, ne);
+      kernels[rows](x, r0, packed, scale, K, out + r0 * ldo, ldo, nb, ne);
     }
   }
 }
 
-// `multiply` on x [B, K] as given, rounded here into this thread's scratch.
+// `multiply` on x [B, K] as given, rounded and laid out here into this thread's scratch.
 inline void rows_product(const float* x, int64_t B, const uint8_t* packed, const uint8_t* scale, int64_t K,
                          float* out, int64_t ldo, int64_t n_begin, int64_t n_end, bool vnni) {
-  thread_local RoundedRows rounded;
-  round_rows(x, K, B, vnni, rounded);
-  multiply(rounded, B, packed, scale, K, out, ldo, n_begin, n_end);
+  thread_local LaidOutRows laid_out;
+  lay_out_rows(x, K, B, laid_out);
+  multiply(laid_out, B, packed, scale, K, out, ldo, n_begin, n_end, vnni);
 }
 
 #undef K3_VNNI
