@@ -21,7 +21,9 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
 4. --speed (benchmarks/llamacpp_engine.py, one process per engine and thread count, so two large models never
    share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a decode batch
    of --batch sequences; the decode floor (weight bytes a token reads / the streaming read bandwidth, the
-   highest measured before each round and in each engine's process); k3 against llama.cpp with its default
+   highest measured before each round and in each engine's process); k3 prefills a prompt in its engine's
+   chunks (`Engine.chunk_size`, as `k3 serve` does; `--k3-one-call`: in one call), llama.cpp in one batch;
+   k3 against llama.cpp with its default
    settings, experts MXFP4 in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on
    them, or in bf16 with `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the
    instructions); `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply
@@ -246,6 +248,7 @@ def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_exp
     command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
     command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8_experts else [])
     command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
+    command += ["--one-call"] if engine == "k3" and args.k3_one_call else []
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
@@ -309,6 +312,9 @@ def compare(name: str, ours: list[dict], theirs: list[dict], bandwidth: float, a
             [T / t["prefill_s"][str(T)] for t in theirs],
         )
     gemm = max(o["gemm_flops"] for o in ours)
+    plans = "; ".join(f"{T}: {' + '.join(map(str, ours[0]['prefill_chunks'][str(T)]))}" for T in args.prefill)
+    how = "one call" if args.k3_one_call else "the engine's plan"
+    print(f"  {name} prefill chunks ({how}): {plans}")
     for T in args.prefill:
         best = min(ours, key=lambda o, T=T: o["prefill_s"][str(T)])
         flops = 2 * best["macs_per_prefill_token"] * T / best["prefill_s"][str(T)]
@@ -428,6 +434,11 @@ def main() -> None:
         "--k3-bf16-products",
         action="store_true",
         help="--speed: k3 decodes with bf16 products (BF16 weights paired: k3 generate --bf16-products)",
+    )
+    ap.add_argument(
+        "--k3-one-call",
+        action="store_true",
+        help="--speed: k3 prefills a prompt in one model call (default: in its engine's chunks)",
     )
     args = ap.parse_args()
     print(machine_line())

@@ -8,7 +8,9 @@ One process per engine and setting: at k3-slice's size (11 GB of weights per eng
 process would evict each other's pages from a 24 GB page cache, and the second would be timed reading disk.
 
 Both engines do the same work, as a server does it:
-* prefill of T token ids (random, from a fixed seed), the logits of the last position only;
+* prefill of T token ids (random, from a fixed seed), the logits of the last position only: k3 in the chunks
+  its engine takes (`Engine.chunk_size`: at k3-slice's 96 MLA heads a 2,048-token prompt goes in seven of
+  ~293), or in one call with `--one-call`; llama.cpp in one batch of T;
 * then decode steps of one token after those T tokens (the first two untimed);
 * a batch: `--batch` sequences, each prefilled with `--batch-context` different ids, then steps of one token
   for every sequence at once (one forward of [batch, 1]; one llama_batch of `batch` tokens).
@@ -44,10 +46,18 @@ def seconds(fn) -> float:
 # ---- k3 ---------------------------------------------------------------------------------------------------
 class K3Engine:
     def __init__(
-        self, path: Path, threads: int, weights: str, compute: str, int8_experts: bool, bf16_products: bool
+        self,
+        path: Path,
+        threads: int,
+        weights: str,
+        compute: str,
+        int8_experts: bool,
+        bf16_products: bool,
+        one_call: bool,
     ) -> None:
         import torch
 
+        from k3.engine.generate import Engine
         from k3.model import K3ForCausalLM
 
         torch.set_num_threads(threads)
@@ -56,6 +66,7 @@ class K3Engine:
         compute_dtype = torch.bfloat16 if compute == "bf16" else torch.float32
         self.model = K3ForCausalLM.from_pretrained(path, dtype=dtype, compute_dtype=compute_dtype).eval()
         self.model.tile_weights(bf16_products)  # as `k3 generate` loads it (k3.model.tiling)
+        self.chunking = None if one_call else Engine(self.model)  # its chunk plan: a prompt's prefill's
         self.model.set_int8_expert_inputs(int8_experts)  # `k3 generate --int8-expert-inputs`
 
     def weight_bytes(self) -> float:
@@ -103,10 +114,25 @@ class K3Engine:
         a @ b
         return 2 * 2048**3 / min(seconds(lambda: a @ b) for _ in range(3))
 
+    def chunks(self, tokens: int) -> list[int]:
+        """The chunk sizes one prompt of `tokens` is prefilled in."""
+        sizes: list[int] = []
+        while sum(sizes) < tokens:
+            done = sum(sizes)
+            left = tokens - done
+            sizes.append(left if self.chunking is None else self.chunking.chunk_size(done, left))
+        return sizes
+
     def prefill(self, batch: list[list[int]]):
+        """One prompt in its chunks (`chunks`); a batch of prompts (untimed set-up) in one call."""
         cache = self.model.new_cache(len(batch))
+        ids = self.torch.tensor(batch)
+        sizes = self.chunks(ids.shape[1]) if len(batch) == 1 else [ids.shape[1]]
         with self.torch.no_grad():
-            self.model(self.torch.tensor(batch), cache, logits_to_keep=1)
+            done = 0
+            for size in sizes:
+                self.model(ids[:, done : done + size], cache, logits_to_keep=1)
+                done += size
         return cache
 
     def step(self, cache, count: int) -> None:
@@ -187,6 +213,7 @@ def measure(engine, args) -> dict:
         out["weight_bytes_per_token"] = engine.weight_bytes()
         out["macs_per_prefill_token"] = engine.macs_per_prefill_token()
         out["gemm_flops"] = engine.gemm_flops()
+        out["prefill_chunks"] = {T: engine.chunks(T) for T in args.prefill}
     engine.prefill(prompts(args.vocab, 1, WARMUP_PREFILL, seed=WARMUP_PREFILL))
     for T in args.prefill:
         ids = prompts(args.vocab, 1, T, seed=T)
@@ -241,12 +268,19 @@ def main() -> None:
         "--int8-expert-inputs", action="store_true", help="k3: MXFP4 experts multiply inputs rounded to int8"
     )
     ap.add_argument("--bf16-products", action="store_true", help="k3: BF16 weights paired for bf16 products")
+    ap.add_argument("--one-call", action="store_true", help="k3: a prompt in one call, not in chunks")
     ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
     args = ap.parse_args()
     longest = max([*args.prefill, args.decode_context, args.batch_context])
     if args.engine == "k3":
         engine = K3Engine(
-            args.path, args.threads, args.weights, args.compute, args.int8_expert_inputs, args.bf16_products
+            args.path,
+            args.threads,
+            args.weights,
+            args.compute,
+            args.int8_expert_inputs,
+            args.bf16_products,
+            args.one_call,
         )
     else:
         n_ctx = args.batch * (args.batch_context + args.decode_steps + WARMUP_STEPS) + longest

@@ -63,6 +63,23 @@ def test_engine_logits_equal_full_forward(model: K3ForCausalLM) -> None:
         assert seq.output == want.argmax(-1).tolist()  # greedy
 
 
+def chunk_plan(engine: Engine, tokens: int) -> list[int]:
+    sizes: list[int] = []
+    while sum(sizes) < tokens:
+        sizes.append(engine.chunk_size(sum(sizes), tokens - sum(sizes)))
+    return sizes
+
+
+def test_prefill_chunks_are_as_few_and_as_even_as_the_bounds_allow(model: K3ForCausalLM) -> None:
+    """A chunk reads every weight once however few its tokens: planted, 250 tokens under a 100-token chunk
+    are 84 + 83 + 83 (not 100 + 100 + 50), and 610 under an MLA budget of 150 queries over 610 keys are
+    5 x 122 (not 4 x 150 + 10)."""
+    assert chunk_plan(Engine(model, prefill_chunk=100), 250) == [84, 83, 83]
+    heads = model.config.num_attention_heads
+    engine = Engine(model, attention_budget=2 * 4 * heads * 610 * 150)  # scores + probabilities, fp32
+    assert chunk_plan(engine, 610) == ([122] * 5 if model.config.mla_layers else [610])
+
+
 def test_cache_bytes_follow_the_formula(model: K3ForCausalLM) -> None:
     cfg = model.config
     engine = Engine(model, prefill_chunk=8)
