@@ -43,6 +43,11 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.kv_lora, eps)
         self.kv_b_proj = Linear(self.kv_lora, n * (self.nope + self.v_dim))
         self.kv_b_proj.tileable = False  # the absorbed paths read its rows head by head in place
+        # Bytes the plain form may expand a chunk's cached keys into (kv_b of every position, keys and values
+        # padded for sdpa: ~320 kB a position at K3's 96 heads in fp32); a chunk over a longer context takes
+        # the absorbed form, whose [heads, chunk, context] scores the engine's chunks keep within its
+        # attention budget (k3.engine.generate.Engine.chunk_size). 512 MiB: the engine's default budget.
+        self.plain_budget = 512 * 2**20
         self.output_gate = cfg.mla_use_output_gate
         if self.output_gate:
             self.g_proj = Linear(H, n * self.v_dim)
@@ -115,6 +120,13 @@ class MLAttention(nn.Module):
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
 
+    def plain_bytes(self, keys: int, x: torch.Tensor) -> int:
+        """Bytes `attend_plain` expands `keys` cached positions into: kv_b's [n, dn + dv], the keys [n, dq]
+        and the keys and values padded to one width."""
+        width = max(self.nope + self.rope, self.v_dim)
+        per_head = self.nope + self.v_dim + self.nope + self.rope + 2 * width
+        return keys * self.num_heads * per_head * x.element_size()
+
     # ---- the layer ---------------------------------------------------------------------------------------
     def forward(
         self,
@@ -126,20 +138,21 @@ class MLAttention(nn.Module):
         """x [B, T, hidden] (already normalised) -> [B, T, hidden].
 
         With a state, the chunk's latents are appended (see k3.model.cache) and attention covers the cached
-        context. `absorb`: use the weight-absorbed form; default: only for one-token steps with a state.
+        context. `absorb`: use the weight-absorbed form; default: with a state, for one-token steps and for
+        chunks whose context the plain form would expand past `plain_budget` bytes.
         """
         B, T, _ = x.shape
         q_nope, q_rope = self.queries(x)
         c, k_rope = self.latents(x)
         visible = None
-        if absorb is None:
-            absorb = state is not None and T == 1
         if state is not None:
             if counts is None:
                 counts = torch.full((B,), T, dtype=torch.long, device=x.device)
             offsets = state.append(c, k_rope, counts)  # [B]
             S = int(offsets.max()) + T
             c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
+            if absorb is None:
+                absorb = T == 1 or self.plain_bytes(B * S, x) > self.plain_budget
             if not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key
                 last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
                 visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]

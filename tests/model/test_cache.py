@@ -100,3 +100,27 @@ def test_absorbed_mla_equals_plain(model):
 
 def mla_index(model):
     return next(i for i, p in enumerate(model.config.layer_plan) if p.mixer is Mixer.MLA)
+
+
+@torch.no_grad()
+def test_a_chunk_past_the_plain_budget_takes_the_absorbed_form(model, monkeypatch):
+    """The plain form expands every cached key (kv_b's output, keys and values padded): a chunk whose context
+    would take more than `plain_budget` bytes so takes the absorbed form, whose scores the engine's chunks
+    bound; the logits stay those of one full forward."""
+    layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, MLAttention)]
+    forms: list[str] = []
+    for mla in layers:
+        for form in ("plain", "absorbed"):
+            attend = getattr(mla, f"attend_{form}")
+            monkeypatch.setattr(
+                mla, f"attend_{form}", lambda *a, attend=attend, form=form: forms.append(form) or attend(*a)
+            )
+        monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, torch.empty(0)))  # 8 keys fit, 9 do not
+    ids = ids_of(1, 24, seed=9)
+    full = model(ids)[0]  # [T, V], no cache: plain
+    assert forms == ["plain"] * len(layers)
+    forms.clear()
+    cache = model.new_cache(1)
+    chunks = torch.cat([model(ids[:, s : s + 8], cache) for s in (0, 8, 16)], dim=1)[0]
+    assert forms == ["plain"] * len(layers) + ["absorbed"] * 2 * len(layers)  # contexts of 8, 16, 24 keys
+    assert close(chunks, full, full)
