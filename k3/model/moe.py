@@ -218,14 +218,16 @@ class MoE(nn.Module):
         busiest, sorted_out = busiest_expert(starts), None
         if native and busiest <= NATIVE_DISPATCH_ROWS_SMALL:  # else no gathered copy of every pair's row
             sorted_out = self.experts_over_rows(z[order // k], starts, busiest)  # rows [N*k, L], expert order
-        if sorted_out is None:
-            sorted_out = z.new_empty(N * k, z.shape[-1])  # [N*k, L], in expert order
+        if sorted_out is None:  # each expert's rows straight to their pairs' places: [N*k, L] in pair order
+            pair_out = z.new_empty(N * k, z.shape[-1])
             for e in range(len(self.experts)):
                 a, b = starts[e], starts[e + 1]
                 if a < b:
-                    sorted_out[a:b] = self.experts[e](z[order[a:b] // k])
-        pair_out = torch.empty_like(sorted_out)
-        pair_out[order] = sorted_out  # back to pair order [N*k, L]
+                    rows = order[a:b]
+                    pair_out.index_copy_(0, rows, as_dtype(self.experts[e](z[rows // k]), z.dtype))
+        else:
+            pair_out = torch.empty_like(sorted_out)
+            pair_out[order] = sorted_out  # back to pair order [N*k, L]
         return torch.einsum("nkl,nk->nl", pair_out.view(N, k, -1), weights.to(z.dtype))
 
     def dispatch_one(self, z: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
