@@ -72,6 +72,7 @@ class Engine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.attention_budget = attention_budget
+        model.set_attention_budget(attention_budget)  # one budget for the chunks' scores and MLA's plain form
         self.record_logits = record_logits
         self.max_context = self.cfg.max_position_embeddings
         self.waiting: list[Sequence] = []

@@ -45,8 +45,9 @@ class MLAttention(nn.Module):
         self.kv_b_proj.tileable = False  # the absorbed paths read its rows head by head in place
         # Bytes the plain form may expand a chunk's cached keys into (kv_b of every position, keys and values
         # padded for sdpa: ~320 kB a position at K3's 96 heads in fp32); a chunk over a longer context takes
-        # the absorbed form, whose [heads, chunk, context] scores the engine's chunks keep within its
-        # attention budget (k3.engine.generate.Engine.chunk_size). 512 MiB: the engine's default budget.
+        # the absorbed form, whose [heads, chunk, context] scores the engine's chunks keep within the same
+        # budget (k3.engine.generate.Engine.chunk_size), which the engine sets here
+        # (K3ForCausalLM.set_attention_budget); 512 MiB, the engine's default, without one.
         self.plain_budget = 512 * 2**20
         self.output_gate = cfg.mla_use_output_gate
         if self.output_gate:
@@ -120,12 +121,12 @@ class MLAttention(nn.Module):
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
 
-    def plain_bytes(self, keys: int, x: torch.Tensor) -> int:
-        """Bytes `attend_plain` expands `keys` cached positions into: kv_b's [n, dn + dv], the keys [n, dq]
-        and the keys and values padded to one width."""
+    def plain_bytes(self, keys: int, element_size: int) -> int:
+        """Bytes `attend_plain` expands `keys` cached positions into, at `element_size` bytes a value: kv_b's
+        [n, dn + dv], the keys [n, dq] and the keys and values padded to one width."""
         width = max(self.nope + self.rope, self.v_dim)
         per_head = self.nope + self.v_dim + self.nope + self.rope + 2 * width
-        return keys * self.num_heads * per_head * x.element_size()
+        return keys * self.num_heads * per_head * element_size
 
     # ---- the layer ---------------------------------------------------------------------------------------
     def forward(
@@ -152,7 +153,7 @@ class MLAttention(nn.Module):
             S = int(offsets.max()) + T
             c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
             if absorb is None:
-                absorb = T == 1 or self.plain_bytes(B * S, x) > self.plain_budget
+                absorb = T == 1 or self.plain_bytes(B * S, x.element_size()) > self.plain_budget
             if not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key
                 last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
                 visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]

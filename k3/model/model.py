@@ -236,6 +236,14 @@ class K3ForCausalLM(nn.Module):
                         matrix.int8_inputs = enabled
         return self
 
+    def set_attention_budget(self, nbytes: int) -> K3ForCausalLM:
+        """The bytes an MLA layer's plain form may expand a chunk's cached context into; past them it attends
+        in the absorbed form (MLAttention.plain_budget). The engine sets its own `attention_budget` here."""
+        for module in self.modules():
+            if isinstance(module, MLAttention):
+                module.plain_budget = nbytes
+        return self
+
     def new_cache(self, batch_size: int = 1) -> ModelCache:
         """An empty cache for `batch_size` sequences."""
         return ModelCache.empty(self.config, batch_size, self.num_layers)

@@ -14,6 +14,7 @@ from k3.engine.sampling import SamplingParams
 from k3.engine.sequence import EngineError, Status
 from k3.engine.sequence_cache import cache_bytes_formula
 from k3.model import K3ForCausalLM
+from k3.model.mla import MLAttention
 
 
 def variant(kind: str) -> K3Config:
@@ -78,6 +79,17 @@ def test_prefill_chunks_are_as_few_and_as_even_as_the_bounds_allow(model: K3ForC
     heads = model.config.num_attention_heads
     engine = Engine(model, attention_budget=2 * 4 * heads * 610 * 150)  # scores + probabilities, fp32
     assert chunk_plan(engine, 610) == ([122] * 5 if model.config.mla_layers else [610])
+
+
+def test_the_engines_budget_bounds_mla_plain_form(model: K3ForCausalLM) -> None:
+    """One budget for the chunks' scores and MLA's plain form (MLAttention.plain_budget): what the engine is
+    given, not the layers' default."""
+    Engine(model, attention_budget=3 * 2**20)
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    assert len(layers) == len(model.config.mla_layers)
+    assert all(m.plain_budget == 3 * 2**20 for m in layers)
+    Engine(model)
+    assert all(m.plain_budget == 512 * 2**20 for m in layers)
 
 
 def test_cache_bytes_follow_the_formula(model: K3ForCausalLM) -> None:

@@ -115,7 +115,7 @@ def test_a_chunk_past_the_plain_budget_takes_the_absorbed_form(model, monkeypatc
             monkeypatch.setattr(
                 mla, f"attend_{form}", lambda *a, attend=attend, form=form: forms.append(form) or attend(*a)
             )
-        monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, torch.empty(0)))  # 8 keys fit, 9 do not
+        monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, 4))  # 8 keys fit, 9 do not
     ids = ids_of(1, 24, seed=9)
     full = model(ids)[0]  # [T, V], no cache: plain
     assert forms == ["plain"] * len(layers)
