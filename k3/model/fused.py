@@ -28,12 +28,13 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from k3.model.activations import native_activation
 from k3.model.attn_res import ResidualStream, native_read_weights
 from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
-from k3.model.moe import MoE, native_activation, native_expert_weights
+from k3.model.moe import MoE, native_expert_weights
 from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear

@@ -22,4 +22,5 @@ class MLP(nn.Module):
         self.situ = situ_parameters(cfg)  # the activation's parameters for the native kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        trainable = any(p.requires_grad for p in self.parameters())
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), trainable=trainable))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from k3.config import K3Config
-from k3.model.activations import GatedActivation, gated_activation, situ_parameters
+from k3.model.activations import GatedActivation, gated_activation, native_activation, situ_parameters
 from k3.model.mlp import MLP
 from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, as_dtype, parameter
 from k3.ops.decode.native import load_native as load_decode_native
@@ -94,7 +94,8 @@ class RoutedExpert(nn.Module):
         self.act = act
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.act(self.w1(z), self.w3(z)))
+        trainable = any(p.requires_grad for p in self.parameters())
+        return self.w2(self.act(self.w1(z), self.w3(z), trainable=trainable))
 
     def dequantize(self, dtype: torch.dtype) -> None:
         """Replace packed weights by plain trainable ones (their exact dequantized values)."""
@@ -116,11 +117,6 @@ class RoutedExpert(nn.Module):
 NATIVE_DISPATCH_ROWS = 16
 NATIVE_DISPATCH_ROWS_SMALL = 64
 SMALL_EXPERT_BYTES = 256 * 1024
-
-
-def native_activation(situ: tuple[float, float | None] | None) -> tuple[int, float, float]:
-    """The native kernels' (act, beta, linear_beta): SiLU-GLU (0) or SiTU (1) with its two parameters."""
-    return (0, 0.0, 0.0) if situ is None else (1, *situ)  # type: ignore[return-value]
 
 
 class ExpertWeights(NamedTuple):

@@ -97,6 +97,35 @@ struct GatedActivation {
     _mm256_store_ps(tail_g, (*this)(_mm256_load_ps(tail_g), _mm256_load_ps(tail_u)));
     std::copy(tail_g, tail_g + (n - i), g + i);
   }
+
+  // The same over bfloat16 g and u (bit patterns): each value widened to fp32 (exact), act computed in fp32
+  // and rounded to bfloat16 once (to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN).
+  K3_MATH void apply_bf16(uint16_t* g, const uint16_t* u, int64_t n) const {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) narrow_bf16((*this)(widen_bf16(g + i), widen_bf16(u + i)), g + i);
+    if (i == n) return;
+    alignas(32) uint16_t tail_g[8] = {}, tail_u[8] = {};
+    std::copy(g + i, g + n, tail_g);
+    std::copy(u + i, u + n, tail_u);
+    narrow_bf16((*this)(widen_bf16(tail_g), widen_bf16(tail_u)), tail_g);
+    std::copy(tail_g, tail_g + (n - i), g + i);
+  }
+
+  K3_MATH static __m256 widen_bf16(const uint16_t* p) {  // 8 bfloat16 values, as fp32
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+
+  K3_MATH static void narrow_bf16(__m256 v, uint16_t* p) {  // 8 fp32 values rounded to bfloat16 into p
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    const __m256 quiet_nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC0));  // torch's bfloat16 NaN
+    top = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(top), quiet_nan, nan));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+  }
 };
 
 #undef K3_MATH

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+from functools import partial
+
+import pytest
 import torch
 
 import k3.model.norm as norm
-from k3.model.activations import situ
+from k3.config import K3Config
+from k3.model.activations import gated_activation, silu_glu, situ
+from k3.model.mlp import MLP
+from k3.ops.decode.native import load_native
 
 
 def test_big_weight_in_another_dtype_is_converted_in_slices(monkeypatch):
@@ -28,3 +35,56 @@ def test_situ_is_bounded_by_its_betas():
     ]
     assert torch.allclose(out, torch.stack(expected))
     assert out.abs().max() <= 4 * 25
+
+
+@pytest.mark.parametrize("hidden_act", ["situ", "silu"])
+def test_the_modules_activation_is_native_only_for_frozen_weights_and_inputs(hidden_act):
+    """`gated_activation(cfg)`: for frozen weights and inputs that need no gradient, the native kernel's
+    values (fp32 and bf16, the same bits as calling it, not torch's); for trainable weights (with or without
+    autograd), for inputs that need a gradient, for other dtypes and for SiTU without its cap, torch's
+    definition, bit for bit, and its gradient."""
+    native = load_native()
+    assert native is not None, "native decode kernels not built: python -m k3.ops.build"
+    cfg = dataclasses.replace(K3Config.preset("tiny"), hidden_act=hidden_act)
+    act = gated_activation(cfg)
+    reference = partial(situ, beta=4.0, linear_beta=25.0) if hidden_act == "situ" else silu_glu
+    args = (1, 4.0, 25.0) if hidden_act == "situ" else (0,)
+    gen = torch.Generator().manual_seed(0)
+    g, u = torch.randn(37, 300, generator=gen) * 4, torch.randn(37, 300, generator=gen) * 30
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = g.to(dtype), u.to(dtype)
+        with torch.no_grad():
+            frozen, trainable = act(a, b, trainable=False), act(a, b, trainable=True)
+        assert torch.equal(frozen, native.gated_activation(a, b, *args))
+        assert not torch.equal(frozen, reference(a, b))  # torch's ops round otherwise: the native path ran
+        assert torch.allclose(frozen.double(), reference(a.double(), b.double()), rtol=2**-8, atol=1e-6)
+        assert torch.equal(trainable, reference(a, b))
+        assert torch.equal(act(a, b), reference(a, b))  # trainable unless said
+    a = g.clone().requires_grad_()
+    out = act(a, u, trainable=False)
+    assert torch.equal(out, reference(g, u))
+    out.sum().backward()
+    a_ref = g.clone().requires_grad_()
+    reference(a_ref, u).sum().backward()
+    assert torch.equal(a.grad, a_ref.grad)
+    assert torch.equal(act(g.double(), u.double(), trainable=False), reference(g.double(), u.double()))
+    if hidden_act == "situ":
+        uncapped = gated_activation(dataclasses.replace(cfg, activation_situ_linear_beta=None))
+        assert torch.equal(uncapped(g, u, trainable=False), situ(g, u, beta=4.0, linear_beta=None))
+
+
+def test_a_frozen_mlp_takes_the_native_activation_and_a_trainable_one_torchs():
+    """The MLP tells its activation whether its weights train: frozen, the native values; trainable, scored
+    without gradients, the values of its differentiable forward, bit for bit."""
+    torch.manual_seed(0)
+    mlp = MLP(dataclasses.replace(K3Config.preset("tiny"), hidden_act="situ"), 64, 256)
+    x = torch.randn(5, 64) * 3
+    with torch.no_grad():
+        scored = mlp(x)
+    assert torch.equal(scored, mlp(x).detach())
+    mlp.requires_grad_(False)
+    with torch.no_grad():
+        frozen = mlp(x)
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        want = mlp.down_proj(load_native().gated_activation(g, u, 1, 4.0, 25.0))
+    assert torch.equal(frozen, want) and not torch.equal(frozen, scored)

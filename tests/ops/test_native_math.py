@@ -79,6 +79,49 @@ def test_a_value_gives_the_same_bits_anywhere(native):
     assert torch.equal(native.gated_activation(g[shuffled], u[shuffled], 1, *SITU), whole[shuffled])
 
 
-def test_shape_refusal(native):
+@pytest.mark.parametrize("kind", [0, 1])
+def test_bf16_is_the_fp32_result_rounded_once(native, kind):
+    """bfloat16 g and u: each widened exactly, the fp32 activation of the same values, rounded to bfloat16 as
+    torch rounds (to nearest even; NaN a NaN): bit for bit, ties and non-finite values planted."""
+    args = (kind, *SITU) if kind else (kind,)
+    g, u = spread(4003, 6).bfloat16(), spread(4003, 7).flip(0).bfloat16()
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40]).bfloat16()
+    g, u = torch.cat([special, g, special.flip(0)]), torch.cat([special.flip(0), u, special])
+    out = native.gated_activation(g, u, *args)
+    want = native.gated_activation(g.float(), u.float(), *args).bfloat16()
+    assert out.dtype == torch.bfloat16 and out.shape == g.shape
+    assert torch.equal(torch.isnan(out), torch.isnan(want)) and torch.isnan(out).any()
+    assert torch.equal(out.view(torch.int16)[~torch.isnan(out)], want.view(torch.int16)[~torch.isnan(want)])
+    # one rounding: within half a bfloat16 step (2^-8 relative) of float64
+    reference = (situ(g.double(), u.double(), *SITU) if kind else silu_glu(g.double(), u.double())).float()
+    finite = torch.isfinite(reference) & (reference.abs() > 1e-30)
+    error = ((out.double() - reference.double()).abs() / reference.double().abs())[finite]
+    assert error.max() <= 2**-8 + 1e-6, error.max()
+
+
+def test_many_rows_split_across_threads_give_the_same_bits(native):
+    """A prefill's activation: 300 x 1000 values (whole vectors and a tail per thread's share) at 1 and 2
+    threads, and each row alone, bit for bit, fp32 and bf16."""
+    g, u = spread(299_988, 8).view(300, 1000), spread(299_988, 9).view(300, 1000)  # 12 planted each
+    threads = torch.get_num_threads()
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            a, b = g.to(dtype), u.to(dtype)
+            torch.set_num_threads(1)
+            one = native.gated_activation(a, b, 1, *SITU)
+            torch.set_num_threads(2)
+            two = native.gated_activation(a, b, 1, *SITU)
+            assert torch.equal(one, two)
+            for row in (0, 137, 299):
+                assert torch.equal(native.gated_activation(a[row], b[row], 1, *SITU), two[row])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refusals(native):
     with pytest.raises(RuntimeError, match="one shape"):
         native.gated_activation(torch.zeros(4), torch.zeros(5), 0)
+    with pytest.raises(RuntimeError, match="both fp32 or both bfloat16"):
+        native.gated_activation(torch.zeros(4), torch.zeros(4).bfloat16(), 0)
+    with pytest.raises(RuntimeError, match="both fp32 or both bfloat16"):
+        native.gated_activation(torch.zeros(4).half(), torch.zeros(4).half(), 0)

@@ -14,7 +14,8 @@
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each, x exact or
 //                             rounded to int8 (tests, benchmarks)
-//   gated_activation          the MLPs' and experts' act(gate, up), as they apply it (tests)
+//   gated_activation          the MLPs' and experts' act(gate, up), as they apply it, fp32 or bf16, over
+//                             any number of rows (a prefill's activations: k3.model.activations; tests)
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
@@ -324,14 +325,28 @@ Tensor weighted_rows_product(const Tensor& a, const Tensor& c, const std::string
   return o;
 }
 
-// act(g, u) elementwise over fp32 g and u of one shape, as mlp and the experts apply it (GatedActivation::apply):
-// for tests of its accuracy and bits.
+// act(g, u) elementwise over g and u of one shape, fp32 or bfloat16 (computed in fp32; a bfloat16 result rounded
+// once), as mlp and the experts apply it (GatedActivation::apply), split across threads in whole vectors of 8:
+// a many-token forward's activations (k3.model.activations.fused_gated), and the tests of its accuracy and bits.
 Tensor gated_activation(const Tensor& g, const Tensor& u, int64_t act, double beta, double linear_beta) {
-  TORCH_CHECK(g.scalar_type() == torch::kFloat32 && u.scalar_type() == torch::kFloat32 && g.sizes() == u.sizes(),
-              "g and u must be fp32 tensors of one shape");
+  const auto dtype = g.scalar_type();
+  TORCH_CHECK((dtype == torch::kFloat32 || dtype == torch::kBFloat16) && u.scalar_type() == dtype &&
+                  g.sizes() == u.sizes() && g.device().is_cpu() && u.device().is_cpu(),
+              "g and u must be CPU tensors of one shape, both fp32 or both bfloat16; got ", g.sizes(), " ",
+              g.scalar_type(), " and ", u.sizes(), " ", u.scalar_type());
+  const k3_math::GatedActivation f = activation(act, beta, linear_beta);
   Tensor out = g.contiguous().clone();
   const Tensor up = u.contiguous();
-  activation(act, beta, linear_beta).apply(out.data_ptr<float>(), up.data_ptr<float>(), out.numel());
+  constexpr int64_t kVector = 8, kGrain = 1 << 14;  // a thread's share in whole vectors; no split below 16k
+  const int64_t n = out.numel();
+  at::parallel_for(0, (n + kVector - 1) / kVector, kGrain / kVector, [&](int64_t v0, int64_t v1) {
+    const int64_t i0 = v0 * kVector, count = std::min(n, v1 * kVector) - i0;
+    if (dtype == torch::kFloat32)
+      f.apply(out.data_ptr<float>() + i0, up.data_ptr<float>() + i0, count);
+    else
+      f.apply_bf16(reinterpret_cast<uint16_t*>(out.data_ptr()) + i0,
+                   reinterpret_cast<const uint16_t*>(up.data_ptr()) + i0, count);
+  });
   return out;
 }
 
