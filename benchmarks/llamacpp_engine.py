@@ -68,6 +68,7 @@ class K3Engine:
         self.model.tile_weights(bf16_products)  # as `k3 generate` loads it (k3.model.tiling)
         self.chunking = None if one_call else Engine(self.model)  # its chunk plan: a prompt's prefill's
         self.model.set_int8_expert_inputs(int8_experts)  # `k3 generate --int8-expert-inputs`
+        self.model.set_native_activations(True)  # as `k3 generate` loads it
 
     def weight_bytes(self) -> float:
         """Bytes of weights one decode token reads: all but the embedding table (one row of it is read), the

@@ -123,6 +123,7 @@ def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False, 
         model = model_class.from_pretrained(pinned, layers=layers)
         model.tile_weights(bf16_products)  # for the decode kernels (k3.model.tiling; exact by default)
         model.set_int8_expert_inputs(int8_expert_inputs)
+        model.set_native_activations(True)  # inference: the activations in one native pass
         tokenizer = Tokenizer.from_source(model.source)
     except (K3Error, OSError) as e:
         fail(f"{e}")

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from k3.config import K3Config
 from k3.ops.decode.native import load_native
 
-GatedActivation = Callable[..., torch.Tensor]  # act(gate, up, trainable=True): fused_gated
+GatedActivation = Callable[..., torch.Tensor]  # act(gate, up, native=False): fused_gated
 NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # what the native activation takes (fused_gated)
 
 
@@ -49,29 +49,30 @@ def fused_gated(
     *,
     reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     native_args: tuple[int, float, float] | None,
-    trainable: bool = True,
+    native: bool = False,
 ) -> torch.Tensor:
-    """`reference(gate, up)`, in one native pass for a model in inference: fp32 or bf16 CPU tensors of one
-    shape, computed in fp32 with vectorised tanh, sigmoid and exp (within 1e-6 relative of float64,
+    """`reference(gate, up)`, or with `native` (a model in inference that asked for it:
+    `K3ForCausalLM.set_native_activations`) one native pass: fp32 or bf16 CPU tensors of one shape, computed
+    in fp32 with vectorised tanh, sigmoid and exp (within 1e-6 relative of float64,
     tests/ops/test_native_math.py), a bf16 result rounded once. Torch's ops read and write the tensor once per
     op (nine for SiTU) and round bf16 after each: a prefill chunk of k3-slice's first-layer MLP ([293,
-    33792]) took 64 ms in bf16 and 130 ms in fp32 that way, 19 and 14 natively (2 threads, EPYC Zen 4).
-    `trainable`: the caller's weights take gradients; it then gets `reference` with or without autograd, so
-    that a model in training scores its own samples with the numbers it trains on. So do inputs that need a
-    gradient, other dtypes and devices, `native_args` None (an uncapped SiTU, which the kernels do not
-    implement) and a missing build."""
+    33792]) took 64 ms in bf16 and 130 ms in fp32 that way, 19 and 14 natively (2 threads, EPYC Zen 4). The
+    values differ from torch's in the last bits, so it is never the default: a model in training, or a frozen
+    copy of it (a teacher equal to its student), must give torch's numbers. Inputs that need a gradient,
+    other dtypes and devices, `native_args` None (an uncapped SiTU, which the kernels do not implement) and a
+    missing build take `reference` too."""
     wants_grad = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
     same = up.dtype == gate.dtype and up.shape == gate.shape
-    native = None
-    if not (trainable or wants_grad) and native_args is not None and same and gate.device.type == "cpu":
-        native = load_native() if gate.dtype in NATIVE_DTYPES else None
-    if native is None:
+    module = None
+    if native and not wants_grad and native_args is not None and same and gate.device.type == "cpu":
+        module = load_native() if gate.dtype in NATIVE_DTYPES else None
+    if module is None:
         return reference(gate, up)
-    return native.gated_activation(gate, up, *native_args)
+    return module.gated_activation(gate, up, *native_args)
 
 
 def gated_activation(cfg: K3Config) -> GatedActivation:
-    """The config's `hidden_act` as `act(gate, up, trainable=...)`: `fused_gated` over its definition."""
+    """The config's `hidden_act` as `act(gate, up, native=...)`: `fused_gated` over its definition."""
     parameters = situ_parameters(cfg)
     if parameters is None:
         return partial(fused_gated, reference=silu_glu, native_args=native_activation(None))

@@ -20,7 +20,7 @@ class MLP(nn.Module):
         self.down_proj = linear(intermediate_size, hidden_size)
         self.act = gated_activation(cfg)
         self.situ = situ_parameters(cfg)  # the activation's parameters for the native kernels
+        self.native_activation = False  # K3ForCausalLM.set_native_activations
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        trainable = any(p.requires_grad for p in self.parameters())
-        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), trainable=trainable))
+        return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x), native=self.native_activation))

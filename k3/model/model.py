@@ -236,6 +236,16 @@ class K3ForCausalLM(nn.Module):
                         matrix.int8_inputs = enabled
         return self
 
+    def set_native_activations(self, enabled: bool) -> K3ForCausalLM:
+        """MLPs and experts apply their activation in one native pass over all their rows (inference:
+        k3.model.activations.fused_gated; within 1e-6 of float64 in fp32, a bf16 result rounded once) or with
+        torch's ops (the default, the numbers a model in training, or a frozen copy of it, must give).
+        `k3 generate / chat / serve` ask for it."""
+        for module in self.modules():
+            if isinstance(module, MLP | RoutedExpert):
+                module.native_activation = enabled
+        return self
+
     def set_attention_budget(self, nbytes: int) -> K3ForCausalLM:
         """The bytes an MLA layer's plain form may expand a chunk's cached context into; past them it attends
         in the absorbed form (MLAttention.plain_budget). The engine sets its own `attention_budget` here."""

@@ -92,10 +92,10 @@ class RoutedExpert(nn.Module):
             self.w1, self.w3 = Linear(latent, intermediate), Linear(latent, intermediate)
             self.w2 = Linear(intermediate, latent)
         self.act = act
+        self.native_activation = False  # K3ForCausalLM.set_native_activations
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        trainable = any(p.requires_grad for p in self.parameters())
-        return self.w2(self.act(self.w1(z), self.w3(z), trainable=trainable))
+        return self.w2(self.act(self.w1(z), self.w3(z), native=self.native_activation))
 
     def dequantize(self, dtype: torch.dtype) -> None:
         """Replace packed weights by plain trainable ones (their exact dequantized values)."""

@@ -10,8 +10,10 @@ import torch
 
 import k3.model.norm as norm
 from k3.config import K3Config
+from k3.model import K3ForCausalLM
 from k3.model.activations import gated_activation, silu_glu, situ
 from k3.model.mlp import MLP
+from k3.model.moe import RoutedExpert
 from k3.ops.decode.native import load_native
 
 
@@ -38,11 +40,11 @@ def test_situ_is_bounded_by_its_betas():
 
 
 @pytest.mark.parametrize("hidden_act", ["situ", "silu"])
-def test_the_modules_activation_is_native_only_for_frozen_weights_and_inputs(hidden_act):
-    """`gated_activation(cfg)`: for frozen weights and inputs that need no gradient, the native kernel's
-    values (fp32 and bf16, the same bits as calling it, not torch's); for trainable weights (with or without
-    autograd), for inputs that need a gradient, for other dtypes and for SiTU without its cap, torch's
-    definition, bit for bit, and its gradient."""
+def test_the_modules_activation_is_native_only_when_asked_and_without_gradients(hidden_act):
+    """`gated_activation(cfg)`: asked for (`native=True`) on inputs that need no gradient, the native kernel's
+    values (fp32 and bf16, the same bits as calling it, not torch's); by default, for inputs that need a
+    gradient, for other dtypes and for SiTU without its cap, torch's definition, bit for bit, and its
+    gradient."""
     native = load_native()
     assert native is not None, "native decode kernels not built: python -m k3.ops.build"
     cfg = dataclasses.replace(K3Config.preset("tiny"), hidden_act=hidden_act)
@@ -54,37 +56,41 @@ def test_the_modules_activation_is_native_only_for_frozen_weights_and_inputs(hid
     for dtype in (torch.float32, torch.bfloat16):
         a, b = g.to(dtype), u.to(dtype)
         with torch.no_grad():
-            frozen, trainable = act(a, b, trainable=False), act(a, b, trainable=True)
-        assert torch.equal(frozen, native.gated_activation(a, b, *args))
-        assert not torch.equal(frozen, reference(a, b))  # torch's ops round otherwise: the native path ran
-        assert torch.allclose(frozen.double(), reference(a.double(), b.double()), rtol=2**-8, atol=1e-6)
-        assert torch.equal(trainable, reference(a, b))
-        assert torch.equal(act(a, b), reference(a, b))  # trainable unless said
+            asked, default = act(a, b, native=True), act(a, b)
+        assert torch.equal(asked, native.gated_activation(a, b, *args))
+        assert not torch.equal(asked, reference(a, b))  # torch's ops round otherwise: the native path ran
+        assert torch.allclose(asked.double(), reference(a.double(), b.double()), rtol=2**-8, atol=1e-6)
+        assert torch.equal(default, reference(a, b))
     a = g.clone().requires_grad_()
-    out = act(a, u, trainable=False)
+    out = act(a, u, native=True)
     assert torch.equal(out, reference(g, u))
     out.sum().backward()
     a_ref = g.clone().requires_grad_()
     reference(a_ref, u).sum().backward()
     assert torch.equal(a.grad, a_ref.grad)
-    assert torch.equal(act(g.double(), u.double(), trainable=False), reference(g.double(), u.double()))
+    assert torch.equal(act(g.double(), u.double(), native=True), reference(g.double(), u.double()))
     if hidden_act == "situ":
         uncapped = gated_activation(dataclasses.replace(cfg, activation_situ_linear_beta=None))
-        assert torch.equal(uncapped(g, u, trainable=False), situ(g, u, beta=4.0, linear_beta=None))
+        assert torch.equal(uncapped(g, u, native=True), situ(g, u, beta=4.0, linear_beta=None))
 
 
-def test_a_frozen_mlp_takes_the_native_activation_and_a_trainable_one_torchs():
-    """The MLP tells its activation whether its weights train: frozen, the native values; trainable, scored
-    without gradients, the values of its differentiable forward, bit for bit."""
+def test_a_model_asks_for_native_activations_in_every_mlp_and_expert():
+    """`set_native_activations`: off by default (a frozen copy of a model gives its numbers), on in every
+    MLP and routed expert when asked, and a dense MLP then gives the native activation's values."""
     torch.manual_seed(0)
-    mlp = MLP(dataclasses.replace(K3Config.preset("tiny"), hidden_act="situ"), 64, 256)
-    x = torch.randn(5, 64) * 3
+    model = K3ForCausalLM(dataclasses.replace(K3Config.preset("tiny"), hidden_act="situ")).eval()
+    modules = [m for m in model.modules() if isinstance(m, MLP | RoutedExpert)]
+    assert any(isinstance(m, RoutedExpert) for m in modules) and any(isinstance(m, MLP) for m in modules)
+    assert not any(m.native_activation for m in modules)
+    mlp = next(m for m in modules if isinstance(m, MLP))
+    x = torch.randn(5, mlp.gate_proj.in_features) * 3
     with torch.no_grad():
-        scored = mlp(x)
-    assert torch.equal(scored, mlp(x).detach())
-    mlp.requires_grad_(False)
-    with torch.no_grad():
-        frozen = mlp(x)
+        default = mlp(x)
+        model.set_native_activations(True)
+        assert all(m.native_activation for m in modules)
+        asked = mlp(x)
         g, u = mlp.gate_proj(x), mlp.up_proj(x)
         want = mlp.down_proj(load_native().gated_activation(g, u, 1, 4.0, 25.0))
-    assert torch.equal(frozen, want) and not torch.equal(frozen, scored)
+        model.set_native_activations(False)
+        assert torch.equal(mlp(x), default)
+    assert torch.equal(asked, want) and not torch.equal(asked, default)
