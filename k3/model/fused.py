@@ -14,19 +14,26 @@ A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
 
 `decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first unless
-`set_fast_decode(True, one_call=False)`): the same functions build each piece's arguments, the loop over the
-layers (AttnRes reads, residual adds, the kernels in the same order) runs in k3/ops/decode/_native_step.h
-and returns to Python only to pick each MoE layer's experts, so the bits are those of the layers one by one
-(tests/model/test_decoder_layers.py).
+`set_fast_decode(True, one_call=False)`): the same functions build each piece's arguments, once (a
+DecodePlan keeps the weights and constants while nothing replaces them; each step adds the cache's states),
+the loop over the layers (AttnRes reads, residual adds, the kernels in the same order) runs in
+k3/ops/decode/_native_step.h and returns to Python only to pick each MoE layer's experts, so the bits are
+those of the layers one by one (tests/model/test_decoder_layers.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from types import ModuleType
 
 import torch
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from k3.model.activations import native_activation
 from k3.model.attn_res import ResidualStream, native_read_weights
@@ -94,8 +101,12 @@ def kda_update(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState
 def kda_arguments(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDAState) -> tuple | None:
     """kda_mixer's arguments after x [B, 1, hidden] (the recurrent state is updated in place; the new
     convolution tails come back with the update), or None: take the general path."""
-    if state.recurrent is None or state.conv_q is None or state.conv_k is None or state.conv_v is None:
-        return None  # nothing prefilled: the general path starts the state
+    weights, states = kda_weights(norm, kda, x), kda_states(state)
+    return None if weights is None or states is None else with_states(weights, states)
+
+
+def kda_weights(norm: RMSNorm, kda: KDAttention, x: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """kda_mixer's arguments before and after the state's (with_states), or None: take the general path."""
     # Each weight is looked up once (a step runs this for every KDA layer: lookups cost as much as math here).
     w_q, w_k, w_v, w_fa, w_fb, w_b, o_norm, w_o = _weights(
         kda, "q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "o_norm", "o_proj"
@@ -108,7 +119,7 @@ def kda_arguments(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDASt
     weights = [norm_w, w_q, w_k, w_v, *convs, w_fa, w_fb, a_log, dt_bias, w_b, w_gate, w_gate_b, o_norm, w_o]
     if _native(x, weights) is None:
         return None
-    return (
+    before = (
         _f32(norm_w),
         norm.eps,
         w_q,
@@ -126,13 +137,26 @@ def kda_arguments(norm: RMSNorm, kda: KDAttention, x: torch.Tensor, state: KDASt
         _f32(o_norm),
         child(kda, "o_norm").eps,
         w_o,
+    )
+    return before, (kda.l2norm_eps, kda.head_dim**-0.5)
+
+
+def kda_states(state: KDAState) -> tuple | None:
+    """kda_mixer's state arguments, or None when nothing was prefilled (the general path starts the state)."""
+    if state.recurrent is None or state.conv_q is None or state.conv_k is None or state.conv_v is None:
+        return None
+    return (
         state.conv_q.contiguous(),  # [B, width, P]: the convolutions' last inputs
         state.conv_k.contiguous(),
         state.conv_v.contiguous(),
         state.recurrent.contiguous(),  # [B, heads, K, V], updated in place (and returned)
-        kda.l2norm_eps,
-        kda.head_dim**-0.5,
     )
+
+
+def with_states(weights: tuple[tuple, tuple], states: tuple) -> tuple:
+    """A mixer kernel's arguments: its weights' (before, after) parts around the cache's state."""
+    before, after = weights
+    return (*before, *states, *after)
 
 
 def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> torch.Tensor | None:
@@ -147,8 +171,13 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
 def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> tuple | None:
     """mla_mixer's arguments after x [B, 1, hidden], the cache given room for one more token (the caller
     advances `state.lengths` after the call), or None: take the general path."""
-    if state.latent is None or state.k_rope is None or state.latent.dtype != torch.float32:
-        return None  # nothing prefilled (the general path allocates the cache) or another cache dtype
+    weights = mla_weights(norm, mla, x)
+    states = None if weights is None else mla_states(state)
+    return None if states is None else with_states(weights, states)  # type: ignore[arg-type]
+
+
+def mla_weights(norm: RMSNorm, mla: MLAttention, x: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """mla_mixer's arguments before and after the cache's (with_states), or None: take the general path."""
     w_q, q_norm, w_q_b = (
         _weights(mla, "q_a_proj", "q_a_layernorm", "q_b_proj")
         if mla.q_lora
@@ -161,8 +190,7 @@ def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLASt
     norm_w = parameter(norm, "weight")
     if _native(x, [norm_w, w_q, q_norm, w_q_b, w_kv_a, kv_norm, w_kv_b, w_g, w_o]) is None:
         return None
-    state.reserve(1)
-    return (
+    before = (
         _f32(norm_w),
         norm.eps,
         w_q,
@@ -174,15 +202,17 @@ def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLASt
         w_kv_b,
         w_g,
         w_o,
-        state.latent,
-        state.k_rope,
-        state.lengths,
-        mla.num_heads,
-        mla.nope,
-        mla.rope,
-        mla.v_dim,
-        mla.scale,
     )
+    return before, (mla.num_heads, mla.nope, mla.rope, mla.v_dim, mla.scale)
+
+
+def mla_states(state: MLAState) -> tuple | None:
+    """mla_mixer's cache arguments, given room for one more token, or None: nothing prefilled (the general
+    path allocates the cache) or a cache in another dtype."""
+    if state.latent is None or state.k_rope is None or state.latent.dtype != torch.float32:
+        return None
+    state.reserve(1)
+    return state.latent, state.k_rope, state.lengths
 
 
 def ffn_update(norm: RMSNorm, ffn: MLP | MoE, y: torch.Tensor) -> torch.Tensor | None:
@@ -228,13 +258,21 @@ def mlp_arguments(norm: RMSNorm, mlp: MLP, y: torch.Tensor) -> tuple | None:
 def moe_route_arguments(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> tuple[tuple, tuple] | None:
     """(moe_route's arguments after y [B, 1, hidden], the MoE's part of moe_experts' arguments), or None:
     take the general path."""
+    return None if routed_elsewhere(moe) else moe_route_weights(norm, moe, y)
+
+
+def routed_elsewhere(moe: MoE) -> bool:
+    """Whether the MoE must run its general forward: its router has hooks (recorded or replayed routing) or
+    it has a dispatch of its own (k3.dist's expert parallelism)."""
+    router = child(moe, "gate")
+    return bool(router._forward_hooks or router._forward_pre_hooks) or "dispatch" in moe.__dict__
+
+
+def moe_route_weights(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> tuple[tuple, tuple] | None:
+    """moe_route_arguments whatever `routed_elsewhere` says."""
     if not _capped(moe):
         return None
     router = child(moe, "gate")
-    if router._forward_hooks or router._forward_pre_hooks:  # recorded or replayed routing: its own forward
-        return None
-    if "dispatch" in moe.__dict__:  # a dispatch of its own (k3.dist's expert parallelism): the general path
-        return None
     dense_parts = _dense_parts(moe)
     if dense_parts is None:  # MXFP4 latent projections or shared experts: the kernel takes plain ones
         return None
@@ -308,27 +346,121 @@ def _dense_parts(
     return down, up, shared
 
 
+class DecodePlan:
+    """What `decoder_layers` gives the kernels of each layer that stays the same from step to step (weights,
+    constants, which kernels run), looked up once and reused: looking them up took ~30 us of Python a layer
+    (some 25 dict reads and checks), 60 us between kernels that stream megabytes, as much as a small layer's
+    kernels. Each step still reads what may change between steps: the cache's states, the router hooks and
+    dispatch `routed_elsewhere` looks at, and the chosen experts.
+
+    A plan is cleared, to be built again at the next step, when any module registers a parameter, buffer or
+    submodule (torch's global registration hooks: a replaced weight or layer, `tile_weights`,
+    `load_state_dict(assign=True)`), when its model is converted (`K3Model._apply`: `.to`, `.float`) or
+    `set_fast_decode` is called, and when a weight it converted to fp32 for the kernels (a BF16 norm's, say)
+    changed in place or took other data. Weights in fp32 are the kernels' own inputs: changed in place, they
+    are read as they are. (Giving an fp32 weight another dtype through `.data`, which no hook sees, needs
+    `set_fast_decode` again.)"""
+
+    def __init__(self) -> None:
+        self.layers: list[tuple] | None = None  # _layer_plan's, one a layer; None: not built
+        self.runs_natively = False  # whether every layer's mixer and reads can run in the kernels
+        self.experts_tails: dict[int, tuple] = {}  # MoE layer index -> its part of moe_experts' arguments
+        self.by_index: dict[int, nn.Module] = {}
+        self.converted: list[tuple[torch.Tensor, int, int]] = []  # (copied to fp32, _version, data_ptr)
+        self.builds = 0
+        _PLANS.add(self)
+
+    def __reduce__(self) -> tuple:
+        return DecodePlan, ()  # a copied or unpickled model starts with an empty plan of its own
+
+    def clear(self) -> None:
+        self.layers, self.experts_tails, self.by_index, self.converted = None, {}, {}, []
+
+    def specs(
+        self, layers: Sequence[nn.Module], states: Sequence[LayerState], x: torch.Tensor
+    ) -> list[tuple] | None:
+        """The layers as `decoder_layers` takes them this step; None when a mixer cannot run natively."""
+        if self.layers is None or any(t._version != v or t.data_ptr() != at for t, v, at in self.converted):
+            self._build(layers, x)
+        if not self.runs_natively:
+            return None
+        specs = []
+        for (index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe), state in zip(
+            self.layers,
+            states,
+            strict=True,  # type: ignore[arg-type]
+        ):
+            if isinstance(state, KDAState):
+                found = kda_states(state) if mixer_kind == "kda" else None
+            else:
+                found = mla_states(state) if mixer_kind == "mla" and isinstance(state, MLAState) else None
+            if found is None:
+                return None
+            if moe is not None and routed_elsewhere(moe):
+                ffn_kind, ffn_args = "python", None
+            specs.append((index, *reads, mixer_kind, with_states(weights, found), ffn_kind, ffn_args))
+        return specs
+
+    def _build(self, layers: Sequence[nn.Module], x: torch.Tensor) -> None:
+        self.clear()
+        self.builds += 1
+        built = [_layer_plan(layer, x, self.experts_tails) for layer in layers]
+        self.runs_natively = None not in built
+        self.layers = built  # type: ignore[assignment]
+        self.by_index = {layer.index: layer for layer in layers}
+        self.converted = [  # what _f32 or an AttnRes read may copy to fp32 (not experts: picked per step)
+            (t, t._version, t.data_ptr())
+            for layer in layers
+            for t in _tensors_but_experts(layer)
+            if t.is_floating_point() and t.dtype != torch.float32
+        ]
+
+
+def _tensors_but_experts(module: nn.Module) -> Iterator[torch.Tensor]:
+    """The parameters and buffers of `module` and its submodules but the routed experts (64-896 a layer)."""
+    for name, sub in module._modules.items():
+        if name != "experts" and sub is not None:
+            yield from _tensors_but_experts(sub)
+    yield from (t for t in [*module._parameters.values(), *module._buffers.values()] if t is not None)
+
+
+# Every live plan, cleared by torch's global registration hooks (see DecodePlan).
+_PLANS: weakref.WeakSet[DecodePlan] = weakref.WeakSet()
+
+
+def _clear_plans(*_registration: object) -> None:
+    for plan in list(_PLANS):
+        plan.clear()
+
+
+register_module_parameter_registration_hook(_clear_plans)
+register_module_buffer_registration_hook(_clear_plans)
+register_module_module_registration_hook(_clear_plans)
+
+
 def decoder_layers(
-    layers: Sequence[nn.Module], stream: ResidualStream, states: Sequence[LayerState], block_size: int | None
+    plan: DecodePlan,
+    layers: Sequence[nn.Module],
+    stream: ResidualStream,
+    states: Sequence[LayerState],
+    block_size: int | None,
 ) -> bool:
     """Run a decode step's K3DecoderLayers (`layers`, with their cache `states`) on `stream` in one native
     call (`decoder_layers`, _native_step.h): the same kernels in the same order as the layers one by one,
-    the same bits, without a return to Python per piece. An FFN the kernels do not take (hooks, another
-    dispatch, mixed experts) runs its general forward, called back from the loop. False, with nothing done,
-    when some mixer cannot run natively (the caller then runs the layers one by one)."""
+    the same bits, without a return to Python per piece. `plan` holds what stays the same between steps.
+    An FFN the kernels do not take (hooks, another dispatch, mixed experts) runs its general forward, called
+    back from the loop. False, with nothing done, when some mixer cannot run natively (the caller then runs
+    the layers one by one)."""
     x = stream.partial
     if x is None or stream.blocks or torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu:
         return False
     native = load_native()
     if native is None:
         return False
-    specs, by_index, experts_tails = [], {}, {}
-    for layer, state in zip(layers, states, strict=True):
-        spec = _layer_spec(layer, state, x, experts_tails)
-        if spec is None:
-            return False
-        specs.append(spec)
-        by_index[layer.index] = layer
+    specs = plan.specs(layers, states, x)
+    if specs is None:
+        return False
+    by_index, experts_tails = plan.by_index, plan.experts_tails
 
     def ffn(index: int, y: torch.Tensor, route: tuple | None) -> tuple | torch.Tensor:
         """The chosen experts' arguments of an MoE layer (`route`: moe_route's outputs), or the FFN's update
@@ -340,8 +472,8 @@ def decoder_layers(
                 return args
         return layer.ffn(layer.post_attention_layernorm(y))
 
-    blocks, partial, kda_states = native.decoder_layers(x.contiguous(), block_size or 0, specs, ffn)
-    updated = iter(kda_states)
+    blocks, partial, kda_states_after = native.decoder_layers(x.contiguous(), block_size or 0, specs, ffn)
+    updated = iter(kda_states_after)
     for state in states:
         if isinstance(state, KDAState):
             state.conv_q, state.conv_k, state.conv_v, state.recurrent = next(updated)
@@ -351,9 +483,10 @@ def decoder_layers(
     return True
 
 
-def _layer_spec(layer: nn.Module, state: LayerState, x: torch.Tensor, experts_tails: dict) -> tuple | None:
-    """One layer as `decoder_layers` takes it: (index, mixer read, FFN read, mixer kind, its arguments, FFN
-    kind, its arguments); None when its mixer or AttnRes reads cannot run natively."""
+def _layer_plan(layer: nn.Module, x: torch.Tensor, experts_tails: dict) -> tuple | None:
+    """One layer's part of a DecodePlan: (index, AttnRes reads, mixer kind, its weights (kda_weights /
+    mla_weights), FFN kind, its arguments, the MoE whose `routed_elsewhere` each step asks, or None); None
+    when its mixer or AttnRes reads cannot run natively."""
     reads = (None, None)
     if layer.uses_attn_res:
         reads = (
@@ -363,23 +496,23 @@ def _layer_spec(layer: nn.Module, state: LayerState, x: torch.Tensor, experts_ta
         if None in reads:
             return None
     mixer, norm = child(layer, "self_attn"), child(layer, "input_layernorm")
-    if isinstance(mixer, KDAttention) and isinstance(state, KDAState):
-        mixer_kind, mixer_args = "kda", kda_arguments(norm, mixer, x, state)
-    elif isinstance(mixer, MLAttention) and isinstance(state, MLAState):
-        mixer_kind, mixer_args = "mla", mla_arguments(norm, mixer, x, state)
+    if isinstance(mixer, KDAttention):
+        mixer_kind, weights = "kda", kda_weights(norm, mixer, x)
+    elif isinstance(mixer, MLAttention):
+        mixer_kind, weights = "mla", mla_weights(norm, mixer, x)
     else:
         return None
-    if mixer_args is None:
+    if weights is None:
         return None
     ffn = child(layer, "block_sparse_moe" if layer.is_moe else "mlp")
     norm = child(layer, "post_attention_layernorm")
-    ffn_kind, ffn_args = "python", None
+    ffn_kind, ffn_args, moe = "python", None, None
     if isinstance(ffn, MLP):
         ffn_args = mlp_arguments(norm, ffn, x)
         ffn_kind = "python" if ffn_args is None else "mlp"
-    elif isinstance(ffn, MoE) and (found := moe_route_arguments(norm, ffn, x)) is not None:
-        ffn_kind, (ffn_args, experts_tails[layer.index]) = "moe", found
-    return (layer.index, *reads, mixer_kind, mixer_args, ffn_kind, ffn_args)
+    elif isinstance(ffn, MoE) and (found := moe_route_weights(norm, ffn, x)) is not None:
+        ffn_kind, (ffn_args, experts_tails[layer.index]), moe = "moe", found, ffn
+    return (layer.index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe)
 
 
 def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:

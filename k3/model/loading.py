@@ -159,12 +159,12 @@ def assign_tensor(model: nn.Module, name: str, tensor: torch.Tensor, *, requires
     only with `requires_grad` (inference: no gradient, so no autograd keeps copies of weights)."""
     path, _, attr = name.rpartition(".")
     module = model.get_submodule(path)
-    if attr in module._parameters:
-        module._parameters[attr] = nn.Parameter(
-            tensor, requires_grad=requires_grad and tensor.is_floating_point()
+    if attr in module._parameters:  # registered, so that torch's registration hooks see it (fused.DecodePlan)
+        module.register_parameter(
+            attr, nn.Parameter(tensor, requires_grad=requires_grad and tensor.is_floating_point())
         )
     elif attr in module._buffers:
-        module._buffers[attr] = tensor
+        module.register_buffer(attr, tensor, persistent=attr not in module._non_persistent_buffers_set)
     else:
         raise ModelLoadError(f"{name}: the model has no such parameter or buffer")
 

@@ -114,6 +114,7 @@ class K3Model(nn.Module):
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.fast_decode = True  # one-token forwards read the residual stream stacked (attn_res)
         self.one_call_decode = True  # and run a decode step's layers in one native call (k3.model.fused)
+        self.decode_plan = fused_step.DecodePlan()  # what those calls take that stays the same between steps
 
     def forward(
         self,
@@ -136,13 +137,17 @@ class K3Model(nn.Module):
         )
         # a decode step: all layers in one native call (k3.model.fused), else one by one
         one_call = self.one_call_decode and stream.stacked and counts is None and cache is not None
-        block_size = self.config.attn_res_block_size
-        if not (one_call and fused_step.decoder_layers(self.layers, stream, cache.layers, block_size)):
+        block_size, plan = self.config.attn_res_block_size, self.decode_plan
+        if not (one_call and fused_step.decoder_layers(plan, self.layers, stream, cache.layers, block_size)):
             for i, layer in enumerate(self.layers):
                 layer(stream, None if cache is None else cache.layers[i], counts)
         if cache is not None:
             cache.tokens += input_ids.shape[1] if counts is None else counts
         return self.output(stream)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        self.decode_plan.clear()  # a conversion (`.to`, `.float`) may change the weights' dtypes in place
+        return super()._apply(fn, recurse)
 
     def output(self, stream: ResidualStream) -> torch.Tensor:
         """The final hidden states [B, T, H] of a stream past the last layer: output read, final norm."""
@@ -223,6 +228,7 @@ class K3ForCausalLM(nn.Module):
             if isinstance(module, KDAttention | MoE | K3Model):
                 module.fast_decode = enabled
         self.model.one_call_decode = one_call
+        self.model.decode_plan.clear()  # looked up again at the next step (k3.model.fused.DecodePlan)
         return self
 
     def set_int8_expert_inputs(self, enabled: bool) -> K3ForCausalLM:

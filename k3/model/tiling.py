@@ -128,17 +128,17 @@ def tile_weights(model: nn.Module, bf16_products: bool = False) -> int:
         if w is None or uses[id(w)] > 1:
             continue
         if module.tileable and bf16_products and can_tile(w, PAIRED_ROWS, PAIRED_COLUMNS):
-            module._parameters["weight"] = nn.Parameter(native.pair_rows(w.data), requires_grad=False)
+            module.register_parameter("weight", nn.Parameter(native.pair_rows(w.data), requires_grad=False))
             done += w.nbytes  # [N/16, K/2, 16, 2], on huge pages if allowed
         elif module.tileable and can_tile(w):  # [N/8, K/8, 8, 8]: a new tensor, on huge pages if allowed
-            module._parameters["weight"] = nn.Parameter(native.tile_rows(w.data), requires_grad=False)
+            module.register_parameter("weight", nn.Parameter(native.tile_rows(w.data), requires_grad=False))
             done += w.nbytes
         elif can_place(w):
             placed.append(module)
     if placed:
         copies = native.on_huge_pages([m._parameters["weight"].data for m in placed])  # type: ignore[union-attr]
         for module, copy in zip(placed, copies, strict=True):
-            module._parameters["weight"] = nn.Parameter(copy, requires_grad=False)
+            module.register_parameter("weight", nn.Parameter(copy, requires_grad=False))
             done += copy.nbytes
     return done
 
@@ -151,6 +151,6 @@ def untile_weights(model: nn.Module) -> int:
         w = module._parameters.get("weight") if getattr(module, "tileable", False) else None
         if w is not None and is_tiled(w):
             rows = rows_of(w.data, 0, matrix_shape(w)[0]).contiguous()
-            module._parameters["weight"] = nn.Parameter(rows, requires_grad=False)
+            module.register_parameter("weight", nn.Parameter(rows, requires_grad=False))
             done += rows.nbytes
     return done

@@ -82,9 +82,11 @@ def release(module: nn.Module, names: Iterable[str]) -> None:
         path, _, attr = name.rpartition(".")
         owner = module.get_submodule(path)
         if attr in owner._parameters:
-            owner._parameters[attr] = nn.Parameter(owner._parameters[attr].to("meta"), requires_grad=False)
+            meta = nn.Parameter(owner._parameters[attr].to("meta"), requires_grad=False)
+            owner.register_parameter(attr, meta)
         else:
-            owner._buffers[attr] = owner._buffers[attr].to("meta")  # type: ignore[union-attr]
+            meta = owner._buffers[attr].to("meta")  # type: ignore[union-attr]
+            owner.register_buffer(attr, meta, persistent=attr not in owner._non_persistent_buffers_set)
 
 
 def new_state(cfg: K3Config, index: int) -> LayerState:

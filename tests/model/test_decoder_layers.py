@@ -191,3 +191,58 @@ def test_a_malformed_layer_is_a_clear_error():
         native.decoder_layers(x, 0, [(0, None, None, "ssm", (), "mlp", ())], lambda *a: None)
     with pytest.raises(RuntimeError, match="kda_mixer: expected 25 arguments, got 2"):
         native.decoder_layers(x, 0, [(0, None, None, "kda", (1, 2), "mlp", ())], lambda *a: None)
+
+
+def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
+    """The one-call route looks a layer's weights up once (k3.model.fused.DecodePlan) and still follows a
+    weight replaced between steps (torch's registration hooks), a BF16 norm changed in place (its fp32 copy
+    is made again), a converted model (either way) and router hooks added after the plan was built: each
+    time the same bits as the layers one by one afterwards, and logits that moved with the weights."""
+    model = with_bf16_weights(K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=4))
+    plan, layer = model.model.decode_plan, model.model.layers[1]
+    general = [0]
+
+    def steps() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(logits of three steps, the cache's tensors after them); counts the general MoE's forwards during
+        the steps in `general`"""
+        cache, token = prefilled(model, [5, 9], seed=7)
+        general[0] = counting.calls["general_moe"]
+        with torch.no_grad():
+            logits = [model(token + t, cache) for t in range(3)]
+        general[0] = counting.calls["general_moe"] - general[0]
+        return logits, cache_tensors(cache)
+
+    def replace_weight():
+        layer.self_attn.o_proj.weight = torch.nn.Parameter(layer.self_attn.o_proj.weight.detach() * 3)
+
+    def change_norm_in_place():
+        with torch.no_grad():
+            layer.post_attention_layernorm.weight.mul_(-2)  # BF16: the kernels take an fp32 copy
+
+    def to_fp32():
+        model.float()
+
+    def to_bf16():  # (the fp32 weights the plan holds as they are take BF16 data)
+        model.bfloat16()
+
+    def record():
+        return record_routing(model)
+
+    changes = ((replace_weight, 1), (change_norm_in_place, 1), (to_fp32, 1), (to_bf16, 1), (record, 0))
+    for change, builds in changes:
+        before = steps()  # the plan built (again: the reference route below clears it) and current
+        built = plan.builds
+        assert steps()[0][-1].equal(before[0][-1]) and plan.builds == built  # reused
+        with contextlib.ExitStack() as stack:
+            if (entered := change()) is not None:
+                stack.enter_context(entered)
+            got = steps()
+            assert plan.builds == built + builds, change.__name__
+            general_forwards = general[0]
+            with layer_by_layer(model):
+                want = steps()
+        assert_same_bits(got, want)
+        if change is not record:  # (recorded routing: the general MoE, other rounding than the kernels')
+            assert not torch.equal(got[0][-1], before[0][-1]), change.__name__
+        moes = sum(layer.is_moe for layer in model.model.layers)
+        assert general_forwards == (3 * moes if change is record else 0), change.__name__  # hooks: general
