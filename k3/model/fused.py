@@ -41,7 +41,7 @@ from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
-from k3.model.moe import MoE, native_expert_weights
+from k3.model.moe import ExpertMatrices, MoE, native_expert_weights
 from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear
@@ -305,16 +305,19 @@ def moe_route_weights(norm: RMSNorm, moe: MoE, y: torch.Tensor) -> tuple[tuple, 
     return route, experts_tail
 
 
-def moe_experts_arguments(moe: MoE, indices: torch.Tensor, experts_tail: tuple) -> tuple | None:
+def moe_experts_arguments(
+    moe: MoE, indices: torch.Tensor, experts_tail: tuple, known: dict | None = None
+) -> tuple | None:
     """moe_experts' arguments after (xn, z, weights) for the experts `indices` [B, k] chose, or None when
-    they cannot run in one call (mixed kinds, or some exact and some approximate: each its own forward)."""
+    they cannot run in one call (mixed kinds, or some exact and some approximate: each its own forward).
+    `known`: the experts' matrices looked up at earlier steps (native_expert_weights)."""
     if moe.load_experts is not None:  # k3.model.on_demand: read the chosen experts not read yet
         moe.load_experts(indices)
     chosen = [e for row in indices.tolist() for e in row]  # [B * k], row-major
     distinct = list(dict.fromkeys(chosen))  # each chosen expert once, in order of first choice
     slot = {e: i for i, e in enumerate(distinct)}
     experts = child(moe, "experts")._modules  # {"0": RoutedExpert, ...}: cheaper than ModuleList indexing
-    found = native_expert_weights([experts[str(e)] for e in distinct])  # type: ignore[misc]
+    found = native_expert_weights([experts[str(e)] for e in distinct], known)  # type: ignore[misc]
     if found is None:
         return None
     return (
@@ -367,6 +370,7 @@ class DecodePlan:
         self.experts_tails: dict[int, tuple] = {}  # MoE layer index -> its part of moe_experts' arguments
         self.by_index: dict[int, nn.Module] = {}
         self.converted: list[tuple[torch.Tensor, int, int]] = []  # (copied to fp32, _version, data_ptr)
+        self.experts: dict[nn.Module, ExpertMatrices | None] = {}  # each routed expert once it was chosen
         self.builds = 0
         _PLANS.add(self)
 
@@ -374,7 +378,7 @@ class DecodePlan:
         return DecodePlan, ()  # a copied or unpickled model starts with an empty plan of its own
 
     def clear(self) -> None:
-        self.layers, self.experts_tails, self.by_index, self.converted = None, {}, {}, []
+        self.layers, self.experts_tails, self.by_index, self.converted, self.experts = None, {}, {}, [], {}
 
     def specs(
         self, layers: Sequence[nn.Module], states: Sequence[LayerState], x: torch.Tensor
@@ -467,7 +471,8 @@ def decoder_layers(
         through its general forward."""
         layer = by_index[index]
         if route is not None:
-            args = moe_experts_arguments(child(layer, "block_sparse_moe"), route[3], experts_tails[index])
+            moe = child(layer, "block_sparse_moe")
+            args = moe_experts_arguments(moe, route[3], experts_tails[index], plan.experts)
             if args is not None:
                 return args
         return layer.ffn(layer.post_attention_layernorm(y))

@@ -128,27 +128,58 @@ class ExpertWeights(NamedTuple):
     int8_x: bool  # MXFP4 with inputs rounded to int8 per block (their `int8_inputs`)
 
 
-def native_expert_weights(experts: list[nn.Module]) -> ExpertWeights | None:
+class ExpertMatrices(NamedTuple):
+    """One RoutedExpert's (w1, w3, w2) as native_expert_weights gathers them."""
+
+    dense: tuple[torch.Tensor, ...]  # fp32 or BF16, or empty
+    packed: tuple[torch.Tensor, ...]  # MXFP4, or empty
+    scale: tuple[torch.Tensor, ...]
+    quantized: tuple[MXFP4Linear, ...]  # the MXFP4 matrices, whose `int8_inputs` each call reads
+
+
+def expert_matrices(expert: nn.Module) -> ExpertMatrices | None:
+    """An expert's matrices, read from the module dicts; None when the kernels do not take them (another
+    kind of matrix, MXFP4 and plain mixed, a dtype they do not read)."""
+    modules = expert.__dict__["_modules"]
+    dense, packed, scale, quantized = [], [], [], []
+    for name in ("w1", "w3", "w2"):
+        matrix = modules[name]
+        if isinstance(matrix, MXFP4Linear):
+            packed.append(parameter(matrix, "weight_packed"))
+            scale.append(parameter(matrix, "weight_scale"))
+            quantized.append(matrix)
+        elif isinstance(matrix, Linear) and matrix.weight.dtype in NATIVE_WEIGHT_DTYPES:
+            dense.append(parameter(matrix, "weight"))
+        else:
+            return None
+    if dense and packed:
+        return None
+    return ExpertMatrices(tuple(dense), tuple(packed), tuple(scale), tuple(quantized))
+
+
+def native_expert_weights(
+    experts: list[nn.Module], known: dict[nn.Module, ExpertMatrices | None] | None = None
+) -> ExpertWeights | None:
     """The matrices (w1, w3, w2) of these RoutedExperts for the native kernels when all are MXFP4 (one
     `int8_inputs` mode) or all plain fp32 / BF16 Linears; None otherwise (mixed kinds or modes: each expert
-    its own forward). One pass, reading the module dicts: a decode step asks this for every MoE layer."""
+    its own forward). `known`: each expert's `expert_matrices` from earlier calls, kept and added to (a
+    decode step asks this for every MoE layer; k3.model.fused.DecodePlan keeps them between steps)."""
     dense: list[torch.Tensor] = []
     packed: list[torch.Tensor] = []
     scale: list[torch.Tensor] = []
     int8_modes = set()
     for expert in experts:
-        modules = expert.__dict__["_modules"]
-        for name in ("w1", "w3", "w2"):
-            matrix = modules[name]
-            if isinstance(matrix, MXFP4Linear):
-                packed.append(parameter(matrix, "weight_packed"))
-                scale.append(parameter(matrix, "weight_scale"))
-                int8_modes.add(matrix.int8_inputs)
-            elif isinstance(matrix, Linear):
-                dense.append(parameter(matrix, "weight"))
-            else:
-                return None
-    if (dense and packed) or len(int8_modes) > 1 or any(w.dtype not in NATIVE_WEIGHT_DTYPES for w in dense):
+        if known is None:
+            matrices = expert_matrices(expert)
+        elif (matrices := known.get(expert)) is None and expert not in known:
+            matrices = known[expert] = expert_matrices(expert)
+        if matrices is None:
+            return None
+        dense += matrices.dense
+        packed += matrices.packed
+        scale += matrices.scale
+        int8_modes.update(matrix.int8_inputs for matrix in matrices.quantized)
+    if (dense and packed) or len(int8_modes) > 1:
         return None
     return ExpertWeights(dense, packed, scale, int8_modes == {True})
 

@@ -196,7 +196,8 @@ def test_a_malformed_layer_is_a_clear_error():
 def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
     """The one-call route looks a layer's weights up once (k3.model.fused.DecodePlan) and still follows a
     weight replaced between steps (torch's registration hooks), a BF16 norm changed in place (its fp32 copy
-    is made again), a converted model (either way) and router hooks added after the plan was built: each
+    is made again), experts' matrices replaced or their inputs rounded to int8, a converted model (either
+    way) and router hooks added after the plan was built: each
     time the same bits as the layers one by one afterwards, and logits that moved with the weights."""
     model = with_bf16_weights(K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=4))
     plan, layer = model.model.decode_plan, model.model.layers[1]
@@ -219,6 +220,14 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
         with torch.no_grad():
             layer.post_attention_layernorm.weight.mul_(-2)  # BF16: the kernels take an fp32 copy
 
+    def replace_experts():  # every routed expert's packed w2 codes in every MoE layer
+        for moe in (layer.block_sparse_moe for layer in model.model.layers if layer.is_moe):
+            for expert in moe.experts:
+                expert.w2.weight_packed = expert.w2.weight_packed ^ 0x11
+
+    def int8_experts():  # read at each step, not kept
+        model.set_int8_expert_inputs(True)
+
     def to_fp32():
         model.float()
 
@@ -228,7 +237,15 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
     def record():
         return record_routing(model)
 
-    changes = ((replace_weight, 1), (change_norm_in_place, 1), (to_fp32, 1), (to_bf16, 1), (record, 0))
+    changes = (  # (change, plan builds it causes)
+        (replace_weight, 1),
+        (change_norm_in_place, 1),
+        (replace_experts, 1),
+        (int8_experts, 0),
+        (to_fp32, 1),
+        (to_bf16, 1),
+        (record, 0),
+    )
     for change, builds in changes:
         before = steps()  # the plan built (again: the reference route below clears it) and current
         built = plan.builds
