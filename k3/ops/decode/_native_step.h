@@ -7,8 +7,8 @@
 //   partial += kda_mixer(x, ...) or mla_mixer(x, ...)
 //   y = the FFN's read;  partial += mlp(y, ...) or the MoE (moe_route, then `ffn` picks the experts) or `ffn`
 //
-// Python builds each layer's arguments (the weights looked up as on every step: nothing is cached here, so a
-// replaced weight or a changed mode is seen at once), and `ffn(index, y, route)` is called back for what stays
+// Python builds each layer's arguments (its weights kept between steps by fused.DecodePlan, which sees a replaced
+// weight or a changed mode; nothing is kept here), and `ffn(index, y, route)` is called back for what stays
 // in Python: which experts' matrices to multiply (the module dicts, on-demand reads) or a whole FFN that takes
 // the general path: once per MoE layer, where the layers one by one return to Python after every piece.
 //
