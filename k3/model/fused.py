@@ -389,11 +389,8 @@ class DecodePlan:
         if not self.runs_natively:
             return None
         specs = []
-        for (index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe), state in zip(
-            self.layers,
-            states,
-            strict=True,  # type: ignore[arg-type]
-        ):
+        for layer, state in zip(self.layers or [], states, strict=True):
+            index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe = layer
             if isinstance(state, KDAState):
                 found = kda_states(state) if mixer_kind == "kda" else None
             else:
