@@ -27,6 +27,7 @@ from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.cache import ModelCache
 from k3.model.moe import MoE
+from k3.model.norm import Linear
 from k3.model.routing import record_routing
 from k3.ops.decode.native import load_native
 
@@ -195,10 +196,10 @@ def test_a_malformed_layer_is_a_clear_error():
 
 def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
     """The one-call route looks a layer's weights up once (k3.model.fused.DecodePlan) and still follows a
-    weight replaced between steps (torch's registration hooks), a BF16 norm changed in place (its fp32 copy
-    is made again), experts' matrices replaced or their inputs rounded to int8, a converted model (either
-    way) and router hooks added after the plan was built: each
-    time the same bits as the layers one by one afterwards, and logits that moved with the weights."""
+    weight or a module replaced between steps (torch's registration hooks), a BF16 norm changed in place (its
+    fp32 copy is made again), experts' matrices replaced or their inputs rounded to int8, a converted model
+    (either way) and router hooks added after the plan was built: each time the same bits as the layers one
+    by one afterwards, and logits that moved with the weights."""
     model = with_bf16_weights(K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=4))
     plan, layer = model.model.decode_plan, model.model.layers[1]
     general = [0]
@@ -220,6 +221,13 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
         with torch.no_grad():
             layer.post_attention_layernorm.weight.mul_(-2)  # BF16: the kernels take an fp32 copy
 
+    o_proj = layer.self_attn.o_proj
+    replacement = Linear(o_proj.in_features, o_proj.out_features)  # made before any plan: only its
+    replacement.weight = torch.nn.Parameter(o_proj.weight.detach() * -1)  # registration as a child clears one
+
+    def replace_module():
+        layer.self_attn.o_proj = replacement
+
     def replace_experts():  # every routed expert's packed w2 codes in every MoE layer
         for moe in (layer.block_sparse_moe for layer in model.model.layers if layer.is_moe):
             for expert in moe.experts:
@@ -239,6 +247,7 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
 
     changes = (  # (change, plan builds it causes)
         (replace_weight, 1),
+        (replace_module, 1),
         (change_norm_in_place, 1),
         (replace_experts, 1),
         (int8_experts, 0),
