@@ -21,7 +21,7 @@ from k3.model.cache import KDAState, MLAState
 from k3.model.loading import assign_tensor
 from k3.model.model import K3DecoderLayer, K3Model
 from k3.model.moe import MoE, pairs_by_expert
-from k3.model.norm import Linear
+from k3.model.norm import Linear, parameter
 from k3.vision.projector import Projector
 from k3.vision.tower import VisionTower
 
@@ -80,13 +80,8 @@ def release(module: nn.Module, names: Iterable[str]) -> None:
     """Put the tensors `names` back on the meta device: their memory goes with the last reference."""
     for name in names:
         path, _, attr = name.rpartition(".")
-        owner = module.get_submodule(path)
-        if attr in owner._parameters:
-            meta = nn.Parameter(owner._parameters[attr].to("meta"), requires_grad=False)
-            owner.register_parameter(attr, meta)
-        else:
-            meta = owner._buffers[attr].to("meta")  # type: ignore[union-attr]
-            owner.register_buffer(attr, meta, persistent=attr not in owner._non_persistent_buffers_set)
+        meta = parameter(module.get_submodule(path), attr).to("meta")
+        assign_tensor(module, name, meta, requires_grad=False)
 
 
 def new_state(cfg: K3Config, index: int) -> LayerState:
