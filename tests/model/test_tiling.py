@@ -81,7 +81,8 @@ def test_a_tiled_model_gives_the_untiled_logits_bit_for_bit(quantized, fast):
 def test_the_tiled_kernels_equal_the_row_kernels_and_the_layout():
     """dense_rows_product on a tiled matrix against the same matrix in rows (bit for bit) at batch sizes
     1-9, 1 and 2 threads, both widths: 40 rows split across 2 threads cut a block in two (rows 16-23),
-    which the one-vector 16-lane kernel does row by row."""
+    which the one-vector 16-lane kernel does row by row; one vector in AVX2 reads two whole blocks at a time
+    (rows 0-15 and 24-39 on 2 threads, a pair and a block left over on 1)."""
     native = load_native()
     g = gen(3)
     w = torch.randn(40, 7168, generator=g).bfloat16()

@@ -301,12 +301,36 @@ K3_DECODE_AVX512 inline void tiled_block_vectors(const uint16_t* W, int64_t K, c
   for (int64_t b = 0; b < B; b += 6) kPass[std::min<int64_t>(6, B - b)](W, K, x, b, y, ldy, n);
 }
 
+// Rows n .. n + 15 (two consecutive tiled blocks) times one vector, the two blocks read side by side, each
+// row's value as tile<8, 1, Tiled> gives it (one accumulator of 8 lanes over i in order: the same bits). One
+// core reading one block at a time stopped short of memory's rate where two streams did not (AVX2-only
+// EPYC Zen 3, 2 vCPUs, [N, 7168] matrices cycled on huge pages, alternated in one process, medians of 8:
+// one thread 17.2-18.0 -> 21.8-22.5 GB/s, two 28.7-29.9 -> 32.3-33.0; asking for lines ahead, as `tile`
+// does, changed neither).
+__attribute__((target("avx2,fma"))) inline void tiled_block_pair(const uint16_t* W, int64_t K, const float* x,
+                                                                 float* y, int64_t n) {
+  constexpr int kRows = static_cast<int>(Tiled::kRows);
+  const uint16_t* blocks[2] = {Tiled::start(W, K, n), Tiled::start(W, K, n + kRows)};
+  __m256 acc[2][kRows];
+  for (auto& block : acc)
+    for (auto& a : block) a = _mm256_setzero_ps();
+  for (int64_t i = 0; i < K; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    for (int j = 0; j < 2; ++j)
+      for (int r = 0; r < kRows; ++r)
+        acc[j][r] = _mm256_fmadd_ps(load8(blocks[j] + i * Tiled::kStep + r * Tiled::rows_apart(K)), xv, acc[j][r]);
+  }
+  for (int j = 0; j < 2; ++j)
+    for (int r = 0; r < kRows; ++r) y[n + j * kRows + r] = mxfp4_rows::horizontal_sum(acc[j][r]);
+}
+
 // y[b * ldy + n] = W[n, :] . x[b] for tiled BF16 rows [n0, n1): whole blocks one at a time, each read front
 // to back for all B vectors (a tile of 6 rows would straddle blocks and read most of them twice), the rows
-// outside whole blocks one by one. Without AVX-512 and B > 1, each half block (4 rows: one cache line of
-// the 128-byte column step) x three vectors per tile (12 accumulators, 3 vectors and a weight: the 16 AVX2
-// registers; with AVX2 forced here, against rows: 1.07-1.10x at B = 8, where two vectors per tile gave
-// 0.91-0.94x), then two, then one; the other half's line from the cache.
+// outside whole blocks one by one. Without AVX-512, one vector reads two blocks at a time (tiled_block_pair),
+// and B > 1 each half block (4 rows: one cache line of the 128-byte column step) x three vectors per tile
+// (12 accumulators, 3 vectors and a weight: the 16 AVX2 registers; with AVX2 forced here, against rows:
+// 1.07-1.10x at B = 8, where two vectors per tile gave 0.91-0.94x), then two, then one; the other half's line
+// from the cache.
 __attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1, bool wide) {
   constexpr int64_t kBlock = Tiled::kRows;
@@ -320,6 +344,9 @@ __attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, in
   for (int64_t n = first; n < last; n += kBlock) {
     if (wide) {
       tiled_block_vectors(W, K, x, B, y, ldy, n);
+    } else if (B == 1 && n + 2 * kBlock <= last) {
+      tiled_block_pair(W, K, x, y, n);
+      n += kBlock;  // the pair's second block
     } else if (B == 1) {
       tile<8, 1, Tiled>(W, K, x, 0, y, ldy, n);
     } else {
