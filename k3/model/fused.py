@@ -41,7 +41,7 @@ from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
 from k3.model.mlp import MLP
-from k3.model.moe import ExpertMatrices, MoE, native_expert_weights
+from k3.model.moe import ExpertMatrices, MoE, expert_matrices, native_expert_weights
 from k3.model.norm import NATIVE_WEIGHT_DTYPES, Linear, RMSNorm, child, parameter
 from k3.ops.decode.native import load_native
 from k3.ops.mxfp4 import MXFP4Linear
@@ -331,6 +331,19 @@ def moe_experts_arguments(
     )
 
 
+def expert_table(moe: MoE) -> object | None:
+    """Every routed expert's matrices of `moe` as the native loop picks a step's experts from them (an
+    ExpertTable, _native_step.h), or None: experts read on demand, or not all of one kind the kernels take
+    (fp32 / BF16 Linears, or MXFP4), so each step asks Python (moe_experts_arguments)."""
+    if moe.load_experts is not None:
+        return None
+    found = [expert_matrices(expert) for expert in child(moe, "experts")._modules.values()]
+    if not found or any(m is None for m in found) or len({bool(m.packed) for m in found}) > 1:  # type: ignore[union-attr]
+        return None
+    gathered = ([t for m in found for t in getattr(m, part)] for part in ExpertMatrices._fields)
+    return load_native().ExpertTable(*gathered)
+
+
 def _dense_parts(
     moe: MoE,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, list[torch.Tensor | None]] | None:
@@ -399,6 +412,8 @@ class DecodePlan:
                 return None
             if moe is not None and routed_elsewhere(moe):
                 ffn_kind, ffn_args = "python", None
+            elif moe is not None and moe.load_experts is not None:  # read on demand: Python picks them
+                ffn_args = (ffn_args[0], None, ffn_args[2])
             specs.append((index, *reads, mixer_kind, with_states(weights, found), ffn_kind, ffn_args))
         return specs
 
@@ -513,7 +528,8 @@ def _layer_plan(layer: nn.Module, x: torch.Tensor, experts_tails: dict) -> tuple
         ffn_args = mlp_arguments(norm, ffn, x)
         ffn_kind = "python" if ffn_args is None else "mlp"
     elif isinstance(ffn, MoE) and (found := moe_route_weights(norm, ffn, x)) is not None:
-        ffn_kind, (ffn_args, experts_tails[layer.index]), moe = "moe", found, ffn
+        route, experts_tails[layer.index] = found
+        ffn_kind, ffn_args, moe = "moe", (route, expert_table(ffn), experts_tails[layer.index]), ffn
     return (layer.index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe)
 
 

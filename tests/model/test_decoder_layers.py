@@ -38,16 +38,22 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture
 def counting(monkeypatch) -> Counting:
-    """The native module, counting its calls; `general_moe` counts the MoE forwards of the general path."""
+    """The native module, counting its calls; `general_moe` counts the MoE forwards of the general path,
+    `python_picks` the chosen experts picked in Python (moe_experts_arguments) rather than in the loop."""
     counter = Counting(load_native())
     monkeypatch.setattr(fused, "load_native", lambda: counter)
-    forward = MoE.forward
+    forward, pick = MoE.forward, fused.moe_experts_arguments
 
     def counted(self, *args, **kwargs):
         counter.calls["general_moe"] += 1
         return forward(self, *args, **kwargs)
 
+    def picked(*args, **kwargs):
+        counter.calls["python_picks"] += 1
+        return pick(*args, **kwargs)
+
     monkeypatch.setattr(MoE, "forward", counted)
+    monkeypatch.setattr(fused, "moe_experts_arguments", picked)
     return counter
 
 
@@ -133,6 +139,8 @@ def test_one_call_equals_the_layers_one_by_one(tmp_path, counting, name, lengths
     assert max(logits.abs().max().item() for logits in one[0]) > 0.1
     assert calls["decoder_layers"] == 4  # one call a step, on the one-call route only
     assert calls["general_moe"] == 0  # every MoE through the kernels, on both routes
+    moes = sum(layer.is_moe for layer in model.model.layers)
+    assert calls["python_picks"] == 4 * moes  # the reference route's: the loop picks its experts itself
     assert calls["kda_mixer"] + calls["mla_mixer"] == 4 * model.num_layers  # the reference route's
 
 
@@ -198,20 +206,22 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
     """The one-call route looks a layer's weights up once (k3.model.fused.DecodePlan) and still follows a
     weight or a module replaced between steps (torch's registration hooks), a BF16 norm changed in place (its
     fp32 copy is made again), experts' matrices replaced or their inputs rounded to int8, a converted model
-    (either way) and router hooks added after the plan was built: each time the same bits as the layers one
-    by one afterwards, and logits that moved with the weights."""
+    (either way), router hooks and on-demand reads of experts added after the plan was built: each time the
+    same bits as the layers one by one afterwards, and logits that moved with the weights. The loop picks
+    the chosen experts itself but when they are read on demand (Python picks them, reading them first)."""
     model = with_bf16_weights(K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=4))
     plan, layer = model.model.decode_plan, model.model.layers[1]
-    general = [0]
+    during: collections.Counter = collections.Counter()
 
     def steps() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(logits of three steps, the cache's tensors after them); counts the general MoE's forwards during
-        the steps in `general`"""
+        """(logits of three steps, the cache's tensors after them); the calls counted during the steps (not
+        the prefill) in `during`"""
         cache, token = prefilled(model, [5, 9], seed=7)
-        general[0] = counting.calls["general_moe"]
+        before = collections.Counter(counting.calls)
         with torch.no_grad():
             logits = [model(token + t, cache) for t in range(3)]
-        general[0] = counting.calls["general_moe"] - general[0]
+        during.clear()
+        during.update(collections.Counter(counting.calls) - before)
         return logits, cache_tensors(cache)
 
     def replace_weight():
@@ -245,6 +255,19 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
     def record():
         return record_routing(model)
 
+    reads = collections.Counter()
+
+    @contextlib.contextmanager
+    def read_on_demand():  # as k3.model.on_demand sets it (here reading nothing), then unset
+        moes = [layer.block_sparse_moe for layer in model.model.layers if layer.is_moe]
+        for moe in moes:
+            moe.load_experts = lambda indices: reads.update(["read"])
+        try:
+            yield
+        finally:
+            for moe in moes:
+                moe.load_experts = None
+
     changes = (  # (change, plan builds it causes)
         (replace_weight, 1),
         (replace_module, 1),
@@ -254,6 +277,7 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
         (to_fp32, 1),
         (to_bf16, 1),
         (record, 0),
+        (read_on_demand, 0),
     )
     for change, builds in changes:
         before = steps()  # the plan built (again: the reference route below clears it) and current
@@ -264,11 +288,13 @@ def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):
                 stack.enter_context(entered)
             got = steps()
             assert plan.builds == built + builds, change.__name__
-            general_forwards = general[0]
+            calls = collections.Counter(during)
             with layer_by_layer(model):
                 want = steps()
         assert_same_bits(got, want)
-        if change is not record:  # (recorded routing: the general MoE, other rounding than the kernels')
+        if change not in (record, read_on_demand):  # (recorded routing: the general MoE, other rounding)
             assert not torch.equal(got[0][-1], before[0][-1]), change.__name__
         moes = sum(layer.is_moe for layer in model.model.layers)
-        assert general_forwards == (3 * moes if change is record else 0), change.__name__  # hooks: general
+        assert calls["general_moe"] == (3 * moes if change is record else 0), change.__name__  # hooks
+        assert calls["python_picks"] == (3 * moes if change is read_on_demand else 0), change.__name__
+    assert reads["read"] > 0

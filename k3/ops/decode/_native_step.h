@@ -8,9 +8,9 @@
 //   y = the FFN's read;  partial += mlp(y, ...) or the MoE (moe_route, then `ffn` picks the experts) or `ffn`
 //
 // Python builds each layer's arguments (its weights kept between steps by fused.DecodePlan, which sees a replaced
-// weight or a changed mode; nothing is kept here), and `ffn(index, y, route)` is called back for what stays
-// in Python: which experts' matrices to multiply (the module dicts, on-demand reads) or a whole FFN that takes
-// the general path: once per MoE layer, where the layers one by one return to Python after every piece.
+// weight or a changed mode; nothing is kept here), every routed expert's matrices in an ExpertTable where it
+// can, so that the loop picks each step's experts itself; `ffn(index, y, route)` is called back for what stays
+// in Python: experts read on demand, chosen experts in two modes, or a whole FFN that takes the general path.
 //
 // Included by _native.cpp after the kernels it calls.
 #pragma once
@@ -18,6 +18,7 @@
 #include <torch/extension.h>
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -56,6 +57,70 @@ inline Tensor moe_experts_of_route(const std::vector<Tensor>& route, const std::
                      latent_norm_w, latent_eps, w_up, shared_gate, shared_up, shared_down, variant, int8_x);
 }
 
+// Every routed expert of one MoE layer, as moe_experts takes the chosen ones: (w1, w3, w2) of expert e at
+// 3e .. 3e + 2 of `dense` (fp32 or BF16) or of `packed` + `scale` (MXFP4), and for MXFP4 the modules whose
+// `int8_inputs` each step reads (the Python side's MXFP4Linear; read live, as the layers one by one read it).
+// Built once by fused.DecodePlan (fused.expert_table), so that the loop picks a step's experts without
+// returning to Python.
+struct ExpertTable {
+  std::vector<Tensor> dense, packed, scale;
+  std::vector<py::object> quantized;
+  int64_t experts = 0;
+
+  ExpertTable(std::vector<Tensor> dense_, std::vector<Tensor> packed_, std::vector<Tensor> scale_,
+              std::vector<py::object> quantized_)
+      : dense(std::move(dense_)), packed(std::move(packed_)), scale(std::move(scale_)),
+        quantized(std::move(quantized_)) {
+    const bool is_packed = dense.empty();
+    const size_t n = is_packed ? packed.size() : dense.size();
+    TORCH_CHECK(n > 0 && n % 3 == 0 && (is_packed ? scale.size() == n && quantized.size() == n : packed.empty()),
+                "an expert table holds (w1, w3, w2) of every expert: fp32 / BF16 in `dense`, or MXFP4 in "
+                "`packed` + `scale` with their modules in `quantized`");
+    experts = static_cast<int64_t>(n / 3);
+  }
+};
+
+// moe_experts for the experts moe_route chose (route[3], [B, k]), each distinct one once in order of first
+// choice as fused.moe_experts_arguments orders them, with `tail` (moe_experts' arguments from act to
+// shared_down); nullopt when the chosen MXFP4 matrices are in two `int8_inputs` modes (each its own forward:
+// the caller asks Python).
+inline std::optional<Tensor> table_experts(const ExpertTable& table, const std::vector<Tensor>& route,
+                                           const py::tuple& tail) {
+  TORCH_CHECK(tail.size() == 9, "the experts' tail: (act, beta, linear_beta, latent_norm_w, latent_eps, up_w, "
+                                "shared_gate, shared_up, shared_down)");
+  const Tensor& indices = route[3];
+  const int64_t pairs = indices.numel();
+  const int64_t* chosen = indices.data_ptr<int64_t>();
+  std::vector<int64_t> slot_of(table.experts, -1), distinct, slots(pairs);
+  for (int64_t i = 0; i < pairs; ++i) {
+    const int64_t e = chosen[i];
+    TORCH_CHECK(0 <= e && e < table.experts, "the router chose expert ", e, " of ", table.experts);
+    if (slot_of[e] < 0) {
+      slot_of[e] = static_cast<int64_t>(distinct.size());
+      distinct.push_back(e);
+    }
+    slots[i] = slot_of[e];
+  }
+  std::vector<Tensor> dense, packed, scale;
+  std::optional<bool> int8_x;
+  for (const int64_t e : distinct)
+    for (int64_t m = 3 * e; m < 3 * e + 3; ++m) {
+      if (table.dense.empty()) {
+        packed.push_back(table.packed[m]);
+        scale.push_back(table.scale[m]);
+        const bool mode = table.quantized[m].attr("int8_inputs").cast<bool>();
+        if (int8_x.has_value() && *int8_x != mode) return std::nullopt;
+        int8_x = mode;
+      } else {
+        dense.push_back(table.dense[m]);
+      }
+    }
+  return moe_experts(route[0], route[1], route[2], slots, dense, packed, scale, tail[0].cast<int64_t>(),
+                     tail[1].cast<double>(), tail[2].cast<double>(), tail[3].cast<Optional>(), tail[4].cast<double>(),
+                     tail[5].cast<Optional>(), tail[6].cast<Optional>(), tail[7].cast<Optional>(),
+                     tail[8].cast<Optional>(), "auto", int8_x.value_or(false));
+}
+
 // The residual stream of one step: finished blocks and the open block's partial sum (k3.model.attn_res).
 struct Stream {
   std::vector<Tensor> blocks;
@@ -83,7 +148,9 @@ struct Stream {
 //   mixer_kind "kda"       mixer_args: kda_mixer's arguments after x; its states come back in `kda_states`
 //              "mla"       mla_mixer's arguments after x (the cache must have room; the caller advances lengths)
 //   ffn_kind   "mlp"       ffn_args: mlp's arguments after x
-//              "moe"       moe_route's arguments after x; then ffn(index, y, (xn, z, weights, indices)) returns
+//              "moe"       (moe_route's arguments after x, an ExpertTable or None, the experts' tail for
+//                          table_experts); with a table the loop picks the chosen experts itself, else (or
+//                          when their int8 modes differ) ffn(index, y, (xn, z, weights, indices)) returns
 //                          moe_experts' arguments after (xn, z, weights), or the FFN's update
 //              "python"    ffn(index, y, None) returns the FFN's update
 // Returns (blocks, partial, kda_states): the stream after the last layer and each KDA layer's kda_mixer
@@ -114,13 +181,17 @@ py::tuple decoder_layers(const Tensor& x, int64_t block_size, const py::list& la
     if (kind == "mlp") {
       stream.add(call_with(mlp, y, l[6], "mlp"));
     } else if (kind == "moe") {
-      const std::vector<Tensor> route = call_with(moe_route, y, l[6], "moe_route");
-      const py::object chosen = ffn(index, y, py::make_tuple(route[0], route[1], route[2], route[3]));
-      if (!py::isinstance<py::tuple>(chosen)) {
-        stream.add(chosen.cast<Tensor>());  // the FFN's update, from the general path
-      } else {
-        stream.add(call_with(moe_experts_of_route, route, chosen, "moe_experts"));
+      const py::tuple moe = l[6].cast<py::tuple>();
+      TORCH_CHECK(moe.size() == 3, "an MoE's ffn_args are (route arguments, expert table or None, experts' tail)");
+      const std::vector<Tensor> route = call_with(moe_route, y, moe[0], "moe_route");
+      std::optional<Tensor> update;
+      if (!moe[1].is_none()) update = table_experts(moe[1].cast<const ExpertTable&>(), route, moe[2].cast<py::tuple>());
+      if (!update.has_value()) {
+        const py::object chosen = ffn(index, y, py::make_tuple(route[0], route[1], route[2], route[3]));
+        update = py::isinstance<py::tuple>(chosen) ? call_with(moe_experts_of_route, route, chosen, "moe_experts")
+                                                   : chosen.cast<Tensor>();  // the FFN's update, general path
       }
+      stream.add(*update);
     } else {
       TORCH_CHECK(kind == "python", "ffn_kind must be 'mlp', 'moe' or 'python', got ", kind);
       stream.add(ffn(index, y, py::none()).cast<Tensor>());
