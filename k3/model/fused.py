@@ -17,8 +17,9 @@ reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py -
 `set_fast_decode(True, one_call=False)`): the same functions build each piece's arguments, once (a
 DecodePlan keeps the weights and constants while nothing replaces them; each step adds the cache's states),
 the loop over the layers (AttnRes reads, residual adds, the kernels in the same order) runs in
-k3/ops/decode/_native_step.h and returns to Python only to pick each MoE layer's experts, so the bits are
-those of the layers one by one (tests/model/test_decoder_layers.py).
+k3/ops/decode/_native_step.h and picks each MoE layer's experts itself from a table of all of them
+(`expert_table`), returning to Python only for experts read on demand, chosen experts in two modes or an
+FFN's general forward, so the bits are those of the layers one by one (tests/model/test_decoder_layers.py).
 """
 
 from __future__ import annotations
@@ -366,8 +367,9 @@ class DecodePlan:
     """What `decoder_layers` gives the kernels of each layer that stays the same from step to step (weights,
     constants, which kernels run), looked up once and reused: looking them up took ~30 us of Python a layer
     (some 25 dict reads and checks), 60 us between kernels that stream megabytes, as much as a small layer's
-    kernels. Each step still reads what may change between steps: the cache's states, the router hooks and
-    dispatch `routed_elsewhere` looks at, and the chosen experts.
+    kernels, and each MoE layer's table of every routed expert's matrices (`expert_table`). Each step still
+    reads what may change between steps: the cache's states, the router hooks and dispatch
+    `routed_elsewhere` looks at, an MoE's `load_experts`, and the chosen experts' `int8_inputs` modes.
 
     A plan is cleared, to be built again at the next step, when any module registers a parameter, buffer or
     submodule (torch's global registration hooks: a replaced weight or layer, `tile_weights`,
