@@ -339,9 +339,10 @@ def expert_table(moe: MoE) -> object | None:
     if moe.load_experts is not None:
         return None
     found = [expert_matrices(expert) for expert in child(moe, "experts")._modules.values()]
-    if not found or any(m is None for m in found) or len({bool(m.packed) for m in found}) > 1:  # type: ignore[union-attr]
+    usable = [m for m in found if m is not None]
+    if not usable or len(usable) < len(found) or len({bool(m.packed) for m in usable}) > 1:
         return None
-    gathered = ([t for m in found for t in getattr(m, part)] for part in ExpertMatrices._fields)
+    gathered = ([t for m in usable for t in getattr(m, part)] for part in ExpertMatrices._fields)
     return load_native().ExpertTable(*gathered)
 
 
