@@ -422,8 +422,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("norm_w"), py::arg("norm_eps"), py::arg("matrices"));
   py::class_<ExpertTable>(m, "ExpertTable", "every routed expert of one MoE layer, for decoder_layers")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<py::object>>(),
-           py::arg("dense"), py::arg("packed"), py::arg("scale"), py::arg("quantized"))
-      .def_readonly("experts", &ExpertTable::experts);
+           py::arg("dense"), py::arg("packed"), py::arg("scale"), py::arg("quantized"));
   m.def("decoder_layers", &decoder_layers, "a decode step's decoder layers in one call: (blocks, partial, kda_states)",
         py::arg("x"), py::arg("block_size"), py::arg("layers"), py::arg("ffn"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
