@@ -30,6 +30,7 @@ from k3.engine.commands import (
     PENALTY,
     SEED,
     TEMPERATURE,
+    THREADS,
     TOP_K,
     TOP_P,
     complete_to,
@@ -56,16 +57,19 @@ def generate(
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
     bf16_products: bool = BF16_PRODUCTS,
+    threads: int = THREADS,
     nproc: int = NPROC,
     image: list[Path] = IMAGES,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; with
-    `--nproc N` the routed experts are sharded over N processes."""
+    `--nproc N` the routed experts are sharded over N processes (`--threads`: each one's threads)."""
     sampling = (max_tokens, temperature, top_k, top_p, repetition_penalty, seed)
     if torchrun_env():
-        _generate_on_ranks(checkpoint, prompt, sampling, layers, int8_expert_inputs, bf16_products)
+        _generate_on_ranks(checkpoint, prompt, sampling, layers, int8_expert_inputs, bf16_products, threads)
     elif nproc == 1:
-        generate_on_one_process(checkpoint, prompt, *sampling, layers, int8_expert_inputs, bf16_products, image)
+        generate_on_one_process(
+            checkpoint, prompt, *sampling, layers, int8_expert_inputs, bf16_products, threads, image
+        )
     elif image:
         fail("--image runs on one process (without --nproc)")
     else:
@@ -101,6 +105,7 @@ def _generate_on_ranks(
     layers: int | None,
     int8_expert_inputs: bool,
     bf16_products: bool,
+    threads: int | None,
 ) -> None:
     import torch
 
@@ -110,8 +115,8 @@ def _generate_on_ranks(
     from k3.dist.shard import shard_experts
 
     comm = Comm.from_env(timeout=120.0, backend="gloo")  # the model runs on the CPU
-    torch.set_num_threads(cpu_threads(comm.world))
-    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
+    threads = cpu_threads(comm.world) if threads is None else threads  # by default the ranks share the cores
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     shard_experts(model, comm.rank, comm.world)  # the other ranks' experts are dropped after loading
     ExpertParallel(comm).install(model)
     params = sampling_params(*sampling, {tok.special.eos})

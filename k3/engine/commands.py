@@ -104,15 +104,27 @@ def chat_ids(tok, text: str) -> list[int]:
     return request_prompt(body, body.messages).ids(tok, body.add_generation_prompt)
 
 
-def load(checkpoint: str, layers: int | None, int8_expert_inputs: bool = False, bf16_products: bool = False):
+def load(
+    checkpoint: str,
+    layers: int | None,
+    int8_expert_inputs: bool = False,
+    bf16_products: bool = False,
+    threads: int | None = None,
+):
     """Model (BF16 weights tiled for decode, or paired for bf16 products: k3.model.tiling; MXFP4 experts
     exact, or with their inputs rounded to int8) + tokenizer of a checkpoint directory or URL, or a one-line
-    error."""
+    error. `threads`: torch's thread count from here on (None: torch's default, one a usable core)."""
+    import torch
+
     from k3.checkpoint import open_checkpoint
     from k3.errors import K3Error
     from k3.model import K3ForCausalLM, K3ForConditionalGeneration
     from k3.tokenizer.kimi import Tokenizer
 
+    if threads is not None:
+        if threads < 1:
+            fail(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
     if "://" not in checkpoint and not Path(checkpoint).exists():
         fail(f"{checkpoint}: no such directory")
     try:
@@ -174,6 +186,12 @@ BF16_PRODUCTS = typer.Option(
     help="Decode steps multiply the BF16 weights by their inputs rounded to bfloat16 (bf16 dot products, "
     "fp32 sums): approximate, a faster step of several sequences. CPUs with AVX-512 BF16. Default: exact.",
 )
+THREADS = typer.Option(
+    None,
+    "--threads",
+    help="CPU threads for the model (default: one a usable core). Where other processes keep cores busy, "
+    "fewer can be faster, a small model's decode most: docs/native.md 'A shared machine'.",
+)
 IMAGES = typer.Option(None, "--image", help="An image before the prompt (repeat for more); needs a tower.")
 
 
@@ -203,12 +221,13 @@ def generate(
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
     bf16_products: bool = BF16_PRODUCTS,
+    threads: int = THREADS,
     image: list[Path] = IMAGES,
 ) -> None:
     """Continue a prompt (plain completion, no chat format), streaming tokens to the terminal; `--image`:
     the images' prompts (media tokens, size, pads) come first."""
     images = load_images(image)
-    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     params = sampling_params(
         max_tokens, temperature, top_k, top_p, repetition_penalty, seed, {tok.special.eos}
     )
@@ -269,6 +288,7 @@ def chat(
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
     bf16_products: bool = BF16_PRODUCTS,
+    threads: int = THREADS,
     image: list[Path] = typer.Option(
         None, "--image", help="An image for the first user turn (repeat for more); needs a tower."
     ),
@@ -291,7 +311,7 @@ def chat(
         except (OSError, ValueError) as e:
             fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
     attached = load_images(image)  # images for the next user turn (k3.engine.images.ImageInput)
-    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     if attached and not hasattr(model, "encode_images"):
         fail("--image: this checkpoint has no vision tower (its config has no vision_config)")
     params = sampling_params(
@@ -415,6 +435,7 @@ def serve(
     layers: int = LAYERS,
     int8_expert_inputs: bool = INT8_EXPERTS,
     bf16_products: bool = BF16_PRODUCTS,
+    threads: int = THREADS,
     allow_remote_images: bool = typer.Option(
         False, "--allow-remote-images", help="Fetch http(s) image URLs (size-capped, 10 s timeout)."
     ),
@@ -440,7 +461,7 @@ def serve(
         sock = listening_socket(host, port)
     except K3Error as e:
         fail(str(e))
-    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products)
+    model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
     )

@@ -10,13 +10,17 @@
 //                          avx512vnni, avx512bf16, amx-tile, amx-bf16 (as the compiler's
 //                          __builtin_cpu_supports sees them)
 // and, for the kernels with an AVX-512 variant, `k3_native::wide_variant` (the `variant` argument's check);
-// `k3_native::empty_on_huge_pages` allocates the large fresh tensors the kernels return.
+// `k3_native::empty_on_huge_pages` allocates the large fresh tensors the kernels return;
+// `k3_native::parallel_chunks` splits a loop among torch's threads by demand.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <ATen/Parallel.h>
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -73,6 +77,26 @@ inline torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::
   if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 #endif
   return t;
+}
+
+// fn(lo, hi) over [0, n) in chunks that each of torch's threads takes as it finishes the one before, instead of
+// one even share each: where another process shares a core, the thread on it does less of the work rather than
+// hold the others at the region's end (docs/native.md "A shared machine"). About four chunks a thread, each a
+// multiple of `grain`, so that an idle machine still splits the work about evenly. Which thread computes a
+// chunk changes no bits: the kernels compute every output inside one call, in a fixed order.
+template <typename F>
+inline void parallel_chunks(int64_t n, int64_t grain, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (n <= 0) return;
+  if (threads <= 1 || n <= grain || at::in_parallel_region()) return fn(0, n);
+  // one chunk a thread (an even split) for small loops, up to four a thread from 8 grains a chunk on
+  const int64_t wanted = std::clamp<int64_t>(n / (8 * grain), threads, 4 * threads);
+  const int64_t chunk = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
 }
 
 }  // namespace k3_native

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -66,6 +67,26 @@ def cpu_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
                 flags = set(value.split())
     features = {name: flag in (flags or ()) for flag, name in CPU_FLAGS.items()}
     return {"model": model or platform.processor() or platform.machine(), "features": features}
+
+
+def busy_fraction(before: str, after: str) -> float:
+    """The share of time the CPUs were busy between two readings of /proc/stat's first line ("cpu user nice
+    system idle iowait irq softirq steal ..."): all but idle and iowait (steal counts: another guest ran)."""
+    first, second = ([int(v) for v in text.split()[1:9]] for text in (before, after))
+    spent = [b - a for a, b in zip(first, second, strict=True)]
+    total = sum(spent)
+    return 0.0 if total <= 0 else (total - spent[3] - spent[4]) / total
+
+
+def busy_cpus(seconds: float = 0.25, stat: Path = Path("/proc/stat")) -> float | None:
+    """CPUs' worth of time the machine's processes spent busy over `seconds` while this one slept: what other
+    processes keep busy now. None where there is no /proc/stat."""
+    if not stat.exists():
+        return None
+    before = stat.read_text().splitlines()[0]
+    time.sleep(seconds)
+    after = stat.read_text().splitlines()[0]
+    return busy_fraction(before, after) * (os.cpu_count() or 1)
 
 
 def kernel_variant(module) -> str | None:
@@ -145,6 +166,7 @@ def diagnose() -> dict:
             "model": cpu["model"],
             "logical_cpus": os.cpu_count(),
             "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "busy_cpus": busy_cpus(),  # what other processes keep busy now (k3 sleeps while it looks)
             "features": cpu["features"],
             "features_native": native_view,
         },
@@ -152,6 +174,21 @@ def diagnose() -> dict:
         "kernels": kernels,
         "products": product_checks(),
     }
+
+
+def shared_machine_advice(threads: int, usable: int | None, busy: float | None) -> str | None:
+    """A line for a machine whose other processes keep cores busy (`busy_cpus`), when torch's threads
+    outnumber the idle cores; else None. A parallel region waits for its slowest thread, and a thread that
+    shares its core waits its turn (docs/native.md 'A shared machine')."""
+    if not usable or busy is None or busy < 0.5:
+        return None
+    idle = max(1, usable - round(busy))
+    if threads <= idle:
+        return None
+    return (
+        f"load: other processes keep about {busy:.1f} of {usable} CPUs busy; torch runs {threads} threads: "
+        f"a small model decodes faster with --threads {idle} (docs/native.md 'A shared machine')"
+    )
 
 
 def render(report: dict) -> str:
@@ -164,6 +201,9 @@ def render(report: dict) -> str:
         f"OpenMP {'yes' if t['openmp'] else 'no'}",
         f"CPU: {cpu['model']}, {cpu['usable_cpus'] or '?'} of {cpu['logical_cpus']} logical CPUs usable",
     ]
+    advice = shared_machine_advice(t["threads"], cpu["usable_cpus"], cpu["busy_cpus"])
+    if advice:
+        lines.append(advice)
     features = cpu["features_native"] or cpu["features"]
     source = "native module" if cpu["features_native"] else "/proc/cpuinfo"
     lines.append(

@@ -97,6 +97,49 @@ def test_generate_with_bf16_products(checkpoint: Path, monkeypatch: pytest.Monke
     assert runner.invoke(app, args).exit_code == 0 and asked == [True, False]
 
 
+def test_threads_reach_torch_before_the_model_runs(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--threads N sets torch's thread count before the model is loaded (generate, chat, serve; the same
+    tokens as with the default); without it the count is left as it was; 0 is a one-line error."""
+    import torch
+
+    import k3.listen
+
+    monkeypatch.setattr(k3.listen, "run_app", lambda app, sock, level: sock.close())
+    counts: list[int] = []
+    forward = K3ForCausalLM.forward
+
+    def counting(model: K3ForCausalLM, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 (forward's own)
+        counts.append(torch.get_num_threads())
+        return forward(model, *args, **kwargs)
+
+    monkeypatch.setattr(K3ForCausalLM, "forward", counting)
+    before = torch.get_num_threads()
+    args = ["generate", str(checkpoint), "--prompt", "Hola", "-n", "4", "-t", "0"]
+    try:
+        torch.set_num_threads(2)
+        default = runner.invoke(app, args)
+        assert default.exit_code == 0 and set(counts) == {2}, (default.output, counts)
+        counts.clear()
+        one = runner.invoke(app, [*args, "--threads", "1"])
+        assert one.exit_code == 0 and set(counts) == {1} and one.stdout == default.stdout, (
+            one.output,
+            counts,
+        )
+        torch.set_num_threads(2)
+        counts.clear()
+        chat = runner.invoke(
+            app, ["chat", str(checkpoint), "-n", "2", "-t", "0", "--threads", "1"], input="hola\n"
+        )
+        assert chat.exit_code == 0 and counts and set(counts) == {1}, (chat.output, counts)
+        torch.set_num_threads(2)
+        served = runner.invoke(app, ["serve", str(checkpoint), "--port", "0", "--threads", "1"])
+        assert served.exit_code == 0 and torch.get_num_threads() == 1, served.output
+        bad = runner.invoke(app, [*args, "--threads", "0"])
+        assert bad.exit_code == 1 and "--threads must be >= 1" in bad.output
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_chat_reads_piped_turns(checkpoint: Path) -> None:
     tok = Tokenizer.from_dir(checkpoint)
     params = SamplingParams(temperature=0, max_tokens=6, stop_ids={tok.special.eos, tok.special.end_of_msg})

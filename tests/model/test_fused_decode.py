@@ -219,6 +219,32 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
         torch.set_num_threads(before)
 
 
+def test_projections_split_in_chunks_cover_every_row_once():
+    """`project` hands its matrices' rows to the threads in chunks they take as they go
+    (k3_native::parallel_chunks): at K = 64 a chunk is a multiple of 512 rows, so three matrices of 1,
+    9,000 and 31,000 rows make eight chunks whose edges fall inside matrices, and 700 rows make one a
+    thread. Every row at 1, 2 and 3 threads has the bits of 1 thread (each row summed in one call, whoever
+    runs it) and is within fp32 rounding of float64; a row no chunk covered would be uninitialised memory."""
+    native = load_native()
+    g = gen(13)
+    x = torch.randn(3, 64, generator=g)
+    before = torch.get_num_threads()
+    for sizes in ((1, 9_000, 31_000), (700,)):
+        ws = [torch.randn(n, 64, generator=g) for n in sizes]
+        try:
+            torch.set_num_threads(1)
+            alone = native.project(x, None, 0.0, ws)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                split = native.project(x, None, 0.0, ws)
+                assert all(torch.equal(a, b) for a, b in zip(alone, split, strict=True)), (sizes, threads)
+        finally:
+            torch.set_num_threads(before)
+        for w, y in zip(ws, alone, strict=True):
+            bound = 1e-6 * (x.double().abs() @ w.double().abs().T)
+            assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all(), sizes
+
+
 @pytest.mark.parametrize("L", [512, 32 + 8 + 3])
 def test_the_mla_weighted_rows_against_float64_avx2_and_one_head(L):
     """MLA decode sums each head's softmax weights times the cached latents for up to 8 heads at once

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from k3.cli import app
 from k3.ops.decode.native import DECODE_EXTENSION
-from k3.ops.doctor import cpu_info
+from k3.ops.doctor import busy_cpus, busy_fraction, cpu_info, diagnose, render, shared_machine_advice
 from k3.ops.extension import native_status
 from k3.ops.kda.native import KDA_EXTENSION
 from k3.ops.mxfp4.native import MXFP4_EXTENSION
@@ -93,3 +93,37 @@ def test_cpu_features_from_a_planted_cpuinfo(tmp_path):
     assert info["model"] == "Planted CPU 9000"
     present = {name for name, yes in info["features"].items() if yes}
     assert present == {"avx2", "fma", "avx512f", "amx-tile"}
+
+
+def test_doctor_advises_fewer_threads_on_a_busy_machine():
+    """With the busy CPUs planted: advice to use the idle cores' count when torch's threads outnumber them,
+    none on an idle machine or with threads enough for the idle cores."""
+    assert shared_machine_advice(2, 2, 0.1) is None
+    assert shared_machine_advice(1, 2, 1.0) is None  # one thread for the one idle core
+    assert shared_machine_advice(2, 2, None) is None
+    busy = shared_machine_advice(2, 2, 1.2)
+    assert busy is not None and "--threads 1" in busy and "1.2 of 2 CPUs" in busy
+    assert "--threads 6" in (shared_machine_advice(8, 8, 2.4) or "")
+    assert "--threads 1" in (shared_machine_advice(4, 4, 9.0) or "")  # never fewer than one
+    report = diagnose()
+    report["torch"]["threads"], report["cpu"]["usable_cpus"], report["cpu"]["busy_cpus"] = 2, 2, 1.0
+    assert "decodes faster with --threads 1" in render(report)
+    report["cpu"]["busy_cpus"] = 0.0
+    assert "--threads" not in render(report)
+
+
+def test_busy_cpus_from_planted_readings_and_a_spinning_process(tmp_path):
+    """The busy share between two /proc/stat readings (planted: 300 of 1,000 ticks idle or iowait: 0.7; no
+    ticks: 0), and a live reading while another process spins: at least most of one CPU (other load on the
+    machine only adds to it)."""
+    before = "cpu  100 0 100 500 0 0 0 0 0 0"
+    assert busy_fraction(before, "cpu  500 0 300 750 50 0 0 100 0 0") == 0.7
+    assert busy_fraction(before, before) == 0.0
+    assert busy_cpus(stat=tmp_path / "missing") is None
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        busy = busy_cpus(0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.6, busy

@@ -96,7 +96,7 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
   const float* alog = a_log.data_ptr<float>();
   const float* dt = dt_bias.data_ptr<float>();
   const float l2 = static_cast<float>(l2_eps), s = static_cast<float>(scale), oeps = static_cast<float>(o_norm_eps);
-  at::parallel_for(0, B * H, 2, [&](int64_t z0, int64_t z1) {
+  k3_native::parallel_chunks(B * H, 2, [&](int64_t z0, int64_t z1) {  // heads in chunks, taken as threads go
     std::vector<float> qn(K), kn(K), decay(K), kS(V), oh(V);
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t r = z / H, h = z % H;
@@ -227,7 +227,7 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
       z += G;
     }
   };
-  at::parallel_for(0, B * heads, 1, [&](int64_t z0, int64_t z1) {
+  k3_native::parallel_chunks(B * heads, kHeadGroup, [&](int64_t z0, int64_t z1) {  // whole groups a chunk
     kv_b.dense != nullptr ? attend(kv_b.dense, z0, z1) : attend(kv_b.bf16, z0, z1);
   });
   Tensor update = rows_like(x, D);
