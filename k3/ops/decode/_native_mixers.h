@@ -227,7 +227,9 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
       z += G;
     }
   };
-  k3_native::parallel_chunks(B * heads, kHeadGroup, [&](int64_t z0, int64_t z1) {  // whole groups a chunk
+  // heads in chunks taken as threads go: whole groups, unless too few heads would leave a thread idle
+  const int64_t group_grain = std::clamp<int64_t>(B * heads / at::get_num_threads(), 1, kHeadGroup);
+  k3_native::parallel_chunks(B * heads, group_grain, [&](int64_t z0, int64_t z1) {
     kv_b.dense != nullptr ? attend(kv_b.dense, z0, z1) : attend(kv_b.bf16, z0, z1);
   });
   Tensor update = rows_like(x, D);
