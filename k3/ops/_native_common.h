@@ -81,16 +81,16 @@ inline torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::
 
 // fn(lo, hi) over [0, n) in chunks that each of torch's threads takes as it finishes the one before, instead of
 // one even share each: where another process shares a core, the thread on it does less of the work rather than
-// hold the others at the region's end (docs/native.md "A shared machine"). About four chunks a thread, each a
-// multiple of `grain`, so that an idle machine still splits the work about evenly. Which thread computes a
-// chunk changes no bits: the kernels compute every output inside one call, in a fixed order.
+// hold the others at the region's end (docs/native.md "A shared machine"). Chunks are multiples of `grain`; a
+// loop is cut into up to four a thread where each still holds `least` items (the smallest piece worth handing
+// out alone), else into one a thread, an even split. Which thread computes a chunk changes no bits: the
+// kernels compute every output inside one call, in a fixed order.
 template <typename F>
-inline void parallel_chunks(int64_t n, int64_t grain, const F& fn) {
+inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn) {
   const int64_t threads = at::get_num_threads();
   if (n <= 0) return;
   if (threads <= 1 || n <= grain || at::in_parallel_region()) return fn(0, n);
-  // one chunk a thread (an even split) for small loops, up to four a thread from 8 grains a chunk on
-  const int64_t wanted = std::clamp<int64_t>(n / (8 * grain), threads, 4 * threads);
+  const int64_t wanted = std::clamp<int64_t>(n / std::max(least, grain), threads, 4 * threads);
   const int64_t chunk = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;
   const int64_t chunks = (n + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};

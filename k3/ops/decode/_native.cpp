@@ -178,7 +178,7 @@ Tensor experts_rows(const Tensor& rows, const std::vector<int64_t>& counts, cons
   Tensor out = torch::empty_like(rows);
   const float* in = rows.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  k3_native::parallel_chunks(U, 1, [&](int64_t u0, int64_t u1) {
+  k3_native::parallel_chunks(U, 1, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u)
       if (counts[u] > 0) expert_over_rows(&w[3 * u], f, in + start[u] * L, counts[u], o + start[u] * L);
   });
@@ -210,7 +210,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   const k3_math::GatedActivation f = activation(act, beta, linear_beta);
   std::vector<float> per_pair(B * k * L);
   const float* zp = z.data_ptr<float>();
-  k3_native::parallel_chunks(U, 1, [&](int64_t u0, int64_t u1) {  // experts in chunks, taken as threads go
+  k3_native::parallel_chunks(U, 1, 1, [&](int64_t u0, int64_t u1) {  // experts in chunks, taken as threads go
     std::vector<float> rows, down;
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t M = static_cast<int64_t>(pairs[u].size());

@@ -493,14 +493,15 @@ struct Job {
   float* y;
 };
 
-// Every job's rows in one parallel region, taken by the threads in chunks as they go (k3_native::parallel_chunks).
-// Chunks of at least ~128 KiB of fp32 weights, so that small groups are not split.
+// Every job's rows in one parallel region, taken by the threads in chunks as they go (k3_native::parallel_chunks):
+// of at least ~128 KiB of fp32 weights, so that small groups are not split, and several a thread only from ~1 MiB
+// a chunk (smaller ones, `mini`'s, cut each thread's stream of rows into pieces: 5 % slower steps).
 inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
   int64_t total = 0;
   for (const Job& job : jobs) total += job.w.N;
   const int64_t K = jobs.front().w.K;
   const int64_t grain = std::max<int64_t>(kRowBlock, 32768 / std::max<int64_t>(1, K));
-  k3_native::parallel_chunks(total, grain, [&](int64_t r0, int64_t r1) {
+  k3_native::parallel_chunks(total, grain, 8 * grain, [&](int64_t r0, int64_t r1) {
     int64_t base = 0;
     for (const Job& job : jobs) {
       const int64_t lo = std::max(r0, base), hi = std::min(r1, base + job.w.N);

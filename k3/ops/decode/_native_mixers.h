@@ -96,7 +96,7 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
   const float* alog = a_log.data_ptr<float>();
   const float* dt = dt_bias.data_ptr<float>();
   const float l2 = static_cast<float>(l2_eps), s = static_cast<float>(scale), oeps = static_cast<float>(o_norm_eps);
-  k3_native::parallel_chunks(B * H, 2, [&](int64_t z0, int64_t z1) {  // heads in chunks, taken as threads go
+  k3_native::parallel_chunks(B * H, 2, 2, [&](int64_t z0, int64_t z1) {  // heads in chunks, taken as threads go
     std::vector<float> qn(K), kn(K), decay(K), kS(V), oh(V);
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t r = z / H, h = z % H;
@@ -229,7 +229,7 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
   };
   // heads in chunks taken as threads go: whole groups, unless too few heads would leave a thread idle
   const int64_t group_grain = std::clamp<int64_t>(B * heads / at::get_num_threads(), 1, kHeadGroup);
-  k3_native::parallel_chunks(B * heads, group_grain, [&](int64_t z0, int64_t z1) {
+  k3_native::parallel_chunks(B * heads, group_grain, group_grain, [&](int64_t z0, int64_t z1) {
     kv_b.dense != nullptr ? attend(kv_b.dense, z0, z1) : attend(kv_b.bf16, z0, z1);
   });
   Tensor update = rows_like(x, D);
