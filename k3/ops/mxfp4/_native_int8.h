@@ -148,10 +148,13 @@ inline int64_t blocks_in(int64_t g, int64_t blocks) { return std::min(kGroupBloc
 // rows and K = 3584 are 36 kB, more than L1 holds: row by row took 0.56 ms a [3072, 3584] matrix, group by group
 // 0.41-0.42; 32 cycled, 2 threads, EPYC Zen 4), each group's lines asked for a block of rows ahead (without:
 // 0.43 ms at eight rows, 0.97-1.28 for the AVX2 kernel at four and eight). With fewer rows, row by row, each
-// row's bytes one stream that the hardware's prefetcher follows alone (at one row 0.17-0.19 ms, against
-// 0.19-0.22 asking 8 kB ahead and 0.28-0.30 group by group, alternated). Either way each (weight row, row of x)
-// adds its groups in order: the same bits.
+// row's bytes one stream, each group's lines and every fourth group's scale line asked for into L2 2 kB ahead:
+// the hardware's prefetcher alone was fastest on Zen 4 (at one row 0.17-0.19 ms, against 0.19-0.22 asking 8 kB
+// ahead into L1 and 0.28-0.30 group by group, alternated), but left a Zen 3 core waiting on memory (44 cycled,
+// one row: 12.0-12.2 GB/s at 1 thread, 18.8 at 2; 2 kB ahead 13.4-13.8 and 20.3; 1 or 4 kB less). Either
+// way each (weight row, row of x) adds its groups in order: the same bits.
 constexpr int kGroupsFirstRows = 4;
+constexpr int64_t kRowAheadBytes = 2048;
 struct VisitOrder {
   bool groups_first;
   int64_t n_begin, outer, inner, ahead;
@@ -161,11 +164,20 @@ struct VisitOrder {
         ahead(kRowBlock * (K / 2)) {}
   int64_t group(int64_t o, int64_t i) const { return groups_first ? o : i; }
   int64_t row(int64_t o, int64_t i) const { return n_begin + (groups_first ? i : o); }
-  // Group by group, asks for the next block's same group (the group's four lines at `bytes`). Always inlined:
-  // a call the compiler left made the AVX2 kernel keep its registers in memory (2-3x slower at 2-8 rows).
-  [[gnu::always_inline]] inline void ask_ahead(const uint8_t* bytes) const {
-    if (!groups_first) return;
-    for (int k = 0; k < kSteps; ++k) _mm_prefetch(reinterpret_cast<const char*>(bytes + 64 * k + ahead), _MM_HINT_T0);
+  // Asks for lines ahead of group g (its four lines at `bytes`, its scales at `scale_bytes`): group by group,
+  // the next block's same group into L1; row by row, kRowAheadBytes further on into L2. Always inlined: a call
+  // the compiler left made the AVX2 kernel keep its registers in memory (2-3x slower at 2-8 rows).
+  [[gnu::always_inline]] inline void ask_ahead(const uint8_t* bytes, const uint8_t* scale_bytes, int64_t g) const {
+    if (groups_first) {
+      for (int k = 0; k < kSteps; ++k) _mm_prefetch(reinterpret_cast<const char*>(bytes + 64 * k + ahead), _MM_HINT_T0);
+      return;
+    }
+    for (int k = 0; k < kSteps; ++k) {
+      _mm_prefetch(reinterpret_cast<const char*>(bytes + 64 * k + kRowAheadBytes), _MM_HINT_T1);
+    }
+    if (g % 4 == 0) {  // a 64-byte line holds four groups' scales
+      _mm_prefetch(reinterpret_cast<const char*>(scale_bytes + kRowAheadBytes / mxfp4_rows::kBlockBytes), _MM_HINT_T1);
+    }
   }
 };
 
@@ -225,7 +237,7 @@ K3_AVX2 void avx2_rows(const LaidOutRows& x, int64_t row0, const uint8_t* packed
       const int64_t g = order.group(o, i), n = order.row(o, i);
       const uint8_t* bytes = packed + n * (K / 2) + g * kGroupBytes;
       const uint8_t* scale_bytes = scale + n * blocks + g * kGroupBlocks;
-      order.ask_ahead(bytes);
+      order.ask_ahead(bytes, scale_bytes, g);
       if (g == groups - 1 && last < kGroupBlocks) {
         std::fill(last_bytes, last_bytes + kGroupBytes, uint8_t{0});
         std::fill(last_scale, last_scale + 16, uint8_t{0});
@@ -324,10 +336,11 @@ K3_VNNI void vnni_rows(const LaidOutRows& x, int64_t row0, const uint8_t* packed
     for (int64_t i = 0; i < order.inner; ++i) {
       const int64_t g = order.group(o, i), n = order.row(o, i);
       const uint8_t* bytes = packed + n * (K / 2) + g * kGroupBytes;
-      order.ask_ahead(bytes);
+      const uint8_t* scale_bytes = scale + n * blocks + g * kGroupBlocks;
+      order.ask_ahead(bytes, scale_bytes, g);
       __m512i codes[kCodeRegisters];
       __m512 weight_scale;
-      group_codes(bytes, scale + n * blocks + g * kGroupBlocks, blocks_in(g, blocks), codes, weight_scale);
+      group_codes(bytes, scale_bytes, blocks_in(g, blocks), codes, weight_scale);
       // sum[h][r]: row r's eight dot products in kSplit interleaved chains, so that a row alone does not wait on
       // one vpdpbusd after another (one hot [1024, 3584] matrix, one thread: 63-64 us against 66-85 in one
       // chain); integers, so the split changes nothing.
