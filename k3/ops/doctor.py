@@ -106,7 +106,8 @@ def module_answer(module, question: str) -> bool | None:
     the module). The MXFP4 module answers `bf16_gemv_supported` (few rows of bf16 activations multiply MXFP4
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
     `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
-    module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16)."""
+    module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16) and
+    `short_tiles_ask_ahead` (short rows ask for their next tile ahead: every CPU but Zen 3)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()
@@ -143,6 +144,7 @@ def diagnose() -> dict:
                 "bf16_dot_products": module_answer(status.module, "bf16_gemv_supported"),
                 "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
                 "bf16_products": module_answer(status.module, "bf16_products_supported"),
+                "short_tiles_ahead": module_answer(status.module, "short_tiles_ask_ahead"),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -246,4 +248,11 @@ def render(report: dict) -> str:
         if k["bf16_products"] is not None:
             how = "AVX-512 BF16" if k["bf16_products"] else "not on this CPU (no AVX-512 BF16)"
             lines.append(f"    bf16 products in decode steps (--bf16-products): {how}")
+        if k["short_tiles_ahead"] is not None:
+            how = (
+                "each asks for the next ahead into L2"
+                if k["short_tiles_ahead"]
+                else "left to the hardware prefetcher (Zen 3: faster there)"
+            )
+            lines.append(f"    short rows (8 rows of <= 16 kB, e.g. fp32 at K <= 512): {how}")
     return "\n".join(lines)

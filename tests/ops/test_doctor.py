@@ -73,6 +73,34 @@ def test_doctor_reports_the_kernels_in_use():
         assert said == decode["bf16_products"]
 
 
+def first_cpu_fields(*keys: str) -> dict[str, str]:
+    """The first CPU's values for `keys` in /proc/cpuinfo (read apart from the native module's cpuid)."""
+    found: dict[str, str] = {}
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        key, _, value = (part.strip() for part in line.partition(":"))
+        if key in keys and key not in found:
+            found[key] = value
+    return found
+
+
+def test_short_tiles_ask_ahead_everywhere_but_zen3():
+    """The decode module leaves short tiles to the hardware prefetcher on Zen 3 only (AMD family 25 without
+    AVX-512; _native_gemv.h), by cpuid; /proc/cpuinfo says the same of this CPU, and doctor reports it."""
+    status = native_status(DECODE_EXTENSION)
+    assert status.in_use, status.reason
+    cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
+    zen3 = (
+        cpu["vendor_id"] == "AuthenticAMD"
+        and int(cpu["cpu family"]) == 25
+        and "avx512f" not in cpu["flags"].split()
+    )
+    assert status.module.short_tiles_ask_ahead() == (not zen3)
+    decode = diagnose()["kernels"][2]
+    assert decode["short_tiles_ahead"] == (not zen3)
+    said = "left to the hardware prefetcher (Zen 3" in render(diagnose())
+    assert said == zen3
+
+
 def test_doctor_says_why_a_kernel_is_not_in_use():
     env = {**os.environ, "K3_NATIVE": "0"}
     done = subprocess.run(

@@ -19,6 +19,7 @@
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
+//   short_tiles_ask_ahead     whether short fp32 tiles ask for the next one ahead (not on Zen 3, _native_gemv.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
@@ -409,6 +410,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"));
   m.def("pair_rows", &decode_paired::pair_rows,
         "a BF16 [N, K] matrix laid out for bf16 products (vectors rounded to bf16): [N/16, K/2, 16, 2]", py::arg("w"));
+  m.def("short_tiles_ask_ahead", &decode_native::ask_short_tiles_ahead,
+        "whether a short tile of rows asks for the next one ahead (every CPU but Zen 3)");
   m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
         py::arg("tensors"));

@@ -13,6 +13,7 @@
 #include "_native_math.h"
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -118,6 +119,27 @@ constexpr int64_t kTiledAhead = 8192;
 // 21.4-22.2 -> 19.6-20.5 and 38.0-43.4 -> 39.1-39.2, so they keep T0. Not measured on other CPUs.
 constexpr int64_t kShortTileBytes = 16384;
 
+// Whether `tile` asks for a short tile's next block ahead. It is measured both ways: on Zen 4 asking took
+// `mini`'s steps from 12.9-14.9 to 10.9-13.4 ms at one thread (above); on Zen 3 it cost 5-10 %: `mini`'s
+// fp32 matrices ([32768, 512] twice and [1536, 512] twenty times, cycled, one process, alternated) read at
+// 16.2-16.3 GB/s against 17.1-18.0 left to the hardware prefetcher at one thread, 25.3 against 26.4 at two,
+// and a decode step of `mini` took 10.43 against 9.99 ms at one thread, 6.72 against 6.51 at two (medians
+// of 8 rounds, 2026-12-05). So Zen 3 (AMD family 19h without AVX-512: every Zen 4 has it) leaves short tiles
+// to its prefetcher; every other CPU asks (Zen 4 measured, the others not; BF16 rows not tiled at load are
+// short tiles too, measured on neither). The same bits either way.
+inline bool ask_short_tiles_ahead() {
+  static const bool ask = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return true;
+    const unsigned base = (eax >> 8) & 0xF;
+    const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+    __builtin_cpu_init();
+    const bool zen3 = __builtin_cpu_is("amd") && family == 0x19 && !__builtin_cpu_supports("avx512f");
+    return !zen3;
+  }();
+  return ask;
+}
+
 template <typename T>
 inline void prefetch_at(const T* p, int64_t bytes) {  // into the L1 cache
   __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes));
@@ -153,14 +175,16 @@ __attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, cons
   for (auto& row : acc)
     for (auto& a : row) a = _mm256_setzero_ps();
   // Short rows (one vector, the tile's R rows one block of at most kShortTileBytes): the next tile's block is
-  // asked for in address order, R * 8 values a step, so that it arrives while this one is summed.
+  // asked for in address order, R * 8 values a step, so that it arrives while this one is summed (not on Zen 3:
+  // ask_short_tiles_ahead).
   constexpr int64_t kStepBytes = R * 8 * sizeof(T);
   const bool short_rows = std::is_same_v<L, RowMajor> && V == 1 && R * K * int64_t(sizeof(T)) <= kShortTileBytes;
+  const bool ask_next_tile = short_rows && ask_short_tiles_ahead();
   for (int64_t i = 0; i < body; i += 8) {
     __m256 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
     if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
-    if (short_rows)
+    if (ask_next_tile)
       for (int64_t line = 0; line < kStepBytes; line += 64) prefetch_to_l2(r0 + R * K, i / 8 * kStepBytes + line);
     for (int r = 0; r < R; ++r) {
       if constexpr (std::is_same_v<L, RowMajor>)
