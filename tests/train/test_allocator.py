@@ -36,3 +36,32 @@ print(json.dumps({"before": before, "kept": kept, "after": in_heap()}))
 def test_large_blocks_come_from_the_heap_after_keep_freed_memory():
     result = json.loads(subprocess.run([sys.executable, "-c", PROBE], capture_output=True, check=True).stdout)
     assert result == {"before": False, "kept": True, "after": True}
+
+
+# A freed block larger than 2 GiB at the heap's top: glibc gives the top back (sbrk shrinks) unless trimming
+# is off. mallopt's M_TRIM_THRESHOLD is an int, so the largest threshold it takes (2^31 - 1) still trims here:
+# only -1 turns trimming off. The block is never touched, so it costs address space, not memory.
+TRIM_PROBE = """
+import ctypes, ctypes.util, json
+from k3.train.allocator import keep_freed_memory
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+
+kept = keep_freed_memory()
+block = libc.malloc(3 * 2**30)
+end_with_block = libc.sbrk(0)
+libc.free(block)
+end_kept = libc.sbrk(0) == end_with_block
+print(json.dumps({"kept": kept, "in_heap": block < end_with_block, "end_kept": end_kept}))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt() settings are glibc's")
+def test_a_freed_block_above_2_gib_stays_in_the_heap():
+    result = json.loads(
+        subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, check=True).stdout
+    )
+    assert result == {"kept": True, "in_heap": True, "end_kept": True}
