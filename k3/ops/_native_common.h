@@ -17,6 +17,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -51,6 +52,21 @@ inline std::map<std::string, bool> cpu_features() {
       {"amx-tile", static_cast<bool>(__builtin_cpu_supports("amx-tile"))},
       {"amx-bf16", static_cast<bool>(__builtin_cpu_supports("amx-bf16"))},
   };
+}
+
+// Whether this CPU is an AMD Zen 3: family 19h without AVX-512 (every Zen 4 has it). Its hardware prefetchers
+// differ from Zen 4's, where most of the kernels' prefetching was measured, and two choices were measured
+// apart on it: the decode module's short tiles (`ask_short_tiles_ahead`) and the int8 MXFP4 rows (VisitOrder).
+inline bool cpu_is_zen3() {
+  static const bool zen3 = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
+    const unsigned base = (eax >> 8) & 0xF;
+    const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") && family == 0x19 && !__builtin_cpu_supports("avx512f");
+  }();
+  return zen3;
 }
 
 // Whether `variant` asks for a kernel's AVX-512 code: "auto" where this CPU has what that code needs

@@ -95,9 +95,9 @@ def test_short_tiles_ask_ahead_everywhere_but_zen3():
         and "avx512f" not in cpu["flags"].split()
     )
     assert status.module.short_tiles_ask_ahead() == (not zen3)
-    decode = diagnose()["kernels"][2]
-    assert decode["short_tiles_ahead"] == (not zen3)
-    said = "left to the hardware prefetcher (Zen 3" in render(diagnose())
+    report = diagnose()
+    assert report["kernels"][2]["short_tiles_ahead"] == (not zen3)
+    said = "left to the hardware prefetcher (Zen 3" in render(report)
     assert said == zen3
 
 

@@ -13,7 +13,6 @@
 #include "_native_math.h"
 
 #include <ATen/Parallel.h>
-#include <cpuid.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -124,21 +123,10 @@ constexpr int64_t kShortTileBytes = 16384;
 // fp32 matrices ([32768, 512] twice and [1536, 512] twenty times, cycled, one process, alternated) read at
 // 16.2-16.3 GB/s against 17.1-18.0 left to the hardware prefetcher at one thread, 25.3 against 26.4 at two,
 // and a decode step of `mini` took 10.43 against 9.99 ms at one thread, 6.72 against 6.51 at two (medians
-// of 8 rounds, 2026-12-05). So Zen 3 (AMD family 19h without AVX-512: every Zen 4 has it) leaves short tiles
-// to its prefetcher; every other CPU asks (Zen 4 measured, the others not; BF16 rows not tiled at load are
-// short tiles too, measured on neither). The same bits either way.
-inline bool ask_short_tiles_ahead() {
-  static const bool ask = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return true;
-    const unsigned base = (eax >> 8) & 0xF;
-    const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
-    __builtin_cpu_init();
-    const bool zen3 = __builtin_cpu_is("amd") && family == 0x19 && !__builtin_cpu_supports("avx512f");
-    return !zen3;
-  }();
-  return ask;
-}
+// of 8 rounds, 2026-12-05). So Zen 3 (k3_native::cpu_is_zen3) leaves short tiles to its prefetcher; every
+// other CPU asks (Zen 4 measured, the others not; BF16 rows not tiled at load are short tiles too, measured
+// on neither). The same bits either way.
+inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
 
 template <typename T>
 inline void prefetch_at(const T* p, int64_t bytes) {  // into the L1 cache

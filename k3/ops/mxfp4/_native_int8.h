@@ -148,30 +148,33 @@ inline int64_t blocks_in(int64_t g, int64_t blocks) { return std::min(kGroupBloc
 // rows and K = 3584 are 36 kB, more than L1 holds: row by row took 0.56 ms a [3072, 3584] matrix, group by group
 // 0.41-0.42; 32 cycled, 2 threads, EPYC Zen 4), each group's lines asked for a block of rows ahead (without:
 // 0.43 ms at eight rows, 0.97-1.28 for the AVX2 kernel at four and eight). With fewer rows, row by row, each
-// row's bytes one stream, each group's lines and every fourth group's scale line asked for into L2 2 kB ahead:
-// the hardware's prefetcher alone was fastest on Zen 4 (at one row 0.17-0.19 ms, against 0.19-0.22 asking 8 kB
-// ahead into L1 and 0.28-0.30 group by group, alternated), but left a Zen 3 core waiting on memory (44 cycled,
-// one row: 12.0-12.2 GB/s at 1 thread, 18.8 at 2; 2 kB ahead 13.4-13.8 and 20.3; 1 or 4 kB less). Either
-// way each (weight row, row of x) adds its groups in order: the same bits.
+// row's bytes one stream that the hardware's prefetcher follows alone (at one row 0.17-0.19 ms, against
+// 0.19-0.22 asking 8 kB ahead into L1 and 0.28-0.30 group by group, alternated), except on Zen 3
+// (k3_native::cpu_is_zen3), where it left a core waiting on memory (44 cycled, one row: 12.0-12.2 GB/s at 1
+// thread, 18.8 at 2), so each group there asks for its lines and every fourth group for its scales' line 2 kB
+// ahead into L2 (13.4-13.8 and 20.3 GB/s; 1 or 4 kB less). Either way each (weight row, row of x) adds its
+// groups in order: the same bits.
 constexpr int kGroupsFirstRows = 4;
 constexpr int64_t kRowAheadBytes = 2048;
 struct VisitOrder {
-  bool groups_first;
+  bool groups_first, rows_ahead;
   int64_t n_begin, outer, inner, ahead;
   VisitOrder(int rows, int64_t groups, int64_t n_begin, int64_t n_end, int64_t K)
-      : groups_first(rows >= kGroupsFirstRows), n_begin(n_begin),
+      : groups_first(rows >= kGroupsFirstRows), rows_ahead(!groups_first && k3_native::cpu_is_zen3()),
+        n_begin(n_begin),
         outer(groups_first ? groups : n_end - n_begin), inner(groups_first ? n_end - n_begin : groups),
         ahead(kRowBlock * (K / 2)) {}
   int64_t group(int64_t o, int64_t i) const { return groups_first ? o : i; }
   int64_t row(int64_t o, int64_t i) const { return n_begin + (groups_first ? i : o); }
   // Asks for lines ahead of group g (its four lines at `bytes`, its scales at `scale_bytes`): group by group,
-  // the next block's same group into L1; row by row, kRowAheadBytes further on into L2. Always inlined: a call
-  // the compiler left made the AVX2 kernel keep its registers in memory (2-3x slower at 2-8 rows).
+  // the next block's same group into L1; row by row on Zen 3, kRowAheadBytes further on into L2. Always inlined:
+  // a call the compiler left made the AVX2 kernel keep its registers in memory (2-3x slower at 2-8 rows).
   [[gnu::always_inline]] inline void ask_ahead(const uint8_t* bytes, const uint8_t* scale_bytes, int64_t g) const {
     if (groups_first) {
       for (int k = 0; k < kSteps; ++k) _mm_prefetch(reinterpret_cast<const char*>(bytes + 64 * k + ahead), _MM_HINT_T0);
       return;
     }
+    if (!rows_ahead) return;
     for (int k = 0; k < kSteps; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(bytes + 64 * k + kRowAheadBytes), _MM_HINT_T1);
     }
