@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-# In a child process (the setting is process-wide): where glibc places a 64 MiB malloc() before and
-# after keep_freed_memory(): above the heap's end (its own mmap) or inside the heap.
-PROBE = """
+# Each probe runs in a child process (the setting is process-wide), glibc's malloc, free and sbrk at hand.
+LIBC = """
 import ctypes, ctypes.util, json
 from k3.train.allocator import keep_freed_memory
 
@@ -19,7 +18,11 @@ libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
+"""
 
+# Where glibc places a 64 MiB malloc() before and after keep_freed_memory(): above the heap's end (its own
+# mmap) or inside the heap.
+HEAP_PROBE = """
 def in_heap(size=64 * 2**20):
     block = libc.malloc(size)
     inside = block < libc.sbrk(0)
@@ -31,25 +34,10 @@ kept = keep_freed_memory()
 print(json.dumps({"before": before, "kept": kept, "after": in_heap()}))
 """
 
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt() settings are glibc's")
-def test_large_blocks_come_from_the_heap_after_keep_freed_memory():
-    result = json.loads(subprocess.run([sys.executable, "-c", PROBE], capture_output=True, check=True).stdout)
-    assert result == {"before": False, "kept": True, "after": True}
-
-
 # A freed block larger than 2 GiB at the heap's top: glibc gives the top back (sbrk shrinks) unless trimming
 # is off. mallopt's M_TRIM_THRESHOLD is an int, so the largest threshold it takes (2^31 - 1) still trims here:
 # only -1 turns trimming off. The block is never touched, so it costs address space, not memory.
 TRIM_PROBE = """
-import ctypes, ctypes.util, json
-from k3.train.allocator import keep_freed_memory
-
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
-libc.sbrk.restype, libc.sbrk.argtypes = ctypes.c_void_p, [ctypes.c_ssize_t]
-
 kept = keep_freed_memory()
 block = libc.malloc(3 * 2**30)
 end_with_block = libc.sbrk(0)
@@ -59,9 +47,17 @@ print(json.dumps({"kept": kept, "in_heap": block < end_with_block, "end_kept": e
 """
 
 
+def probe(code: str) -> dict:
+    """What a probe prints, run after LIBC in a fresh Python."""
+    done = subprocess.run([sys.executable, "-c", LIBC + code], capture_output=True, check=True)
+    return json.loads(done.stdout)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt() settings are glibc's")
+def test_large_blocks_come_from_the_heap_after_keep_freed_memory():
+    assert probe(HEAP_PROBE) == {"before": False, "kept": True, "after": True}
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt() settings are glibc's")
 def test_a_freed_block_above_2_gib_stays_in_the_heap():
-    result = json.loads(
-        subprocess.run([sys.executable, "-c", TRIM_PROBE], capture_output=True, check=True).stdout
-    )
-    assert result == {"kept": True, "in_heap": True, "end_kept": True}
+    assert probe(TRIM_PROBE) == {"kept": True, "in_heap": True, "end_kept": True}
