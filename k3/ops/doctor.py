@@ -107,7 +107,7 @@ def module_answer(module, question: str) -> bool | None:
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
     `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
     module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16) and
-    `short_tiles_ask_ahead` (short rows ask for their next tile ahead: every CPU but Zen 3)."""
+    `short_rows_one_by_one` (one vector reads short fp32 rows one at a time: Zen 3; elsewhere tiles of 8)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()
@@ -144,7 +144,7 @@ def diagnose() -> dict:
                 "bf16_dot_products": module_answer(status.module, "bf16_gemv_supported"),
                 "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
                 "bf16_products": module_answer(status.module, "bf16_products_supported"),
-                "short_tiles_ahead": module_answer(status.module, "short_tiles_ask_ahead"),
+                "short_rows_one_by_one": module_answer(status.module, "short_rows_one_by_one"),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -248,11 +248,11 @@ def render(report: dict) -> str:
         if k["bf16_products"] is not None:
             how = "AVX-512 BF16" if k["bf16_products"] else "not on this CPU (no AVX-512 BF16)"
             lines.append(f"    bf16 products in decode steps (--bf16-products): {how}")
-        if k["short_tiles_ahead"] is not None:
+        if k["short_rows_one_by_one"] is not None:
             how = (
-                "each asks for the next ahead into L2"
-                if k["short_tiles_ahead"]
-                else "left to the hardware prefetcher (Zen 3: faster there)"
+                "one row at a time, each asking 2 kB ahead (Zen 3: faster there)"
+                if k["short_rows_one_by_one"]
+                else "in tiles of 8 rows, each asking for the next ahead into L2"
             )
-            lines.append(f"    short rows (8 rows of <= 16 kB, e.g. fp32 at K <= 512): {how}")
+            lines.append(f"    short fp32 rows (<= 2 kB, K <= 512) at one vector: {how}")
     return "\n".join(lines)

@@ -190,15 +190,16 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     assert ((batch.double() - exact).abs()[finite] <= tolerance[finite]).all()
 
 
-@pytest.mark.parametrize("K", [7168 + 5, 256 + 5])
+@pytest.mark.parametrize("K", [7168 + 5, 256 + 5, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
     """The decode step's dense products (`dense_rows_product`: at B > 1 the 16-lane tiles, two vectors per
     register, where the CPU has AVX-512) against the 8-lane tiles forced (bit for bit), each row against the
     same vector alone (bit for bit: batch-invariant), at 1 and 2 threads (bit for bit: a row is summed in one
     thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body, at K3's width and
-    at a short one (one vector's tiles then ask for the next tile's block: kShortTileBytes); 37 rows leave a
-    short tile; the batch sizes reach every pair tile and odd ones."""
+    at short ones (one vector's tiles then ask for the next tile's block: kShortTileBytes; or, on Zen 3, read
+    fp32 rows one at a time: both orders are forced here on every CPU); 37 rows leave a short tile; the batch
+    sizes reach every pair tile and odd ones."""
     native = load_native()
     g = gen(11)
     N = 37
@@ -211,6 +212,9 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
+            for order in ("tiles", "one_by_one"):
+                one = [native.dense_rows_product(x[b : b + 1], w, short_rows=order) for b in range(13)]
+                assert torch.equal(torch.cat(one), alone), (threads, order)
             for B in (2, 3, 4, 5, 8, 9, 13):
                 batch = native.dense_rows_product(x[:B], w)
                 assert torch.equal(batch, native.dense_rows_product(x[:B], w, variant="avx2")), (threads, B)

@@ -19,7 +19,7 @@
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
-//   short_tiles_ask_ahead     whether short fp32 tiles ask for the next one ahead (not on Zen 3, _native_gemv.h)
+//   short_rows_one_by_one     whether one vector reads short fp32 rows one at a time (Zen 3, _native_gemv.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
@@ -301,13 +301,16 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
 }
 
 // x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled, or paired) as the decode step multiplies it (Weight::rows:
-// the AVX-512 tiles where `variant` allows, the same bits), rows split across threads: [B, N].
-// For tests and benchmarks.
-Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant) {
+// the AVX-512 tiles where `variant` allows; short fp32 rows at one vector in the CPU's order, or as `short_rows`
+// says: "tiles" of 8 or "one_by_one"; the same bits), rows split across threads: [B, N]. For tests and benchmarks.
+Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant, const std::string& short_rows) {
   const int64_t B = rows_of(x, "x"), K = x.size(-1);
   check_rows(x, B, K, "x");
+  TORCH_CHECK(short_rows == "auto" || short_rows == "tiles" || short_rows == "one_by_one",
+              "short_rows must be 'auto', 'tiles' or 'one_by_one', got '", short_rows, "'");
   Weight weight = dense_weight(w, K, "the matrix");
   weight.wide = mxfp4_rows512::wide_variant(variant);
+  if (short_rows != "auto") weight.short_rows_one_by_one = short_rows == "one_by_one";
   Tensor y = rows_like(x, weight.N);
   project(x.data_ptr<float>(), B, {{weight, y.data_ptr<float>()}});
   return y;
@@ -410,13 +413,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("w"));
   m.def("pair_rows", &decode_paired::pair_rows,
         "a BF16 [N, K] matrix laid out for bf16 products (vectors rounded to bf16): [N/16, K/2, 16, 2]", py::arg("w"));
-  m.def("short_tiles_ask_ahead", &decode_native::ask_short_tiles_ahead,
-        "whether a short tile of rows asks for the next one ahead (every CPU but Zen 3)");
+  m.def("short_rows_one_by_one", &decode_native::read_short_rows_one_by_one,
+        "whether one vector reads short fp32 rows one at a time (Zen 3) rather than in tiles of 8");
   m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
         py::arg("tensors"));
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",
-        py::arg("x"), py::arg("w"), py::arg("variant") = "auto");
+        py::arg("x"), py::arg("w"), py::arg("variant") = "auto", py::arg("short_rows") = "auto");
   m.def("weighted_rows_product", &weighted_rows_product, "sum_t a[j, t] c[t, :] as MLA's decode step sums its cache",
         py::arg("a"), py::arg("c"), py::arg("variant") = "auto");
   m.def("gemv_variant", &mxfp4_rows512::gemv_variant, "the MXFP4 GEMV at one row in use: 'avx512' or 'avx2'");

@@ -118,15 +118,24 @@ constexpr int64_t kTiledAhead = 8192;
 // 21.4-22.2 -> 19.6-20.5 and 38.0-43.4 -> 39.1-39.2, so they keep T0. Not measured on other CPUs.
 constexpr int64_t kShortTileBytes = 16384;
 
-// Whether `tile` asks for a short tile's next block ahead. It is measured both ways: on Zen 4 asking took
-// `mini`'s steps from 12.9-14.9 to 10.9-13.4 ms at one thread (above); on Zen 3 it cost 5-10 %: `mini`'s
-// fp32 matrices ([32768, 512] twice and [1536, 512] twenty times, cycled, one process, alternated) read at
-// 16.2-16.3 GB/s against 17.1-18.0 left to the hardware prefetcher at one thread, 25.3 against 26.4 at two,
-// and a decode step of `mini` took 10.43 against 9.99 ms at one thread, 6.72 against 6.51 at two (medians
-// of 8 rounds, 2026-12-05). So Zen 3 (k3_native::cpu_is_zen3) leaves short tiles to its prefetcher; every
-// other CPU asks (Zen 4 measured, the others not; BF16 rows not tiled at load are short tiles too, measured
-// on neither). The same bits either way.
+// How a short tile is read on Zen 3. Asking for the next tile's block ahead, measured on Zen 4 (`mini`'s steps
+// 12.9-14.9 -> 10.9-13.4 ms at one thread, above), cost 5-10 % there: `mini`'s fp32 matrices cycled read at
+// 16.2-16.3 GB/s against 17.1-18.0 left to the hardware prefetcher at one thread, 25.3 against 26.4 at two
+// (2026-12-05), so Zen 3 (k3_native::cpu_is_zen3) never asks for a next tile. And at one vector it reads short
+// fp32 rows one row at a time (a tile<1, 1> each, asking kShortRowAhead bytes ahead into L1 once a line:
+// read_short_rows_one_by_one): eight short streams at once, each over in a few lines, left its prefetcher
+// untrained, where one row after the other is one stream through the matrix. fp32 [N, K] matrices of 240 MB
+// cycled on huge pages, one thread, a C++ loop of the two orders (1 kB ahead; 2026-12-05): K = 256 9.5-10.2 ->
+// 19.0-21.0 GB/s, K = 512 15.1-16.2 -> 19.6-21.5 ([32768, 512]: 14.6-15.0 -> 19.5-20.4); longer rows read faster
+// in tiles (K = 1536 21.6-23.3 against 21.3-22.1, K = 7168 ~25 against ~20), so only short rows change. A `mini`
+// step after 512 tokens (one process per setting, settings in turn, 4 rounds, medians of 300 steps): one thread
+// 8.72-9.92 ms in tiles, 8.03-8.47 one by one asking 2 kB ahead (4 kB 8.13-8.99, none 8.87-9.28); two threads
+// 5.79-6.32 against 5.46-6.15. One chain of FMAs a row computes at most ~35 GB/s from the L2 cache (tiles of 8:
+// ~47), above what memory gives one core. The same bits either way: a row's value is one 8-lane accumulator over
+// i in order whatever the tile. Measured on Zen 3 only; BF16 rows (tiled at load) keep their tiles.
+constexpr int64_t kShortRowAhead = 2048;
 inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
+inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
 
 template <typename T>
 inline void prefetch_at(const T* p, int64_t bytes) {  // into the L1 cache
@@ -153,9 +162,10 @@ inline void prefetch_ahead(const T* row, int64_t i) {
 // weight loaded (and converted) once for the V vectors and each vector once for the R rows. Every value is
 // one accumulator of 8 lanes over i in order, then their sum and the tail: the same arithmetic whatever the
 // tile and the layout L, so a row's result depends on neither the size of its batch nor how it is stored.
+// `row_ahead`: a row read alone asks for its own line kShortRowAhead bytes ahead (read_short_rows_one_by_one).
 template <int R, int V, typename L, typename T>
 __attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, const float* x, int64_t b0, float* y,
-                                                     int64_t ldy, int64_t n) {
+                                                     int64_t ldy, int64_t n, bool row_ahead = false) {
   const int64_t body = K - K % 8;  // K itself when tiled
   const T* r0 = L::start(W, K, n);
   const int64_t apart = L::rows_apart(K);
@@ -167,13 +177,14 @@ __attribute__((target("avx2,fma"))) inline void tile(const T* W, int64_t K, cons
   // ask_short_tiles_ahead).
   constexpr int64_t kStepBytes = R * 8 * sizeof(T);
   const bool short_rows = std::is_same_v<L, RowMajor> && V == 1 && R * K * int64_t(sizeof(T)) <= kShortTileBytes;
-  const bool ask_next_tile = short_rows && ask_short_tiles_ahead();
+  const bool ask_next_tile = short_rows && !row_ahead && ask_short_tiles_ahead();
   for (int64_t i = 0; i < body; i += 8) {
     __m256 xv[V];
     for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
     if constexpr (std::is_same_v<L, Tiled>) prefetch_ahead<L>(r0, i);
     if (ask_next_tile)
       for (int64_t line = 0; line < kStepBytes; line += 64) prefetch_to_l2(r0 + R * K, i / 8 * kStepBytes + line);
+    if (row_ahead && i * int64_t(sizeof(T)) % 64 == 0) prefetch_at(r0 + i, kShortRowAhead);
     for (int r = 0; r < R; ++r) {
       if constexpr (std::is_same_v<L, RowMajor>)
         if (!short_rows) prefetch_ahead<L>(r0 + r * apart, i);
@@ -249,7 +260,8 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
 
 // y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for
 // all B vectors. One vector: eight rows at a time (eight memory streams in flight; measured at K3's KDA
-// projections, 2 threads: 33 GB/s against 28 with four). Several: six rows x two vectors per tile (12
+// projections, 2 threads: 33 GB/s against 28 with four), or short fp32 rows one at a time where `one_by_one`
+// (Weight::short_rows_one_by_one: Zen 3). Several: six rows x two vectors per tile (12
 // accumulators, 2 vectors and a weight: 15 of the 16 AVX2 registers), each vector read once per six rows
 // from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With
 // `wide` (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads,
@@ -257,7 +269,11 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1,
-                                                           bool wide = false) {
+                                                           bool wide = false, bool one_by_one = false) {
+  if (B == 1 && one_by_one && std::is_same_v<T, float> && 8 * K * int64_t(sizeof(T)) <= kShortTileBytes) {
+    for (int64_t n = n0; n < n1; ++n) tile<1, 1, RowMajor>(W, K, x, 0, y, ldy, n, true);
+    return;
+  }
   const int64_t step = B == 1 ? 8 : 6;
   int64_t n = wide && B > 1 ? dense_rows_pairs(W, K, x, B, y, ldy, n0, n1) : n0;
   for (; n + step <= n1; n += step) {
@@ -386,10 +402,11 @@ struct Weight {
   bool tiled = false;  // bf16 in the Tiled layout
   bool paired = false; // bf16 in the paired layout: multiplied with bf16 products (_native_paired.h), opted into
   bool int8_x = false; // MXFP4 times x rounded to int8 per block (_native_int8.h): approximate, opted into
+  bool short_rows_one_by_one = false;  // fp32 rows of <= 2 kB at one vector read row by row (the same bits)
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
-    if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide);
+    if (dense != nullptr) return dense_rows(dense, K, x, B, y, ldy, n0, n1, wide, short_rows_one_by_one);
     if (bf16 != nullptr && paired) return decode_paired::paired_rows(bf16, K, x, B, y, ldy, n0, n1);
     if (bf16 != nullptr && tiled) return tiled_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
     if (bf16 != nullptr) return dense_rows(bf16, K, x, B, y, ldy, n0, n1, wide);
@@ -441,7 +458,9 @@ inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
   const bool wide = mxfp4_rows512::gemv_variant() == "avx512";  // the CPU's best tiles (the same bits)
   const int64_t N = matrix_rows(w);
   if (bf16) return {nullptr, static_cast<const uint16_t*>(w.data_ptr()), nullptr, nullptr, N, K, wide, tiled, paired};
-  return {w.data_ptr<float>(), nullptr, nullptr, nullptr, N, K, wide};
+  Weight dense{w.data_ptr<float>(), nullptr, nullptr, nullptr, N, K, wide};
+  dense.short_rows_one_by_one = read_short_rows_one_by_one();  // the CPU's faster order (the same bits)
+  return dense;
 }
 
 // w [N, K] BF16 in the Tiled layout: [N/8, K/8, 8, 8] (block, column step, row in block, column), on huge pages.
