@@ -198,8 +198,8 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
     same vector alone (bit for bit: batch-invariant), at 1 and 2 threads (bit for bit: a row is summed in one
     thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body, at K3's width and
     at short ones (one vector's tiles then ask for the next tile's block: kShortTileBytes; or, on Zen 3, read
-    fp32 rows one at a time: both orders are forced here on every CPU); 37 rows leave a short tile; the batch
-    sizes reach every pair tile and odd ones."""
+    fp32 rows one at a time for up to 8 vectors: both orders are forced here on every CPU, alone and in
+    batches); 37 rows leave a short tile; the batch sizes reach every pair tile and odd ones."""
     native = load_native()
     g = gen(11)
     N = 37
@@ -215,6 +215,9 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
             for order in ("tiles", "one_by_one"):
                 one = [native.dense_rows_product(x[b : b + 1], w, short_rows=order) for b in range(13)]
                 assert torch.equal(torch.cat(one), alone), (threads, order)
+                for B in (2, 5, 8, 13):
+                    batch = native.dense_rows_product(x[:B], w, short_rows=order)
+                    assert torch.equal(batch, alone[:B]), (threads, order, B)
             for B in (2, 3, 4, 5, 8, 9, 13):
                 batch = native.dense_rows_product(x[:B], w)
                 assert torch.equal(batch, native.dense_rows_product(x[:B], w, variant="avx2")), (threads, B)

@@ -121,8 +121,8 @@ constexpr int64_t kShortTileBytes = 16384;
 // How a short tile is read on Zen 3. Asking for the next tile's block ahead, measured on Zen 4 (`mini`'s steps
 // 12.9-14.9 -> 10.9-13.4 ms at one thread, above), cost 5-10 % there: `mini`'s fp32 matrices cycled read at
 // 16.2-16.3 GB/s against 17.1-18.0 left to the hardware prefetcher at one thread, 25.3 against 26.4 at two
-// (2026-12-05), so Zen 3 (k3_native::cpu_is_zen3) never asks for a next tile. And at one vector it reads short
-// fp32 rows one row at a time (a tile<1, 1> each, asking kShortRowAhead bytes ahead into L1 once a line:
+// (2026-12-05), so Zen 3 (k3_native::cpu_is_zen3) never asks for a next tile. And it reads short fp32 rows one
+// row at a time (a tile<1, V> each, asking kShortRowAhead bytes ahead into L1 once a line:
 // read_short_rows_one_by_one): eight short streams at once, each over in a few lines, left its prefetcher
 // untrained, where one row after the other is one stream through the matrix. fp32 [N, K] matrices of 240 MB
 // cycled on huge pages, one thread, a C++ loop of the two orders (1 kB ahead; 2026-12-05): K = 256 9.5-10.2 ->
@@ -132,7 +132,11 @@ constexpr int64_t kShortTileBytes = 16384;
 // 8.72-9.92 ms in tiles, 8.03-8.47 one by one asking 2 kB ahead (4 kB 8.13-8.99, none 8.87-9.28); two threads
 // 5.79-6.32 against 5.46-6.15. One chain of FMAs a row computes at most ~35 GB/s from the L2 cache (tiles of 8:
 // ~47), above what memory gives one core. The same bits either way: a row's value is one 8-lane accumulator over
-// i in order whatever the tile. Measured on Zen 3 only; BF16 rows (tiled at load) keep their tiles.
+// i in order whatever the tile. Several vectors read each such row once for up to 8 of them (tile<1, 8>: 8
+// accumulators), not tiles of 6 rows x 2 vectors read four times: 8 vectors x [32768, 512] from memory 30-34 ->
+// 42-45 GFLOP/s (from L2 48 -> 39), a `mini` step of 8 sequences 22.6-28.4 -> 20.4-22.0 ms at one thread
+// (processes alternated, 3 rounds, medians of 60 steps). Measured on Zen 3 only; BF16 rows (tiled at load) keep
+// their tiles.
 constexpr int64_t kShortRowAhead = 2048;
 inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
 inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
@@ -258,20 +262,26 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
   return n;
 }
 
-// y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for
-// all B vectors. One vector: eight rows at a time (eight memory streams in flight; measured at K3's KDA
-// projections, 2 threads: 33 GB/s against 28 with four), or short fp32 rows one at a time where `one_by_one`
-// (Weight::short_rows_one_by_one: Zen 3). Several: six rows x two vectors per tile (12
-// accumulators, 2 vectors and a weight: 15 of the 16 AVX2 registers), each vector read once per six rows
-// from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With
-// `wide` (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads,
-// B = 8, BF16 200 GFLOP/s against 133 (fp32 150 against 107), B = 2-3 level (memory-bound).
+// y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for all B
+// vectors. One vector: eight rows at a time (eight memory streams in flight; measured at K3's KDA projections, 2
+// threads: 33 GB/s against 28 with four), or short fp32 rows one at a time where `one_by_one`
+// (Weight::short_rows_one_by_one: Zen 3; for up to 8 vectors at once too). Several: six rows x two vectors per
+// tile (12 accumulators, 2 vectors and a weight: 15 of the 16 AVX2 registers), each vector read once per six rows
+// from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With `wide`
+// (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads, B = 8, BF16
+// 200 GFLOP/s against 133 (fp32 150 against 107), B = 2-3 level (memory-bound).
 template <typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1,
                                                            bool wide = false, bool one_by_one = false) {
-  if (B == 1 && one_by_one && std::is_same_v<T, float> && 8 * K * int64_t(sizeof(T)) <= kShortTileBytes) {
-    for (int64_t n = n0; n < n1; ++n) tile<1, 1, RowMajor>(W, K, x, 0, y, ldy, n, true);
+  if (one_by_one && std::is_same_v<T, float> && 8 * K * int64_t(sizeof(T)) <= kShortTileBytes) {
+    for (int64_t n = n0; n < n1; ++n) {  // each row read once for up to 8 vectors (8 accumulators)
+      int64_t b = 0;
+      for (; b + 8 <= B; b += 8) tile<1, 8, RowMajor>(W, K, x, b, y, ldy, n, true);
+      for (; b + 4 <= B; b += 4) tile<1, 4, RowMajor>(W, K, x, b, y, ldy, n, true);
+      for (; b + 2 <= B; b += 2) tile<1, 2, RowMajor>(W, K, x, b, y, ldy, n, true);
+      if (b < B) tile<1, 1, RowMajor>(W, K, x, b, y, ldy, n, true);
+    }
     return;
   }
   const int64_t step = B == 1 ? 8 : 6;
@@ -402,7 +412,7 @@ struct Weight {
   bool tiled = false;  // bf16 in the Tiled layout
   bool paired = false; // bf16 in the paired layout: multiplied with bf16 products (_native_paired.h), opted into
   bool int8_x = false; // MXFP4 times x rounded to int8 per block (_native_int8.h): approximate, opted into
-  bool short_rows_one_by_one = false;  // fp32 rows of <= 2 kB at one vector read row by row (the same bits)
+  bool short_rows_one_by_one = false;  // fp32 rows of <= 2 kB read row by row (the same bits)
 
   // y[b * ldy + n] = W[n, :] . x[b * K : (b + 1) * K] for b < B and n in [n0, n1).
   void rows(const float* x, int64_t B, float* y, int64_t ldy, int64_t n0, int64_t n1) const {
