@@ -107,7 +107,7 @@ def module_answer(module, question: str) -> bool | None:
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
     `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
     module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16) and
-    `short_rows_one_by_one` (one vector reads short fp32 rows one at a time: Zen 3; elsewhere tiles of 8)."""
+    `short_rows_one_by_one` (short fp32 rows read one at a time for up to 8 vectors: Zen 3; else tiles)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()
@@ -252,7 +252,7 @@ def render(report: dict) -> str:
             how = (
                 "one row at a time, each asking 2 kB ahead (Zen 3: faster there)"
                 if k["short_rows_one_by_one"]
-                else "in tiles of 8 rows, each asking for the next ahead into L2"
+                else "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)"
             )
-            lines.append(f"    short fp32 rows (<= 2 kB, K <= 512) at one vector: {how}")
+            lines.append(f"    short fp32 rows (<= 2 kB, K <= 512): {how}")
     return "\n".join(lines)

@@ -19,7 +19,7 @@
 //   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
-//   short_rows_one_by_one     whether one vector reads short fp32 rows one at a time (Zen 3, _native_gemv.h)
+//   short_rows_one_by_one     whether short fp32 rows are read one at a time (Zen 3, _native_gemv.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
@@ -301,7 +301,7 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
 }
 
 // x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled, or paired) as the decode step multiplies it (Weight::rows:
-// the AVX-512 tiles where `variant` allows; short fp32 rows at one vector in the CPU's order, or as `short_rows`
+// the AVX-512 tiles where `variant` allows; short fp32 rows in the CPU's order, or as `short_rows`
 // says: "tiles" of 8 or "one_by_one"; the same bits), rows split across threads: [B, N]. For tests and benchmarks.
 Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant, const std::string& short_rows) {
   const int64_t B = rows_of(x, "x"), K = x.size(-1);
@@ -414,7 +414,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pair_rows", &decode_paired::pair_rows,
         "a BF16 [N, K] matrix laid out for bf16 products (vectors rounded to bf16): [N/16, K/2, 16, 2]", py::arg("w"));
   m.def("short_rows_one_by_one", &decode_native::read_short_rows_one_by_one,
-        "whether one vector reads short fp32 rows one at a time (Zen 3) rather than in tiles of 8");
+        "whether short fp32 rows are read one at a time (Zen 3) rather than in tiles");
   m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
         py::arg("tensors"));
