@@ -142,9 +142,9 @@ class K3Engine:
 
     def describe(self) -> str:
         from k3.model.tiling import is_paired
-        from k3.ops.doctor import diagnose
+        from k3.ops.doctor import kernel_reports
 
-        kernels = [f"{k['name']} {k['in_use']} {k['variant'] or ''}".strip() for k in diagnose()["kernels"]]
+        kernels = [f"{k['name']} {k['in_use']} {k['variant'] or ''}".strip() for k in kernel_reports()]
         int8 = any(getattr(m, "int8_inputs", False) for m in self.model.modules())
         experts = "int8 inputs" if int8 else "exact"
         paired = any(is_paired(p) for p in self.model.parameters())

@@ -126,10 +126,9 @@ def variant_text(name: str, variant: str) -> str:
     return f"AVX-512 for {AVX512_PARTS[name]}, AVX2 + FMA elsewhere" if variant == "avx512" else "AVX2 + FMA"
 
 
-def diagnose() -> dict:
-    """Everything `k3 doctor` reports, as plain data."""
-    import k3
-
+def kernel_reports() -> list[dict]:
+    """What `k3 doctor` says of each native module: in use or why not, its SIMD code and its choices (for a
+    benchmark's header too, without diagnose's quarter second sampling the load)."""
     kernels = []
     for extension, serves, fallback in KERNELS:
         with warnings.catch_warnings():  # the reason is reported below, not warned about
@@ -150,6 +149,14 @@ def diagnose() -> dict:
                 "path": str(status.path) if status.path else None,
             }
         )
+    return kernels
+
+
+def diagnose() -> dict:
+    """Everything `k3 doctor` reports, as plain data."""
+    import k3
+
+    kernels = kernel_reports()
     cpu = cpu_info()
     loaded = [native_status(ext).module for ext, _, _ in KERNELS if native_status(ext).in_use]
     native_view = dict(loaded[0].cpu_features()) if loaded else None
