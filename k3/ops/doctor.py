@@ -107,7 +107,7 @@ def module_answer(module, question: str) -> bool | None:
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
     `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
     module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16) and
-    `short_rows_one_by_one` (short fp32 rows read one at a time for up to 8 vectors: Zen 3; else tiles)."""
+    `short_rows_one_by_one` (short fp32 rows read one at a time for up to 12 vectors: Zen 3; else tiles)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()

@@ -198,7 +198,7 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
     same vector alone (bit for bit: batch-invariant), at 1 and 2 threads (bit for bit: a row is summed in one
     thread) and against float64 (fp32 rounding). K has a tail of 5 beyond the 8-lane body, at K3's width and
     at short ones (one vector's tiles then ask for the next tile's block: kShortTileBytes; or, on Zen 3, read
-    fp32 rows one at a time for up to 8 vectors: both orders are forced here on every CPU, alone and in
+    fp32 rows one at a time for up to 12 vectors: both orders are forced here on every CPU, alone and in
     batches); 37 rows leave a short tile; the batch sizes reach every pair tile and odd ones."""
     native = load_native()
     g = gen(11)
@@ -215,7 +215,7 @@ def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):
             for order in ("tiles", "one_by_one"):
                 one = [native.dense_rows_product(x[b : b + 1], w, short_rows=order) for b in range(13)]
                 assert torch.equal(torch.cat(one), alone), (threads, order)
-                for B in (2, 5, 8, 13):
+                for B in (2, 5, 8, 12, 13):  # one by one up to 12 vectors (kRowByRowVectors)
                     batch = native.dense_rows_product(x[:B], w, short_rows=order)
                     assert torch.equal(batch, alone[:B]), (threads, order, B)
             for B in (2, 3, 4, 5, 8, 9, 13):

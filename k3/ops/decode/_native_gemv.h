@@ -138,6 +138,10 @@ constexpr int64_t kShortTileBytes = 16384;
 // (processes alternated, 3 rounds, medians of 60 steps). Measured on Zen 3 only; BF16 rows (tiled at load) keep
 // their tiles.
 constexpr int64_t kShortRowAhead = 2048;
+// Up to this many vectors read short rows one by one; more read tiles, whose loads of each vector serve six
+// rows (B vectors times twelve [4096, 512] matrices cycled, one thread, GFLOP/s in tiles against one by one:
+// B = 8 34-36 / 46-48, 12 41.0 / 46.6, 16 47.7-48.7 / 45.0-45.1, 32 58.1 / 40.6, 64 65.5 / 41.5).
+constexpr int64_t kRowByRowVectors = 12;
 inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
 inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
 
@@ -265,7 +269,7 @@ K3_DECODE_AVX512 inline int64_t dense_rows_pairs(const T* W, int64_t K, const fl
 // y[b * ldy + n] = W[n, :] . x[b] for b < B, n in [n0, n1), each group of rows read from memory once for all B
 // vectors. One vector: eight rows at a time (eight memory streams in flight; measured at K3's KDA projections, 2
 // threads: 33 GB/s against 28 with four), or short fp32 rows one at a time where `one_by_one`
-// (Weight::short_rows_one_by_one: Zen 3; for up to 8 vectors at once too). Several: six rows x two vectors per
+// (Weight::short_rows_one_by_one: Zen 3; up to kRowByRowVectors vectors). Several: six rows x two vectors per
 // tile (12 accumulators, 2 vectors and a weight: 15 of the 16 AVX2 registers), each vector read once per six rows
 // from the cache: at B = 8, 125 GFLOP/s against 100-118 with four rows x two vectors or two x four. With `wide`
 // (AVX-512), dense_rows_pairs' six rows x eight vectors first: at a [4096, 7168] matrix, 2 threads, B = 8, BF16
@@ -274,8 +278,9 @@ template <typename T>
 __attribute__((target("avx2,fma"))) inline void dense_rows(const T* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1,
                                                            bool wide = false, bool one_by_one = false) {
-  if (one_by_one && std::is_same_v<T, float> && 8 * K * int64_t(sizeof(T)) <= kShortTileBytes) {
-    for (int64_t n = n0; n < n1; ++n) {  // each row read once for up to 8 vectors (8 accumulators)
+  const bool short_fp32 = std::is_same_v<T, float> && 8 * K * int64_t(sizeof(T)) <= kShortTileBytes;
+  if (one_by_one && short_fp32 && B <= kRowByRowVectors) {
+    for (int64_t n = n0; n < n1; ++n) {  // each row read for 8 vectors at a time (8 accumulators)
       int64_t b = 0;
       for (; b + 8 <= B; b += 8) tile<1, 8, RowMajor>(W, K, x, b, y, ldy, n, true);
       for (; b + 4 <= B; b += 4) tile<1, 4, RowMajor>(W, K, x, b, y, ldy, n, true);
