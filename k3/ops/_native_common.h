@@ -56,7 +56,8 @@ inline std::map<std::string, bool> cpu_features() {
 
 // Whether this CPU is an AMD Zen 3: family 19h without AVX-512 (every Zen 4 has it). Its hardware prefetchers
 // differ from Zen 4's, where most of the kernels' prefetching was measured, and two choices were measured
-// apart on it: the decode module's short rows (`ask_short_tiles_ahead`, `read_short_rows_one_by_one`) and the int8 MXFP4 rows (VisitOrder).
+// apart on it: how the decode module reads short rows (`ask_short_tiles_ahead`, `read_short_rows_one_by_one`)
+// and the int8 MXFP4 rows (VisitOrder).
 inline bool cpu_is_zen3() {
   static const bool zen3 = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;

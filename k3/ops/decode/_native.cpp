@@ -301,8 +301,8 @@ std::vector<Tensor> project_all(const Tensor& x, const Optional& norm_w, double 
 }
 
 // x [B, K] times one dense fp32 or BF16 matrix w [N, K] (or tiled, or paired) as the decode step multiplies it (Weight::rows:
-// the AVX-512 tiles where `variant` allows; short fp32 rows in the CPU's order, or as `short_rows`
-// says: "tiles" of 8 or "one_by_one"; the same bits), rows split across threads: [B, N]. For tests and benchmarks.
+// the AVX-512 tiles where `variant` allows; short fp32 rows in the CPU's order, or as `short_rows` says:
+// "tiles" or "one_by_one"; the same bits), rows split across threads: [B, N]. For tests and benchmarks.
 Tensor dense_rows_product(const Tensor& x, const Tensor& w, const std::string& variant, const std::string& short_rows) {
   const int64_t B = rows_of(x, "x"), K = x.size(-1);
   check_rows(x, B, K, "x");
