@@ -84,9 +84,9 @@ def first_cpu_fields(*keys: str) -> dict[str, str]:
 
 
 def test_short_rows_read_one_by_one_on_zen3_only():
-    """The decode module reads short fp32 rows one at a time at one vector on Zen 3 only (AMD family 25
-    without AVX-512; elsewhere tiles of 8 that ask for the next ahead; _native_gemv.h), by cpuid;
-    /proc/cpuinfo says the same of this CPU, and doctor reports it."""
+    """The decode module reads short fp32 rows one at a time (for up to 12 vectors) on Zen 3 only (AMD
+    family 25 without AVX-512; elsewhere in tiles; _native_gemv.h), by cpuid; /proc/cpuinfo says the same
+    of this CPU, and doctor reports it."""
     status = native_status(DECODE_EXTENSION)
     assert status.in_use, status.reason
     cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
