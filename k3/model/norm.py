@@ -100,7 +100,7 @@ def _converted_in_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(*x.shape[:-1], N)  # [..., N]
     for i in range(0, N, rows):
         part = block[: min(rows, N - i)]
-        part.copy_(rows_of(w, i, i + part.shape[0]))
+        rows_of(w, i, i + part.shape[0], out=part)
         out[..., i : i + part.shape[0]] = F.linear(x, part)
     return out
 

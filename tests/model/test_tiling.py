@@ -170,6 +170,40 @@ def test_gradients_flow_through_a_tiled_weight_to_the_input():
     assert torch.equal(y, y_tiled) and torch.equal(dx, dx_tiled)
 
 
+def test_rows_taken_back_from_blocks_into_a_buffer(monkeypatch):
+    """rows_of(..., out=) as a prefill's GEMM takes a tiled or paired weight's rows (the native
+    rows_from_blocks): each range of whole blocks equal to the matrix's own rows, float32 (exact) and
+    bfloat16, at 1 and 2 threads, a paired layout written by torch too; torch's own copy (no native module)
+    gives the same; ranges that cut a block and buffers of the wrong shape or dtype are refused."""
+    native = load_native()
+    g = gen(7)
+    w = torch.randn(48, 7168, generator=g).bfloat16()
+    paired = w.view(3, 16, 3584, 2).transpose(1, 2).contiguous()  # [N/16, K/2, 16 rows, 2 columns]
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for blocks, step in ((by_torch(w), 8), (paired, 16)):
+                for start, stop in ((0, 48), (step, 48), (0, step), (16, 32), (48, 48)):
+                    for dtype in (torch.float32, torch.bfloat16):
+                        out = torch.full((stop - start, 7168), float("nan"), dtype=dtype)
+                        assert rows_of(blocks, start, stop, out=out) is out
+                        assert torch.equal(out, w[start:stop].to(dtype)), (step, start, stop, dtype)
+    finally:
+        torch.set_num_threads(before)
+    out = torch.empty(16, 7168)
+    monkeypatch.setattr("k3.model.tiling.load_native", lambda: None)  # torch's copy from the blocks' view
+    assert torch.equal(rows_of(by_torch(w), 8, 24, out=out), w[8:24].float())
+    with pytest.raises(RuntimeError, match="whole blocks"):
+        native.rows_from_blocks(by_torch(w), 4, 12, torch.empty(8, 7168))
+    with pytest.raises(RuntimeError, match=r"float32 or bfloat16 CPU matrix \[16, 7168\]"):
+        native.rows_from_blocks(by_torch(w), 8, 24, torch.empty(16, 7168, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="out must be"):
+        native.rows_from_blocks(by_torch(w), 8, 24, torch.empty(8, 7168))
+    with pytest.raises(RuntimeError, match="blocks"):
+        native.rows_from_blocks(w, 0, 8, torch.empty(8, 7168))  # rows, not blocks
+
+
 def test_what_is_not_tiled_and_bad_requests():
     model = bf16_model(None)
     model.compute_dtype = torch.bfloat16  # bf16 computation converts per product: tiling would not pay

@@ -16,10 +16,11 @@
 //                             rounded to int8 (tests, benchmarks)
 //   gated_activation          the MLPs' and experts' act(gate, up), as they apply it, fp32 or bf16, over
 //                             any number of rows (a prefill's activations: k3.model.activations; tests)
-//   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_gemv.h)
+//   tile_rows                 a BF16 matrix re-laid for the one-vector kernels (k3.model.tiling; _native_layout.h)
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
 //   short_rows_one_by_one     whether short fp32 rows are read one at a time (Zen 3, _native_gemv.h)
+//   rows_from_blocks          rows of a tiled or paired matrix back in rows, for a prefill's GEMM (_native_layout.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
 // A row input arrives as [B, hidden] or as the model's [B, 1, hidden] (no reshape on the Python side: a decode
@@ -31,6 +32,7 @@
 
 #include "_native_common.h"
 #include "_native_gemv.h"
+#include "_native_layout.h"
 #include "_native_mixers.h"
 
 namespace decode_native {
@@ -416,6 +418,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("short_rows_one_by_one", &decode_native::read_short_rows_one_by_one,
         "whether short fp32 rows are read one at a time (Zen 3) rather than in tiles");
   m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
+  m.def("rows_from_blocks", &rows_from_blocks,
+        "rows [start, stop) of a BF16 matrix in blocks (tiled or paired) written in rows into out, float32 or bfloat16",
+        py::arg("w"), py::arg("start"), py::arg("stop"), py::arg("out"));
   m.def("on_huge_pages", &on_huge_pages, "copies of the tensors packed into one allocation on huge pages, each its own storage",
         py::arg("tensors"));
   m.def("dense_rows_product", &dense_rows_product, "x [B, K] times one fp32 or BF16 matrix as the decode step does",

@@ -478,51 +478,6 @@ inline Weight dense_weight(const Tensor& w, int64_t K, const char* name) {
   return dense;
 }
 
-// w [N, K] BF16 in the Tiled layout: [N/8, K/8, 8, 8] (block, column step, row in block, column), on huge pages.
-inline Tensor tile_rows(const Tensor& w) {
-  TORCH_CHECK(w.scalar_type() == torch::kBFloat16 && w.dim() == 2 && w.device().is_cpu() &&
-                  w.size(0) % Tiled::kRows == 0 && w.size(1) % 8 == 0,
-              "only a bfloat16 [N, K] CPU matrix with N and K multiples of 8 is tiled, got ", w.sizes(), " ",
-              w.scalar_type());
-  const int64_t N = w.size(0), K = w.size(1);
-  Tensor tiled = k3_native::empty_on_huge_pages({N / Tiled::kRows, K / 8, Tiled::kRows, 8}, w.options());
-  const Tensor rows = w.contiguous();
-  const auto* from = static_cast<const uint16_t*>(rows.data_ptr());
-  auto* to = static_cast<uint16_t*>(tiled.data_ptr());
-  at::parallel_for(0, N / Tiled::kRows, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t n = b0 * Tiled::kRows; n < b1 * Tiled::kRows; ++n)
-      for (int64_t i = 0; i < K; i += 8) std::memcpy(Tiled::start(to, K, n) + i * Tiled::kStep, from + n * K + i, 16);
-  });
-  return tiled;
-}
-
-// Copies of these tensors packed into one allocation on huge pages where the OS allows (a decode step
-// streams every weight once, and on 4 kB pages it misses the TLB every 4 kB), each 64-byte aligned and a
-// tensor with a storage of its own (the allocation lives while any of them does), so that nothing looks
-// shared to a state_dict's savers. k3.model.tiling.
-inline std::vector<Tensor> on_huge_pages(const std::vector<Tensor>& tensors) {
-  constexpr int64_t kAlign = 64, kHuge = int64_t{1} << 21;
-  const auto slot = [](int64_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; };
-  int64_t total = 0;
-  for (const Tensor& t : tensors) {
-    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "only contiguous CPU tensors are placed, got ", t.sizes());
-    total += slot(t.nbytes());
-  }
-  // whole huge pages from the first 2 MB boundary on: one page more than the slots need, rounded up
-  const int64_t bytes = (total + 2 * kHuge - 1) / kHuge * kHuge;
-  const Tensor arena = k3_native::empty_on_huge_pages({bytes}, torch::TensorOptions().dtype(torch::kUInt8));
-  auto* base = static_cast<uint8_t*>(arena.data_ptr());
-  int64_t at = static_cast<int64_t>((kHuge - reinterpret_cast<uintptr_t>(base) % kHuge) % kHuge);
-  std::vector<Tensor> placed;
-  for (const Tensor& t : tensors) {
-    Tensor copy = torch::from_blob(base + at, t.sizes(), [arena](void*) {}, t.options());
-    copy.copy_(t);
-    placed.push_back(copy);
-    at += slot(t.nbytes());
-  }
-  return placed;
-}
-
 inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K, const char* name) {
   TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && scale.scalar_type() == torch::kUInt8 &&
                   packed.is_contiguous() && scale.is_contiguous() && packed.dim() == 2 && scale.dim() == 2 &&

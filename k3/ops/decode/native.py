@@ -1,5 +1,5 @@
-"""The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_paired.h``,
-``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h,
+"""The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_layout.h``,
+``_native_paired.h``, ``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h,
 k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h and k3/ops/_native_math.h;
 compiled on first use into the user cache, see :mod:`k3.ops.extension`).
 
@@ -22,6 +22,7 @@ DECODE_EXTENSION = NativeExtension(
     HERE / "_native.cpp",
     (
         HERE / "_native_gemv.h",
+        HERE / "_native_layout.h",
         HERE / "_native_paired.h",
         HERE / "_native_mixers.h",
         HERE / "_native_step.h",
