@@ -190,6 +190,34 @@ def test_the_experts_row_kernel_against_float64_avx2_and_its_batch(K):
     assert ((batch.double() - exact).abs()[finite] <= tolerance[finite]).all()
 
 
+def test_the_experts_row_kernel_keeps_tiny_inputs_exact():
+    """Inputs far below 1 (SiTU's outputs for very negative gates reach 1e-31 and less) are multiplied as they
+    are: within fp32 rounding of float64 at magnitudes from 2^-96 down to 2^-120, alone and in a batch, AVX2
+    and AVX-512 alike. The kernel once laid x out times 2^-24, which made every |x| < 2^-102 subnormal (fewer
+    bits, and a slow FMA on AMD Zen 3): at 2^-110 and below its products lost 2^-16 of their size and more,
+    outside this tolerance."""
+    from k3.ops.mxfp4 import dequantize_mxfp4
+
+    native = load_native()
+    g = gen(31)
+    rows, K = 64, 3584
+    packed = torch.randint(0, 256, (rows, K // 2), dtype=torch.uint8, generator=g)
+    scale = torch.randint(118, 130, (rows, K // 32), dtype=torch.uint8, generator=g)  # a trained expert's
+    w = dequantize_mxfp4(packed, scale).double()  # [rows, K]
+    sign = torch.randint(0, 2, (9, K), generator=g).double() * 2 - 1
+    exponent = torch.arange(96, 123, 3).double().view(9, 1)
+    magnitude = (1 + torch.rand(9, K, generator=g).double()) * 2.0**-exponent
+    x = (sign * magnitude).float()  # [9, K]: row i in [2^-(96 + 3i), 2^-(95 + 3i)) in size
+    assert (x.abs() >= 2.0**-126).all()  # normal inputs (and outputs): fp32 keeps 24 bits of each
+    batch = native.expert_rows(x, packed, scale)
+    assert torch.equal(batch, native.expert_rows(x, packed, scale, variant="avx2"))
+    alone = torch.cat([native.expert_rows(row[None], packed, scale) for row in x])
+    assert torch.equal(batch, alone)
+    exact = x.double() @ w.T
+    tolerance = 1e-6 * (x.double().abs() @ w.abs().T)
+    assert (exact != 0).all() and ((batch.double() - exact).abs() <= tolerance).all()
+
+
 @pytest.mark.parametrize("K", [7168 + 5, 256 + 5, 512])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_dense_rows_against_float64_avx2_and_one_row(dtype, K):

@@ -61,8 +61,8 @@ __attribute__((target("avx2,fma"))) inline float horizontal_sum(__m256 v) {
 // pair, all in block l/4), and step j takes nibble j of every word (element 8l + j): for the AVX-512 kernels
 // a shift of the words and a table lookup, for the AVX2 one (decode_pair) one byte shuffle of the pair first,
 // then lookups and unpacks. Per row of x and pair of blocks, lane l forms partial = w_0 x_0 + ... + w_7 x_7
-// (a multiply, then seven FMAs, the codes times two unscaled: times 2^24 against x times 2^-24, kStepUnit
-// below) and carries acc = partial * half_scale(its block) + acc (one FMA); the output is acc's lanes summed
+// (a multiply, then seven FMAs, the codes times two unscaled) and carries acc = partial * half_scale(its
+// block) + acc (one FMA); the output is acc's lanes summed
 // (horizontal_sum). The AVX-512 kernels (_native_rows512.h) run two weight rows per register, each lane doing
 // exactly this, so every CPU gives the same bits, at any number of rows of x (a row's result does not depend
 // on its batch) and threads. An odd last block runs as a pair whose second block is zero codes against zero
@@ -77,16 +77,17 @@ constexpr int64_t kAheadBytes = 8192;
 // the copies of each step's values (2 for the AVX-512 kernel at one row, _native_rows512.h; else 1).
 inline int64_t nibble_stride(int64_t K, int copies = 1) { return (K + kPair - 1) / kPair * kPair * copies; }
 
-// The steps' weights come out of the decoders as codes times two times 2^24 (kStepUnit; the AVX2 decoder
-// builds their fp32 patterns, the AVX-512 one looks them up, kStepTable). x is laid out times 2^-24 to
-// match, so that each product w_j x_j is the one of codes times two and x itself (exact: both scalings are
-// powers of two, for every x with |x| >= 2^-102 or 0).
-constexpr float kStepUnit = 16777216.0f;  // 2^24
-constexpr float kInverseStepUnit = 1.0f / kStepUnit;
+// The steps' weights come out of the decoders as the codes times two themselves (the AVX2 decoder builds
+// their fp32 patterns, the AVX-512 one looks them up in mxfp4_rows512::kCodeTimesTwoF), and x is laid out
+// as it is. Until 2026-12-05 the steps were the codes times 2^24 against x times 2^-24 (from a decoder that
+// converted codes placed in each word's top byte): the same products for every |x| >= 2^-102, but smaller
+// values of x became subnormal in the layout, and an FMA on a subnormal operand is slow on AMD Zen 3: a
+// K3 down-projection (w2 [3584, 3072]) took 1.13 ms instead of 0.76 (one thread) on the SiTU activations
+// of `k3-slice`'s random gates, 125 of whose 3,072 values were below 2^-102 (none below 2^-126).
 
-// x [B, K] in the kernels' order, times 2^-24 (kStepUnit): row b at xd + b * nibble_stride(K, copies), pair
-// p, step j holds x[b, 64p + 8l + j] / 2^24 at lanes l = 0..7, `copies` times over
-// (xd[copies (64p + 8j) + 8c + l]); 0 past K (the missing block of an odd last pair).
+// x [B, K] in the kernels' order: row b at xd + b * nibble_stride(K, copies), pair p, step j holds
+// x[b, 64p + 8l + j] at lanes l = 0..7, `copies` times over (xd[copies (64p + 8j) + 8c + l]); 0 past K
+// (the missing block of an odd last pair).
 inline void nibble_layout(const float* x, int64_t K, int64_t B, int copies, float* xd) {
   const int64_t stride = nibble_stride(K, copies);
   for (int64_t b = 0; b < B; ++b)
@@ -94,7 +95,7 @@ inline void nibble_layout(const float* x, int64_t K, int64_t B, int copies, floa
       for (int j = 0; j < 8; ++j)
         for (int l = 0; l < 8; ++l) {
           const int64_t k = kPair * p + 8 * l + j;
-          const float value = k < K ? x[b * K + k] * kInverseStepUnit : 0.0f;
+          const float value = k < K ? x[b * K + k] : 0.0f;
           for (int c = 0; c < copies; ++c) xd[b * stride + copies * (kPair * p + 8 * j) + 8 * c + l] = value;
         }
 }
@@ -110,15 +111,15 @@ inline const float* lay_out(const float* x, int64_t K, int64_t B, int copies, st
   return xd;
 }
 
-// The fp32 patterns of codes times two times 2^24 (kStepUnit): at most two significant bits, so the low 16
-// bits of each are zero and its top two bytes (a bf16) are the whole value; split into their high and low
-// bytes for two byte lookups. Code 8 (-0) is +0, as the integer path converts it.
+// The fp32 patterns of the codes times two: at most two significant bits, so the low 16 bits of each are
+// zero and its top two bytes (a bf16) are the whole value; split into their high and low bytes for two byte
+// lookups. Code 8 (-0) is +0, as converting the integer code gives it.
 struct StepBytes {
   alignas(16) uint8_t high[16];
   alignas(16) uint8_t low[16];
   StepBytes() {
     for (int c = 0; c < 16; ++c) {
-      const float value = static_cast<float>(kCodeTimesTwo[c]) * kStepUnit;
+      const float value = static_cast<float>(kCodeTimesTwo[c]);
       uint32_t bits;
       std::memcpy(&bits, &value, sizeof bits);
       high[c] = static_cast<uint8_t>(bits >> 24);
@@ -139,13 +140,13 @@ struct PairOrder {
 };
 inline constexpr PairOrder kPairOrder;
 
-// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two, times 2^24),
+// The 32 bytes of a pair of blocks as the eight steps w[j] (lane l: element 8l + j times two),
 // built as fp32 bit patterns with no int -> float conversion (those conversions bounded this kernel on an
 // AVX2-only AMD EPYC, one of its 256-bit pipes doing them all). Element 8l + 2q + t is nibble t of byte q of
 // word l. The bytes are first reordered within each 16-byte half (kPairOrder); each nibble is looked up as
 // the high and the low byte of its value's pattern (kStepBytes), the two interleaved into 16-bit halves
 // (unpack), and each half moved to the top of its 32-bit lane with the other cleared (a shift for q = 0, 2,
-// an AND for q = 1, 3): the fp32 value itself, the same as converting the int8 code times 2^24.
+// an AND for q = 1, 3): the fp32 value itself, the same as converting the int8 code.
 __attribute__((target("avx2,fma"))) inline void decode_pair(__m256i bytes, __m256 w[8]) {
   const auto table = [](const uint8_t* t) __attribute__((target("avx2,fma"))) {
     return _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(t)));

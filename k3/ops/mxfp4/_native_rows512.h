@@ -4,8 +4,8 @@
 // One 16-lane register holds two weight rows: lanes 0-7 row n and lanes 8-15 row n + 1, each lane doing
 // exactly what its AVX2 lane does for its row, in the same order (each step's eight values of x are
 // broadcast to both halves). Decoding a step is a shift of the 16 words (the two rows' 32 bytes) and one
-// lookup (vpermps) in a 16-float table of the E2M1 codes times two times 2^24 (as the AVX2 decoder gives
-// them; x is laid out times 2^-24: mxfp4_rows::kStepUnit), which reads only the low 4 bits of each word:
+// lookup (vpermps) in a 16-float table of the E2M1 codes times two (kCodeTimesTwoF, as the AVX2 decoder
+// gives them), which reads only the low 4 bits of each word:
 // no byte shuffle, one vector operation per 16 codes besides the shift. An odd last weight row runs
 // the AVX2 kernel. At one row of x (`gemv_row_twice`) x's values sit twice in memory instead, so the FMAs
 // read them without a broadcast, and the scales are converted 16 blocks at a time (measured against
@@ -48,21 +48,12 @@ inline bool wide_variant(const std::string& variant) {
 // E2M1 codes times two as floats, +0 for code 8 (-0): the AVX2 path converts the integer 0 to +0.
 alignas(64) constexpr float kCodeTimesTwoF[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
-// The same times 2^24 (mxfp4_rows::kStepUnit), as the few-row kernels' steps take them.
-struct StepTable {
-  alignas(64) float value[16];
-  constexpr StepTable() : value{} {
-    for (int c = 0; c < 16; ++c) value[c] = kCodeTimesTwoF[c] * mxfp4_rows::kStepUnit;
-  }
-};
-inline constexpr StepTable kStepTable;
-
 // Rows n and n + 1's pair p (row_bytes: row n's, `row` bytes to the next) as the eight steps w[j]: lanes 0-7
-// row n's element 8l + j times two times 2^24 (kStepTable), lanes 8-15 row n + 1's.
+// row n's element 8l + j times two (kCodeTimesTwoF), lanes 8-15 row n + 1's.
 K3_AVX512 inline void two_rows_steps(const uint8_t* row_bytes, int64_t row, int64_t p, bool whole, __m512 w[8]) {
   const __m512i words = _mm512_inserti64x4(_mm512_castsi256_si512(mxfp4_rows::pair_bytes(row_bytes, p, whole)),
                                            mxfp4_rows::pair_bytes(row_bytes + row, p, whole), 1);
-  const __m512 table = _mm512_load_ps(kStepTable.value);
+  const __m512 table = _mm512_load_ps(kCodeTimesTwoF);
   w[0] = _mm512_permutexvar_ps(words, table);
   for (int j = 1; j < 8; ++j) w[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * j), table);
 }
