@@ -66,7 +66,8 @@ inline std::vector<Tensor> on_huge_pages(const std::vector<Tensor>& tensors) {
 
 // A block's R rows ([K/C, R, C] at `from`) as float32 rows of K values at `to` (each exact: a BF16 value is
 // the high half of its float), one row at a time. A function of its own compiled for AVX2, so that the
-// conversion is inlined into its loop (called from the parallel region's lambda, it was not: 2.5-2.7x slower).
+// conversion is inlined into its loop (called from the parallel region's lambda, it was not: 2.5-2.7x
+// slower).
 __attribute__((target("avx2,fma"))) inline void block_to_floats(const uint16_t* from, int64_t steps, int64_t R,
                                                                 int64_t C, float* to) {
   const int64_t K = steps * C;
