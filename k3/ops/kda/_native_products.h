@@ -112,6 +112,26 @@ __attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0
 Operand plain(const float* data, int64_t cols) { return {data, cols, 1}; }
 Operand transposed(const float* data, int64_t cols) { return {data, 1, cols}; }
 
+// y[i] = column i of the 8 x 8 block at src (rows `cols` floats apart), in registers
+__attribute__((target("avx2,fma"))) inline void transpose_block(const float* src, int64_t cols, __m256 y[8]) {
+  __m256 x[8];
+  for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + i * cols);
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
+    y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
+    y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // quads of rows
+    x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
+    x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xEE);
+    x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
+    x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // the two 128-bit halves
+    y[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
+    y[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+  }
+}
+
 // dst [cols, rows] = src [rows, cols]^T, by 8 x 8 blocks in registers where both sizes allow
 __attribute__((target("avx2,fma"))) void transpose_into(const float* src, int64_t rows, int64_t cols, float* dst) {
   if (rows % 8 || cols % 8) {
@@ -122,23 +142,26 @@ __attribute__((target("avx2,fma"))) void transpose_into(const float* src, int64_
   }
   for (int64_t r0 = 0; r0 < rows; r0 += 8) {
     for (int64_t c0 = 0; c0 < cols; c0 += 8) {
-      __m256 x[8], y[8];
-      for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + (r0 + i) * cols + c0);
-      for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
-        y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
-        y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
-      }
-      for (int i = 0; i < 8; i += 4) {  // quads of rows
-        x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
-        x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xEE);
-        x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
-        x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
-      }
-      for (int i = 0; i < 4; ++i) {  // the two 128-bit halves
-        y[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
-        y[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
-      }
+      __m256 y[8];
+      transpose_block(src + r0 * cols + c0, cols, y);
       for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + (c0 + i) * rows + r0, y[i]);
+    }
+  }
+}
+
+// dst [cols, rows] = src [rows, cols]^T with non-temporal stores (a state kept for the backward: neither kept
+// in cache nor read in first), for sizes that are multiples of 8 and a 32-byte aligned dst (else
+// transpose_into). The blocks go down src's columns, so each row of dst is written front to back and the
+// write-combining buffers fill whole lines: 3.1-3.5 us for a [128, 128] state on Zen 3, against 6.4-6.8 for
+// transpose_into then stream_copy. The caller issues _mm_sfence() before another thread may read dst.
+__attribute__((target("avx2,fma"))) void transpose_streamed(const float* src, int64_t rows, int64_t cols,
+                                                            float* dst) {
+  if (rows % 8 || cols % 8 || reinterpret_cast<uintptr_t>(dst) % 32) return transpose_into(src, rows, cols, dst);
+  for (int64_t c0 = 0; c0 < cols; c0 += 8) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+      __m256 y[8];
+      transpose_block(src + r0 * cols + c0, cols, y);
+      for (int i = 0; i < 8; ++i) _mm256_stream_ps(dst + (c0 + i) * rows + r0, y[i]);
     }
   }
 }
