@@ -4,7 +4,8 @@ One run, same inputs for everyone: B=1, H=8, K=V=128, fp32, K3's bounded gate, L
 For each T and H it prints time, tokens/s, achieved GFLOP/s and its share of this machine's fp32 GEMM
 rate (a 2048^3 torch.mm measured in the same run, k3.ops.roofline, beside the CPU, its SIMD features,
 threads, load and streaming read bandwidth), the speed-up over transformers, and forward+backward time
-with its ratio to the forward.
+with its ratio to the forward (the two alternated round by round: the ratio of their bests, and the median of
+each round's ratio).
 
 Two FLOP counts: fla's chunk count, 6 T d^2 + 3 T C d + T C^2 per head with C = 64 whatever chunk k3
 runs (issue 40's target 4: >= 70 % of GEMM at T = 4096, H = 8 and H = 96, d = 128), and k3's own count of
@@ -61,6 +62,20 @@ def best_time(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> f
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def alternated(first: Callable[[], object], second: Callable[[], object], rounds: int) -> tuple[list, list]:
+    """Times of `first` and `second`, run one after the other in each round (after one warm-up each): on a
+    shared machine a ratio of two bests taken minutes apart moves with the machine, one of the same
+    rounds much less."""
+    first(), second()
+    times: tuple[list, list] = ([], [])
+    for _ in range(rounds):
+        for fn, out in zip((first, second), times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
 
 
 def fla_chunk_flops(T: int, H: int, d: int, C: int = 64) -> float:
@@ -124,10 +139,17 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int, gemm: float) -> N
             o, _ = chunk_kda(*leaves, use_qk_l2norm=True, chunk_size=C, keep_states=keep_states)
             torch.autograd.grad(o, leaves, grad_outputs=d_o)
 
+        def forward() -> None:
+            chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C)
+
         for keep_states, name in [(True, "fwd+bwd"), (False, "  recomputing")]:
-            t_fb = best_time(functools.partial(forward_backward, keep_states), max(1, args.repeats // 2))
+            t_f, t_fb = alternated(forward, functools.partial(forward_backward, keep_states), args.repeats)
+            by_round = sorted(b / a for a, b in zip(t_f, t_fb, strict=True))[len(t_f) // 2]
             blank = f"{'':>33}"
-            print(f"{T:>6} {H:>3} {name:<14} {t_fb:9.4f} {T / t_fb:10.0f} {blank} {t_fb / t_k3:7.2f}x fwd")
+            print(
+                f"{T:>6} {H:>3} {name:<14} {min(t_fb):9.4f} {T / min(t_fb):10.0f} {blank} "
+                f"{min(t_fb) / min(t_f):7.2f}x fwd (median of the rounds' ratios {by_round:.2f}x)"
+            )
 
 
 def bench_product_variants(args: argparse.Namespace, T: int, H: int) -> None:
