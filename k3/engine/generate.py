@@ -23,9 +23,10 @@ raw `log_softmax`) and for the experts every MoE router chose at every position 
 prefill chunk or decode batch). `complete` returns all of it as `Completion`s (the token-in/token-out API
 of training loops); `load_weights` swaps the weights between requests.
 
-Prefill chunks are sized so the attention scores of MLA layers, [heads, chunk, context] fp32, stay within
-`attention_budget` bytes; with the default 2048-token chunks and a 512 MiB budget a 100k-token prompt
-on `mini` prefills in chunks of ~160 tokens at its end.
+Prefill chunks are sized so MLA layers attend within `attention_budget` bytes: in the plain form while the
+chunk's whole context, expanded, fits (a 2,048-token prompt of K3's shapes in one chunk under the default
+512 MiB), else in the absorbed form, whose scores [heads, chunk, context] fp32 must fit; with the default
+2048-token chunks a 100k-token prompt on `mini` prefills in chunks of ~160 tokens at its end.
 
 With a `PrefixCache` (k3.engine.prefix_cache) chunks also end at every multiple of its interval, where the
 state is stored; a prompt resumes from the deepest stored state of its prefix (`Sequence.cached` tokens).
@@ -182,23 +183,40 @@ class Engine:
         return events
 
     def chunk_size(self, done: int, remaining: int, all_logits: bool = False) -> int:
-        """Tokens in the next prefill chunk: bounded by `prefill_chunk` and the MLA scores' budget (and,
-        when every position's logits are kept, by their [size, V] fp32 within the same budget). The tokens
-        up to the next boundary (or the prompt's end) go in chunks of about equal size: a 2,048-token prompt
-        of k3-slice in 4 x 293 + 3 x 292, not 6 x 341 + 2 (a chunk reads every weight once, however few its
-        tokens)."""
+        """Tokens in the next prefill chunk: bounded by `prefill_chunk`, by MLA's budget and, when every
+        position's logits are kept, by their [size, V] fp32 within the same budget. MLA attends in the plain
+        form while the chunk's context, expanded, fits the budget (MLAttention.plain_bytes: 240 KiB a
+        position at K3's shapes, 2,184 positions in 512 MiB), else in the absorbed form, whose scores for
+        the chunk's queries must fit it; a prompt longer than the plain form holds fills it first. Tokens up
+        to the next boundary (or the prompt's end) under one bound go in chunks of about equal size (a
+        chunk reads every weight once, however few its tokens): under a budget of 150 queries' scores, 610
+        tokens as 5 x 122, not 4 x 150 + 10."""
         span = remaining
         if self.prefix_cache is not None:  # end at the next boundary, where the state is stored
             span = min(span, self.prefix_cache.interval - done % self.prefix_cache.interval)
         size = min(self.prefill_chunk, span)
-        if self.cfg.mla_layers:
-            # scores + probabilities: 2 x [heads, size, done + size] fp32
-            per_query = 2 * 4 * self.cfg.num_attention_heads * (done + size)
-            size = min(size, max(16, self.attention_budget // per_query))
         if all_logits:  # logits + log_softmax: 2 x [size, V] fp32
             size = min(size, max(16, self.attention_budget // (2 * 4 * self.cfg.vocab_size)))
+        if self.cfg.mla_layers:
+            plain = self.plain_room(done, size)
+            if plain < size:
+                # the absorbed form's scores + probabilities: 2 x [heads, size, done + size] fp32
+                absorbed = self.attention_budget // (2 * 4 * self.cfg.num_attention_heads * (done + size))
+                if plain >= max(16, absorbed):
+                    return plain  # all the plain form holds; the absorbed form's chunks take the rest
+                size = min(size, max(16, absorbed))
         pieces = -(-span // size)
         return -(-span // pieces)
+
+    def plain_room(self, done: int, size: int) -> int:
+        """The most tokens, up to `size`, a chunk after `done` positions can hold while MLA's plain form of
+        its context and mask stays within the budget (the bytes grow with the chunk: a binary search)."""
+        low, high = 0, size
+        while low < high:
+            mid = (low + high + 1) // 2
+            fits = self.model.plain_attention_bytes(done + mid, mid if done else 0) <= self.attention_budget
+            low, high = (mid, high) if fits else (low, mid - 1)
+        return low
 
     def _forward(
         self, ids: torch.Tensor, cache: ModelCache, seqs: list[Sequence], keep: int, **images

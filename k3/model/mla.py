@@ -44,7 +44,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora, n * (self.nope + self.v_dim))
         self.kv_b_proj.tileable = False  # the absorbed paths read its rows head by head in place
         # Bytes the plain form may expand a chunk's cached keys into (kv_b of every position, keys and values
-        # padded for sdpa: ~320 kB a position at K3's 96 heads in fp32); a chunk over a longer context takes
+        # padded for sdpa: 240 KiB a position at K3's 96 heads in fp32); a chunk over a longer context takes
         # the absorbed form, whose [heads, chunk, context] scores the engine's chunks keep within the same
         # budget (k3.engine.generate.Engine.chunk_size), which the engine sets here
         # (K3ForCausalLM.set_attention_budget); 512 MiB, the engine's default, without one.
@@ -80,13 +80,19 @@ class MLAttention(nn.Module):
         """
         B, S, _ = c.shape
         n = self.num_heads
-        k_nope, v = self.kv_b_proj(c).view(B, S, n, -1).split([self.nope, self.v_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope[:, :, None, :].expand(B, S, n, self.rope)], dim=-1)  # [B, S, n, dq]
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [B, T, n, dq]
         # torch's fused CPU attention kernel needs one head size for q, k and v: zero-pad the smaller
         # (zeros change neither the scores, the scale being explicit, nor the kept output columns)
-        width = max(q.shape[-1], self.v_dim)
-        q, k, v = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, v))
+        width = max(self.nope + self.rope, self.v_dim)
+
+        def padded(t: torch.Tensor) -> torch.Tensor:
+            return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+        kv = self.kv_b_proj(c).view(B, S, n, -1)  # [B, S, n, dn + dv]
+        k_nope, rope = kv[..., : self.nope], k_rope[:, :, None, :].expand(B, S, n, self.rope)
+        k = padded(torch.cat([k_nope, rope], dim=-1))  # [B, S, n, width]
+        v = padded(kv[..., self.nope :])
+        del kv, k_nope  # their values are in k and v now (or v is a view): gone before the attention runs
+        q = padded(torch.cat([q_nope, q_rope], dim=-1))  # [B, T, n, width]
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2),
             k.transpose(1, 2),
@@ -121,12 +127,15 @@ class MLAttention(nn.Module):
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
 
-    def plain_bytes(self, keys: int, element_size: int) -> int:
-        """Bytes `attend_plain` expands `keys` cached positions into, at `element_size` bytes a value: kv_b's
-        [n, dn + dv], the keys [n, dq] and the keys and values padded to one width."""
-        width = max(self.nope + self.rope, self.v_dim)
-        per_head = self.nope + self.v_dim + self.nope + self.rope + 2 * width
-        return keys * self.num_heads * per_head * element_size
+    def plain_bytes(self, keys: int, element_size: int, queries: int = 0) -> int:
+        """Bytes `attend_plain` expands `keys` cached positions into, at `element_size` bytes a value, at
+        most: kv_b's [n, dn + dv] while the keys and values padded to one width are made from it (and the
+        keys [n, dq] before their padding, where they have any); and for `queries` queries after cached
+        context, the visibility mask of every query and key, as bool and as the floats sdpa turns it into
+        (5 bytes a pair; measured: 4.25 bytes a pair grown inside sdpa at 2,048 x 8,192)."""
+        dq, width = self.nope + self.rope, max(self.nope + self.rope, self.v_dim)
+        per_head = self.nope + self.v_dim + 2 * width + (dq if dq < width else 0)
+        return keys * self.num_heads * per_head * element_size + 5 * queries * keys
 
     # ---- the layer ---------------------------------------------------------------------------------------
     def forward(
@@ -153,8 +162,11 @@ class MLAttention(nn.Module):
             S = int(offsets.max()) + T
             c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
             if absorb is None:
-                absorb = T == 1 or self.plain_bytes(B * S, x.element_size()) > self.plain_budget
-            if not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key
+                masked = T if S > T else 0  # a chunk after cached context attends under a mask
+                absorb = T == 1 or self.plain_bytes(B * S, x.element_size(), masked) > self.plain_budget
+            if S == T:  # every row starts here: the plain causal mask, whose masked blocks sdpa skips
+                visible = None
+            elif not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key
                 last_key = offsets[:, None] + torch.arange(T, device=x.device)  # [B, T]
                 visible = torch.arange(S, device=x.device)[None, None, :] <= last_key[:, :, None]  # [B, T, S]
         attend = self.attend_absorbed if absorb else self.attend_plain

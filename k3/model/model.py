@@ -252,6 +252,12 @@ class K3ForCausalLM(nn.Module):
                 module.native_activation = enabled
         return self
 
+    def plain_attention_bytes(self, keys: int, queries: int = 0) -> int:
+        """Bytes an MLA layer's plain form expands `keys` cached positions into, in the compute dtype, with
+        the mask of `queries` queries after cached context (MLAttention.plain_bytes); 0 without MLA layers."""
+        layers = [m for m in self.modules() if isinstance(m, MLAttention)]
+        return layers[0].plain_bytes(keys, self.compute_dtype.itemsize, queries) if layers else 0
+
     def set_attention_budget(self, nbytes: int) -> K3ForCausalLM:
         """The bytes an MLA layer's plain form may expand a chunk's cached context into; past them it attends
         in the absorbed form (MLAttention.plain_budget). The engine sets its own `attention_budget` here."""

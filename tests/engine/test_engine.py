@@ -71,14 +71,58 @@ def chunk_plan(engine: Engine, tokens: int) -> list[int]:
     return sizes
 
 
-def test_prefill_chunks_are_as_few_and_as_even_as_the_bounds_allow(model: K3ForCausalLM) -> None:
+def test_prefill_chunks_are_as_few_and_as_even_as_the_bounds_allow(
+    model: K3ForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A chunk reads every weight once however few its tokens: planted, 250 tokens under a 100-token chunk
-    are 84 + 83 + 83 (not 100 + 100 + 50), and 610 under an MLA budget of 150 queries over 610 keys are
-    5 x 122 (not 4 x 150 + 10)."""
+    are 84 + 83 + 83 (not 100 + 100 + 50), and, where MLA's plain form holds no context, 610 under a budget
+    of 150 queries' absorbed scores over 610 keys are 5 x 122 (not 4 x 150 + 10)."""
     assert chunk_plan(Engine(model, prefill_chunk=100), 250) == [84, 83, 83]
     heads = model.config.num_attention_heads
     engine = Engine(model, attention_budget=2 * 4 * heads * 610 * 150)  # scores + probabilities, fp32
+    no_room = lambda keys, queries=0: engine.attention_budget * keys  # noqa: E731
+    monkeypatch.setattr(model, "plain_attention_bytes", no_room)
     assert chunk_plan(engine, 610) == ([122] * 5 if model.config.mla_layers else [610])
+
+
+@torch.no_grad()
+def test_prefill_fills_mlas_plain_form_then_its_absorbed_one(
+    model: K3ForCausalLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a budget in which the plain form holds 400 keys: a 300-token prompt goes in one chunk (the
+    absorbed form's scores alone would have cut it in six), a 700-token one fills the plain form's 400 keys,
+    then takes chunks whose absorbed scores fit. Every chunk's MLA layers attend in the form the plan
+    counted on, within the budget, and the logits are those of one full forward."""
+    if not model.config.mla_layers:  # no attention bound on the chunks, however small the budget
+        assert chunk_plan(Engine(model, attention_budget=1), 700) == [700]
+        return
+    heads = model.config.num_attention_heads
+    budget = model.plain_attention_bytes(400)
+    engine = Engine(model, attention_budget=budget)
+    assert chunk_plan(engine, 300) == [300] and budget // (2 * 4 * heads * 300) < 300 // 5
+    plan = chunk_plan(engine, 700)
+    assert plan[0] == 400 and len(plan) > 2
+    layers = [m for m in model.modules() if isinstance(m, MLAttention)]
+    forms: list[str] = []
+    for mla in layers:
+        for form in ("plain", "absorbed"):
+            attend = getattr(mla, f"attend_{form}")
+            monkeypatch.setattr(
+                mla, f"attend_{form}", lambda *a, attend=attend, form=form: forms.append(form) or attend(*a)
+            )
+    ids = torch.tensor(prompts([700], seed=3))
+    cache, logits, done = model.new_cache(1), [], 0
+    for size in plan:
+        forms.clear()
+        logits.append(model(ids[:, done : done + size], cache)[0])
+        masked = size if done else 0  # after cached context a chunk attends under a mask
+        done += size
+        if model.plain_attention_bytes(done, masked) <= budget:
+            assert forms == ["plain"] * len(layers)
+        else:
+            assert forms == ["absorbed"] * len(layers) and 2 * 4 * heads * size * done <= budget
+    full = model(ids)[0]
+    torch.testing.assert_close(torch.cat(logits), full, atol=1e-4, rtol=1e-4)
 
 
 def test_the_engines_budget_bounds_mla_plain_form(model: K3ForCausalLM) -> None:
