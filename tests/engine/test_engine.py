@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from mla_forms import record_mla_forms
 
 from k3.config import K3Config, Mixer
 from k3.engine.generate import Engine
@@ -103,13 +104,7 @@ def test_prefill_fills_mlas_plain_form_then_its_absorbed_one(
     plan = chunk_plan(engine, 700)
     assert plan[0] == 400 and len(plan) > 2
     layers = [m for m in model.modules() if isinstance(m, MLAttention)]
-    forms: list[str] = []
-    for mla in layers:
-        for form in ("plain", "absorbed"):
-            attend = getattr(mla, f"attend_{form}")
-            monkeypatch.setattr(
-                mla, f"attend_{form}", lambda *a, attend=attend, form=form: forms.append(form) or attend(*a)
-            )
+    forms = record_mla_forms(model, monkeypatch)
     ids = torch.tensor(prompts([700], seed=3))
     cache, logits, done = model.new_cache(1), [], 0
     for size in plan:

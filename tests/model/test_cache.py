@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from mla_forms import record_mla_forms
 
 from k3.config import K3Config, Mixer
 from k3.model import K3ForCausalLM, ModelCache
@@ -108,13 +109,8 @@ def test_a_chunk_past_the_plain_budget_takes_the_absorbed_form(model, monkeypatc
     would take more than `plain_budget` bytes so takes the absorbed form, whose scores the engine's chunks
     bound; the logits stay those of one full forward."""
     layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, MLAttention)]
-    forms: list[str] = []
+    forms = record_mla_forms(model, monkeypatch)
     for mla in layers:
-        for form in ("plain", "absorbed"):
-            attend = getattr(mla, f"attend_{form}")
-            monkeypatch.setattr(
-                mla, f"attend_{form}", lambda *a, attend=attend, form=form: forms.append(form) or attend(*a)
-            )
         monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, 4))  # 8 keys fit, 9 do not
     ids = ids_of(1, 24, seed=9)
     full = model(ids)[0]  # [T, V], no cache: plain
