@@ -240,7 +240,7 @@ std::vector<int64_t> chunk_offsets(const TokenLayout& l, int64_t C) {
 // One thread's scratch for the forward, besides the chunk's terms.
 struct StepScratch {
   std::vector<float> u, o;  // [C, V], [2C, V] (see chunk_step)
-  StepScratch(int64_t C, int64_t K, int64_t V) : u(C * V), o(2 * C * V) {}
+  StepScratch(int64_t C, int64_t V) : u(C * V), o(2 * C * V) {}
 };
 
 // Runs sequence n's chunks of head h forwards from S (left as the final state): writes o's rows if `o`
@@ -285,7 +285,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
   auto pseudo_values = k3_native::empty_on_huge_pages({kept, opt.C, l.V}, q.options());
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     ChunkTerms t(opt.C, l.K, l.V);
-    StepScratch scratch(opt.C, l.K, l.V);
+    StepScratch scratch(opt.C, l.V);
     for (int64_t z = z0; z < z1; ++z) {
       float* kept_states = keep ? states.data_ptr<float>() + first[z] * l.V * l.K : nullptr;
       float* kept_u = keep ? pseudo_values.data_ptr<float>() + first[z] * opt.C * l.V : nullptr;
@@ -332,7 +332,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     const int64_t C = opt.C, K = l.K, V = l.V, H = l.H;
     ChunkTerms t(C, K, V);
     ChunkGrads d(C, K, V);
-    StepScratch scratch(C, K, V);
+    StepScratch scratch(C, V);
     std::vector<float> own_states, own_pseudo_values, S(K * V), running(K);  // used when nothing was kept
     for (int64_t z = z0; z < z1; ++z) {
       const int64_t n = z / H, h = z % H, start = l.seqs.start[n], length = l.seqs.length[n];
