@@ -74,11 +74,12 @@ K3_KDA_AVX512 inline void wide_block(const Product& p, int64_t m0, int64_t n0) {
       for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(x, b_k[w], acc[r][w]);
     }
   }
+  const bool negate = p.sign != 1.0f;  // as register_block: a multiply by one skipped
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 2
     for (int w = 0; w < W; ++w) {
-      _mm512_storeu_ps(p.out + (m0 + r) * N + n0 + 16 * w, _mm512_mul_ps(sign, acc[r][w]));
+      _mm512_storeu_ps(p.out + (m0 + r) * N + n0 + 16 * w, negate ? _mm512_mul_ps(sign, acc[r][w]) : acc[r][w]);
     }
   }
 }
