@@ -328,7 +328,9 @@ def test_native_product_variants_and_thread_counts_give_the_same_bits():
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
             for variant in variants:
-                outputs = [fused(case, variant) for case in ("k3", "odd_dims", "chunk_8", "packed")]
+                outputs = [
+                    fused(case, variant) for case in ("k3", "odd_dims", "chunk_8", "packed", "many_heads")
+                ]
                 runs[n_threads, variant] = [x for xs in outputs for x in xs] + loops(variant)
     finally:
         torch.set_num_threads(threads)
@@ -363,6 +365,9 @@ FUSED_CASES = {  # name: (B, T, H, K, V, gate, chunk_size, cu_seqlens, l2norm, i
     "chunk_1": (1, 9, 2, 8, 8, "minus200", 1, None, True, True),
     "chunk_4_near_zero": (1, 150, 2, 32, 32, "near_zero", 4, None, True, False),
     "packed": (1, 90, 2, 16, 16, "k3", 16, [0, 7, 7, 40, 90], True, True),
+    # more heads than the native kernels run together (16): groups of 16 and 2 per sequence, or split
+    # between threads
+    "many_heads": (1, 41, 18, 8, 8, "k3", 16, [0, 17, 41], True, True),
 }
 
 

@@ -55,15 +55,15 @@ struct ChunkTerms {
   float* Sk() { return scores.data() + C * C; }
 
   // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
-  // writes) and builds the terms. The `next_valid` rows from `next_first_row` on (the chunk to be loaded
-  // next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each in K3's shapes,
-  // which the hardware prefetchers do not follow. `with_u`: build U too (the backward reads the pseudo
-  // values kept by the forward instead, so it skips U's product).
+  // writes) and builds the terms. The `next_valid` rows from `next_first_row` on of head `next_h` (the
+  // chunk to be loaded next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each
+  // in K3's shapes. `with_u`: build U too (the backward reads the pseudo values kept by the forward
+  // instead, so it skips U's product).
   void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
             int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
-            int64_t next_first_row, int64_t next_valid, bool with_u) {
+            int64_t next_first_row, int64_t next_valid, int64_t next_h, bool with_u) {
     for (int64_t c = 0; c < next_valid; ++c) {
-      const int64_t row = (next_first_row + c) * H + h;
+      const int64_t row = (next_first_row + c) * H + next_h;
       for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
       prefetch(v_in + row * V, V);
     }
