@@ -2,10 +2,11 @@
 
 One run, same inputs for everyone: B=1, H=8, K=V=128, fp32, K3's bounded gate, L2-normalised q/k.
 For each T and H it prints time, tokens/s, achieved GFLOP/s and its share of this machine's fp32 GEMM
-rate (a 2048^3 torch.mm measured in the same run, k3.ops.roofline, beside the CPU, its SIMD features,
-threads, load and streaming read bandwidth), the speed-up over transformers, and forward+backward time
-with its ratio to the forward (the two alternated round by round: the ratio of their bests, and the median of
-each round's ratio).
+rate (a 2048^3 torch.mm, k3.ops.roofline, timed in the same rounds as chunk_kda, the two alternated: the
+share of their bests, and the median of each round's share; the CPU, its SIMD features, threads, load and
+streaming read bandwidth are printed first), the speed-up over transformers, and forward+backward time
+with its ratio to the forward (alternated the same way: the ratio of their bests, and the median of each
+round's ratio).
 
 Two FLOP counts: fla's chunk count, 6 T d^2 + 3 T C d + T C^2 per head with C = 64 whatever chunk k3
 runs (issue 40's target 4: >= 70 % of GEMM at T = 4096, H = 8 and H = 96, d = 128), and k3's own count of
@@ -49,7 +50,7 @@ import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
 from k3.ops.kda.native import load_native
-from k3.ops.roofline import machine_line, references, references_line
+from k3.ops.roofline import gemm, machine_line, references, references_line
 from k3.train.allocator import keep_freed_memory
 
 
@@ -112,20 +113,32 @@ def transformers_chunk():
     return chunk_kimi_delta_attention
 
 
-def bench_one_length(args: argparse.Namespace, T: int, H: int, gemm: float) -> None:
+def bench_one_length(args: argparse.Namespace, T: int, H: int) -> None:
     K, V, C = args.head_dim, args.head_dim, args.chunk_size
     q, k, v, g, beta = make_inputs(T, H, K, V)
-    t_k3 = best_time(lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), args.repeats)
+    product, product_flops = gemm()
+    t_k3s, t_gemms = alternated(
+        lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), product, args.repeats
+    )
+    t_k3, gemm_rate = min(t_k3s), product_flops / min(t_gemms) / 1e9
     rate = chunk_kda_flops(T, H, K, V, C) / t_k3 / 1e9
     fla_rate = fla_chunk_flops(T, H, K) / t_k3 / 1e9
+    # the share in each round: chunk_kda's rate by fla's count over the GEMM's of the same round
+    fla_flops = fla_chunk_flops(T, H, K)
+    shares = sorted(fla_flops / t * t_gemm / product_flops for t, t_gemm in zip(t_k3s, t_gemms, strict=True))
     peer = transformers_chunk() if T <= args.skip_peer_above and H <= args.skip_peer_heads_above else None
     t_peer = None
     if peer is not None:
         run_peer = lambda: peer(q, k, v, g=g, beta=beta, chunk_size=64, use_qk_l2norm_in_kernel=True)  # noqa: E731
         t_peer = best_time(run_peer, repeats=1, warm_up=False)
     speedup = f"{t_peer / t_k3:8.1f}x" if t_peer else f"{'-':>9}"
-    shares = f"{fla_rate:8.1f} {100 * fla_rate / gemm:6.1f}% {rate:8.1f} {100 * rate / gemm:6.1f}%"
-    print(f"{T:>6} {H:>3} {'k3 chunk_kda':<14} {t_k3:9.4f} {T / t_k3:10.0f} {shares} {speedup}")
+    columns = f"{fla_rate:8.1f} {100 * fla_rate / gemm_rate:6.1f}% {rate:8.1f} {100 * rate / gemm_rate:6.1f}%"
+    print(f"{T:>6} {H:>3} {'k3 chunk_kda':<14} {t_k3:9.4f} {T / t_k3:10.0f} {columns} {speedup}")
+    median, low, high = (100 * shares[at] for at in (len(shares) // 2, 0, -1))
+    print(
+        f"{'':>25}fp32 GEMM in the same rounds: best {gemm_rate:.1f} GFLOP/s; the median of the rounds' "
+        f"shares by fla's count {median:.1f}% (from {low:.1f} to {high:.1f})"
+    )
     if t_peer:
         print(f"{T:>6} {H:>3} {'transformers':<14} {t_peer:9.4f} {T / t_peer:10.0f}")
     if T <= args.naive_max and H <= args.skip_peer_heads_above:
@@ -226,20 +239,15 @@ def main() -> None:
     if args.train_allocator:
         print(f"glibc keeps freed memory (as in k3 train): {keep_freed_memory()}")
 
-    refs = references(args.repeats)
-    gemm = refs["gemm_flop_per_s"] / 1e9
-    print(f"{machine_line()}\n{references_line(refs)}")
+    print(f"{machine_line()}\n{references_line(references(args.repeats))}")
     K, C = args.head_dim, args.chunk_size
     print(f"\nprefill: B=1 K=V={K} fp32, chunk_size={C}; GFLOP/s by fla's count (C = 64), then by k3's own")
     columns = f"{'fla GF/s':>8} {'% GEMM':>7} {'own GF/s':>8} {'% GEMM':>7}"
     print(f"{'T':>6} {'H':>3} {'impl':<14} {'time s':>9} {'tok/s':>10} {columns} {'speed-up':>9}")
     for H in args.heads:
         for T in args.lengths:
-            bench_one_length(args, T, H, gemm)
+            bench_one_length(args, T, H)
             bench_product_variants(args, T, H)
-    # on a shared machine the reference moves too: measured again, a share above reads against the best
-    again = references(args.repeats)["gemm_flop_per_s"] / 1e9
-    print(f"fp32 GEMM measured again after the prefill rows: {again:.1f} GFLOP/s (before: {gemm:.1f})")
     H = args.heads[0]
     print(f"\ndecode: recurrent_kda_step, one token per call, B=1 H={H} K=V={K}")
     for context in args.decode_contexts:

@@ -38,10 +38,16 @@ def read_bandwidth(nbytes: int = READ_BYTES, repeats: int = 5) -> float:
     return buffer.nbytes / best_seconds(buffer.sum, repeats)
 
 
-def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP per second of an fp32 ``[n, n] @ [n, n]`` (2 n^3 FLOP), all torch threads; best of ``repeats``."""
+def gemm(n: int = 2048) -> tuple[Callable[[], torch.Tensor], float]:
+    """An fp32 ``[n, n] @ [n, n]`` to time (all torch threads) and its FLOP count, 2 n^3."""
     a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n**3 / best_seconds(lambda: a @ b, repeats)
+    return (lambda: a @ b), 2.0 * n**3
+
+
+def gemm_rate(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP per second of :func:`gemm` ``(n)``, the best of ``repeats``."""
+    product, flops = gemm(n)
+    return flops / best_seconds(product, repeats)
 
 
 def machine_line() -> str:
