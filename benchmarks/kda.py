@@ -120,11 +120,10 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int) -> None:
     t_k3s, t_gemms = alternated(
         lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), product, args.repeats
     )
-    t_k3, gemm_rate = min(t_k3s), product_flops / min(t_gemms) / 1e9
+    t_k3, gemm_rate, fla_flops = min(t_k3s), product_flops / min(t_gemms) / 1e9, fla_chunk_flops(T, H, K)
     rate = chunk_kda_flops(T, H, K, V, C) / t_k3 / 1e9
-    fla_rate = fla_chunk_flops(T, H, K) / t_k3 / 1e9
+    fla_rate = fla_flops / t_k3 / 1e9
     # the share in each round: chunk_kda's rate by fla's count over the GEMM's of the same round
-    fla_flops = fla_chunk_flops(T, H, K)
     shares = sorted(fla_flops / t * t_gemm / product_flops for t, t_gemm in zip(t_k3s, t_gemms, strict=True))
     peer = transformers_chunk() if T <= args.skip_peer_above and H <= args.skip_peer_heads_above else None
     t_peer = None

@@ -403,7 +403,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
           chunk_backward(t, d, states_t + (j * chunks + i) * V * K, u_all + (j * chunks + i) * C * V, dS, opt);
           std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG
           for (int64_t c = C - 1; c >= 0; --c) {
-            for (int64_t k = 0; k < K; ++k) running[k] += d.dG[c * K + k];
+            for (int64_t col = 0; col < K; ++col) running[col] += d.dG[c * K + col];
             if (c >= valid) continue;
             const int64_t row = (first_row + c) * H + h;  // streamed: nothing here reads them again
             stream_copy(d.dleft_q() + c * K, dq.data_ptr<float>() + row * K, K);
