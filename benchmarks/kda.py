@@ -28,8 +28,9 @@ Forward+backward (the forward under autograd, then the gradients of q, k, v, g a
 gradient of o, so that no loss around it is timed) runs twice: as chunk_kda does it by default (the
 forward keeps every chunk's starting state for the backward) and with ``keep_states=False`` (the
 backward recomputes them).
-Where the native kernels run, their two calls are also timed alone with the chunk products in 8 lanes
-(AVX2) and, on CPUs with AVX-512 F, in 16 (the default there; the same bits), beside each other.
+Where the native kernels run, their two calls are also timed alone (the forward, the forward keeping
+states and the backward alternated round by round) with the chunk products in 8 lanes (AVX2) and, on CPUs
+with AVX-512 F, in 16 (the default there; the same bits), beside each other.
 The forward's kept states are large fresh buffers (twice the inputs), so how the allocator serves
 them matters: ``--train-allocator`` times everything with freed memory kept in the process, as
 ``k3 train`` runs.
@@ -65,16 +66,17 @@ def best_time(fn: Callable[[], object], repeats: int, warm_up: bool = True) -> f
     return min(times)
 
 
-def alternated(first: Callable[[], object], second: Callable[[], object], rounds: int) -> tuple[list, list]:
-    """Times of `first` and `second`, run one after the other in each round (after one warm-up each): on a
-    shared machine a ratio of two bests taken minutes apart moves with the machine, one of the same
-    rounds much less."""
-    first(), second()
-    times: tuple[list, list] = ([], [])
+def alternated(*calls: Callable[[], object], rounds: int) -> list[list[float]]:
+    """Times of each call, run one after the other in each round (after one warm-up each): on a shared
+    machine a ratio of two bests taken minutes apart moves with the machine, one of the same rounds much
+    less."""
+    for call in calls:
+        call()
+    times: list[list[float]] = [[] for _ in calls]
     for _ in range(rounds):
-        for fn, out in zip((first, second), times, strict=True):
+        for call, out in zip(calls, times, strict=True):
             start = time.perf_counter()
-            fn()
+            call()
             out.append(time.perf_counter() - start)
     return times
 
@@ -118,7 +120,7 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int) -> None:
     q, k, v, g, beta = make_inputs(T, H, K, V)
     product, product_flops = gemm()
     t_k3s, t_gemms = alternated(
-        lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), product, args.repeats
+        lambda: chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C), product, rounds=args.repeats
     )
     t_k3, gemm_rate, fla_flops = min(t_k3s), product_flops / min(t_gemms) / 1e9, fla_chunk_flops(T, H, K)
     rate = chunk_kda_flops(T, H, K, V, C) / t_k3 / 1e9
@@ -155,7 +157,9 @@ def bench_one_length(args: argparse.Namespace, T: int, H: int) -> None:
             chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, chunk_size=C)
 
         for keep_states, name in [(True, "fwd+bwd"), (False, "  recomputing")]:
-            t_f, t_fb = alternated(forward, functools.partial(forward_backward, keep_states), args.repeats)
+            t_f, t_fb = alternated(
+                forward, functools.partial(forward_backward, keep_states), rounds=args.repeats
+            )
             by_round = sorted(b / a for a, b in zip(t_f, t_fb, strict=True))[len(t_f) // 2]
             blank = f"{'':>33}"
             print(
@@ -180,15 +184,19 @@ def bench_product_variants(args: argparse.Namespace, T: int, H: int) -> None:
         _, _, states, pseudo_values = forward(True, variant)
         kept = (states, pseudo_values)
         backward = functools.partial(native.backward, *rows, *sequence, state, *kept, d_o, d_final, *options)
-        times[variant] = [
-            best_time(lambda: forward(False, variant), args.repeats),  # noqa: B023
-            best_time(lambda: forward(True, variant), args.repeats),  # noqa: B023
-            best_time(lambda: backward(variant), args.repeats),  # noqa: B023
-        ]
+        rounds = alternated(
+            functools.partial(forward, False, variant),
+            functools.partial(forward, True, variant),
+            functools.partial(backward, variant),
+            rounds=args.repeats,
+        )
+        times[variant] = [min(t) for t in rounds]
         fwd, fwd_keep, bwd = times[variant]
+        by_round = sorted((k + b) / f for f, k, b in zip(*rounds, strict=True))[len(rounds[0]) // 2]
         print(
             f"{T:>6} {H:>3} native {variant:<6}  forward {fwd:.4f} s, keeping states {fwd_keep:.4f} s, "
-            f"backward {bwd:.4f} s: (keeping + backward) / forward {(fwd_keep + bwd) / fwd:.2f}x"
+            f"backward {bwd:.4f} s: (keeping + backward) / forward {(fwd_keep + bwd) / fwd:.2f}x "
+            f"(median of the rounds' ratios {by_round:.2f}x)"
         )
     if len(times) == 2:
         ratios = ", ".join(f"{a / b:.2f}x" for a, b in zip(times["avx2"], times["avx512"], strict=True))
