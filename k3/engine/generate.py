@@ -214,7 +214,7 @@ class Engine:
         low, high = 0, size
         while low < high:
             mid = (low + high + 1) // 2
-            fits = self.model.plain_attention_bytes(done + mid, mid if done else 0) <= self.attention_budget
+            fits = self.model.plain_attention_bytes(done + mid, mid) <= self.attention_budget
             low, high = (mid, high) if fits else (low, mid - 1)
         return low
 

@@ -127,15 +127,18 @@ class MLAttention(nn.Module):
         o_latent = torch.einsum("bhts,bsl->bthl", p, c)  # [B, T, n, L]
         return torch.einsum("bthl,hdl->bthd", o_latent, w_v)  # [B, T, n, dv]
 
-    def plain_bytes(self, keys: int, element_size: int, queries: int = 0) -> int:
-        """Bytes `attend_plain` expands `keys` cached positions into, at `element_size` bytes a value, at
-        most: kv_b's [n, dn + dv] while the keys and values padded to one width are made from it (and the
-        keys [n, dq] before their padding, where they have any); and for `queries` queries after cached
-        context, the visibility mask of every query and key, as bool and as the floats sdpa turns it into
-        (5 bytes a pair; measured: 4.25 bytes a pair grown inside sdpa at 2,048 x 8,192)."""
+    def plain_bytes(self, keys: int, queries: int, element_size: int, rows: int = 1) -> int:
+        """Bytes `attend_plain` takes for a chunk of `queries` queries over `keys` positions (the chunk's the
+        last of them) in each of `rows` sequences, at `element_size` bytes a value, at most: the positions
+        expanded, kv_b's [n, dn + dv] while the keys and values padded to one width are made from it (and
+        the keys [n, dq] before their padding, where they have any); and where the chunk follows cached
+        context (keys > queries), the visibility mask of every query and key, as bool and as the floats
+        sdpa turns it into (5 bytes a pair; measured: 4.25 bytes a pair grown inside sdpa at 2,048 x 8,192).
+        A chunk with nothing before it attends under sdpa's causal mask, which takes no memory."""
         dq, width = self.nope + self.rope, max(self.nope + self.rope, self.v_dim)
         per_head = self.nope + self.v_dim + 2 * width + (dq if dq < width else 0)
-        return keys * self.num_heads * per_head * element_size + 5 * queries * keys
+        mask = 5 * queries * keys if keys > queries else 0
+        return rows * (keys * self.num_heads * per_head * element_size + mask)
 
     # ---- the layer ---------------------------------------------------------------------------------------
     def forward(
@@ -162,8 +165,7 @@ class MLAttention(nn.Module):
             S = int(offsets.max()) + T
             c, k_rope = state.latent[:, :S], state.k_rope[:, :S]  # type: ignore[index]
             if absorb is None:
-                masked = T if S > T else 0  # a chunk after cached context attends under a mask
-                absorb = T == 1 or self.plain_bytes(B * S, x.element_size(), masked) > self.plain_budget
+                absorb = T == 1 or self.plain_bytes(S, T, x.element_size(), B) > self.plain_budget
             if S == T:  # every row starts here: the plain causal mask, whose masked blocks sdpa skips
                 visible = None
             elif not (absorb and B == 1 and T == 1):  # one query of one sequence sees every cached key

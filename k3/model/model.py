@@ -252,14 +252,14 @@ class K3ForCausalLM(nn.Module):
                 module.native_activation = enabled
         return self
 
-    def plain_attention_bytes(self, keys: int, queries: int = 0) -> int:
-        """Bytes an MLA layer's plain form expands `keys` cached positions into, in the compute dtype, with
-        the mask of `queries` queries after cached context (MLAttention.plain_bytes); 0 without MLA layers.
+    def plain_attention_bytes(self, keys: int, queries: int) -> int:
+        """Bytes an MLA layer's plain form takes for a chunk of `queries` queries over `keys` positions, in
+        the compute dtype (MLAttention.plain_bytes: the mask too after cached context); 0 without MLA layers.
         The engine asks this a dozen times a chunk: the decoder layers are looked through, not every module
         (K3's experts are tens of thousands)."""
         mixers = (layer.self_attn for layer in self.model.layers)
         mla = next((m for m in mixers if isinstance(m, MLAttention)), None)
-        return mla.plain_bytes(keys, self.compute_dtype.itemsize, queries) if mla is not None else 0
+        return mla.plain_bytes(keys, queries, self.compute_dtype.itemsize) if mla is not None else 0
 
     def set_attention_budget(self, nbytes: int) -> K3ForCausalLM:
         """The bytes an MLA layer's plain form may expand a chunk's cached context into; past them it attends

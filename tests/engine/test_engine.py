@@ -81,7 +81,7 @@ def test_prefill_chunks_are_as_few_and_as_even_as_the_bounds_allow(
     assert chunk_plan(Engine(model, prefill_chunk=100), 250) == [84, 83, 83]
     heads = model.config.num_attention_heads
     engine = Engine(model, attention_budget=2 * 4 * heads * 610 * 150)  # scores + probabilities, fp32
-    no_room = lambda keys, queries=0: engine.attention_budget * keys  # noqa: E731
+    no_room = lambda keys, queries: engine.attention_budget * keys  # noqa: E731
     monkeypatch.setattr(model, "plain_attention_bytes", no_room)
     assert chunk_plan(engine, 610) == ([122] * 5 if model.config.mla_layers else [610])
 
@@ -98,7 +98,7 @@ def test_prefill_fills_mlas_plain_form_then_its_absorbed_one(
         assert chunk_plan(Engine(model, attention_budget=1), 700) == [700]
         return
     heads = model.config.num_attention_heads
-    budget = model.plain_attention_bytes(400)
+    budget = model.plain_attention_bytes(400, 400)  # a first chunk of 400: no mask
     engine = Engine(model, attention_budget=budget)
     assert chunk_plan(engine, 300) == [300] and budget // (2 * 4 * heads * 300) < 300 // 5
     plan = chunk_plan(engine, 700)
@@ -110,9 +110,8 @@ def test_prefill_fills_mlas_plain_form_then_its_absorbed_one(
     for size in plan:
         forms.clear()
         logits.append(model(ids[:, done : done + size], cache)[0])
-        masked = size if done else 0  # after cached context a chunk attends under a mask
         done += size
-        if model.plain_attention_bytes(done, masked) <= budget:
+        if model.plain_attention_bytes(done, size) <= budget:
             assert forms == ["plain"] * len(layers)
         else:
             assert forms == ["absorbed"] * len(layers) and 2 * 4 * heads * size * done <= budget

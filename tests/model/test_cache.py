@@ -111,7 +111,7 @@ def test_a_chunk_past_the_plain_budget_takes_the_absorbed_form(model, monkeypatc
     layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, MLAttention)]
     forms = record_mla_forms(model, monkeypatch)
     for mla in layers:
-        monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, 4))  # 8 keys fit, 9 do not
+        monkeypatch.setattr(mla, "plain_budget", mla.plain_bytes(8, 8, 4))  # 8 keys fit, 9 do not
     ids = ids_of(1, 24, seed=9)
     full = model(ids)[0]  # [T, V], no cache: plain
     assert forms == ["plain"] * len(layers)
@@ -120,3 +120,29 @@ def test_a_chunk_past_the_plain_budget_takes_the_absorbed_form(model, monkeypatc
     chunks = torch.cat([model(ids[:, s : s + 8], cache) for s in (0, 8, 16)], dim=1)[0]
     assert forms == ["plain"] * len(layers) + ["absorbed"] * 2 * len(layers)  # contexts of 8, 16, 24 keys
     assert close(chunks, full, full)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("B", [1, 2])
+def test_a_chunk_after_cached_context_counts_its_mask(model, monkeypatch, B):
+    """After cached context the plain form also holds the visibility mask of every query and key (B rows of
+    it): a chunk of 8 over 16 keys whose expanded positions alone would fit the budget, but not with the mask
+    (or not with the mask of every row), takes the absorbed form; with room for all of it, the plain form."""
+    layers = [layer.self_attn for layer in model.model.layers if isinstance(layer.self_attn, MLAttention)]
+    mla = layers[0]
+    cases = [
+        (mla.plain_bytes(16, 16, 4, B), "absorbed"),  # every row's positions, no mask
+        (mla.plain_bytes(16, 8, 4, B), "plain"),  # and the mask
+    ]
+    if B == 2:
+        cases.append((mla.plain_bytes(16, 8, 4), "absorbed"))  # one row's positions and mask
+    ids = ids_of(B, 16, seed=11)
+    for budget, form in cases:
+        for layer in layers:
+            monkeypatch.setattr(layer, "plain_budget", budget)
+        cache = model.new_cache(B)
+        model(ids[:, :8], cache)  # the first chunk: no mask, within either budget
+        forms = record_mla_forms(model, monkeypatch)
+        model(ids[:, 8:], cache)
+        assert forms == [form] * len(layers)
+        monkeypatch.undo()
