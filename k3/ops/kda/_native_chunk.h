@@ -179,10 +179,11 @@ struct ChunkGrads {
   std::vector<float> d_decay, d_first, d_last;  // [K]
   std::vector<float> dbeta, dots;     // [C]
   std::vector<float> dS_t;            // [V, K]
+  std::vector<float> b_t;             // [max(K, V, C), C]: product_with_transpose's b, transposed
   ChunkGrads(int64_t C, int64_t K, int64_t V)
       : outer(2 * C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
         dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
-        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), dS_t(V * K) {}
+        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), dS_t(V * K), b_t(std::max({K, V, C}) * C) {}
 
   float* d_o() { return outer.data(); }
   float* minus_du() { return outer.data() + outer.size() / 2; }
@@ -205,15 +206,17 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
   run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()}, opt.wide);
   run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()}, opt.wide);
-  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP(), false, opt.wide);
+  product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP(), false, d.b_t.data(), opt.wide);
   run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()}, opt.wide);
   transpose(dS, K, V, d.dS_t.data(), opt.wide);  // the product with dS^T as a plain one
   run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()}, opt.wide);
   column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
   run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS}, opt.wide);
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
-  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data(), false, opt.wide);
-  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true, opt.wide);
+  product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data(), false, d.b_t.data(),
+                         opt.wide);
+  product_with_transpose(d.minus_du(), t.v.data(), C, C, V, -1.0f, d.dT_beta.data(), true, d.b_t.data(),
+                         opt.wide);
   run({C, K, C, transposed(t.t_beta.data(), C), d.dw(), 1.0f, nullptr, nullptr, d.dk_gamma.data()}, opt.wide);
   run({C, V, C, transposed(t.t_beta.data(), C), d.minus_du(), -1.0f, nullptr, nullptr, d.dv.data()}, opt.wide);
   // T_beta = T diag(beta); T = (I + A)^-1 so dA = -T^T dT T^T (strict lower part); A = diag(beta) Sk
@@ -225,7 +228,7 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
     }
   }
   run({C, C, C, transposed(t.t_inv.data(), C), d.dT.data(), 1.0f, nullptr, nullptr, d.tmp.data()}, opt.wide);
-  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data(), false, opt.wide);
+  product_with_transpose(d.tmp.data(), t.t_inv.data(), C, C, C, -1.0f, d.dA.data(), false, d.b_t.data(), opt.wide);
   for (int64_t i = 0; i < C; ++i) {
     for (int64_t j = 0; j < C; ++j) {
       const bool strict = j < i;

@@ -3,8 +3,7 @@
 // The products are the sizes of one chunk: [C x K] x [K x V] and the like, with C = 16 and K = V = 128
 // in K3, small enough to stay in L1/L2. `run_narrow` covers out = diag(scale) base + sign * A B with A read
 // through strides (so A and A^T are both plain operands) and B row-major (_native_products512.h's `run`
-// calls it, after its 16-lane panels where the CPU has AVX-512); `product_with_transpose_narrow` covers
-// a b^T with both operands read along their rows (after the 16-lane blocks of `product_with_transpose`).
+// calls it, after its 16-lane panels where the CPU has AVX-512).
 // Everything lives in an anonymous namespace: this header is included by _native.cpp only.
 
 #pragma once
@@ -295,64 +294,6 @@ __attribute__((target("avx2,fma"))) void column_dots(const float* a, const float
     float total = 0.0f;
     for (int64_t r = 0; r < rows; ++r) total += a[r * cols + c0] * b[r * cols + c0];
     out[c0] = total;
-  }
-}
-
-// out = sign * (lane sum of acc + the products past the 8-lane body, from k on) of rows a_row and
-// b_row, added to out if `accumulate`: the end of one product_with_transpose element, shared by the
-// 8-lane blocks below and the 16-lane ones of _native_products512.h, so both end it alike.
-__attribute__((target("avx2,fma"), noinline)) void finish_dot(__m256 acc, const float* a_row, const float* b_row,
-                                                           int64_t k, int64_t Kd, float sign, bool accumulate,
-                                                           float& out) {
-  float total = lane_sum(acc);
-  for (; k < Kd; ++k) total += a_row[k] * b_row[k];
-  out = accumulate ? out + sign * total : sign * total;
-}
-
-// out[m0 + r, n0 + c] = sign * a[m0 + r, :] . b[n0 + c, :] for an R x W block: both operands are
-// read along their rows (8 lanes of the shared dimension at a time), so neither is transposed.
-template <int R, int W>
-__attribute__((target("avx2,fma"))) inline void dot_block(const float* a, const float* b, int64_t N, int64_t Kd,
-                                                          float sign, bool accumulate, float* out, int64_t m0,
-                                                          int64_t n0) {
-  __m256 acc[R][W];
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) acc[r][c] = _mm256_setzero_ps();
-  }
-  int64_t k = 0;
-  for (; k + 8 <= Kd; k += 8) {
-    __m256 bv[W];
-    for (int c = 0; c < W; ++c) bv[c] = _mm256_loadu_ps(b + (n0 + c) * Kd + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 av = _mm256_loadu_ps(a + (m0 + r) * Kd + k);
-      for (int c = 0; c < W; ++c) acc[r][c] = _mm256_fmadd_ps(av, bv[c], acc[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int c = 0; c < W; ++c) {
-      finish_dot(acc[r][c], a + (m0 + r) * Kd, b + (n0 + c) * Kd, k, Kd, sign, accumulate,
-                 out[(m0 + r) * N + n0 + c]);
-    }
-  }
-}
-
-// The columns [n_begin, N) of out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the
-// products with a state's transpose); `accumulate` adds to out instead of overwriting it.
-// (`product_with_transpose`, in _native_products512.h, calls it.)
-__attribute__((target("avx2,fma"))) void product_with_transpose_narrow(const float* a, const float* b, int64_t M,
-                                                                       int64_t N, int64_t Kd, float sign,
-                                                                       float* out, bool accumulate,
-                                                                       int64_t n_begin) {
-  int64_t m0 = 0;
-  for (; m0 + 2 <= M; m0 += 2) {
-    int64_t n0 = n_begin;
-    for (; n0 + 4 <= N; n0 += 4) dot_block<2, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
-    for (; n0 < N; ++n0) dot_block<2, 1>(a, b, N, Kd, sign, accumulate, out, m0, n0);
-  }
-  for (; m0 < M; ++m0) {
-    int64_t n0 = n_begin;
-    for (; n0 + 4 <= N; n0 += 4) dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
-    for (; n0 < N; ++n0) dot_block<1, 1>(a, b, N, Kd, sign, accumulate, out, m0, n0);
   }
 }
 

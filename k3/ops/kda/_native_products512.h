@@ -1,5 +1,5 @@
-// AVX-512 versions of _native_products.h's kernels for the KDA chunk: `run` (the small dense products),
-// `product_with_transpose` (a b^T) and `transpose`, bit for bit their results.
+// AVX-512 versions of _native_products.h's kernels for the KDA chunk: `run` (the small dense products) and
+// `transpose`, bit for bit their results; `product_with_transpose` (a b^T) is a transpose and a `run`.
 //
 // Every output element of `run` is computed as the AVX2 kernel computes it: acc = (sign * scale) * base (or
 // 0), then acc = fma(a[m, k], b[k, n], acc) for k = 0, 1, ..., Kd - 1 in order, out = sign * acc. Only how
@@ -8,8 +8,7 @@
 // broadcasts per k for sixteen 16-lane FMAs (the AVX2 kernel's 6 x 16 block: eight loads for twelve
 // 8-lane FMAs), and K3's chunk sizes (rows 16, 32 or 128; columns 128) split into whole blocks with no
 // ragged tail. Columns left over after the 32-wide panels (N % 32) take 16-wide panels, then the AVX2
-// kernel. `product_with_transpose` keeps two of the AVX2 kernel's 8-lane accumulators in one register
-// (see wide_dot_block). On the 2-core AMD EPYC dev box (CPU family 26, Zen 5) the fused forward ran 1.5x
+// kernel. On the 2-core AMD EPYC dev box (CPU family 26, Zen 5) the fused forward ran 1.5x
 // faster and the backward 1.4x (benchmarks/kda.py): the AVX2 kernel issues more loads and broadcasts per
 // FMA, and K3's 16-row chunks left it a 4-row block. Included by _native_chunk.h and _native.cpp.
 
@@ -155,70 +154,15 @@ void transpose(const float* src, int64_t rows, int64_t cols, float* dst, bool wi
   }
 }
 
-// Rows [m0, m0 + R) x columns [n0, n0 + 2 W) of product_with_transpose. Register acc[r][w] holds, in its
-// low half, the 8-lane partial sums of output (m0 + r, n0 + 2 w) and, in its high half, those of
-// (m0 + r, n0 + 2 w + 1): a's 8 elements broadcast to both halves, the two b rows' side by side. Each half
-// is what dot_block's 8-lane accumulator is, op for op, and finish_dot ends both: the same bits, with
-// half the FMAs, and four b-row pairs and four a broadcasts loaded per sixteen FMAs.
-template <int R, int W>
-K3_KDA_AVX512 inline void wide_dot_block(const float* a, const float* b, int64_t N, int64_t Kd, float sign,
-                                         bool accumulate, float* out, int64_t m0, int64_t n0) {
-  __m512 acc[R][W];
-#pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int w = 0; w < W; ++w) acc[r][w] = _mm512_setzero_ps();
-  }
-  int64_t k = 0;
-  for (; k + 8 <= Kd; k += 8) {
-    __m512 b_pair[W];
-#pragma GCC unroll 4
-    for (int w = 0; w < W; ++w) {
-      const __m256 low = _mm256_loadu_ps(b + (n0 + 2 * w) * Kd + k);
-      const __m256 high = _mm256_loadu_ps(b + (n0 + 2 * w + 1) * Kd + k);
-      b_pair[w] = _mm512_castpd_ps(
-          _mm512_insertf64x4(_mm512_castps_pd(_mm512_castps256_ps512(low)), _mm256_castps_pd(high), 1));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      const __m256 a_row = _mm256_loadu_ps(a + (m0 + r) * Kd + k);
-      const __m512 a_both = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(a_row)));
-#pragma GCC unroll 4
-      for (int w = 0; w < W; ++w) acc[r][w] = _mm512_fmadd_ps(a_both, b_pair[w], acc[r][w]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int w = 0; w < W; ++w) {
-      const __m256 low = _mm512_castps512_ps256(acc[r][w]);
-      const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[r][w]), 1));
-      const float* a_row = a + (m0 + r) * Kd;
-      float* o = out + (m0 + r) * N + n0 + 2 * w;
-      finish_dot(low, a_row, b + (n0 + 2 * w) * Kd, k, Kd, sign, accumulate, o[0]);
-      finish_dot(high, a_row, b + (n0 + 2 * w + 1) * Kd, k, Kd, sign, accumulate, o[1]);
-    }
-  }
-}
-
-// The columns of product_with_transpose in groups of 8, by 16-lane blocks of 4 rows (then single rows);
-// returns where the 8-lane kernel takes over.
-K3_KDA_AVX512 int64_t product_with_transpose_wide(const float* a, const float* b, int64_t M, int64_t N,
-                                                  int64_t Kd, float sign, float* out, bool accumulate) {
-  int64_t n0 = 0;
-  for (; n0 + 8 <= N; n0 += 8) {
-    int64_t m0 = 0;
-    for (; m0 + 4 <= M; m0 += 4) wide_dot_block<4, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
-    for (; m0 < M; ++m0) wide_dot_block<1, 4>(a, b, N, Kd, sign, accumulate, out, m0, n0);
-  }
-  return n0;
-}
-
 // out[M, N] (+)= sign * a[M, Kd] b[N, Kd]^T, a and b row-major (e.g. the products with a state's
-// transpose); `accumulate` adds to out instead of overwriting it. 16-lane blocks where `wide`, the
-// columns left over in 8 lanes.
+// transpose); `accumulate` adds to out instead of overwriting it. b is transposed into b_t [Kd, N] (scratch)
+// and the product is one `run`: register blocks with a chain of FMAs per element, the same bits in 8 and 16
+// lanes. (Until 2026-12-06 each element was an 8-lane dot product ended by a horizontal sum, out of line: on
+// Zen 3 those sums and calls were 6 % of the backward's time for 4 % of its FLOPs.)
 void product_with_transpose(const float* a, const float* b, int64_t M, int64_t N, int64_t Kd, float sign,
-                            float* out, bool accumulate, bool wide) {
-  const int64_t n_narrow = wide ? product_with_transpose_wide(a, b, M, N, Kd, sign, out, accumulate) : 0;
-  product_with_transpose_narrow(a, b, M, N, Kd, sign, out, accumulate, n_narrow);
+                            float* out, bool accumulate, float* b_t, bool wide) {
+  transpose(b, N, Kd, b_t, wide);
+  run({M, N, Kd, plain(a, Kd), b_t, sign, accumulate ? out : nullptr, nullptr, out}, wide);
 }
 
 }  // namespace
