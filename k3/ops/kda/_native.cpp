@@ -398,7 +398,12 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
               std::fill_n(row, V, 0.0f);
             }
           }
-          for (int64_t c = 0; c < next_valid; ++c) prefetch(dop + ((next_row + c) * H + next_h) * V, V);
+          for (int64_t c = 0; c < next_valid; ++c) t.ahead.add(dop + ((next_row + c) * H + next_h) * V, V);
+          if (next_valid > 0) {  // the next step's kept state and pseudo values
+            const int64_t next_at = (next_h - h0) * chunks + (same_chunk ? i : i - 1);
+            t.ahead.add(states_t + next_at * V * K, V * K);
+            t.ahead.add(u_all + next_at * C * V, C * V);
+          }
           float* dS = d_state.data_ptr<float>() + (z + j) * K * V;
           chunk_backward(t, d, states_t + (j * chunks + i) * V * K, u_all + (j * chunks + i) * C * V, dS, opt);
           std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG

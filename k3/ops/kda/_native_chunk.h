@@ -23,11 +23,6 @@ struct ChunkOptions {
   bool wide;    // the products in 16 lanes (AVX-512; the same bits as in 8)
 };
 
-// Asks for the cache lines of x[0, n) ahead of use.
-inline void prefetch(const float* x, int64_t n) {
-  for (int64_t j = 0; j < n; j += 16) __builtin_prefetch(x + j);
-}
-
 // One chunk's inputs and terms (chunk.py's base_terms for s = C), in one thread's scratch memory,
 // reused from chunk to chunk. [C, K] unless noted.
 struct ChunkTerms {
@@ -41,6 +36,7 @@ struct ChunkTerms {
   std::vector<float> first, last, decay;  // [K]: exp(G_0), exp(G_last - G_0), Gamma_C = exp(G_last)
   std::vector<float> reading;          // [2C, K]: q Gamma, then W (what reads the state, in one product)
   std::vector<float> k_gamma, k_hat, u_in;  // u_in = U [C, V]
+  LineRequests ahead;  // the rows of the chunk loaded next, asked for during this chunk's products
   float* q_gamma() { return reading.data(); }
   float* w() { return reading.data() + C * K; }
   ChunkTerms(int64_t C_, int64_t K_, int64_t V_)
@@ -56,16 +52,18 @@ struct ChunkTerms {
 
   // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
   // writes) and builds the terms. The `next_valid` rows from `next_first_row` on of head `next_h` (the
-  // chunk to be loaded next) are prefetched meanwhile: a head's rows lie H * K floats apart, one page each
-  // in K3's shapes. `with_u`: build U too (the backward reads the pseudo values kept by the forward
+  // chunk to be loaded next) go into `ahead`, asked for during this chunk's products: a head's rows lie
+  // H * K floats apart, one page each in K3's shapes. `with_u`: build U too (the backward reads the pseudo values kept by the forward
   // instead, so it skips U's product).
   void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
             int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
             int64_t next_first_row, int64_t next_valid, int64_t next_h, bool with_u) {
+    ahead.ask(ahead.lines.size());  // what is left of the requests for these rows
+    ahead.clear();
     for (int64_t c = 0; c < next_valid; ++c) {
       const int64_t row = (next_first_row + c) * H + next_h;
-      for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) prefetch(p, K);
-      prefetch(v_in + row * V, V);
+      for (const float* p : {q_in + row * K, k_in + row * K, g_in + row * K}) ahead.add(p, K);
+      ahead.add(v_in + row * V, V);
     }
     for (int64_t c = 0; c < C; ++c) {
       if (c < valid) {
@@ -159,12 +157,12 @@ __attribute__((target("avx2,fma"))) void chunk_step(ChunkTerms& t, bool wide, fl
                                                    float* o) {
   const int64_t C = t.C, K = t.K, V = t.V;
   if (o) {
-    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o}, wide);
+    run({2 * C, V, K, plain(t.reading.data(), K), S, 1.0f, nullptr, nullptr, o, &t.ahead}, wide);
     for (int64_t i = 0; i < C * V; ++i) u[i] = t.u_in[i] - o[C * V + i];
   } else {
-    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u}, wide);
+    run({C, V, K, plain(t.w(), K), S, -1.0f, t.u_in.data(), nullptr, u, &t.ahead}, wide);
   }
-  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next}, wide);
+  run({K, V, C, transposed(t.k_hat.data(), K), u, 1.0f, S, t.decay.data(), S_next, &t.ahead}, wide);
   if (o) run({C, V, C, plain(t.P(), C), u, 1.0f, o, nullptr, o}, wide);
 }
 
@@ -205,13 +203,15 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
   // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
   run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()}, opt.wide);
-  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du()}, opt.wide);
+  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du(), &t.ahead}, opt.wide);
   product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP(), false, d.b_t.data(), opt.wide);
-  run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data()}, opt.wide);
+  run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data(), &t.ahead},
+      opt.wide);
   transpose(dS, K, V, d.dS_t.data(), opt.wide);  // the product with dS^T as a plain one
-  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data()}, opt.wide);
+  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data(), &t.ahead}, opt.wide);
   column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
-  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS}, opt.wide);
+  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS, &t.ahead},
+      opt.wide);
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
   product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data(), false, d.b_t.data(),
                          opt.wide);

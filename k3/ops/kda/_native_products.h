@@ -29,9 +29,30 @@ struct Operand {
   int64_t col_stride;
 };
 
+// Cache lines wanted soon (the rows of the chunk loaded next), asked for a few at a time between a product's
+// register blocks. Asked for all at once, a burst of hundreds of requests overran the core's outstanding
+// misses and did nearly nothing: on Zen 3 the fused forward copied its rows from memory as if never asked
+// for (a loop copying 16 rows of four tensors between 35 us of FMAs: 3.4 us a step with the burst, 4.0
+// without, 1.4 with the requests spread). Spread this way (16 lines a block) the forward ran 3-6 % faster
+// and the backward 1-3 % (T = 4,096, H = 8 and 96, 1 and 2 threads; the same bits).
+struct LineRequests {
+  static constexpr size_t kPerBlock = 16;
+  std::vector<const char*> lines;
+  size_t next = 0;
+  void clear() { lines.clear(), next = 0; }
+  void add(const float* x, int64_t n) {  // the lines of x[0, n)
+    for (int64_t j = 0; j < n; j += 16) lines.push_back(reinterpret_cast<const char*>(x + j));
+  }
+  void ask(size_t count) {
+    for (const size_t end = std::min(lines.size(), next + count); next < end; ++next) {
+      _mm_prefetch(lines[next], _MM_HINT_T0);
+    }
+  }
+};
+
 // One product, out[M, N] = diag(scale) base + sign * A[M, Kd] B[Kd, N], with B and out row-major
 // (leading dimension N), base [M, N] (may be out itself, or nullptr for zero) and scale [M] (nullptr
-// for ones).
+// for ones); `ahead`, if given, asks for some of its lines before each register block.
 struct Product {
   int64_t M, N, Kd;
   Operand a;
@@ -40,6 +61,7 @@ struct Product {
   const float* base;
   const float* scale;
   float* out;
+  LineRequests* ahead = nullptr;
 };
 
 // Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
@@ -137,12 +159,17 @@ inline int block_rows(int64_t M, int64_t m0) {
 template <int KD>
 __attribute__((target("avx2,fma"))) void row_blocks(const Product& p, const float* factor, int64_t n0,
                                                     int64_t n_end) {
+  if (n0 == n_end) return;  // no columns left (all done in 16 lanes): nothing to ask for either
   if (p.Kd <= 32) {
-    for (int64_t m0 = 0, R; m0 < p.M; m0 += R) row_block<KD>(p, factor, m0, R = block_rows(p.M, m0), n0, n_end);
+    for (int64_t m0 = 0, R; m0 < p.M; m0 += R) {
+      if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
+      row_block<KD>(p, factor, m0, R = block_rows(p.M, m0), n0, n_end);
+    }
     return;
   }
   for (; n0 < n_end; n0 += 16) {
     for (int64_t m0 = 0, R; m0 < p.M; m0 += R) {
+      if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
       row_block<KD>(p, factor, m0, R = block_rows(p.M, m0), n0, std::min<int64_t>(n0 + 16, n_end));
     }
   }

@@ -87,7 +87,10 @@ K3_KDA_AVX512 inline void wide_block(const Product& p, int64_t m0, int64_t n0) {
 template <int W>
 K3_KDA_AVX512 void wide_panel(const Product& p, int64_t n0) {
   int64_t m0 = 0;
-  for (; m0 + kWideRows <= p.M; m0 += kWideRows) wide_block<kWideRows, W>(p, m0, n0);
+  for (; m0 + kWideRows <= p.M; m0 += kWideRows) {
+    if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
+    wide_block<kWideRows, W>(p, m0, n0);
+  }
   switch (p.M - m0) {
     case 7: wide_block<7, W>(p, m0, n0); break;
     case 6: wide_block<6, W>(p, m0, n0); break;
