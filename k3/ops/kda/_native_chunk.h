@@ -53,8 +53,8 @@ struct ChunkTerms {
   // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor
   // writes) and builds the terms. The `next_valid` rows from `next_first_row` on of head `next_h` (the
   // chunk to be loaded next) go into `ahead`, asked for during this chunk's products: a head's rows lie
-  // H * K floats apart, one page each in K3's shapes. `with_u`: build U too (the backward reads the pseudo values kept by the forward
-  // instead, so it skips U's product).
+  // H * K floats apart, one page each in K3's shapes. `with_u`: build U too (the backward reads the pseudo
+  // values kept by the forward instead, so it skips U's product).
   void load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
             int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
             int64_t next_first_row, int64_t next_valid, int64_t next_h, bool with_u) {
