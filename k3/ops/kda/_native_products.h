@@ -65,9 +65,9 @@ struct Product {
 };
 
 // Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
-// The sign is applied once at the end: acc = factor * base with factor [M] = sign * scale (row_factors),
-// acc += A B, out = sign * acc. KD is Kd where the caller knows it (K3's chunk products over C = 16 and
-// 2C = 32: the loop unrolled), else 0.
+// The sign is applied once at the end: acc = factor * base with factor [M] = sign * scale (computed once a
+// product, by run_narrow), acc += A B, out = sign * acc. KD is Kd where the caller knows it (K3's chunk
+// products over C = 16 and 2C = 32: the loop unrolled), else 0.
 template <int R, int W, int KD>
 __attribute__((target("avx2,fma"))) inline void register_block(const Product& p, const float* factor, int64_t m0,
                                                                int64_t n0) {
@@ -80,7 +80,7 @@ __attribute__((target("avx2,fma"))) inline void register_block(const Product& p,
   const float sign_value = p.sign;
   const __m256 sign = _mm256_set1_ps(sign_value);
   __m256 acc[R][W];
-  if (base) {  // asked once a block, not once a row
+  if (base) {  // tested once a block, not once a row
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_broadcast_ss(factor + m0 + r);
