@@ -159,7 +159,6 @@ inline int block_rows(int64_t M, int64_t m0) {
 template <int KD>
 __attribute__((target("avx2,fma"))) void row_blocks(const Product& p, const float* factor, int64_t n0,
                                                     int64_t n_end) {
-  if (n0 == n_end) return;  // no columns left (all done in 16 lanes): nothing to ask for either
   if (p.Kd <= 32) {
     for (int64_t m0 = 0, R; m0 < p.M; m0 += R) {
       if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
@@ -175,10 +174,8 @@ __attribute__((target("avx2,fma"))) void row_blocks(const Product& p, const floa
   }
 }
 
-// The columns [n0, N): register blocks over the multiple of 8, then single columns for the rest.
-// (`run`, in _native_products512.h, calls it.)
-__attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0) {
-  const int64_t n_end = n0 + (p.N - n0) / 8 * 8;
+// The columns [n0, n_end) in register blocks (n_end - n0 > 0, a multiple of 8).
+__attribute__((target("avx2,fma"))) void register_blocks(const Product& p, int64_t n0, int64_t n_end) {
   // what multiplies base's rows, computed once a product rather than once a block: sign * scale (or sign)
   constexpr int64_t kOnStack = 256;  // K3's largest M is 128
   float on_stack[kOnStack];
@@ -194,6 +191,13 @@ __attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0
   } else {
     row_blocks<0>(p, factor, n0, n_end);
   }
+}
+
+// The columns [n0, N): register blocks over the multiple of 8 (none where the 16-lane panels took every
+// column), then single columns for the rest. (`run`, in _native_products512.h, calls it.)
+__attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0) {
+  const int64_t n_end = n0 + (p.N - n0) / 8 * 8;
+  if (n0 < n_end) register_blocks(p, n0, n_end);
   for (n0 = n_end; n0 < p.N; ++n0) {
     for (int64_t m = 0; m < p.M; ++m) {
       float acc = p.base ? (p.scale ? p.scale[m] : 1.0f) * p.base[m * p.N + n0] : 0.0f;
