@@ -50,6 +50,7 @@ from collections.abc import Callable
 import torch
 
 from k3.ops.kda import chunk_kda, kda_gate, naive_recurrent_kda, recurrent_kda_step
+from k3.ops.kda.chunk import g_floor
 from k3.ops.kda.native import load_native
 from k3.ops.roofline import gemm, machine_line, references, references_line
 from k3.train.allocator import keep_freed_memory
@@ -176,7 +177,7 @@ def bench_product_variants(args: argparse.Namespace, T: int, H: int) -> None:
     K = V = args.head_dim
     rows = [x.reshape(T, *x.shape[2:]).contiguous() for x in make_inputs(T, H, K, V)]
     sequence, state = (torch.tensor([0]), torch.tensor([T])), torch.zeros(1, H, K, V)
-    options = (args.chunk_size, K**-0.5, True, 1e-6)
+    options = (args.chunk_size, g_floor(args.chunk_size), K**-0.5, True, 1e-6)
     d_o, d_final = torch.randn(T, H, V), torch.zeros_like(state)
     times = {}
     for variant in ["avx2", "avx512"] if native.products_variant() == "avx512" else ["avx2"]:

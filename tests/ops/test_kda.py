@@ -15,7 +15,7 @@ import torch
 
 from k3.ops.kda import chunk as chunk_module
 from k3.ops.kda import chunk_kda, kda_gate, kda_softplus_gate, naive_recurrent_kda, recurrent_kda_step
-from k3.ops.kda.chunk import base_chunk_size
+from k3.ops.kda.chunk import base_chunk_size, g_floor
 from k3.ops.kda.native import load_native
 from k3.ops.kda.state_passing import StatePassing
 
@@ -306,7 +306,8 @@ def test_native_product_variants_and_thread_counts_give_the_same_bits():
         lengths = (cu[1:] - cu[:-1]).contiguous() if cu is not None else torch.full((B,), T)
         h0 = kwargs["initial_state"]
         h0 = torch.zeros(N, q.shape[2], q.shape[3], v.shape[3]) if h0 is None else h0.detach()
-        options = (kwargs["chunk_size"], q.shape[3] ** -0.5, kwargs["use_qk_l2norm"], 1e-6)
+        C = kwargs["chunk_size"]
+        options = (C, g_floor(C), q.shape[3] ** -0.5, kwargs["use_qk_l2norm"], 1e-6)
         o, final, states, pseudo_values = native.forward(*rows, starts, lengths, h0, *options, True, variant)
         gen = torch.Generator().manual_seed(32)
         d_o, d_final = torch.randn(o.shape, generator=gen), torch.randn(final.shape, generator=gen)
@@ -342,11 +343,11 @@ def test_native_product_variants_and_thread_counts_give_the_same_bits():
 
 
 class CountingNative:
-    """The native module with a count of the fused forward calls (to know which path ran) and whether
-    the last one kept the chunk-start states for the backward."""
+    """The native module with a count of the fused forward calls (to know which path ran), of those that
+    refused their g, and whether the last one kept the chunk-start states for the backward."""
 
     def __init__(self, module):
-        self.module, self.forward_calls, self.kept = module, 0, None
+        self.module, self.forward_calls, self.refused, self.kept = module, 0, 0, None
 
     def __getattr__(self, name):
         return getattr(self.module, name)
@@ -354,7 +355,11 @@ class CountingNative:
     def forward(self, *args):
         self.forward_calls += 1
         self.kept = args[-1]
-        return self.module.forward(*args)
+        try:
+            return self.module.forward(*args)
+        except self.module.GateOutOfRange:
+            self.refused += 1
+            raise
 
 
 FUSED_CASES = {  # name: (B, T, H, K, V, gate, chunk_size, cu_seqlens, l2norm, initial state)
@@ -449,7 +454,7 @@ def test_fused_native_forward_keeps_chunk_start_states():
     rows = (x[0].contiguous() for x in (q, k, v, g, beta))
     starts, lengths = torch.tensor(cu[:-1]), torch.tensor(cu[1:]) - torch.tensor(cu[:-1])
     _, _, states, pseudo_values = load_native().forward(
-        *rows, starts, lengths, h0, C, K**-0.5, True, 1e-6, True
+        *rows, starts, lengths, h0, C, g_floor(C), K**-0.5, True, 1e-6, True
     )
     expected = []
     for n in range(N):
@@ -483,8 +488,42 @@ def test_native_paths_by_chunk_shape(monkeypatch):
     o, _ = chunk_kda(*(x.detach().bfloat16() for x in (q, k, v, g, beta)), use_qk_l2norm=True)
     assert o.dtype == torch.bfloat16 and native.forward_calls == 3
     chunk_kda(q, k, v, g, beta, chunk_size=32)
+    assert native.forward_calls == 3 and native.refused == 0
+    # a gate too steep for one base chunk: the fused forward refuses it in its first chunk
     chunk_kda(q, k, v, torch.full_like(g, -50.0), beta)
-    assert native.forward_calls == 3
+    assert native.forward_calls == 4 and native.refused == 1
+
+
+@pytest.mark.skipif(load_native() is None, reason="native kernels not built: python -m k3.ops.build")
+@pytest.mark.parametrize("with_grad", [False, True])
+def test_a_steep_step_late_in_one_head_takes_the_torch_path(monkeypatch, with_grad):
+    # the fused forward checks each chunk's g as it reads it (no pass over g before the call): one step
+    # below the floor, in the last chunk of one head of the second sequence, makes it refuse the whole
+    # call; chunk_kda then returns the torch path's o, final state and gradients, which match the per-token
+    # loop. The same step at the floor itself is taken by the fused kernels.
+    q, k, v, g, beta = make_inputs(2, 40, 3, 16, 16, gate="k3", seed=41)
+    native = CountingNative(load_native())
+    monkeypatch.setattr(chunk_module, "load_native", lambda: native)
+    floor = g_floor(16)
+    # -60: the fused kernels' exponents would overflow (e^130 in that chunk); just below and at the floor
+    cases = [(-60.0, 1), (floor * (1 + 1e-6), 2), (floor, 2)]
+    for calls, (step, refused) in enumerate(cases, start=1):
+        g_steep = g.clone()
+        g_steep[1, 38, 2, 5] = step
+        inputs = [x.clone().requires_grad_(with_grad) for x in (q, k, v, g_steep, beta)]
+        kwargs = dict(output_final_state=True, use_qk_l2norm=True)
+        o, s = chunk_kda(*inputs, **kwargs)
+        assert native.forward_calls == calls and native.refused == refused
+        o_ref, s_ref = naive_recurrent_kda(*(x.detach() for x in inputs), **kwargs)
+        assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(s, s_ref) <= 1e-5
+        if with_grad:
+            w = torch.randn(o.shape, generator=torch.Generator().manual_seed(42))
+            grads = torch.autograd.grad((o * w).sum() + s.sum(), inputs)
+            leaves = [x.detach().clone().requires_grad_() for x in inputs]
+            o_ref, s_ref = naive_recurrent_kda(*leaves, **kwargs)
+            expected = torch.autograd.grad((o_ref * w).sum() + s_ref.sum(), leaves)
+            for name, a, e in zip("q k v g beta".split(), grads, expected, strict=True):
+                assert rel_rms(a, e) <= 1e-4, name
 
 
 # ---------------------------------------------------------------- dtypes, errors
@@ -526,7 +565,8 @@ def test_native_kernels_check_their_inputs():
     def forward(starts, lengths, **changes):
         args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state) | changes
         sequences = dict(starts=torch.tensor(starts), lengths=torch.tensor(lengths))
-        return native.forward(**args, **sequences, chunk_size=16, scale=0.5, l2norm=True, eps=1e-6, keep=True)
+        options = dict(chunk_size=16, g_floor=g_floor(16), scale=0.5, l2norm=True, eps=1e-6)
+        return native.forward(**args, **sequences, **options, keep=True)
 
     with pytest.raises(RuntimeError, match="cover 8 rows, not all 10"):
         forward([0], [8])
@@ -538,6 +578,13 @@ def test_native_kernels_check_their_inputs():
         forward([0], [10], initial_state=torch.zeros(2, 2, 8, 4))
     with pytest.raises(RuntimeError, match="k and g must have q's shape"):
         forward([0], [10], k=k[:, :1].contiguous())
+    # g out of [g_floor, 0] in one element (a ValueError: chunk.py then runs its torch path)
+    for bad in (g_floor(16) - 0.01, 0.01):
+        g_bad = g.clone()
+        g_bad[7, 1, 3] = bad
+        with pytest.raises(native.GateOutOfRange, match="g leaves"):
+            forward([0], [10], g=g_bad)
+        assert issubclass(native.GateOutOfRange, ValueError)
     assert forward([0, 4], [4, 6], initial_state=torch.zeros(2, 2, 8, 4))[0].shape == (10, 2, 4)
     _, _, states, pseudo_values = forward([0], [10])
 
@@ -545,10 +592,12 @@ def test_native_kernels_check_their_inputs():
         args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=state, states=states) | changes
         sequences = dict(starts=torch.tensor([0]), lengths=torch.tensor([10]))
         grads = dict(d_o=torch.ones_like(v), d_final=torch.zeros_like(state))
-        options = dict(chunk_size=16, scale=0.5, l2norm=True, eps=1e-6)
+        options = dict(chunk_size=16, g_floor=g_floor(16), scale=0.5, l2norm=True, eps=1e-6)
         return native.backward(**args, **sequences, pseudo_values=pseudo_values, **grads, **options)
 
     assert backward()[0].shape == q.shape
+    with pytest.raises(RuntimeError, match="g leaves"):
+        backward(g=torch.full_like(g, -6.0))
     with pytest.raises(RuntimeError, match="states must be"):
         backward(states=states[:, :2].contiguous())
     with pytest.raises(RuntimeError, match="states must be"):

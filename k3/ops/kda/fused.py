@@ -27,15 +27,16 @@ class FusedChunkKDA(torch.autograd.Function):
 
     q, k, g [rows, H, K]; v [rows, H, V]; beta [rows, H]; state [N, H, K, V]; all fp32, contiguous.
     Sequence n is rows [starts[n], starts[n] + lengths[n]). ``options``: (native module, chunk size,
-    scale, L2-normalise q and k, the L2 norm's eps, keep the chunk-start states for a backward).
-    Returns o [rows, H, V] and the final states [N, H, K, V].
+    the lowest g it takes, scale, L2-normalise q and k, the L2 norm's eps, keep the chunk-start states for a
+    backward). Returns o [rows, H, V] and the final states [N, H, K, V]; raises the module's
+    ``GateOutOfRange`` where a g lies outside [lowest g, 0].
     """
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, starts, lengths, options):
-        native, chunk_size, scale, l2norm, eps, keep = options
+        native, chunk_size, g_floor, scale, l2norm, eps, keep = options
         o, final, states, pseudo_values = native.forward(
-            q, k, v, g, beta, starts, lengths, state, chunk_size, scale, l2norm, eps, keep
+            q, k, v, g, beta, starts, lengths, state, chunk_size, g_floor, scale, l2norm, eps, keep
         )
         ctx.save_for_backward(q, k, v, g, beta, state, starts, lengths, states, pseudo_values)
         ctx.options = options
@@ -44,11 +45,11 @@ class FusedChunkKDA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_o, d_final):
         q, k, v, g, beta, state, starts, lengths, states, pseudo_values = ctx.saved_tensors
-        native, chunk_size, scale, l2norm, eps, _ = ctx.options
+        native, chunk_size, g_floor, scale, l2norm, eps, _ = ctx.options
         d_o = torch.zeros_like(v) if d_o is None else d_o.contiguous()
         d_final = torch.zeros_like(state) if d_final is None else d_final.contiguous()
         inputs = (q, k, v, g, beta, starts, lengths, state, states, pseudo_values)
-        grads = native.backward(*inputs, d_o, d_final, chunk_size, scale, l2norm, eps)
+        grads = native.backward(*inputs, d_o, d_final, chunk_size, g_floor, scale, l2norm, eps)
         return *grads, None, None, None
 
 
@@ -62,6 +63,7 @@ def fused_chunk_kda(
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
     chunk_size: int,
+    g_floor: float,
     scale: float | None,
     use_qk_l2norm: bool,
     l2norm_eps: float,
@@ -69,7 +71,8 @@ def fused_chunk_kda(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """chunk_kda's result ``(o [B, T, H, V] fp32, final state [N, H, K, V] fp32)``, differentiable.
 
-    Sequences are row ranges of the token layout: the B rows of a dense batch, or the packed ones.
+    Sequences are row ranges of the token layout: the B rows of a dense batch, or the packed ones. Every g
+    must lie in [g_floor, 0], else the native forward raises ``native.GateOutOfRange``.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -85,6 +88,6 @@ def fused_chunk_kda(
     rows = (x.reshape(B * T, *x.shape[2:]).to(torch.float32).contiguous() for x in (q, k, v, g, beta))
     inputs = (q, k, v, g, beta, initial_state)
     keep = keep_states and torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs)
-    options = (native, chunk_size, default_scale(scale, K), use_qk_l2norm, l2norm_eps, keep)
+    options = (native, chunk_size, g_floor, default_scale(scale, K), use_qk_l2norm, l2norm_eps, keep)
     o, final = FusedChunkKDA.apply(*rows, state, starts, lengths, options)
     return o.view(B, T, H, V), final
