@@ -52,7 +52,6 @@ benchmarks/kda.py). The tests hold each against this one and this one against ``
 from __future__ import annotations
 
 import math
-
 from typing import NamedTuple
 
 import torch
