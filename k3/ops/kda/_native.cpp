@@ -372,7 +372,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
   auto dq = k3_native::empty_on_huge_pages(q.sizes(), q.options()), dk = k3_native::empty_on_huge_pages(k.sizes(), k.options());
   auto dv = k3_native::empty_on_huge_pages(v.sizes(), v.options()), dg = k3_native::empty_on_huge_pages(g.sizes(), g.options());
   auto dbeta = torch::empty_like(beta);
-  auto d_state = d_final.clone();
+  auto d_state = torch::empty_like(d_final);  // each head's dS, transposed [V, K] during its walk
   const ChunkOptions opt{chunk_size, static_cast<float>(g_floor), static_cast<float>(scale), l2norm,
                          static_cast<float>(eps), wide_products(variant)};
   const float* dop = d_o.data_ptr<float>();
@@ -403,6 +403,10 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
         states_t = own_states.data();
         u_all = own_pseudo_values.data();
       }
+      for (int64_t j = 0; j < h1 - h0; ++j) {
+        transpose(d_final.data_ptr<float>() + (z + j) * K * V, K, V, d_state.data_ptr<float>() + (z + j) * K * V,
+                  opt.wide);
+      }
       for (int64_t i = chunks - 1; i >= 0; --i) {
         const int64_t first_row = start + i * C, valid = std::min(C, length - i * C);
         for (int64_t h = h0; h < h1; ++h) {
@@ -428,8 +432,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
             t.ahead.add(states_t + next_at * V * K, V * K);
             t.ahead.add(u_all + next_at * C * V, C * V);
           }
-          float* dS = d_state.data_ptr<float>() + (z + j) * K * V;
-          chunk_backward(t, d, states_t + (j * chunks + i) * V * K, u_all + (j * chunks + i) * C * V, dS, opt);
+          float* dS_t = d_state.data_ptr<float>() + (z + j) * K * V;
+          chunk_backward(t, d, states_t + (j * chunks + i) * V * K, u_all + (j * chunks + i) * C * V, dS_t, opt);
           std::fill(running.begin(), running.end(), 0.0f);  // dg: reverse cumulative sum of dG
           for (int64_t c = C - 1; c >= 0; --c) {
             for (int64_t col = 0; col < K; ++col) running[col] += d.dG[c * K + col];
@@ -442,6 +446,11 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Te
             dbeta.data_ptr<float>()[row] = d.dbeta[c];
           }
         }
+      }
+      for (int64_t j = 0; j < h1 - h0; ++j) {  // dS back to [K, V]
+        float* dS = d_state.data_ptr<float>() + (z + j) * K * V;
+        transpose(dS, V, K, d.state.data(), opt.wide);
+        std::copy_n(d.state.data(), K * V, dS);
       }
     });
     _mm_sfence();  // the streamed gradient rows are visible before Python reads them

@@ -197,12 +197,14 @@ struct ChunkGrads {
   std::vector<float> dk_hat, dk_gamma, dv, dk_over, dG;  // dv [C, V]
   std::vector<float> d_decay, d_first, d_last;  // [K]
   std::vector<float> dbeta, dots;     // [C]
-  std::vector<float> dS_t;            // [V, K]
+  std::vector<float> k_hat_t, minus_du_t;  // K_hat^T [K, C], -du^T [V, C]
+  std::vector<float> state;           // [K, V]: a head's dS taken back from the transposed layout
   std::vector<float> b_t;             // [max(K, V, C), C]: product_with_transpose's b, transposed
   ChunkGrads(int64_t C, int64_t K, int64_t V)
       : outer(2 * C * V), dq_gamma_w(2 * C * K), dscores(2 * C * C), dleft(2 * C * K), dT_beta(C * C),
         dT(C * C), tmp(C * C), dA(C * C), dk_hat(C * K), dk_gamma(C * K), dv(C * V), dk_over(C * K), dG(C * K),
-        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), dS_t(V * K), b_t(std::max({K, V, C}) * C) {}
+        d_decay(K), d_first(K), d_last(K), dbeta(C), dots(C), k_hat_t(K * C), minus_du_t(V * C), state(K * V),
+        b_t(std::max({K, V, C}) * C) {}
 
   float* d_o() { return outer.data(); }
   float* minus_du() { return outer.data() + outer.size() / 2; }
@@ -215,23 +217,32 @@ struct ChunkGrads {
 };
 
 // Gradients of one chunk, from the state at its start (transposed: S_t [V, K]), its pseudo values u
-// [C, V], dS = dL/d(state after it) (updated in place to dL/dS) and d_o (in d): the recurrence's
-// products as in state_backward plus o's P u, then the terms backwards to dq, dk, dv, dG (w.r.t. the
-// cumulative log-decay) and dbeta, in d.
+// [C, V], dS_t = dL/d(state after it), transposed [V, K] (updated in place to dL/dS, transposed) and d_o (in
+// d): the recurrence's products as in state_backward plus o's P u, then the terms backwards to dq, dk, dv, dG
+// (w.r.t. the cumulative log-decay) and dbeta, in d.
+//
+// dS is carried transposed because both of the chunk's products with dS^T (dK_hat, dGamma_C) then read it
+// as it lies, where it was transposed every chunk ([128 x 128] at K3's shapes); -du's product with dS and
+// dS's update are computed transposed instead, over operands of C rows (K_hat^T and -du^T, [128 x 16]).
+// Every element is the same chain of FMAs as in the untransposed products: the same bits.
 __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrads& d, const float* S_t,
-                                                       const float* u, float* dS, const ChunkOptions& opt) {
+                                                       const float* u, float* dS_t, const ChunkOptions& opt) {
   const int64_t C = t.C, K = t.K, V = t.V;
-  // -du = -(P^T d_o + K_hat dS); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
-  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS <- Gamma_C dS + [q Gamma; W]^T [d_o; -du]
-  run({C, V, C, transposed(t.P(), C), d.d_o(), -1.0f, nullptr, nullptr, d.minus_du()}, opt.wide);
-  run({C, V, K, plain(t.k_hat.data(), K), dS, -1.0f, d.minus_du(), nullptr, d.minus_du(), &t.ahead}, opt.wide);
+  // -du^T = -(d_o^T P + dS^T K_hat^T); dP = d_o u^T (lower triangle); [d(q Gamma); dW] = [d_o; -du] S^T;
+  // dK_hat = u dS^T; dGamma_C = sum_V S * dS; then dS^T <- dS^T Gamma_C + [d_o; -du]^T [q Gamma; W]
+  transpose(t.k_hat.data(), C, K, d.k_hat_t.data(), opt.wide);
+  run({V, C, C, transposed(d.d_o(), V), t.P(), -1.0f, nullptr, nullptr, d.minus_du_t.data()}, opt.wide);
+  run({V, C, K, plain(dS_t, K), d.k_hat_t.data(), -1.0f, d.minus_du_t.data(), nullptr, d.minus_du_t.data(),
+       &t.ahead},
+      opt.wide);
+  transpose(d.minus_du_t.data(), V, C, d.minus_du(), opt.wide);
   product_with_transpose(d.d_o(), u, C, C, V, 1.0f, d.dP(), false, d.b_t.data(), opt.wide);
   run({2 * C, K, V, plain(d.outer.data(), V), S_t, 1.0f, nullptr, nullptr, d.dq_gamma_w.data(), &t.ahead},
       opt.wide);
-  transpose(dS, K, V, d.dS_t.data(), opt.wide);  // the product with dS^T as a plain one
-  run({C, K, V, plain(u, V), d.dS_t.data(), 1.0f, nullptr, nullptr, d.dk_hat.data(), &t.ahead}, opt.wide);
-  column_dots(S_t, d.dS_t.data(), V, K, d.d_decay.data());  // sum_V S * dS
-  run({K, V, 2 * C, transposed(t.reading.data(), K), d.outer.data(), 1.0f, dS, t.decay.data(), dS, &t.ahead},
+  run({C, K, V, plain(u, V), dS_t, 1.0f, nullptr, nullptr, d.dk_hat.data(), &t.ahead}, opt.wide);
+  column_dots(S_t, dS_t, V, K, d.d_decay.data());  // sum_V S * dS
+  run({V, K, 2 * C, transposed(d.outer.data(), V), t.reading.data(), 1.0f, dS_t, nullptr, dS_t, &t.ahead,
+       t.decay.data()},
       opt.wide);
   // W = T_beta k Gamma, U = T_beta v: dT_beta = dW (k Gamma)^T + dU v^T; d(k Gamma) = T_beta^T dW; dv = T_beta^T dU
   product_with_transpose(d.dw(), t.k_gamma.data(), C, C, K, 1.0f, d.dT_beta.data(), false, d.b_t.data(),

@@ -50,9 +50,10 @@ struct LineRequests {
   }
 };
 
-// One product, out[M, N] = diag(scale) base + sign * A[M, Kd] B[Kd, N], with B and out row-major
-// (leading dimension N), base [M, N] (may be out itself, or nullptr for zero) and scale [M] (nullptr
-// for ones); `ahead`, if given, asks for some of its lines before each register block.
+// One product, out[M, N] = diag(scale) base diag(col_scale) + sign * A[M, Kd] B[Kd, N], with B and out
+// row-major (leading dimension N), base [M, N] (may be out itself, or nullptr for zero), scale [M] or
+// col_scale [N] (one of them at most; nullptr for ones); `ahead`, if given, asks for some of its lines before
+// each register block.
 struct Product {
   int64_t M, N, Kd;
   Operand a;
@@ -62,13 +63,16 @@ struct Product {
   const float* scale;
   float* out;
   LineRequests* ahead = nullptr;
+  const float* col_scale = nullptr;
 };
 
 // Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
-// The sign is applied once at the end: acc = factor * base with factor [M] = sign * scale (computed once a
-// product, by run_narrow), acc += A B, out = sign * acc. KD is Kd where the caller knows it (K3's chunk
-// products over C = 16 and 2C = 32: the loop unrolled), else 0.
-template <int R, int W, int KD>
+// The sign is applied once at the end: acc = factor * base with factor = sign * scale per row [M], or
+// sign * col_scale per column [N] (computed once a product, by register_blocks), acc += A B, out = sign * acc. KD is Kd where the caller knows it (K3's chunk
+// products over C = 16 and 2C = 32: the loop unrolled), else 0. BY_COLUMN: p has col_scale (a template
+// argument, so that the other products' blocks are compiled as before: with a run-time test a block they ran
+// 5 % slower on Zen 3).
+template <int R, int W, int KD, bool BY_COLUMN>
 __attribute__((target("avx2,fma"))) inline void register_block(const Product& p, const float* factor, int64_t m0,
                                                                int64_t n0) {
   // p's fields as locals: stores through out could otherwise alias p, and every row's would reload it
@@ -80,7 +84,14 @@ __attribute__((target("avx2,fma"))) inline void register_block(const Product& p,
   const float sign_value = p.sign;
   const __m256 sign = _mm256_set1_ps(sign_value);
   __m256 acc[R][W];
-  if (base) {  // tested once a block, not once a row
+  if (BY_COLUMN && base) {
+#pragma GCC unroll 2
+    for (int w = 0; w < W; ++w) {
+      const __m256 s = _mm256_loadu_ps(factor + n0 + 8 * w);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[r][w] = _mm256_mul_ps(s, _mm256_loadu_ps(base + r * N + 8 * w));
+    }
+  } else if (base) {  // tested once a block, not once a row
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
       const __m256 s = _mm256_broadcast_ss(factor + m0 + r);
@@ -118,23 +129,23 @@ __attribute__((target("avx2,fma"))) inline void register_block(const Product& p,
 }
 
 // The R-row block at m0 across the columns [n0, n_end) (a multiple of 8 of them): 16 at a time, then 8.
-template <int R, int KD>
+template <int R, int KD, bool BY_COLUMN>
 __attribute__((target("avx2,fma"))) void row_block(const Product& p, const float* factor, int64_t m0, int64_t n0,
                                                    int64_t n_end) {
-  for (; n0 + 16 <= n_end; n0 += 16) register_block<R, 2, KD>(p, factor, m0, n0);
-  if (n0 < n_end) register_block<R, 1, KD>(p, factor, m0, n0);
+  for (; n0 + 16 <= n_end; n0 += 16) register_block<R, 2, KD, BY_COLUMN>(p, factor, m0, n0);
+  if (n0 < n_end) register_block<R, 1, KD, BY_COLUMN>(p, factor, m0, n0);
 }
 
-template <int KD>
+template <int KD, bool BY_COLUMN>
 __attribute__((target("avx2,fma"))) void row_block(const Product& p, const float* factor, int64_t m0, int R,
                                                    int64_t n0, int64_t n_end) {
   switch (R) {
-    case 6: row_block<6, KD>(p, factor, m0, n0, n_end); break;
-    case 5: row_block<5, KD>(p, factor, m0, n0, n_end); break;
-    case 4: row_block<4, KD>(p, factor, m0, n0, n_end); break;
-    case 3: row_block<3, KD>(p, factor, m0, n0, n_end); break;
-    case 2: row_block<2, KD>(p, factor, m0, n0, n_end); break;
-    case 1: row_block<1, KD>(p, factor, m0, n0, n_end); break;
+    case 6: row_block<6, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
+    case 5: row_block<5, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
+    case 4: row_block<4, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
+    case 3: row_block<3, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
+    case 2: row_block<2, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
+    case 1: row_block<1, KD, BY_COLUMN>(p, factor, m0, n0, n_end); break;
     default: break;
   }
 }
@@ -156,40 +167,55 @@ inline int block_rows(int64_t M, int64_t m0) {
 // L1) before the next panel, as in a GEMM. (Zen 3, one core: the state's update S = diag(gamma) S + K_hat^T u,
 // Kd = 16, went from 71 to 79 GFLOP/s with rows outer, Kd unrolled and the row factors taken once a product;
 // the backward's dS = diag(gamma) dS + [q Gamma; W]^T [d_o; -du], Kd = 32, from 76 to 86.)
-template <int KD>
+template <int KD, bool BY_COLUMN>
 __attribute__((target("avx2,fma"))) void row_blocks(const Product& p, const float* factor, int64_t n0,
                                                     int64_t n_end) {
   if (p.Kd <= 32) {
     for (int64_t m0 = 0, R; m0 < p.M; m0 += R) {
       if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
-      row_block<KD>(p, factor, m0, R = block_rows(p.M, m0), n0, n_end);
+      row_block<KD, BY_COLUMN>(p, factor, m0, R = block_rows(p.M, m0), n0, n_end);
     }
     return;
   }
   for (; n0 < n_end; n0 += 16) {
     for (int64_t m0 = 0, R; m0 < p.M; m0 += R) {
       if (p.ahead) p.ahead->ask(LineRequests::kPerBlock);
-      row_block<KD>(p, factor, m0, R = block_rows(p.M, m0), n0, std::min<int64_t>(n0 + 16, n_end));
+      row_block<KD, BY_COLUMN>(p, factor, m0, R = block_rows(p.M, m0), n0, std::min<int64_t>(n0 + 16, n_end));
     }
+  }
+}
+
+// row_blocks with Kd as a template argument where it is 16 or 32
+template <bool BY_COLUMN>
+__attribute__((target("avx2,fma"))) void row_blocks_for_kd(const Product& p, const float* factor, int64_t n0,
+                                                           int64_t n_end) {
+  if (p.Kd == 16) {
+    row_blocks<16, BY_COLUMN>(p, factor, n0, n_end);
+  } else if (p.Kd == 32) {
+    row_blocks<32, BY_COLUMN>(p, factor, n0, n_end);
+  } else {
+    row_blocks<0, BY_COLUMN>(p, factor, n0, n_end);
   }
 }
 
 // The columns [n0, n_end) in register blocks (n_end - n0 > 0, a multiple of 8).
 __attribute__((target("avx2,fma"))) void register_blocks(const Product& p, int64_t n0, int64_t n_end) {
-  // what multiplies base's rows, computed once a product rather than once a block: sign * scale (or sign)
-  constexpr int64_t kOnStack = 256;  // K3's largest M is 128
+  // what multiplies base's rows (sign * scale, or sign) or columns (sign * col_scale), computed once a
+  // product rather than once a block
+  constexpr int64_t kOnStack = 256;  // K3's largest M and N are 128
   float on_stack[kOnStack];
-  std::vector<float> on_heap(p.base && p.M > kOnStack ? p.M : 0);
-  float* const factor = p.M > kOnStack ? on_heap.data() : on_stack;
-  if (p.base) {
+  const int64_t factors = p.col_scale ? p.N : p.M;
+  std::vector<float> on_heap(p.base && factors > kOnStack ? factors : 0);
+  float* const factor = factors > kOnStack ? on_heap.data() : on_stack;
+  if (p.base && p.col_scale) {
+    for (int64_t n = 0; n < p.N; ++n) factor[n] = p.sign * p.col_scale[n];
+  } else if (p.base) {
     for (int64_t m = 0; m < p.M; ++m) factor[m] = p.sign * (p.scale ? p.scale[m] : 1.0f);
   }
-  if (p.Kd == 16) {
-    row_blocks<16>(p, factor, n0, n_end);
-  } else if (p.Kd == 32) {
-    row_blocks<32>(p, factor, n0, n_end);
+  if (p.col_scale) {
+    row_blocks_for_kd<true>(p, factor, n0, n_end);
   } else {
-    row_blocks<0>(p, factor, n0, n_end);
+    row_blocks_for_kd<false>(p, factor, n0, n_end);
   }
 }
 
@@ -200,7 +226,8 @@ __attribute__((target("avx2,fma"))) void run_narrow(const Product& p, int64_t n0
   if (n0 < n_end) register_blocks(p, n0, n_end);
   for (n0 = n_end; n0 < p.N; ++n0) {
     for (int64_t m = 0; m < p.M; ++m) {
-      float acc = p.base ? (p.scale ? p.scale[m] : 1.0f) * p.base[m * p.N + n0] : 0.0f;
+      const float factor = (p.scale ? p.scale[m] : 1.0f) * (p.col_scale ? p.col_scale[n0] : 1.0f);
+      float acc = p.base ? factor * p.base[m * p.N + n0] : 0.0f;
       for (int64_t k = 0; k < p.Kd; ++k) {
         acc += p.sign * p.a.data[m * p.a.row_stride + k * p.a.col_stride] * p.b[k * p.N + n0];
       }

@@ -55,8 +55,9 @@ K3_KDA_AVX512 inline void wide_block(const Product& p, int64_t m0, int64_t n0) {
     const float* base = p.base + (m0 + r) * N + n0;
     const __m512 s = _mm512_mul_ps(sign, _mm512_set1_ps(p.scale ? p.scale[m0 + r] : 1.0f));
 #pragma GCC unroll 2
-    for (int w = 0; w < W; ++w) {
-      acc[r][w] = p.base ? _mm512_mul_ps(s, _mm512_loadu_ps(base + 16 * w)) : _mm512_setzero_ps();
+    for (int w = 0; w < W; ++w) {  // sign * col_scale, or sign * scale, as register_block's factors
+      const __m512 factor = p.col_scale ? _mm512_mul_ps(sign, _mm512_loadu_ps(p.col_scale + n0 + 16 * w)) : s;
+      acc[r][w] = p.base ? _mm512_mul_ps(factor, _mm512_loadu_ps(base + 16 * w)) : _mm512_setzero_ps();
     }
   }
   const float* a = p.a.data + m0 * a_rows;
