@@ -66,12 +66,12 @@ struct Product {
   const float* col_scale = nullptr;
 };
 
-// Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd.
-// The sign is applied once at the end: acc = factor * base with factor = sign * scale per row [M], or
-// sign * col_scale per column [N] (computed once a product, by register_blocks), acc += A B, out = sign * acc. KD is Kd where the caller knows it (K3's chunk
-// products over C = 16 and 2C = 32: the loop unrolled), else 0. BY_COLUMN: p has col_scale (a template
-// argument, so that the other products' blocks are compiled as before: with a run-time test a block they ran
-// 5 % slower on Zen 3).
+// Rows [m0, m0 + R) x columns [n0, n0 + 8 * W) of a Product, accumulated in registers over all of Kd. The sign is
+// applied once at the end: acc = factor * base with factor = sign * scale per row [M], or sign * col_scale per column
+// [N] (computed once a product, by register_blocks), acc += A B, out = sign * acc. KD is Kd where the caller knows it
+// (K3's chunk products over C = 16 and 2C = 32: the loop unrolled), else 0. BY_COLUMN: p has col_scale (a template
+// argument, so that the other products' blocks compile as before: with a run-time test in every block, and one loop
+// computing either factors, the forward ran 5 % slower on Zen 3).
 template <int R, int W, int KD, bool BY_COLUMN>
 __attribute__((target("avx2,fma"))) inline void register_block(const Product& p, const float* factor, int64_t m0,
                                                                int64_t n0) {
