@@ -303,12 +303,12 @@ __attribute__((target("avx2,fma"))) inline float lane_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
 }
 
-// x[0, n) *= factor
-__attribute__((target("avx2,fma"))) void scale_into(float* x, float factor, int64_t n) {
+// out[0, n) = x * factor
+__attribute__((target("avx2,fma"))) void scale_copy(const float* x, float factor, int64_t n, float* out) {
   const __m256 f = _mm256_set1_ps(factor);
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(x + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
-  for (; j < n; ++j) x[j] *= factor;
+  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_loadu_ps(x + j), f));
+  for (; j < n; ++j) out[j] = x[j] * factor;
 }
 
 // out[r] = sum_j a[r, j] b[r, j] for [rows, cols] row-major a and b
