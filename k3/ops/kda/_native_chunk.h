@@ -272,7 +272,8 @@ __attribute__((target("avx2,fma"))) void chunk_backward(ChunkTerms& t, ChunkGrad
   }
   // [P; Sk] = [left_q; left_k] k_over^T: d left = [dP; dSk] k_over, dk_over = [dP; dSk]^T [left_q; left_k]
   run({2 * C, K, C, plain(d.dscores.data(), C), t.k_over.data(), 1.0f, nullptr, nullptr, d.dleft.data()}, opt.wide);
-  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()}, opt.wide);
+  run({C, K, 2 * C, transposed(d.dscores.data(), C), t.left.data(), 1.0f, nullptr, nullptr, d.dk_over.data()},
+      opt.wide);
   // elementwise: K_hat = k_over last, q Gamma = left_q first, k Gamma = left_k first, left = x down,
   // k_over = k / down, down = exp(local), last = exp(local_last), first = exp(G_0), Gamma_C = exp(G_last)
   std::fill(d.d_first.begin(), d.d_first.end(), 0.0f);
