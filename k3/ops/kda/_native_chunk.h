@@ -68,12 +68,13 @@ struct ChunkTerms {
   float* P() { return scores.data(); }
   float* Sk() { return scores.data() + C * C; }
 
-  // Copies the `valid` rows from `first_row` on of head h (zeros after them: padding neither decays nor writes) and
-  // builds the terms; returns false, with nothing built, where a g of these rows is above 0 or below opt.g_floor
-  // (chunk.py's torch path then takes the call, in smaller base chunks). The `next_valid` rows from `next_first_row` on
-  // of head `next_h` (the chunk to be loaded next) go into `ahead`, asked for during this chunk's products: a head's
-  // rows lie H * K floats apart, one page each in K3's shapes. `with_u`: build U too (the backward reads the pseudo
-  // values kept by the forward instead, so it skips U's product).
+  // Takes the `valid` rows from `first_row` on of head h (q and k normalised as they are read; zeros after
+  // them: padding neither decays nor writes) and builds the terms; returns false, with nothing built, where a
+  // g of these rows is above 0 or below opt.g_floor (chunk.py's torch path then takes the call, in smaller
+  // base chunks). The `next_valid` rows from `next_first_row` on of head `next_h` (the chunk to be loaded
+  // next) go into `ahead`, asked for during this chunk's products: a head's rows lie H * K floats apart, one
+  // page each in K3's shapes. `with_u`: build U too (the backward reads the pseudo values kept by the forward
+  // instead, so it skips U's product).
   bool load(const float* q_in, const float* k_in, const float* v_in, const float* g_in, const float* beta_in,
             int64_t H, int64_t first_row, int64_t valid, int64_t h, const ChunkOptions& opt,
             int64_t next_first_row, int64_t next_valid, int64_t next_h, bool with_u) {
