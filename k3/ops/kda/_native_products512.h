@@ -50,13 +50,18 @@ K3_KDA_AVX512 inline void wide_block(const Product& p, int64_t m0, int64_t n0) {
   const int64_t N = p.N, Kd = p.Kd, a_rows = p.a.row_stride, a_cols = p.a.col_stride;
   const __m512 sign = _mm512_set1_ps(p.sign);
   __m512 acc[R][W];
+  __m512 col_factor[W];  // sign * col_scale, once a block (the same values as register_block's factors)
+#pragma GCC unroll 2
+  for (int w = 0; w < W; ++w) {
+    col_factor[w] = p.col_scale ? _mm512_mul_ps(sign, _mm512_loadu_ps(p.col_scale + n0 + 16 * w)) : sign;
+  }
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) {
     const float* base = p.base + (m0 + r) * N + n0;
     const __m512 s = _mm512_mul_ps(sign, _mm512_set1_ps(p.scale ? p.scale[m0 + r] : 1.0f));
 #pragma GCC unroll 2
-    for (int w = 0; w < W; ++w) {  // sign * col_scale, or sign * scale, as register_block's factors
-      const __m512 factor = p.col_scale ? _mm512_mul_ps(sign, _mm512_loadu_ps(p.col_scale + n0 + 16 * w)) : s;
+    for (int w = 0; w < W; ++w) {  // sign * col_scale, or sign * scale
+      const __m512 factor = p.col_scale ? col_factor[w] : s;
       acc[r][w] = p.base ? _mm512_mul_ps(factor, _mm512_loadu_ps(base + 16 * w)) : _mm512_setzero_ps();
     }
   }
