@@ -32,6 +32,7 @@
 
 #include "_native_common.h"
 #include "_native_gemv.h"
+#include "_native_weighted.h"
 #include "_native_layout.h"
 #include "_native_mixers.h"
 

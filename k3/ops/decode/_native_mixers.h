@@ -13,6 +13,7 @@
 #pragma once
 
 #include "_native_gemv.h"
+#include "_native_weighted.h"
 #include "kda/_native_decode.h"
 
 namespace decode_native {

@@ -1,6 +1,6 @@
 """The optional native decode kernels (``_native.cpp`` with ``_native_gemv.h``, ``_native_layout.h``,
-``_native_paired.h``, ``_native_mixers.h`` and ``_native_step.h``, which include k3/ops/kda/_native_decode.h,
-k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h and k3/ops/_native_math.h;
+``_native_paired.h``, ``_native_weighted.h``, ``_native_mixers.h`` and ``_native_step.h``, which include
+k3/ops/kda/_native_decode.h, k3/ops/mxfp4/_native_{rows,rows512,int8,bf16}.h and k3/ops/_native_math.h;
 compiled on first use into the user cache, see :mod:`k3.ops.extension`).
 
 :func:`load_native` returns the compiled module, or None when it cannot be built, is stale or the CPU
@@ -24,6 +24,7 @@ DECODE_EXTENSION = NativeExtension(
         HERE / "_native_gemv.h",
         HERE / "_native_layout.h",
         HERE / "_native_paired.h",
+        HERE / "_native_weighted.h",
         HERE / "_native_mixers.h",
         HERE / "_native_step.h",
         OPS / "kda" / "_native_decode.h",
