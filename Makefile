@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "== $(VENV) ready: run k3 as $(VENV)/bin/k3, or after 'source $(VENV)/bin/activate' as k3"
 
-# The native CPU kernels (MXFP4 matmul and histograms; fused chunked KDA: two small C++ extensions).
+# The native CPU kernels (three C++ extensions: MXFP4 matmul and histograms; fused chunked KDA; the fused
+# decode step).
 # k3 compiles them on first use into ~/.cache/k3/native (pure torch without a compiler); this warms it.
 native: $(STAMP)
 	$(PY) -m k3.ops.build
