@@ -9,7 +9,7 @@ in rounds that alternate the thread counts (`torch.set_num_threads`), so every c
 the machine. Then the same with `--busy` other processes, each spinning on the CPU (`python -c "while True:
 pass"`), and again. Before each phase `k3 doctor`'s reading of the CPUs other processes keep busy
 (k3.ops.doctor.busy_cpus) is printed, with its advice. The question it answers (issue 40, target 3): whether
-fewer threads serve k3 better when another process holds a core; see docs/native.md "A shared machine".
+fewer threads serve k3 better when another process holds a core; see docs/native-cpus.md "A shared machine".
 """
 
 from __future__ import annotations

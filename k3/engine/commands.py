@@ -190,7 +190,7 @@ THREADS = typer.Option(
     None,
     "--threads",
     help="CPU threads for the model (default: one a usable core). Where other processes keep cores busy, "
-    "fewer can be faster, a small model's decode most: docs/native.md 'A shared machine'.",
+    "fewer can be faster, a small model's decode most: docs/native-cpus.md 'A shared machine'.",
 )
 IMAGES = typer.Option(None, "--image", help="An image before the prompt (repeat for more); needs a tower.")
 

@@ -6,7 +6,7 @@ The decode kernels (k3/ops/decode/_native_gemv.h) multiply one vector by 8 weigh
 memory, 14 kB apart at K3's hidden size; tiled, blocks of 8 rows are stored [K/8][8 rows][8 columns], so
 the 8 values each row needs next lie together and a block is read front to back. The arithmetic is the
 same (each row's value is the same sum in the same order), so a tiled model's logits are the untiled
-model's bit for bit; only the speed changes (docs/native.md, "Tiled BF16 weights").
+model's bit for bit; only the speed changes (docs/native-decode.md, "Tiled BF16 weights").
 
 A tiled weight is the Linear's parameter itself in the 4-D shape [N/8, K/8, 8, 8] (no second copy):
 torch code that expects [N, K] fails on the shape instead of computing with scrambled rows.
@@ -30,7 +30,7 @@ CPUs with AVX-512 BF16 only) the BF16 matrices are "paired" instead: blocks of 1
 rows][2 columns] ([N/16, K/2, 16, 2]), which the decode kernels multiply by their vectors rounded to bfloat16
 with bf16 dot products (k3/ops/decode/_native_paired.h): twice the products an instruction, for a step of
 several sequences, which is compute-bound. Approximate and opted into: the vectors lose their low 16 bits
-(round to nearest even; sums stay fp32), so the logits move from the exact ones (measured in docs/native.md,
+(round to nearest even; sums stay fp32), so the logits move from the exact ones (measured in docs/native-decode.md,
 "bf16 products in decode steps"); a row's value depends on nothing but its weights and its vector, so a
 sequence gets the same bits alone or in a batch, at any thread count. A prefill longer than the kernels'
 reach converts blocks back to rows and stays exact. Matrices whose N is not a multiple of 16 are tiled.

@@ -98,7 +98,7 @@ inline torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::
 
 // fn(lo, hi) over [0, n) in chunks that each of torch's threads takes as it finishes the one before, instead of
 // one even share each: where another process shares a core, the thread on it does less of the work rather than
-// hold the others at the region's end (docs/native.md "A shared machine"). Chunks are multiples of `grain`; a
+// hold the others at the region's end (docs/native-cpus.md "A shared machine"). Chunks are multiples of `grain`; a
 // loop is cut into up to four a thread where each still holds `least` items (the smallest piece worth handing
 // out alone), else into one a thread, an even split. Which thread computes a chunk changes no bits: the
 // kernels compute every output inside one call, in a fixed order.
