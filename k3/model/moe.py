@@ -112,8 +112,8 @@ class RoutedExpert(nn.Module):
 # the busiest expert has at most NATIVE_DISPATCH_ROWS rows, or NATIVE_DISPATCH_ROWS_SMALL when an expert's
 # three matrices take at most SMALL_EXPERT_BYTES (they then stay in a core's cache from pass to pass);
 # above, one matmul per expert (MXFP4 weights decoded into tiles for the GEMM) is faster. Measured on an
-# AVX2-only EPYC (docs/native-mxfp4.md, "Prefill experts in one call"): K3's experts level at 16 rows, 0.81x at
-# 32; `mini`'s 1.5x at 46 rows and 0.95x at 77 (1 thread), 1.7x at 78 and 0.83x at 290 (2 threads).
+# AVX2-only EPYC (docs/native-mxfp4.md, "Prefill experts in one call"): K3's experts level at 16 rows,
+# 0.81x at 32; `mini`'s 1.5x at 46 rows and 0.95x at 77 (1 thread), 1.7x at 78 and 0.83x at 290 (2 threads).
 NATIVE_DISPATCH_ROWS = 16
 NATIVE_DISPATCH_ROWS_SMALL = 64
 SMALL_EXPERT_BYTES = 256 * 1024
