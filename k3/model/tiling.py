@@ -31,9 +31,10 @@ rows][2 columns] ([N/16, K/2, 16, 2]), which the decode kernels multiply by thei
 with bf16 dot products (k3/ops/decode/_native_paired.h): twice the products an instruction, for a step of
 several sequences, which is compute-bound. Approximate and opted into: the vectors lose their low 16 bits
 (round to nearest even; sums stay fp32), so the logits move from the exact ones (measured in
-docs/native-decode.md, "bf16 products in decode steps"); a row's value depends on nothing but its weights and its vector, so a
-sequence gets the same bits alone or in a batch, at any thread count. A prefill longer than the kernels'
-reach converts blocks back to rows and stays exact. Matrices whose N is not a multiple of 16 are tiled.
+docs/native-decode.md, "bf16 products in decode steps"); a row's value depends on nothing but its weights
+and its vector, so a sequence gets the same bits alone or in a batch, at any thread count. A prefill longer
+than the kernels' reach converts blocks back to rows and stays exact. Matrices whose N is not a multiple of
+16 are tiled.
 """
 
 from __future__ import annotations
