@@ -1,7 +1,7 @@
-"""Every pointer into the docs resolves: where code, docs or results name `docs/<page>.md`, the page exists,
-and where they name a section of it in quotes (`docs/native.md "Reproducibility"`), the page has a heading or a
-bold paragraph lead containing those words. So a page can be split or a heading renamed without leaving
-readers at a dead end. benchmarks/results/ is left out: its files are what commands printed at the time."""
+"""Every pointer into the docs resolves: where code or docs name `docs/<page>.md`, the page exists, and where
+they name a section of it in quotes (`docs/native.md "Reproducibility"`), the page has a heading or a bold
+paragraph lead containing those words. So a page can be split or a heading renamed without leaving readers
+at a dead end. benchmarks/results/ is left out: its files are what commands printed at the time."""
 
 from __future__ import annotations
 
