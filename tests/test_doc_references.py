@@ -33,9 +33,8 @@ def references() -> list[tuple[str, str, str | None]]:
     found = []
     for name in tracked.stdout.split():
         path = ROOT / name
-        if path.suffix not in TEXT_SUFFIXES and path.name != "Makefile" or not path.is_file():
-            continue
-        if name.startswith("benchmarks/results/"):
+        is_text = path.suffix in TEXT_SUFFIXES or path.name == "Makefile"
+        if not is_text or not path.is_file() or name.startswith("benchmarks/results/"):
             continue
         for match in REFERENCE.finditer(path.read_text(errors="replace")):
             found.append((name, match.group(1), match.group(2) or match.group(3)))
