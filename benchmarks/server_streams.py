@@ -5,42 +5,28 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
+
+import httpx
+from serve_disconnect import served  # benchmarks/ is on the path as a script
 
 from k3.config import K3Config
 from k3.engine.generate import Engine
+from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from k3.tokenizer.build import builtin_tokenizer
 
 
 def server_throughput(cfg: K3Config, streams: list[int], tokens: int) -> list[dict]:
-    import httpx
-    import uvicorn
-
-    from k3.engine.server import create_app
-    from k3.tokenizer.build import builtin_tokenizer
-
     model = K3ForCausalLM.from_config(cfg, seed=0)
     tok = builtin_tokenizer(cfg.vocab_size)
     app = create_app(Engine(model, max_batch=max(streams)), tok, "mini", max_queue=max(streams))
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    while True:
-        try:
-            httpx.get(f"{base}/health")
-            break
-        except httpx.TransportError:
-            time.sleep(0.1)
+    with served(app) as base:
+        return _streams(base, streams, tokens)
+
+
+def _streams(base: str, streams: list[int], tokens: int) -> list[dict]:
+    """Tokens/s of 1 (a warm-up) then each count of concurrent streamed completions against `base`."""
 
     async def one(client: httpx.AsyncClient, i: int) -> int:
         body = {
@@ -78,6 +64,4 @@ def server_throughput(cfg: K3Config, streams: list[int], tokens: int) -> list[di
             f"{row['tokens_per_s']:.1f} tokens/s",
             flush=True,
         )
-    server.should_exit = True
-    thread.join(timeout=10)
     return rows
