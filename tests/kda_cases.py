@@ -46,10 +46,8 @@ def random_state(N, H, K, V, seed=1):
     return torch.randn(N, H, K, V, generator=torch.Generator().manual_seed(seed))
 
 
-# ---------------------------------------------------------------- chunk vs the per-token loop
-
-
 def state_passing_inputs(steps, Z, C, K, V, seed, dtype=torch.float64):
+    """StatePassing's inputs (q_gamma, w, u_in, k_hat, decay, state), random and requiring grad."""
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape, scale=0.3):
