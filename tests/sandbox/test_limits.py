@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from sandbox_testing import require
 
 from k3.sandbox import Limits, Sandbox, SandboxError
 from k3.sandbox.files import FileError
@@ -76,6 +77,23 @@ def test_a_fork_bomb_whose_first_process_ends_at_once_leaves_a_sandbox_that_fork
         # the shell execs python, which forks once: a fork refused for want of processes fails it
         after = sbx.commands.run(f"exec {FORK}", timeout=30)
         assert after.stdout == "0\n", after
+
+
+def test_on_gvisor_a_command_waits_for_the_room_a_full_sandbox_is_about_to_free(root):
+    """On gVisor all of a sandbox's processes share one process limit (2 x pids), and a tree that was just
+    killed may hold it a while longer: a command starts once a few processes fit (k3-exec probes for room),
+    not with a shell that cannot fork. Here two commands of 8 processes (k3-exec, a shell, six sleeps) fill
+    the limit of 16 for two seconds."""
+    require("gvisor")
+    limits = Limits(cpus=1.0, memory_mb=128, pids=8, disk_mb=16, output_mb=1)
+    with Sandbox.create(backend="gvisor", root=root, limits=limits, timeout=60) as sbx:
+        fill = "for i in 1 2 3 4 5 6; do sleep 2 & done; echo ready; wait"
+        fillers = [sbx.commands.start(fill, timeout=30) for _ in range(2)]
+        for f in fillers:
+            assert next(data for stream, data in f.follow() if stream == "stdout") == b"ready\n"
+        r = sbx.commands.run(f"echo alive | cat; {FORK}", timeout=30)
+        assert r.stdout == "alive\n0\n" and r.exit_code == 0, r
+        assert [f.wait(30).exit_code for f in fillers] == [0, 0]
 
 
 def test_commands_run_side_by_side_and_signals_reach_one(sbx):

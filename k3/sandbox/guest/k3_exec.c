@@ -14,8 +14,9 @@
  * once the tree has settled (scans in a row find no holder and the same processes: a leftover that is
  * still forking stays under the limits until it settles or a limit ends it), it exits with that first
  * process's status (128 + signal if killed); processes started in the background with their own output
- * (`nohup cmd >log 2>&1 &`) keep running, outside its watch. Before it returns from a command whose tree held
- * more than its first process (or that it killed), it waits until a process under NPROC can fork again. */
+ * (`nohup cmd >log 2>&1 &`) keep running, outside its watch. Before it starts a command, and before it returns
+ * from one whose tree held more than its first process (or that it killed), it waits until ROOM + 1 processes
+ * under NPROC can live at once. */
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/filter.h>
@@ -34,7 +35,8 @@
 #define MAX_PROCS 4096
 #define GRACE_TICKS 40 /* after the first process ends, 200 ms for a background child to redirect its output */
 #define KILL_GIVE_UP_S 30.0 /* a tree that still has processes after this long is left (the host gave up before) */
-#define FORKABLE_GIVE_UP_S 5.0 /* how long the end of a command waits for the sandbox to fork again */
+#define FORKABLE_GIVE_UP_S 5.0 /* how long a command waits for the sandbox to fork again */
+#define ROOM 3 /* with the prober that forks them, room for 4 processes: a shell, a pipeline of two, one more */
 
 static volatile sig_atomic_t kill_requested = 0;
 static volatile pid_t child = -1;
@@ -164,11 +166,13 @@ static void kill_tree(pid_t self) {
     }
 }
 
-/* Returns once a process under the command's RLIMIT_NPROC can fork (or after FORKABLE_GIVE_UP_S): a tree's
- * dead may still count against the limit when they no longer show in the guest's /proc (once, in a CI run,
- * the command after a fork bomb that had died out could not fork), and the next command must find the
- * sandbox able to fork. A prober child takes the limit and forks until that works. */
-static void wait_until_forkable(rlim_t nproc) {
+/* Returns once ROOM + 1 processes under the command's RLIMIT_NPROC can live at once beside the sandbox's others
+ * (or after FORKABLE_GIVE_UP_S). A tree's dead may still count against the limit when they no longer show in
+ * the guest's /proc (once, in a CI run, the command after a fork bomb that had died out could not fork), and
+ * a tree whose kill the host stopped waiting for may still be dying: a command starts, and a crowded one
+ * returns, only once the sandbox can fork again. A prober child takes the limit and forks ROOM children that
+ * wait on a pipe until all of them exist, and tries again until that works. */
+static void wait_for_room(rlim_t nproc) {
     pid_t prober = fork();
     if (prober < 0) return;
     if (prober == 0) {
@@ -177,12 +181,22 @@ static void wait_until_forkable(rlim_t nproc) {
         clock_gettime(CLOCK_MONOTONIC, &start);
         if (setrlimit(RLIMIT_NPROC, &lim)) _exit(1);
         while (seconds_since(&start) < FORKABLE_GIVE_UP_S) {
-            pid_t p = fork();
-            if (p == 0) _exit(0);
-            if (p > 0) {
-                waitpid(p, NULL, 0);
-                _exit(0);
+            int hold[2], born = 0;
+            char byte;
+            if (pipe(hold)) _exit(1);
+            for (; born < ROOM; born++) {
+                pid_t p = fork();
+                if (p < 0) break;
+                if (p == 0) { /* waits until the prober closes its end: all ROOM lived at once */
+                    close(hold[1]);
+                    while (read(hold[0], &byte, 1) < 0) {}
+                    _exit(0);
+                }
             }
+            close(hold[0]);
+            close(hold[1]);
+            while (wait(NULL) > 0) {}
+            if (born == ROOM) _exit(0);
             nanosleep(&pause, NULL);
         }
         _exit(1);
@@ -252,6 +266,7 @@ int main(int argc, char **argv) {
     /* if the host has stopped reading (it gave up on a starved supervisor), the "killed_by" line must not
      * end this supervisor before it has ended the tree */
     signal(SIGPIPE, SIG_IGN);
+    wait_for_room(nproc);
     child = fork();
     if (child < 0) {
         perror("k3-exec: fork");
@@ -299,7 +314,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "%s killed_by=%s\n", mark, why);
             kill_tree(self);
             waitpid(child, &status, 0);
-            wait_until_forkable(nproc);
+            wait_for_room(nproc);
             return 128 + SIGKILL;
         }
         if (done) { /* over once two scans in a row find nothing holding the output and the processes of
@@ -317,6 +332,6 @@ int main(int argc, char **argv) {
         struct timespec ts = {0, TICK_MS * 1000000L};
         nanosleep(&ts, NULL);
     }
-    if (crowded) wait_until_forkable(nproc);
+    if (crowded) wait_for_room(nproc);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
