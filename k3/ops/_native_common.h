@@ -11,7 +11,7 @@
 //                          __builtin_cpu_supports sees them)
 // and, for the kernels with an AVX-512 variant, `k3_native::wide_variant` (the `variant` argument's check);
 // `k3_native::empty_on_huge_pages` allocates the large fresh tensors the kernels return;
-// `k3_native::parallel_chunks` splits a loop among torch's threads by demand.
+// `k3_native::parallel_chunks` splits a loop by demand among as many threads as torch uses (_native_pool.h).
 #pragma once
 
 #include <torch/extension.h>
@@ -25,6 +25,8 @@
 #include <cstdint>
 #include <map>
 #include <string>
+
+#include "_native_pool.h"
 
 #ifndef K3_NATIVE_SOURCE_HASH
 #define K3_NATIVE_SOURCE_HASH unknown
@@ -96,12 +98,13 @@ inline torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::
   return t;
 }
 
-// fn(lo, hi) over [0, n) in chunks that each of torch's threads takes as it finishes the one before, instead of
-// one even share each: where another process shares a core, the thread on it does less of the work rather than
-// hold the others at the region's end (docs/native-cpus.md "A shared machine"). Chunks are multiples of `grain`; a
-// loop is cut into up to four a thread where each still holds `least` items (the smallest piece worth handing
-// out alone), else into one a thread, an even split. Which thread computes a chunk changes no bits: the
-// kernels compute every output inside one call, in a fixed order.
+// fn(lo, hi) over [0, n) in chunks that each of as many threads as torch uses takes as it finishes the one
+// before, instead of one even share each, on a ChunkPool's threads (_native_pool.h), whose regions wait only
+// for the chunks a thread took: where another process shares a core, the thread on it does less of the work
+// rather than hold the others at the region's end (docs/native-cpus.md "A shared machine"). Chunks are
+// multiples of `grain`; a loop is cut into up to four a thread where each still holds `least` items (the
+// smallest piece worth handing out alone), else into one a thread, an even split. Which thread computes a chunk
+// changes no bits: the kernels compute every output inside one call, in a fixed order.
 template <typename F>
 inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn) {
   const int64_t threads = at::get_num_threads();
@@ -110,10 +113,9 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn
   const int64_t wanted = std::clamp<int64_t>(n / std::max(least, grain), threads, 4 * threads);
   const int64_t chunk = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;
   const int64_t chunks = (n + chunk - 1) / chunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
-    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) fn(c * chunk, std::min(n, (c + 1) * chunk));
-  });
+  const auto one = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
+  if (ChunkPool::in_worker() || !ChunkPool::with_threads(threads).run(chunks, one))
+    for (int64_t c = 0; c < chunks; ++c) one(c);  // inside a region already: alone
 }
 
 }  // namespace k3_native

@@ -187,8 +187,9 @@ def diagnose() -> dict:
 
 def shared_machine_advice(threads: int, usable: int | None, busy: float | None) -> str | None:
     """A line for a machine whose other processes keep cores busy (`busy_cpus`), when torch's threads
-    outnumber the idle cores; else None. A parallel region waits for its slowest thread, and a thread that
-    shares its core waits its turn (docs/native-cpus.md 'A shared machine')."""
+    outnumber the idle cores; else None. A thread that shares its core runs in turns: timings move with the
+    other processes' load, and the idle cores' count of threads leaves them their cores (decode holds its
+    speed beside them: docs/native-cpus.md 'A shared machine')."""
     if not usable or busy is None or busy < 0.5:
         return None
     idle = max(1, usable - round(busy))
@@ -196,7 +197,8 @@ def shared_machine_advice(threads: int, usable: int | None, busy: float | None) 
         return None
     return (
         f"load: other processes keep about {busy:.1f} of {usable} CPUs busy; torch runs {threads} threads: "
-        f"a small model decodes faster with --threads {idle} (docs/native-cpus.md 'A shared machine')"
+        f"they share cores with them; --threads {idle} leaves them their cores (docs/native-cpus.md "
+        "'A shared machine')"
     )
 
 

@@ -4,8 +4,9 @@ A :class:`NativeExtension` names a C++ source, the headers it includes and the m
 :func:`native_status` finds or builds it:
 
 * the build lives in ``~/.cache/k3/native/<key>/`` (``$K3_NATIVE_CACHE`` or ``$XDG_CACHE_HOME/k3/native``
-  instead), ``<key>`` the digest of the sources, the shared header ``_native_common.h``, torch's version,
-  the Python ABI and the compiler flags: a new source, torch or Python gets a build of its own;
+  instead), ``<key>`` the digest of the sources, the shared headers ``_native_common.h`` and
+  ``_native_pool.h``, torch's version, the Python ABI and the compiler flags: a new source, torch or Python
+  gets a build of its own;
 * the first process to need it compiles it (one line on stderr, about a minute; the compiler's output
   goes to ``build.log`` beside it) while holding a file lock, so processes that start together wait for
   that one build instead of compiling it again; the module is moved into place atomically;
@@ -35,7 +36,7 @@ from pathlib import Path
 from types import ModuleType
 
 OPS_DIR = Path(__file__).resolve().parent
-COMMON_HEADER = OPS_DIR / "_native_common.h"
+COMMON_HEADERS = (OPS_DIR / "_native_common.h", OPS_DIR / "_native_pool.h")  # included by every source
 COMPILE_FLAGS = ("-O3", "-fopenmp")  # AVX2/FMA are enabled per function in the sources
 LINK_FLAGS = ("-fopenmp",)  # resolves to the libgomp torch already loaded
 
@@ -59,7 +60,7 @@ class NativeExtension:
 
     @property
     def files(self) -> tuple[Path, ...]:
-        return (self.source, *self.headers, COMMON_HEADER)
+        return (self.source, *self.headers, *COMMON_HEADERS)
 
     def source_hash(self) -> str:
         """First 16 hex digits of the SHA-256 of the source and its headers (compiled into the module)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import select
 
 import pytest
 import torch
@@ -278,6 +279,47 @@ def test_projections_split_in_chunks_cover_every_row_once():
         for w, y in zip(ws, alone, strict=True):
             bound = 1e-6 * (x.double().abs() @ w.double().abs().T)
             assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all(), sizes
+
+
+def test_the_chunk_pool_after_a_fork():
+    """parallel_chunks runs on its own workers (k3/ops/_native_pool.h), threads that a forked child does not
+    have (it makes a pool of its own). A child forked after the parent's pool ran projections of eight
+    chunks at 2 threads runs 50 of them: every result has the bits of one thread's, and it finishes. (The
+    child compares bytes, not tensors: torch's own parallel ops hang in a child forked after OpenMP
+    regions, libgomp's limit.)"""
+    native = load_native()
+    g = gen(14)
+    x = torch.randn(2, 64, generator=g)
+    ws = [torch.randn(n, 64, generator=g) for n in (9_000, 31_000)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [y.numpy().tobytes() for y in native.project(x, None, 0.0, ws)]
+        torch.set_num_threads(2)
+
+        def same_bits(runs: int) -> bool:
+            return all(
+                [y.numpy().tobytes() for y in native.project(x, None, 0.0, ws)] == alone for _ in range(runs)
+            )
+
+        assert same_bits(20)
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # the child: its answer is one byte; it never returns into pytest
+            try:
+                os.write(write, b"1" if same_bits(50) else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        answered, _, _ = select.select([read], [], [], 120)
+        if not answered:
+            os.kill(child, 9)
+        assert answered, "the forked child did not finish its projections in 120 s"
+        assert os.read(read, 1) == b"1"
+        assert os.waitpid(child, 0)[1] == 0
+        os.close(read)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("L", [512, 32 + 8 + 3])

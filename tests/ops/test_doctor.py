@@ -124,8 +124,8 @@ def test_cpu_features_from_a_planted_cpuinfo(tmp_path):
     assert present == {"avx2", "fma", "avx512f", "amx-tile"}
 
 
-def test_doctor_advises_fewer_threads_on_a_busy_machine():
-    """With the busy CPUs planted: advice to use the idle cores' count when torch's threads outnumber them,
+def test_doctor_says_when_threads_share_cores_with_other_processes():
+    """With the busy CPUs planted: a line naming the idle cores' count when torch's threads outnumber them,
     none on an idle machine or with threads enough for the idle cores."""
     assert shared_machine_advice(2, 2, 0.1) is None
     assert shared_machine_advice(1, 2, 1.0) is None  # one thread for the one idle core
@@ -136,7 +136,7 @@ def test_doctor_advises_fewer_threads_on_a_busy_machine():
     assert "--threads 1" in (shared_machine_advice(4, 4, 9.0) or "")  # never fewer than one
     report = diagnose()
     report["torch"]["threads"], report["cpu"]["usable_cpus"], report["cpu"]["busy_cpus"] = 2, 2, 1.0
-    assert "decodes faster with --threads 1" in render(report)
+    assert "2 threads: they share cores with them; --threads 1 leaves them their cores" in render(report)
     report["cpu"]["busy_cpus"] = 0.0
     assert "--threads" not in render(report)
 

@@ -110,18 +110,18 @@ def test_k3_native_0_turns_native_kernels_off(monkeypatch):
 
 
 def test_cache_key_follows_every_source_file(tmp_path, monkeypatch):
-    """A change to the source, a header or _native_common.h gives another cache folder."""
+    """A change to the source, a header or a header every source includes gives another cache folder."""
     monkeypatch.setenv("K3_NATIVE_CACHE", str(tmp_path))
-    files = [tmp_path / name for name in ("a.cpp", "a.h", "_native_common.h")]
+    files = [tmp_path / name for name in ("a.cpp", "a.h", "_native_common.h", "_native_pool.h")]
     for f in files:
         f.write_text(f.name)
-    monkeypatch.setattr("k3.ops.extension.COMMON_HEADER", files[2])
+    monkeypatch.setattr("k3.ops.extension.COMMON_HEADERS", tuple(files[2:]))
     ext = NativeExtension("k3.ops.test._native", files[0], (files[1],))
     keys = {ext.build_key()}
     for f in files:
         f.write_text(f.name + " changed")
         keys.add(ext.build_key())
-    assert len(keys) == 4
+    assert len(keys) == 5
     assert ext.module_path().parent == tmp_path / ext.build_key()
 
 
