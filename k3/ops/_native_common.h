@@ -114,7 +114,7 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn
   const int64_t chunk = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;
   const int64_t chunks = (n + chunk - 1) / chunk;
   const auto one = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
-  if (ChunkPool::in_worker() || !ChunkPool::with_threads(threads).run(chunks, one))
+  if (!ChunkPool::with_threads(threads).run(chunks, one))
     for (int64_t c = 0; c < chunks; ++c) one(c);  // inside a region already: alone
 }
 

@@ -73,15 +73,9 @@ class ChunkPool {
     return *pool;
   }
 
-  // Whether this thread is one of a pool's workers (a chunk that asks for a region runs it alone).
-  static bool& in_worker() {
-    static thread_local bool worker = false;
-    return worker;
-  }
-
   // fn(c) for every c in [0, chunks), the caller taking chunks with the workers; returns once every chunk is
   // done, rethrowing the first exception a chunk threw. False, with nothing run, when another region holds the
-  // pool (a second caller thread, or a chunk of this one): run it alone then.
+  // pool (a second caller thread, or a chunk of a region, the caller's or a worker's): run it alone then.
   template <typename F>
   bool run(int64_t chunks, const F& fn) {
     if (chunks <= 0) return true;
@@ -167,7 +161,6 @@ class ChunkPool {
   }
 
   void work() {
-    in_worker() = true;
     CoreShare core;
     uint64_t ticket = ticket_.load(std::memory_order_acquire);
     while (!stopping_.load(std::memory_order_relaxed))
