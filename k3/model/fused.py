@@ -13,13 +13,15 @@ not called, so their hooks do not run, except that the MoE takes the general pat
 A decode step of `mini` runs 27 such calls (6 KDA, 3 MLA, 1 dense MLP, 8 x 2 MoE, lm_head) plus its AttnRes
 reads, where the general path dispatches ~3,000 aten ops (benchmarks/decode.py --step-profile).
 
-`decoder_layers` runs all of a step's layers in one native call instead (K3Model.forward asks it first unless
-`set_fast_decode(True, one_call=False)`): the same functions build each piece's arguments, once (a
-DecodePlan keeps the weights and constants while nothing replaces them; each step adds the cache's states),
-the loop over the layers (AttnRes reads, residual adds, the kernels in the same order) runs in
-k3/ops/decode/_native_step.h and picks each MoE layer's experts itself from a table of all of them
-(`expert_table`), returning to Python only for experts read on demand, chosen experts in two modes or an
-FFN's general forward, so the bits are those of the layers one by one (tests/model/test_decoder_layers.py).
+`decoder_layers` runs a whole step but the final norm and lm_head in one native call instead (K3Model.forward
+asks it first unless `set_fast_decode(True, one_call=False)`): the same functions build each piece's
+arguments, once (a DecodePlan keeps the weights and constants while nothing replaces them; each step adds the
+cache's states), the loop (the embedding rows, AttnRes reads, residual adds, the kernels in the same order,
+the output read) runs in k3/ops/decode/_native_step.h and picks each MoE layer's experts itself from a table
+of all of them (`expert_table`), returning to Python only for experts read on demand, chosen experts in two
+modes or an FFN's general forward, so the bits are those of the layers one by one
+(tests/model/test_decoder_layers.py). On both routes a step's final norm runs in lm_head's call
+(`lm_head_logits`).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from torch.nn.modules.module import (
 )
 
 from k3.model.activations import native_activation
-from k3.model.attn_res import ResidualStream, native_read_weights
+from k3.model.attn_res import native_read_weights
 from k3.model.cache import KDAState, LayerState, MLAState
 from k3.model.kda import KDAttention
 from k3.model.mla import MLAttention
@@ -382,26 +384,28 @@ class DecodePlan:
 
     def __init__(self) -> None:
         self.layers: list[tuple] | None = None  # _layer_plan's, one a layer; None: not built
+        self.output_read: tuple | None = None  # the output's AttnRes read weights (native_read_weights)
         self.runs_natively = False  # whether every layer's mixer and reads can run in the kernels
         self.experts_tails: dict[int, tuple] = {}  # MoE layer index -> its part of moe_experts' arguments
         self.by_index: dict[int, nn.Module] = {}
         self.converted: list[tuple[torch.Tensor, int, int]] = []  # (copied to fp32, _version, data_ptr)
         self.experts: dict[nn.Module, ExpertMatrices | None] = {}  # each routed expert once it was chosen
         self.builds = 0
+        self.activations = torch.empty(0, device="cpu")  # like a step's activations (fp32, CPU): for _native
         _PLANS.add(self)
 
     def __reduce__(self) -> tuple:
         return DecodePlan, ()  # a copied or unpickled model starts with an empty plan of its own
 
     def clear(self) -> None:
-        self.layers, self.experts_tails, self.by_index, self.converted, self.experts = None, {}, {}, [], {}
+        self.layers, self.output_read, self.experts_tails, self.by_index = None, None, {}, {}
+        self.converted, self.experts = [], {}
 
-    def specs(
-        self, layers: Sequence[nn.Module], states: Sequence[LayerState], x: torch.Tensor
-    ) -> list[tuple] | None:
-        """The layers as `decoder_layers` takes them this step; None when a mixer cannot run natively."""
+    def specs(self, model: nn.Module, states: Sequence[LayerState]) -> list[tuple] | None:
+        """The layers of K3Model `model` as `decoder_layers` takes them this step; None when a mixer or a read
+        cannot run natively."""
         if self.layers is None or any(t._version != v or t.data_ptr() != at for t, v, at in self.converted):
-            self._build(layers, x)
+            self._build(model)
         if not self.runs_natively:
             return None
         specs = []
@@ -420,17 +424,22 @@ class DecodePlan:
             specs.append((index, *reads, mixer_kind, with_states(weights, found), ffn_kind, ffn_args))
         return specs
 
-    def _build(self, layers: Sequence[nn.Module], x: torch.Tensor) -> None:
+    def _build(self, model: nn.Module) -> None:
         self.clear()
         self.builds += 1
-        built = [_layer_plan(layer, x, self.experts_tails) for layer in layers]
-        self.runs_natively = None not in built
+        layers = list(child(model, "layers"))
+        built = [_layer_plan(layer, self.activations, self.experts_tails) for layer in layers]
+        output = (
+            _children(model, "output_attn_res_norm", "output_attn_res_proj") if model.uses_attn_res else []
+        )
+        self.output_read = native_read_weights(*output) if output else None
+        self.runs_natively = None not in built and (self.output_read is not None or not output)
         self.layers = built  # type: ignore[assignment]
         self.by_index = {layer.index: layer for layer in layers}
         self.converted = [  # what _f32 or an AttnRes read may copy to fp32 (not experts: picked per step)
             (t, t._version, t.data_ptr())
-            for layer in layers
-            for t in _tensors_but_experts(layer)
+            for module in (*layers, *output)
+            for t in _tensors_but_experts(module)
             if t.is_floating_point() and t.dtype != torch.float32
         ]
 
@@ -458,27 +467,22 @@ register_module_module_registration_hook(_clear_plans)
 
 
 def decoder_layers(
-    plan: DecodePlan,
-    layers: Sequence[nn.Module],
-    stream: ResidualStream,
-    states: Sequence[LayerState],
-    block_size: int | None,
-) -> bool:
-    """Run a decode step's K3DecoderLayers (`layers`, with their cache `states`) on `stream` in one native
-    call (`decoder_layers`, _native_step.h): the same kernels in the same order as the layers one by one,
-    the same bits, without a return to Python per piece. `plan` holds what stays the same between steps.
-    An FFN the kernels do not take (hooks, another dispatch, mixed experts) runs its general forward, called
-    back from the loop. False, with nothing done, when some mixer cannot run natively (the caller then runs
-    the layers one by one)."""
-    x = stream.partial
-    if x is None or stream.blocks or torch.is_grad_enabled() or x.dtype != torch.float32 or not x.is_cpu:
-        return False
-    native = load_native()
-    if native is None:
-        return False
-    specs = plan.specs(layers, states, x)
+    plan: DecodePlan, model: nn.Module, input_ids: torch.Tensor, states: Sequence[LayerState]
+) -> torch.Tensor | None:
+    """A decode step of K3Model `model` (`input_ids` [B, 1], the cache's layer `states`) from the tokens'
+    embedding rows to the output read in one native call (`decoder_layers`, _native_step.h): the same kernels
+    in the same order as the layers one by one, the same bits, without a return to Python per piece. Returns
+    the output read h [B, 1, hidden] fp32, before the final norm, or None with nothing done when some mixer or
+    read cannot run natively (the caller then runs the layers one by one). `plan` holds what stays the same
+    between steps. An FFN the kernels do not take (hooks, another dispatch, mixed experts) runs its general
+    forward, called back from the loop."""
+    table = parameter(child(model, "embed_tokens"), "weight")  # [V, hidden], fp32 or BF16
+    native = _native(plan.activations, [table])
+    if native is None or input_ids.shape[1] != 1 or not table.is_cpu or not input_ids.is_cpu:
+        return None
+    specs = plan.specs(model, states)
     if specs is None:
-        return False
+        return None
     by_index, experts_tails = plan.by_index, plan.experts_tails
 
     def ffn(index: int, y: torch.Tensor, route: tuple | None) -> tuple | torch.Tensor:
@@ -492,15 +496,15 @@ def decoder_layers(
                 return args
         return layer.ffn(layer.post_attention_layernorm(y))
 
-    blocks, partial, kda_states_after = native.decoder_layers(x.contiguous(), block_size or 0, specs, ffn)
-    updated = iter(kda_states_after)
-    for state in states:
+    ids = input_ids.long().contiguous()  # the same tensor when it is already
+    block_size = model.config.attn_res_block_size or 0
+    h, after = native.decoder_layers(ids, table, block_size, specs, ffn, plan.output_read)
+    for state, next_state in zip(states, after, strict=True):
         if isinstance(state, KDAState):
-            state.conv_q, state.conv_k, state.conv_v, state.recurrent = next(updated)
+            state.conv_q, state.conv_k, state.conv_v, state.recurrent = next_state
         else:
-            state.lengths = state.lengths + 1  # MLA: each row's token was written at lengths[b]
-    stream.blocks, stream.partial = list(blocks), partial
-    return True
+            (state.lengths,) = next_state  # MLA: each row's token was written at lengths[b]
+    return h
 
 
 def _layer_plan(layer: nn.Module, x: torch.Tensor, experts_tails: dict) -> tuple | None:
@@ -536,11 +540,13 @@ def _layer_plan(layer: nn.Module, x: torch.Tensor, experts_tails: dict) -> tuple
     return (layer.index, reads, mixer_kind, weights, ffn_kind, ffn_args, moe)
 
 
-def lm_head_logits(lm_head: Linear, h: torch.Tensor) -> torch.Tensor | None:
-    """lm_head(h) for h [B, 1, hidden] in one native call (its rows split across threads); None: general."""
+def lm_head_logits(lm_head: Linear, h: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor | None:
+    """lm_head(norm(h)) for h [B, 1, hidden] (norm None: h as it is) in one native call (its rows split across
+    threads); None: general."""
     weight = parameter(lm_head, "weight")
-    native = _native(h, [weight])
+    norm_w = None if norm is None else parameter(norm, "weight")
+    native = _native(h, [weight, norm_w])
     if native is None:
         return None
     x = h.contiguous()  # [B, 1, hidden]; h may be the last position of a longer prefill
-    return native.project(x, None, 0.0, [weight])[0]
+    return native.project(x, _f32(norm_w), 0.0 if norm is None else norm.eps, [weight])[0]

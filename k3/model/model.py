@@ -123,39 +123,45 @@ class K3Model(nn.Module):
         lengths: torch.Tensor | None = None,
         compute_dtype: torch.dtype = torch.float32,
         inputs_embeds: torch.Tensor | None = None,
+        *,
+        normalized: bool = True,
     ) -> torch.Tensor:
-        """input_ids [B, T] -> final hidden states [B, T, hidden] (normalised). `inputs_embeds` [B, T, H]:
-        the input rows instead of the embeddings of input_ids (images scattered in: k3.model.multimodal)."""
+        """input_ids [B, T] -> final hidden states [B, T, hidden], normalised (`normalized=False`: before the
+        final norm). `inputs_embeds` [B, T, H]: the input rows instead of the embeddings of input_ids (images
+        scattered in: k3.model.multimodal)."""
         if cache is not None and len(cache.layers) != len(self.layers):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
         counts = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        stream = ResidualStream(
-            as_dtype(embeds, compute_dtype),
-            self.config.attn_res_block_size,
-            stacked=self.fast_decode and input_ids.shape[1] == 1,
-        )
-        # a decode step: all layers in one native call (k3.model.fused), else one by one
-        one_call = self.one_call_decode and stream.stacked and counts is None and cache is not None
-        block_size, plan = self.config.attn_res_block_size, self.decode_plan
-        if not (one_call and fused_step.decoder_layers(plan, self.layers, stream, cache.layers, block_size)):
+        step = self.fast_decode and input_ids.shape[1] == 1
+        h = None
+        if step and self.one_call_decode and counts is None and cache is not None and inputs_embeds is None:
+            # a decode step: embedding, layers and output read in one native call (k3.model.fused)
+            if compute_dtype == torch.float32:
+                h = fused_step.decoder_layers(self.decode_plan, self, input_ids, cache.layers)
+        if h is None:
+            embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            embeds = as_dtype(embeds, compute_dtype)
+            stream = ResidualStream(embeds, self.config.attn_res_block_size, stacked=step)
             for i, layer in enumerate(self.layers):
                 layer(stream, None if cache is None else cache.layers[i], counts)
+            h = self.output_read(stream)
         if cache is not None:
             cache.tokens += input_ids.shape[1] if counts is None else counts
-        return self.output(stream)
+        return self.norm(h) if normalized else h
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
         self.decode_plan.clear()  # a conversion (`.to`, `.float`) may change the weights' dtypes in place
         return super()._apply(fn, recurse)
 
+    def output_read(self, stream: ResidualStream) -> torch.Tensor:
+        """A stream past the last layer read for the output: hidden states [B, T, H] before the final norm."""
+        if self.uses_attn_res:
+            return stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
+        return stream.plain()
+
     def output(self, stream: ResidualStream) -> torch.Tensor:
         """The final hidden states [B, T, H] of a stream past the last layer: output read, final norm."""
-        if self.uses_attn_res:
-            h = stream.read(self.output_attn_res_norm, self.output_attn_res_proj)
-        else:
-            h = stream.plain()
-        return self.norm(h)
+        return self.norm(self.output_read(stream))
 
 
 class K3ForCausalLM(nn.Module):
@@ -208,7 +214,11 @@ class K3ForCausalLM(nn.Module):
             raise ValueError(f"input_ids must be [batch, tokens], got shape {tuple(input_ids.shape)}")
         if cache is not None and cache.batch_size != input_ids.shape[0]:
             raise ValueError(f"the cache holds {cache.batch_size} sequences, input_ids {input_ids.shape[0]}")
-        h = self.model(input_ids, cache, lengths, self.compute_dtype, inputs_embeds)
+        step = input_ids.shape[1] == 1 and self.model.fast_decode  # the final norm then goes with lm_head
+        h = self.model(input_ids, cache, lengths, self.compute_dtype, inputs_embeds, normalized=not step)
+        if step:
+            logits = fused_step.lm_head_logits(self.lm_head, h, self.model.norm)
+            return self.lm_head(self.model.norm(h)) if logits is None else logits
         if logits_to_keep:
             h = h[:, -logits_to_keep:]
         logits = (

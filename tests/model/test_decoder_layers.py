@@ -22,12 +22,14 @@ from decode_steps import prefilled, with_bf16_weights
 from kimi_linear_oracle import tiny_kimi_linear
 from native_counting import Counting
 
+import k3.model.attn_res as attn_res_module
 import k3.model.fused as fused
+import k3.model.norm as norm_module
 from k3.config import K3Config
 from k3.model import K3ForCausalLM
 from k3.model.cache import ModelCache
 from k3.model.moe import MoE
-from k3.model.norm import Linear
+from k3.model.norm import Linear, RMSNorm
 from k3.model.routing import record_routing
 from k3.ops.decode.native import load_native
 
@@ -144,6 +146,36 @@ def test_one_call_equals_the_layers_one_by_one(tmp_path, counting, name, lengths
     assert calls["kda_mixer"] + calls["mla_mixer"] == 4 * model.num_layers  # the reference route's
 
 
+def test_a_one_call_step_is_two_native_calls_and_nothing_between(counting, monkeypatch):
+    """The ends of a one-call step run natively too: the tokens' embedding rows and the output read inside
+    `decoder_layers`, the final norm in lm_head's `project`. Counted wherever the model loads the kernels,
+    and nn.Embedding's and RMSNorm's forwards: three steps are three of each call and nothing else."""
+    model = K3ForCausalLM.from_config(K3Config.preset("mini"), seed=3, num_layers=5)  # AttnRes blocks
+    monkeypatch.setattr(attn_res_module, "load_native", lambda: counting)
+    monkeypatch.setattr(norm_module, "load_native", lambda: counting)
+    forwards: collections.Counter = collections.Counter()
+
+    def counted(module: type) -> Callable:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            forwards[module.__name__] += 1
+            return original(self, x)
+
+        original = module.forward
+        return forward
+
+    for module in (torch.nn.Embedding, RMSNorm):
+        monkeypatch.setattr(module, "forward", counted(module))
+    cache, token = prefilled(model, [6, 2], seed=7)
+    assert forwards["Embedding"] > 0  # the prefill's, counted
+    counting.calls.clear()
+    forwards.clear()
+    with torch.no_grad():
+        logits = [model(token + t, cache) for t in range(3)]
+    calls = {name: n for name, n in counting.calls.items() if name != "ExpertTable"}  # the plan's, once
+    assert calls == {"decoder_layers": 3, "project": 3} and not forwards
+    assert all(x.shape == (2, 1, model.config.vocab_size) and x.abs().max() > 0.1 for x in logits)
+
+
 @pytest.mark.parametrize("cause", ["recorded routing", "a replaced dispatch", "experts in two modes"])
 def test_an_moe_the_kernels_do_not_take_runs_its_general_forward_from_inside_the_call(counting, cause):
     """Recorded routing (router hooks), a dispatch replaced on the instance (k3.dist's expert parallelism)
@@ -191,15 +223,37 @@ def test_a_cache_not_yet_prefilled_or_a_gradient_takes_the_layers_one_by_one(cou
     assert counting.calls["decoder_layers"] == 0
 
 
-def test_a_malformed_layer_is_a_clear_error():
+def test_a_malformed_layer_or_token_is_a_clear_error():
     native = load_native()
-    x = torch.zeros(1, 1, 8)
+    ids, table = torch.zeros(1, 1, dtype=torch.long), torch.zeros(4, 8)
+
+    def step(layers: list, ids: torch.Tensor = ids, table: torch.Tensor = table) -> tuple:
+        return native.decoder_layers(ids, table, 0, layers, lambda *a: None, None)
+
     with pytest.raises(RuntimeError, match="a layer is"):
-        native.decoder_layers(x, 0, [(0, None, None, "kda")], lambda *a: None)
+        step([(0, None, None, "kda")])
     with pytest.raises(RuntimeError, match="mixer_kind must be"):
-        native.decoder_layers(x, 0, [(0, None, None, "ssm", (), "mlp", ())], lambda *a: None)
+        step([(0, None, None, "ssm", (), "mlp", ())])
     with pytest.raises(RuntimeError, match="kda_mixer: expected 25 arguments, got 2"):
-        native.decoder_layers(x, 0, [(0, None, None, "kda", (1, 2), "mlp", ())], lambda *a: None)
+        step([(0, None, None, "kda", (1, 2), "mlp", ())])
+    with pytest.raises(RuntimeError, match=r"token id 4 is outside the vocabulary \[0, 4\)"):
+        step([], ids=torch.tensor([[4]]))
+    with pytest.raises(RuntimeError, match="ids must be a contiguous int64"):
+        step([], ids=torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="the embedding table must be"):
+        step([], table=torch.zeros(4, 8, dtype=torch.float16))
+
+
+def test_the_steps_embedding_rows_are_the_tables_rows_in_fp32():
+    """With no layer the call returns the tokens' embedding rows (the running sum read as it is): fp32 or
+    BF16 tables, each row exact in fp32, as the general path's embedding then `.float()`."""
+    native = load_native()
+    ids = torch.tensor([[5], [0], [5], [11]])
+    for dtype in (torch.float32, torch.bfloat16):
+        table = torch.randn(12, 40, generator=torch.Generator().manual_seed(0)).to(dtype)
+        h, states = native.decoder_layers(ids, table, 0, [], lambda *a: None, None)
+        assert states == [] and h.dtype == torch.float32
+        assert torch.equal(h, torch.nn.functional.embedding(ids, table).float())
 
 
 def test_the_plan_is_built_once_and_sees_what_changes_between_steps(counting):

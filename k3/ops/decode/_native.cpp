@@ -9,8 +9,9 @@
 //                             chose it; MXFP4 at one row in AVX-512 where the CPU has it, the same bits as
 //                             AVX2), their weighted sum, latent norm, up-projection and shared experts
 //   attn_res_read             an AttnRes read over the stream's values
-//   project                   x [B, K] times several matrices (e.g. the final norm's output times lm_head)
-//   decoder_layers            a step's layers in one call, running the kernels above (_native_step.h)
+//   project                   x [B, K] times several matrices, normalised first if asked (the final norm and lm_head)
+//   decoder_layers            a step from its tokens' embedding rows to the output read in one call, running the
+//                             kernels above (_native_step.h)
 //   experts_rows              experts over blocks of rows (a many-token dispatch: MoE.experts_over_rows)
 //   expert_rows               x [B, K] times one MXFP4 matrix, as moe_experts multiplies each, x exact or
 //                             rounded to int8 (tests, benchmarks)
@@ -436,7 +437,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ExpertTable>(m, "ExpertTable", "every routed expert of one MoE layer, for decoder_layers")
       .def(py::init<std::vector<Tensor>, std::vector<Tensor>, std::vector<Tensor>, std::vector<py::object>>(),
            py::arg("dense"), py::arg("packed"), py::arg("scale"), py::arg("quantized"));
-  m.def("decoder_layers", &decoder_layers, "a decode step's decoder layers in one call: (blocks, partial, kda_states)",
-        py::arg("x"), py::arg("block_size"), py::arg("layers"), py::arg("ffn"));
+  m.def("decoder_layers", &decoder_layers,
+        "a decode step from its tokens to the output read in one call: (h, each layer's next cache state)",
+        py::arg("ids"), py::arg("table"), py::arg("block_size"), py::arg("layers"), py::arg("ffn"),
+        py::arg("output_read"));
   K3_NATIVE_COMMON(m);  // source_hash, cpu_supported(), cpu_features()
 }

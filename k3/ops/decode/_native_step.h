@@ -1,16 +1,20 @@
 // A decode step's decoder layers in one call (k3/model/fused.py `decoder_layers`): the loop that
-// K3DecoderLayer.forward runs in Python, with the same kernels in the same order, so the same bits.
+// K3Model.forward runs in Python, with the same kernels in the same order, so the same bits.
 //
-// Per layer, in order:
+// x = the tokens' embedding rows; then per layer, in order:
 //   x = the mixer's read of the residual stream (AttnRes over the finished blocks and the open one; a new block
 //       starts at layers that are multiples of block_size)
 //   partial += kda_mixer(x, ...) or mla_mixer(x, ...)
 //   y = the FFN's read;  partial += mlp(y, ...) or the MoE (moe_route, then `ffn` picks the experts) or `ffn`
+// and last the output read (the final norm goes with lm_head: fused.lm_head_logits).
 //
 // Python builds each layer's arguments (its weights kept between steps by fused.DecodePlan, which sees a replaced
 // weight or a changed mode; nothing is kept here), every routed expert's matrices in an ExpertTable where it
 // can, so that the loop picks each step's experts itself; `ffn(index, y, route)` is called back for what stays
 // in Python: experts read on demand, chosen experts in two modes, or a whole FFN that takes the general path.
+// Each Python op between native calls costs 10-30 us more than alone: the weights the kernels stream push the
+// interpreter's and the dispatcher's code and data out of the caches (a `mini` step, Zen 3: the embedding 65 us,
+// the output read 45, the final norm's five ops 110), so the step's ends are here too.
 //
 // Included by _native.cpp after the kernels it calls.
 #pragma once
@@ -143,21 +147,55 @@ struct Stream {
   void add(const Tensor& update) { partial = partial.defined() ? partial + update : update; }
 };
 
+// The rows of `table` [V, H] (fp32, or BF16: exact in fp32) of the tokens ids [B, 1]: [B, 1, H] fp32, as
+// K3Model.forward's embedding taken to fp32.
+inline Tensor embedding_rows(const Tensor& ids, const Tensor& table) {
+  TORCH_CHECK(ids.dim() == 2 && ids.size(1) == 1 && ids.scalar_type() == torch::kLong && ids.is_contiguous(),
+              "ids must be a contiguous int64 [B, 1], got ", ids.sizes(), " ", ids.scalar_type());
+  const bool bf16 = table.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || table.scalar_type() == torch::kFloat32) && table.dim() == 2 && table.is_contiguous() &&
+                  table.device().is_cpu(),
+              "the embedding table must be a contiguous fp32 or bfloat16 CPU [V, H], got ", table.sizes(), " ",
+              table.scalar_type());
+  const int64_t B = ids.size(0), V = table.size(0), H = table.size(1);
+  Tensor out = torch::empty({B, 1, H}, table.options().dtype(torch::kFloat32));
+  const int64_t* id = ids.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= id[b] && id[b] < V, "token id ", id[b], " is outside the vocabulary [0, ", V, ")");
+    if (bf16) {
+      const auto* row = static_cast<const uint16_t*>(table.data_ptr()) + id[b] * H;
+      for (int64_t i = 0; i < H; ++i) o[b * H + i] = to_float(row[i]);
+    } else {
+      std::memcpy(o + b * H, table.data_ptr<float>() + id[b] * H, H * sizeof(float));
+    }
+  }
+  return out;
+}
+
+// Where mla_mixer's arguments after x hold the cache's `lengths` (norm_w, norm_eps, w_q, q_norm_w, w_q_b,
+// latent_eps, w_kv_a, kv_norm_w, w_kv_b, w_g, w_o, latent, k_rope, lengths, ...).
+constexpr size_t kMlaLengths = 13;
+
+// ids [B, 1]: the step's tokens, `table` their embedding (embedding_rows).
 // layers: one tuple per layer, (index, mixer_read, ffn_read, mixer_kind, mixer_args, ffn_kind, ffn_args):
 //   mixer_read / ffn_read  (norm_w fp32, proj_w fp32, eps) of the AttnRes read sites, or None (no AttnRes)
-//   mixer_kind "kda"       mixer_args: kda_mixer's arguments after x; its states come back in `kda_states`
-//              "mla"       mla_mixer's arguments after x (the cache must have room; the caller advances lengths)
+//   mixer_kind "kda"       mixer_args: kda_mixer's arguments after x
+//              "mla"       mla_mixer's arguments after x (the cache must have room)
 //   ffn_kind   "mlp"       ffn_args: mlp's arguments after x
 //              "moe"       (moe_route's arguments after x, an ExpertTable or None, the experts' tail for
 //                          table_experts); with a table the loop picks the chosen experts itself, else (or
 //                          when their int8 modes differ) ffn(index, y, (xn, z, weights, indices)) returns
 //                          moe_experts' arguments after (xn, z, weights), or the FFN's update
 //              "python"    ffn(index, y, None) returns the FFN's update
-// Returns (blocks, partial, kda_states): the stream after the last layer and each KDA layer's kda_mixer
-// outputs after its update (new conv tails, the recurrent state), in layer order.
-py::tuple decoder_layers(const Tensor& x, int64_t block_size, const py::list& layers, const py::function& ffn) {
-  Stream stream{{}, x};
-  py::list kda_states;
+// output_read: the output's read site as a layer's, or None (no AttnRes: the running sum).
+// Returns (h, states): h [B, 1, H] the output read after the last layer, before the final norm; per layer, in
+// order, what its cache holds next: a KDA layer's kda_mixer outputs after its update (new conv tails, the
+// recurrent state), an MLA layer's lengths + 1 (its token was written at lengths[b]).
+py::tuple decoder_layers(const Tensor& ids, const Tensor& table, int64_t block_size, const py::list& layers,
+                         const py::function& ffn, const py::object& output_read) {
+  Stream stream{{}, embedding_rows(ids, table)};
+  py::list states;
   for (const py::handle& layer : layers) {
     const py::tuple l = py::reinterpret_borrow<py::tuple>(layer);
     TORCH_CHECK(l.size() == 7, "a layer is (index, mixer_read, ffn_read, mixer_kind, mixer_args, ffn_kind, ffn_args)");
@@ -171,10 +209,11 @@ py::tuple decoder_layers(const Tensor& x, int64_t block_size, const py::list& la
     if (mixer == "kda") {
       std::vector<Tensor> out = call_with(kda_mixer, mixer_in, l[4], "kda_mixer");
       stream.add(out[0]);
-      kda_states.append(py::make_tuple(out[1], out[2], out[3], out[4]));
+      states.append(py::make_tuple(out[1], out[2], out[3], out[4]));
     } else {
       TORCH_CHECK(mixer == "mla", "mixer_kind must be 'kda' or 'mla', got ", mixer);
       stream.add(call_with(mla_mixer, mixer_in, l[4], "mla_mixer"));
+      states.append(py::make_tuple(l[4].cast<py::tuple>()[kMlaLengths].cast<Tensor>() + 1));
     }
     const Tensor y = stream.read(l[2]);
     const std::string kind = l[5].cast<std::string>();
@@ -197,7 +236,7 @@ py::tuple decoder_layers(const Tensor& x, int64_t block_size, const py::list& la
       stream.add(ffn(index, y, py::none()).cast<Tensor>());
     }
   }
-  return py::make_tuple(stream.blocks, stream.partial, kda_states);
+  return py::make_tuple(stream.read(output_read), states);
 }
 
 }  // namespace decode_native
