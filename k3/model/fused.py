@@ -367,11 +367,11 @@ def _dense_parts(
 
 
 class DecodePlan:
-    """What `decoder_layers` gives the kernels of each layer that stays the same from step to step (weights,
-    constants, which kernels run), looked up once and reused: looking them up took ~30 us of Python a layer
-    (some 25 dict reads and checks), 60 us between kernels that stream megabytes, as much as a small layer's
-    kernels, and each MoE layer's table of every routed expert's matrices (`expert_table`). Each step still
-    reads what may change between steps: the cache's states, the router hooks and dispatch
+    """What `decoder_layers` gives the kernels of each layer and of the output read that stays the same from
+    step to step (weights, constants, which kernels run), looked up once and reused: looking them up took ~30
+    us of Python a layer (some 25 dict reads and checks), 60 us between kernels that stream megabytes, as much
+    as a small layer's kernels, and each MoE layer's table of every routed expert's matrices (`expert_table`).
+    Each step still reads what may change between steps: the cache's states, the router hooks and dispatch
     `routed_elsewhere` looks at, an MoE's `load_experts`, and the chosen experts' `int8_inputs` modes.
 
     A plan is cleared, to be built again at the next step, when any module registers a parameter, buffer or

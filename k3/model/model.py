@@ -133,12 +133,11 @@ class K3Model(nn.Module):
             raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(self.layers)}")
         counts = None if lengths is None else torch.as_tensor(lengths, dtype=torch.long)
         step = self.fast_decode and input_ids.shape[1] == 1
+        one_call = self.one_call_decode and counts is None and cache is not None and inputs_embeds is None
         h = None
-        if step and self.one_call_decode and counts is None and cache is not None and inputs_embeds is None:
-            # a decode step: embedding, layers and output read in one native call (k3.model.fused)
-            if compute_dtype == torch.float32:
-                h = fused_step.decoder_layers(self.decode_plan, self, input_ids, cache.layers)
-        if h is None:
+        if step and one_call and compute_dtype == torch.float32:  # embedding to output read: one native call
+            h = fused_step.decoder_layers(self.decode_plan, self, input_ids, cache.layers)
+        if h is None:  # the layers one by one (k3.model.fused's per-layer calls on a step)
             embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
             embeds = as_dtype(embeds, compute_dtype)
             stream = ResidualStream(embeds, self.config.attn_res_block_size, stacked=step)
