@@ -55,6 +55,7 @@ class K3Engine:
         bf16_products: bool,
         one_call: bool,
     ) -> None:
+        import k3  # noqa: F401, I001 (first: the environment it sets for torch's libraries, k3/__init__.py)
         import torch
 
         from k3.engine.generate import Engine

@@ -2,7 +2,8 @@
 
 Order of operations (as in most engines): repetition penalty on the raw logits, then temperature, then
 top-k, then top-p (nucleus) on the resulting distribution, then a draw with the request's own
-`torch.Generator`, so a seeded request gives the same tokens whatever else shares its batch.
+`torch.Generator` (one uniform number a token against the running sum: `inverse_cdf_draw`), so a seeded
+request gives the same tokens whatever else shares its batch.
 
 With `seed_position = n` the draws are keyed by position instead of one stream: the request's i-th draw
 uses a generator seeded with `seed + n + i` (fresh for each draw), so a request that continues a sequence
@@ -112,14 +113,34 @@ def sampling_logprobs(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     logp = torch.log_softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_logp, order = torch.sort(logp, descending=True)
-        sorted_probs = sorted_logp.exp()
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        keep = torch.zeros_like(mass_before, dtype=torch.bool).scatter(0, order, mass_before < params.top_p)
-        logp = logp.masked_fill(~keep, float("-inf"))
+        logp = logp.masked_fill(~nucleus(logp, params.top_p), float("-inf"))
         logp = logp - torch.logsumexp(logp, dim=-1)
     return logp
+
+
+NUCLEUS_VIEWS = (256, 2048)  # how many of the most likely tokens `nucleus` looks at before sorting them all
+
+
+def nucleus(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The tokens top-p keeps, bool [V] for log-probabilities logp [V]: in order of probability, every token
+    whose mass before it is < top_p (the smallest prefix whose mass reaches top_p). It looks at the 256, then
+    the 2,048 most likely tokens (torch.topk) and sorts all V only when their mass is still short of top_p: a
+    sort of K3's 163,840 takes 17 ms on an AVX2 EPYC (Zen 3), a top 2,048 under 1 ms. The same tokens
+    whichever view decides (the views' running sums are the sort's first ones)."""
+    kept = torch.zeros(logp.numel(), dtype=torch.bool)
+    for view in (k for k in NUCLEUS_VIEWS if k < logp.numel()):
+        top, order = torch.topk(logp, view)  # the view's log-probabilities, descending
+        in_view = _kept_prefix(top, top_p)
+        if not in_view[-1]:  # the view's last token is out, and so is every less likely one
+            return kept.scatter(0, order, in_view)
+    top, order = torch.sort(logp, descending=True)
+    return kept.scatter(0, order, _kept_prefix(top, top_p))
+
+
+def _kept_prefix(top: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Of log-probabilities in descending order, the ones whose mass before them is < top_p (bool)."""
+    probs = top.exp()
+    return torch.cumsum(probs, dim=-1) - probs < top_p
 
 
 def next_token_probs(
@@ -139,13 +160,20 @@ def draw(
 ) -> tuple[int, torch.Tensor]:
     """The next token for one sequence and the log-probabilities [V] it was drawn from. logits: [V]."""
     logp = sampling_logprobs(logits, params, seen)
-    if params.greedy:
-        token = int(torch.argmax(logp))
-    else:
-        token = int(torch.multinomial(logp.exp(), 1, generator=generator))
+    token = int(torch.argmax(logp)) if params.greedy else inverse_cdf_draw(logp.exp(), generator)
     if params.seed_position is not None:  # the next draw's own stream (its position's seed)
         generator.manual_seed((generator.initial_seed() + 1) % 2**64)
     return token, logp
+
+
+def inverse_cdf_draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token drawn from probs [V] (>= 0, summing to about 1): the first whose running sum, in fp64,
+    passes one uniform draw from `generator` scaled to the total. A zero-probability token is never drawn (its
+    running sum equals the one before it). `torch.multinomial` draws V exponentials instead: 0.83 ms a draw at
+    V = 32,768 on an AVX2 EPYC (Zen 3), against 0.07-0.10 ms here (benchmarks/sampling.py)."""
+    running = torch.cumsum(probs, 0, dtype=torch.float64)  # [V]
+    u = torch.rand((), dtype=torch.float64, generator=generator) * running[-1]
+    return min(int(torch.searchsorted(running, u, right=True)), probs.numel() - 1)  # u < total: in range
 
 
 def sample_token(

@@ -12,7 +12,9 @@ from k3.engine.sampling import (
     SamplingError,
     SamplingParams,
     draw,
+    inverse_cdf_draw,
     next_token_probs,
+    nucleus,
     sample_token,
     sampling_logprobs,
 )
@@ -82,6 +84,21 @@ def test_logprobs_are_those_of_the_drawn_distribution(params: SamplingParams) ->
     assert torch.equal(logp, got) and logp[token] > float("-inf")
 
 
+@pytest.mark.parametrize(
+    ("scale", "top_p", "size"),
+    [(6.0, 0.9, range(1, 256)), (4.0, 0.99, range(256, 2048)), (2.0, 0.9, range(2048, 20000))],
+)
+def test_the_nucleus_of_a_large_vocabulary_is_the_references(scale, top_p, size) -> None:
+    """20,000 tokens, logits peaked enough for the top 256 to decide, then the top 2,048, then only the
+    full sort (the nucleus sizes say which): the kept tokens those of the plain-Python reference."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logp = torch.log_softmax(torch.randn(20000, generator=g, dtype=torch.float64) * scale, -1).float()
+    got = nucleus(logp, top_p)
+    want = reference_probs(logp.tolist(), SamplingParams(temperature=1.0, top_p=top_p), [])
+    assert int(got.sum()) in size
+    assert got.tolist() == [p > 0 for p in want]
+
+
 def test_repetition_penalty_changes_greedy_choice() -> None:
     logits = torch.tensor([3.0, 2.0, -1.0])
     p = SamplingParams(temperature=0, repetition_penalty=2.0)
@@ -100,6 +117,29 @@ def test_frequencies_follow_the_distribution() -> None:
     sigma = (probs.double() * (1 - probs.double()) / n).sqrt()
     assert bool(((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all()), (freq, probs)
     assert counts[probs == 0].sum() == 0
+
+
+def test_inverse_cdf_draw_is_the_first_token_whose_running_sum_passes_the_uniform() -> None:
+    """The draw against a plain loop over the probabilities, fed the same uniform (taken from a copy of the
+    generator): the same token for 300 draws, zero-probability tokens first, inside and last never drawn."""
+    g = torch.Generator().manual_seed(5)
+    probs = torch.rand(40, generator=g, dtype=torch.float64).float()
+    probs[[0, 7, 8, 39]] = 0.0
+    probs /= probs.sum()
+    drawn = set()
+    for seed in range(300):
+        generator, copy = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        u = torch.rand((), dtype=torch.float64, generator=copy).item() * sum(float(p) for p in probs)
+        running, want = 0.0, None
+        for i, p in enumerate(probs.tolist()):
+            running += p
+            if running > u:
+                want = i
+                break
+        token = inverse_cdf_draw(probs, generator)
+        assert token == want
+        drawn.add(token)
+    assert drawn.isdisjoint({0, 7, 8, 39}) and len(drawn) > 25
 
 
 def test_seed_reproducible() -> None:
