@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import re
 import subprocess
 import sys
@@ -249,7 +250,10 @@ def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_exp
     command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8_experts else [])
     command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
     command += ["--one-call"] if engine == "k3" and args.k3_one_call else []
-    done = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if engine != "k3":  # llama.cpp with libgomp's own spin (`import k3` set k3's here: k3/__init__.py)
+        env.pop("GOMP_SPINCOUNT", None)
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
