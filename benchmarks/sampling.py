@@ -16,23 +16,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from k3.engine import sampling
 from k3.engine.sampling import SamplingParams, draw, inverse_cdf_draw, nucleus
-from k3.ops.roofline import machine_line, read_bandwidth
+from k3.ops.roofline import call_seconds, machine_line, read_bandwidth
 
 
 def median_seconds(fn, draws: int) -> float:
-    fn()
-    times = []
-    for _ in range(draws):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(call_seconds(fn, draws))
 
 
 def multinomial_draw(probs: torch.Tensor, generator: torch.Generator) -> int:

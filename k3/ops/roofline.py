@@ -20,15 +20,20 @@ READ_BYTES = 512 * 2**20  # larger than any CPU's last-level cache today (the EP
 SIMD_FEATURES = ("avx2", "avx512f", "avx512bf16", "amx-tile", "amx-bf16")
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
+def call_seconds(fn: Callable[[], object], repeats: int) -> list[float]:
+    """The seconds of each of ``repeats`` calls of ``fn`` after one warm-up call."""
     fn()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def best_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Fastest of ``repeats`` calls of ``fn`` after one warm-up call."""
+    return min(call_seconds(fn, repeats))
 
 
 def read_bandwidth(nbytes: int = READ_BYTES, repeats: int = 5) -> float:
