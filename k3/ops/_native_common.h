@@ -118,6 +118,15 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn
     for (int64_t c = 0; c < chunks; ++c) one(c);  // inside a region already: alone
 }
 
+// fn(t) for every task t in [0, n), each task a chunk of its own, taken by the threads as they go (tasks of
+// different kinds in one region, a core's arithmetic beside a stream from memory: moe_experts).
+template <typename F>
+inline void parallel_tasks(int64_t n, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || n <= 1 || at::in_parallel_region() || !ChunkPool::with_threads(threads).run(n, fn))
+    for (int64_t t = 0; t < n; ++t) fn(t);
+}
+
 }  // namespace k3_native
 
 #define K3_NATIVE_COMMON(m)                                                                          \

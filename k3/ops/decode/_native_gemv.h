@@ -488,28 +488,41 @@ inline Weight packed_weight(const Tensor& packed, const Tensor& scale, int64_t K
   return {nullptr, nullptr, packed.data_ptr<uint8_t>(), scale.data_ptr<uint8_t>(), packed.size(0), K};
 }
 
-// y [B, W.N] = x [B, K] W^T for each job; the jobs share x.
+// y [B, W.N] = x [B, K] W^T for each job; x: the job's own input [B, W.K], or (null) the one project is given.
 struct Job {
   Weight w;
   float* y;
+  const float* x = nullptr;
 };
 
 // Every job's rows in one parallel region, taken by the threads in chunks as they go (k3_native::parallel_chunks):
 // of at least ~128 KiB of fp32 weights, so that small groups are not split, and several a thread only from ~1 MiB
 // a chunk (smaller ones, `mini`'s, cut each thread's stream of rows into pieces: 5 % slower steps).
-inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
+// Rows [r0, r1) of the jobs' rows one after the other, on the calling thread.
+inline void project_rows(const float* x, int64_t B, const std::vector<Job>& jobs, int64_t r0, int64_t r1) {
+  int64_t base = 0;
+  for (const Job& job : jobs) {
+    const int64_t lo = std::max(r0, base), hi = std::min(r1, base + job.w.N);
+    if (lo < hi) job.w.rows(job.x != nullptr ? job.x : x, B, job.y, job.w.N, lo - base, hi - base);
+    base += job.w.N;
+  }
+}
+
+inline int64_t rows_of_jobs(const std::vector<Job>& jobs) {
   int64_t total = 0;
   for (const Job& job : jobs) total += job.w.N;
-  const int64_t K = jobs.front().w.K;
-  const int64_t grain = std::max<int64_t>(kRowBlock, 32768 / std::max<int64_t>(1, K));
-  k3_native::parallel_chunks(total, grain, 8 * grain, [&](int64_t r0, int64_t r1) {
-    int64_t base = 0;
-    for (const Job& job : jobs) {
-      const int64_t lo = std::max(r0, base), hi = std::min(r1, base + job.w.N);
-      if (lo < hi) job.w.rows(x, B, job.y, job.w.N, lo - base, hi - base);
-      base += job.w.N;
-    }
-  });
+  return total;
+}
+
+// The rows a chunk of `project` holds at least: ~128 KiB of fp32 weights at the first job's K.
+inline int64_t project_grain(const std::vector<Job>& jobs) {
+  return std::max<int64_t>(kRowBlock, 32768 / std::max<int64_t>(1, jobs.front().w.K));
+}
+
+inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
+  const int64_t grain = project_grain(jobs);
+  k3_native::parallel_chunks(rows_of_jobs(jobs), grain, 8 * grain,
+                             [&](int64_t r0, int64_t r1) { project_rows(x, B, jobs, r0, r1); });
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w over n values (w null: no weight), as k3.model.norm.rms_norm.

@@ -70,58 +70,65 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
   Buffer yb(B * H), yga(B * ga.N), f(B * P), gb_out;
   project(xn.data(), B, {{q, yq.data()}, {k, yk.data()}, {v, yv.data()},
                                     {fa, yfa.data()}, {b, yb.data()}, {ga, yga.data()}});
-  project(yfa.data(), B, {{fb, f.data()}});
+  std::optional<Weight> gb;  // a low-rank gate's g_b_proj
   const float* gate = yga.data();  // [B, heads * V]
   if (w_gate_b.has_value()) {
-    const Weight gb = dense_weight(*w_gate_b, ga.N, "g_b_proj");
-    TORCH_CHECK(gb.N == Pv, "g_b_proj must have heads * V rows");
+    gb = dense_weight(*w_gate_b, ga.N, "g_b_proj");
+    TORCH_CHECK(gb->N == Pv, "g_b_proj must have heads * V rows");
     gb_out.resize(B * Pv);
-    project(yga.data(), B, {{gb, gb_out.data()}});
     gate = gb_out.data();
   } else {
     TORCH_CHECK(ga.N == Pv, "g_proj must have heads * V rows");
   }
 
-  Buffer cq(B * P), ck(B * P), cv(B * Pv);
+  Buffer cq(B * P), ck(B * P), cv(B * Pv), o(B * Pv);
   Tensor new_q = torch::empty_like(tail_q), new_k = torch::empty_like(tail_k), new_v = torch::empty_like(tail_v);
-  for (int64_t r = 0; r < B; ++r) {
-    kda_decode::short_conv(yq.data() + r * P, tail_q.data_ptr<float>() + r * width * P, conv_q.data_ptr<float>(),
-                           width, P, cq.data() + r * P, new_q.data_ptr<float>() + r * width * P);
-    kda_decode::short_conv(yk.data() + r * P, tail_k.data_ptr<float>() + r * width * P, conv_k.data_ptr<float>(),
-                           width, P, ck.data() + r * P, new_k.data_ptr<float>() + r * width * P);
-    kda_decode::short_conv(yv.data() + r * Pv, tail_v.data_ptr<float>() + r * width * Pv,
-                           conv_v.data_ptr<float>(), width, Pv, cv.data() + r * Pv,
-                           new_v.data_ptr<float>() + r * width * Pv);
-  }
-  Buffer o(B * Pv);
   const float* alog = a_log.data_ptr<float>();
   const float* dt = dt_bias.data_ptr<float>();
   const float l2 = static_cast<float>(l2_eps), s = static_cast<float>(scale), oeps = static_cast<float>(o_norm_eps);
-  k3_native::parallel_chunks(B * H, 2, 2, [&](int64_t z0, int64_t z1) {  // heads in chunks, taken as threads go
-    std::vector<float> qn(K), kn(K), decay(K), kS(V), oh(V);
-    for (int64_t z = z0; z < z1; ++z) {
-      const int64_t r = z / H, h = z % H;
-      const float* cqz = cq.data() + r * P + h * K;
-      const float* ckz = ck.data() + r * P + h * K;
-      const float nq = inverse_l2(cqz, K, l2), nk = inverse_l2(ckz, K, l2);
-      const float rate = std::exp(alog[h]);
-      for (int64_t i = 0; i < K; ++i) {
-        qn[i] = cqz[i] * nq * s;
-        kn[i] = ckz[i] * nk;
-        const float fi = f.data()[r * P + h * K + i] + dt[h * K + i];
-        const float g = lower_bound.has_value() ? static_cast<float>(*lower_bound) * sigmoid(rate * fi)
-                                                : -rate * softplus(fi);
-        decay[i] = std::exp(g);
-      }
-      const float beta = sigmoid(yb.data()[r * H + h]);
-      kda_decode::delta_step(qn.data(), kn.data(), cv.data() + r * Pv + h * V, decay.data(), beta,
-                             state.data_ptr<float>() + z * K * V, K, V, oh.data(),
-                             state.data_ptr<float>() + z * K * V, kS.data());  // in place: S is read first
-      float* out = o.data() + r * Pv + h * V;
-      rms_norm(oh.data(), o_norm_w.data_ptr<float>(), oeps, V, out);
-      const float* gz = gate + r * Pv + h * V;
-      for (int64_t j = 0; j < V; ++j) out[j] *= sigmoid(gz[j]);
+  // Heads in chunks, taken as threads go, each for every row: its rows of f_b (and g_b), its channels' short
+  // convolutions, then its delta-rule step. The low-rank products and the convolutions were serial phases of
+  // their own (the second thread waiting while one core read the tails and conv weights from memory).
+  k3_native::parallel_chunks(H, 2, 2, [&](int64_t h0, int64_t h1) {
+    fb.rows(yfa.data(), B, f.data(), P, h0 * K, h1 * K);
+    if (gb.has_value()) gb->rows(yga.data(), B, gb_out.data(), Pv, h0 * V, h1 * V);
+    const int64_t cqk = h0 * K, nqk = (h1 - h0) * K, cvv = h0 * V, nv = (h1 - h0) * V;
+    for (int64_t r = 0; r < B; ++r) {
+      kda_decode::short_conv(yq.data() + r * P + cqk, tail_q.data_ptr<float>() + r * width * P + cqk,
+                             conv_q.data_ptr<float>() + cqk * (width + 1), width, nqk, P, cq.data() + r * P + cqk,
+                             new_q.data_ptr<float>() + r * width * P + cqk);
+      kda_decode::short_conv(yk.data() + r * P + cqk, tail_k.data_ptr<float>() + r * width * P + cqk,
+                             conv_k.data_ptr<float>() + cqk * (width + 1), width, nqk, P, ck.data() + r * P + cqk,
+                             new_k.data_ptr<float>() + r * width * P + cqk);
+      kda_decode::short_conv(yv.data() + r * Pv + cvv, tail_v.data_ptr<float>() + r * width * Pv + cvv,
+                             conv_v.data_ptr<float>() + cvv * (width + 1), width, nv, Pv, cv.data() + r * Pv + cvv,
+                             new_v.data_ptr<float>() + r * width * Pv + cvv);
     }
+    std::vector<float> qn(K), kn(K), decay(K), kS(V), oh(V);
+    for (int64_t r = 0; r < B; ++r)
+      for (int64_t h = h0; h < h1; ++h) {
+        const int64_t z = r * H + h;
+        const float* cqz = cq.data() + r * P + h * K;
+        const float* ckz = ck.data() + r * P + h * K;
+        const float nq = inverse_l2(cqz, K, l2), nk = inverse_l2(ckz, K, l2);
+        const float rate = std::exp(alog[h]);
+        for (int64_t i = 0; i < K; ++i) {
+          qn[i] = cqz[i] * nq * s;
+          kn[i] = ckz[i] * nk;
+          const float fi = f.data()[r * P + h * K + i] + dt[h * K + i];
+          const float g = lower_bound.has_value() ? static_cast<float>(*lower_bound) * sigmoid(rate * fi)
+                                                  : -rate * softplus(fi);
+          decay[i] = std::exp(g);
+        }
+        const float beta = sigmoid(yb.data()[r * H + h]);
+        kda_decode::delta_step(qn.data(), kn.data(), cv.data() + r * Pv + h * V, decay.data(), beta,
+                               state.data_ptr<float>() + z * K * V, K, V, oh.data(),
+                               state.data_ptr<float>() + z * K * V, kS.data());  // in place: S is read first
+        float* out = o.data() + r * Pv + h * V;
+        rms_norm(oh.data(), o_norm_w.data_ptr<float>(), oeps, V, out);
+        const float* gz = gate + r * Pv + h * V;
+        for (int64_t j = 0; j < V; ++j) out[j] *= sigmoid(gz[j]);
+      }
   });
   Tensor update = rows_like(x, D);
   project(o.data(), B, {{o_proj, update.data_ptr<float>()}});

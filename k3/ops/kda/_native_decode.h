@@ -21,18 +21,19 @@
 
 namespace kda_decode {
 
-// y = silu(sum_j full_j * w[:, j]) with full = [tail rows, x], and new_tail = full[1:], for one row b.
+// y = silu(sum_j full_j * w[:, j]) with full = [tail rows, x], and new_tail = full[1:], for one row b: `channels`
+// channels of tail rows `stride` apart (a run of a row's channels: stride = the row's width).
 inline void short_conv(const float* x, const float* tail, const float* w, int64_t width, int64_t channels,
-                       float* y, float* new_tail) {
+                       int64_t stride, float* y, float* new_tail) {
   for (int64_t p = 0; p < channels; ++p) {
     const float* wp = w + p * (width + 1);
     float acc = (width > 0 ? tail[p] : x[p]) * wp[0];
-    for (int64_t j = 1; j <= width; ++j) acc += (j < width ? tail[j * channels + p] : x[p]) * wp[j];
+    for (int64_t j = 1; j <= width; ++j) acc += (j < width ? tail[j * stride + p] : x[p]) * wp[j];
     y[p] = acc / (1.0f + std::exp(-acc));
   }
   for (int64_t j = 0; j < width; ++j) {
-    const float* src = j + 1 < width ? tail + (j + 1) * channels : x;
-    std::copy(src, src + channels, new_tail + j * channels);
+    const float* src = j + 1 < width ? tail + (j + 1) * stride : x;
+    std::copy(src, src + channels, new_tail + j * stride);
   }
 }
 
@@ -106,13 +107,13 @@ inline std::vector<torch::Tensor> decode_step(const torch::Tensor& x_q, const to
   auto new_state = torch::empty_like(state);
   for (int64_t b = 0; b < B; ++b) {
     short_conv(x_q.data_ptr<float>() + b * H * K, tail_q.data_ptr<float>() + b * width * H * K,
-               w_q.data_ptr<float>(), width, H * K, y_q.data_ptr<float>() + b * H * K,
+               w_q.data_ptr<float>(), width, H * K, H * K, y_q.data_ptr<float>() + b * H * K,
                new_q.data_ptr<float>() + b * width * H * K);
     short_conv(x_k.data_ptr<float>() + b * H * K, tail_k.data_ptr<float>() + b * width * H * K,
-               w_k.data_ptr<float>(), width, H * K, y_k.data_ptr<float>() + b * H * K,
+               w_k.data_ptr<float>(), width, H * K, H * K, y_k.data_ptr<float>() + b * H * K,
                new_k.data_ptr<float>() + b * width * H * K);
     short_conv(x_v.data_ptr<float>() + b * H * V, tail_v.data_ptr<float>() + b * width * H * V,
-               w_v.data_ptr<float>(), width, H * V, y_v.data_ptr<float>() + b * H * V,
+               w_v.data_ptr<float>(), width, H * V, H * V, y_v.data_ptr<float>() + b * H * V,
                new_v.data_ptr<float>() + b * width * H * V);
   }
   // about K*V*4 flops per head: split across threads only when there are many heads
