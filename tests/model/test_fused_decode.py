@@ -281,6 +281,68 @@ def test_projections_split_in_chunks_cover_every_row_once():
             assert ((y.double() - x.double() @ w.double().T).abs() <= bound).all(), sizes
 
 
+@pytest.mark.parametrize("shared_width", [200, 40, None])  # 13 pieces of rows beside 5 experts, 3, none
+def test_the_experts_and_shared_rows_in_one_region(shared_width):
+    """moe_experts runs the routed experts and the shared experts' gate and up rows as tasks of one region
+    (each expert followed by its share of the row pieces; at D = 1,024 a piece is 32 rows), then the
+    up-projection and the shared down rows in one more. Against float64 (fp32 rounding) and at 1, 2 and 3
+    threads bit for bit: a task never run leaves its rows' products at zero, far from float64's."""
+    native = load_native()
+    g = gen(15)
+    B, k, L, m, D = 2, 3, 48, 24, 1024
+    experts = [
+        [
+            torch.randn(m, L, generator=g) / 7,
+            torch.randn(m, L, generator=g) / 7,
+            torch.randn(L, m, generator=g) / 5,
+        ]
+        for _ in range(5)
+    ]
+    slots = [0, 1, 2, 3, 4, 1]  # [B, k]: five distinct experts, one chosen twice
+    mixing = torch.rand(B, k, generator=g)
+    xn, z = torch.randn(B, D, generator=g), torch.randn(B, L, generator=g)
+    norm_w, w_up = torch.rand(L, generator=g) + 0.5, torch.randn(D, L, generator=g) / 7
+    shared = (
+        [
+            torch.randn(shared_width, D, generator=g) / 32,
+            torch.randn(shared_width, D, generator=g) / 32,
+            torch.randn(D, shared_width, generator=g) / 15,
+        ]
+        if shared_width
+        else [None, None, None]
+    )
+
+    def run() -> torch.Tensor:
+        dense = [w for e in experts for w in e]
+        return native.moe_experts(
+            xn, z, mixing, slots, dense, [], [], 0, 1.0, 1.0, norm_w, 1e-6, w_up, *shared, "auto", False
+        )
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(run(), alone), threads
+    finally:
+        torch.set_num_threads(before)
+
+    def glu(x, gate, up, down):  # SiLU(x gate^T) * (x up^T), then down
+        return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+    mixed = torch.zeros(B, L, dtype=torch.float64)
+    for r in range(B):
+        for j in range(k):
+            e = [w.double() for w in experts[slots[r * k + j]]]
+            mixed[r] += mixing[r, j].double() * glu(z[r].double(), *e)
+    mixed = mixed / (mixed.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt() * norm_w.double()
+    want = mixed @ w_up.double().T
+    if shared_width:
+        want = want + glu(xn.double(), *(w.double() for w in shared))
+    assert alone.abs().max() > 0.1 and rel(alone.double(), want) <= 1e-5
+
+
 def test_the_chunk_pool_after_a_fork():
     """parallel_chunks runs on its own workers (k3/ops/_native_pool.h), threads that a forked child does not
     have (it makes a pool of its own). A child forked after the parent's pool ran projections of eight
@@ -311,13 +373,16 @@ def test_the_chunk_pool_after_a_fork():
             finally:
                 os._exit(0)
         os.close(write)
-        answered, _, _ = select.select([read], [], [], 120)
-        if not answered:
-            os.kill(child, 9)
-        assert answered, "the forked child did not finish its projections in 120 s"
-        assert os.read(read, 1) == b"1"
-        assert os.waitpid(child, 0)[1] == 0
-        os.close(read)
+        try:
+            answered, _, _ = select.select([read], [], [], 120)
+            if not answered:
+                os.kill(child, 9)
+            assert answered, "the forked child did not finish its projections in 120 s"
+            assert os.read(read, 1) == b"1"
+        finally:
+            os.close(read)
+            status = os.waitpid(child, 0)[1]
+        assert status == 0
     finally:
         torch.set_num_threads(before)
 
