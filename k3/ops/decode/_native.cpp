@@ -225,11 +225,12 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   Buffer s_g(B * s_gate.N), s_u(B * s_up.N);
   const std::vector<Job> s_in = {{s_gate, s_g.data()}, {s_up, s_u.data()}};
   // One region for the routed experts (arithmetic: exact MXFP4 decodes far slower than memory streams) and the
-  // shared gate and up rows (a stream from memory), their tasks alternated so that while one core computes an
-  // expert the other streams rows; then one for the up-projection and the shared down rows. An MoE layer's
-  // regions were 4 (with moe_route's, 5): with this and kda_mixer's one region of heads, `mini`'s steps at 2
-  // threads, Zen 3, one process switching the two ways every 100 steps, medians of 8 blocks each, three
-  // processes: 7.33 / 6.99 / 6.65 -> 7.06 / 6.81 / 6.36 ms.
+  // shared gate and up rows (a stream from memory), each expert followed by its share of the row pieces, so that
+  // while one core computes an expert the other streams rows; then one for the up-projection and the shared
+  // down rows. Against four regions (experts, shared gate and up, up-projection, shared down), Zen 3, 2 threads,
+  // the two alternated in one process: `k3-slice`'s MoE (16 MXFP4 experts, 2 shared BF16) 35.1 -> 32.5 ms,
+  // medians of 6 blocks; `mini`'s steps 8.22 / 7.01 -> 8.19 / 6.92 ms, medians of 800 steps alternated step by
+  // step (both engines' cores are busy with the experts' arithmetic, so only the stream's pace is gained).
   const int64_t s_rows = shared ? rows_of_jobs(s_in) : 0, s_piece = shared ? project_grain(s_in) : 1;
   const int64_t R = (s_rows + s_piece - 1) / s_piece;
   std::vector<int64_t> tasks;  // expert u as -1 - u, each followed by its share of the row pieces (p >= 0)
