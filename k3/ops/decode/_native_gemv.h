@@ -495,9 +495,6 @@ struct Job {
   const float* x = nullptr;
 };
 
-// Every job's rows in one parallel region, taken by the threads in chunks as they go (k3_native::parallel_chunks):
-// of at least ~128 KiB of fp32 weights, so that small groups are not split, and several a thread only from ~1 MiB
-// a chunk (smaller ones, `mini`'s, cut each thread's stream of rows into pieces: 5 % slower steps).
 // Rows [r0, r1) of the jobs' rows one after the other, on the calling thread.
 inline void project_rows(const float* x, int64_t B, const std::vector<Job>& jobs, int64_t r0, int64_t r1) {
   int64_t base = 0;
@@ -519,6 +516,9 @@ inline int64_t project_grain(const std::vector<Job>& jobs) {
   return std::max<int64_t>(kRowBlock, 32768 / std::max<int64_t>(1, jobs.front().w.K));
 }
 
+// Every job's rows in one parallel region, taken by the threads in chunks as they go (k3_native::parallel_chunks):
+// of at least ~128 KiB of fp32 weights, so that small groups are not split, and several a thread only from ~1 MiB
+// a chunk (smaller ones, `mini`'s, cut each thread's stream of rows into pieces: 5 % slower steps).
 inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
   const int64_t grain = project_grain(jobs);
   k3_native::parallel_chunks(rows_of_jobs(jobs), grain, 8 * grain,
