@@ -166,14 +166,13 @@ def mla_update(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState
     args = mla_arguments(norm, mla, x, state)
     if args is None:
         return None
-    update = load_native().mla_mixer(x.contiguous(), *args)  # wrote each row's latent at lengths[b]
-    state.lengths = state.lengths + 1
+    update, state.lengths = load_native().mla_mixer(x.contiguous(), *args)  # wrote each latent at lengths[b]
     return update
 
 
 def mla_arguments(norm: RMSNorm, mla: MLAttention, x: torch.Tensor, state: MLAState) -> tuple | None:
-    """mla_mixer's arguments after x [B, 1, hidden], the cache given room for one more token (the caller
-    advances `state.lengths` after the call), or None: take the general path."""
+    """mla_mixer's arguments after x [B, 1, hidden], the cache given room for one more token (the call
+    returns the lengths advanced), or None: take the general path."""
     weights = mla_weights(norm, mla, x)
     states = None if weights is None else mla_states(state)
     return None if states is None else with_states(weights, states)  # type: ignore[arg-type]

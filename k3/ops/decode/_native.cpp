@@ -419,7 +419,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("dt_bias"), py::arg("lower_bound"), py::arg("w_b"), py::arg("w_gate"), py::arg("w_gate_b"),
         py::arg("o_norm_w"), py::arg("o_norm_eps"), py::arg("w_o"), py::arg("tail_q"), py::arg("tail_k"),
         py::arg("tail_v"), py::arg("state"), py::arg("l2_eps"), py::arg("scale"));
-  m.def("mla_mixer", &mla_mixer, "an MLA layer's update for one token per row (absorbed), writing its cache",
+  m.def("mla_mixer", &mla_mixer,
+        "an MLA layer's update for one token per row (absorbed) and lengths + 1, writing its cache",
         py::arg("x"), py::arg("norm_w"), py::arg("norm_eps"), py::arg("w_q"), py::arg("q_norm_w"), py::arg("w_q_b"),
         py::arg("latent_eps"), py::arg("w_kv_a"), py::arg("kv_norm_w"), py::arg("w_kv_b"), py::arg("w_g"),
         py::arg("w_o"), py::arg("latent"), py::arg("k_rope"), py::arg("lengths"), py::arg("heads"), py::arg("nope"),

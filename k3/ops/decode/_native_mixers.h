@@ -138,8 +138,8 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
 }
 
 // Writes row b's latent and k_rope at position lengths[b] of the cache buffers (which must have room) and
-// returns the update [B, hidden]; the caller advances lengths.
-inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_q,
+// returns {the update [B, hidden], lengths + 1} (lengths itself is not modified).
+inline std::vector<Tensor> mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, const Tensor& w_q,
                         const Optional& q_norm_w, const Optional& w_q_b, double latent_eps, const Tensor& w_kv_a,
                         const Tensor& kv_norm_w, const Tensor& w_kv_b, const Optional& w_g, const Tensor& w_o,
                         const Tensor& latent, const Tensor& k_rope, const Tensor& lengths, int64_t heads,
@@ -244,7 +244,7 @@ inline Tensor mla_mixer(const Tensor& x, const Tensor& norm_w, double norm_eps, 
   });
   Tensor update = rows_like(x, D);
   project(o.data(), B, {{o_proj, update.data_ptr<float>()}});
-  return update;
+  return {update, lengths + 1};
 }
 
 }  // namespace decode_native

@@ -173,10 +173,6 @@ inline Tensor embedding_rows(const Tensor& ids, const Tensor& table) {
   return out;
 }
 
-// Where mla_mixer's arguments after x hold the cache's `lengths` (norm_w, norm_eps, w_q, q_norm_w, w_q_b,
-// latent_eps, w_kv_a, kv_norm_w, w_kv_b, w_g, w_o, latent, k_rope, lengths, ...).
-constexpr size_t kMlaLengths = 13;
-
 // ids [B, 1]: the step's tokens, `table` their embedding (embedding_rows).
 // layers: one tuple per layer, (index, mixer_read, ffn_read, mixer_kind, mixer_args, ffn_kind, ffn_args):
 //   mixer_read / ffn_read  (norm_w fp32, proj_w fp32, eps) of the AttnRes read sites, or None (no AttnRes)
@@ -212,8 +208,9 @@ py::tuple decoder_layers(const Tensor& ids, const Tensor& table, int64_t block_s
       states.append(py::make_tuple(out[1], out[2], out[3], out[4]));
     } else {
       TORCH_CHECK(mixer == "mla", "mixer_kind must be 'kda' or 'mla', got ", mixer);
-      stream.add(call_with(mla_mixer, mixer_in, l[4], "mla_mixer"));
-      states.append(py::make_tuple(l[4].cast<py::tuple>()[kMlaLengths].cast<Tensor>() + 1));
+      std::vector<Tensor> out = call_with(mla_mixer, mixer_in, l[4], "mla_mixer");
+      stream.add(out[0]);
+      states.append(py::make_tuple(out[1]));
     }
     const Tensor y = stream.read(l[2]);
     const std::string kind = l[5].cast<std::string>();
