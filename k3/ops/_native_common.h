@@ -98,6 +98,16 @@ inline torch::Tensor empty_on_huge_pages(torch::IntArrayRef sizes, const torch::
   return t;
 }
 
+// fn(t) for every task t in [0, n), each task a chunk of its own, taken by the threads as they go (tasks of
+// different kinds in one region, a core's arithmetic beside a stream from memory: moe_experts); alone, in order,
+// on one thread or inside a region already.
+template <typename F>
+inline void parallel_tasks(int64_t n, const F& fn) {
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || n <= 1 || at::in_parallel_region() || !ChunkPool::with_threads(threads).run(n, fn))
+    for (int64_t t = 0; t < n; ++t) fn(t);
+}
+
 // fn(lo, hi) over [0, n) in chunks that each of as many threads as torch uses takes as it finishes the one
 // before, instead of one even share each, on a ChunkPool's threads (_native_pool.h), whose regions wait only
 // for the chunks a thread took: where another process shares a core, the thread on it does less of the work
@@ -113,18 +123,7 @@ inline void parallel_chunks(int64_t n, int64_t grain, int64_t least, const F& fn
   const int64_t wanted = std::clamp<int64_t>(n / std::max(least, grain), threads, 4 * threads);
   const int64_t chunk = ((n + wanted - 1) / wanted + grain - 1) / grain * grain;
   const int64_t chunks = (n + chunk - 1) / chunk;
-  const auto one = [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); };
-  if (!ChunkPool::with_threads(threads).run(chunks, one))
-    for (int64_t c = 0; c < chunks; ++c) one(c);  // inside a region already: alone
-}
-
-// fn(t) for every task t in [0, n), each task a chunk of its own, taken by the threads as they go (tasks of
-// different kinds in one region, a core's arithmetic beside a stream from memory: moe_experts).
-template <typename F>
-inline void parallel_tasks(int64_t n, const F& fn) {
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || n <= 1 || at::in_parallel_region() || !ChunkPool::with_threads(threads).run(n, fn))
-    for (int64_t t = 0; t < n; ++t) fn(t);
+  parallel_tasks(chunks, [&](int64_t c) { fn(c * chunk, std::min(n, (c + 1) * chunk)); });
 }
 
 }  // namespace k3_native

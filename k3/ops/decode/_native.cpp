@@ -39,15 +39,24 @@
 
 namespace decode_native {
 
+// A gated MLP's gate and up [m, D] and down [D, m], checked.
+struct GatedWeights {
+  Weight gate, up, down;
+
+  GatedWeights(const Tensor& w_gate, const Tensor& w_up, const Tensor& w_down, int64_t D)
+      : gate(dense_weight(w_gate, D, "gate_proj")), up(dense_weight(w_up, D, "up_proj")),
+        down(dense_weight(w_down, gate.N, "down_proj")) {
+    TORCH_CHECK(up.N == gate.N && down.N == D, "MLP shapes");
+  }
+};
+
 // down(act(gate(xn), up(xn))) with xn = x, or rms(x) w when a norm weight is given: [B, D] -> [B, D]
 Tensor mlp(const Tensor& x, const Optional& norm_w, double norm_eps, const Tensor& w_gate, const Tensor& w_up,
            const Tensor& w_down, int64_t act, double beta, double linear_beta) {
   const int64_t B = rows_of(x, "x"), D = x.size(-1);
   check_rows(x, B, D, "x");
   const k3_math::GatedActivation f = activation(act, beta, linear_beta);
-  const Weight gate = dense_weight(w_gate, D, "gate_proj"), up = dense_weight(w_up, D, "up_proj");
-  const Weight down = dense_weight(w_down, gate.N, "down_proj");
-  TORCH_CHECK(up.N == gate.N && down.N == D, "MLP shapes");
+  const auto [gate, up, down] = GatedWeights(w_gate, w_up, w_down, D);
   const float* xn = x.data_ptr<float>();
   Buffer normed;
   if (norm_w.has_value()) {
@@ -218,12 +227,12 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   const int64_t D = xn.size(-1);
   if (shared) check_rows(xn, B, D, "xn");
   // The shared experts' MLP of xn, as mlp() computes it: gate and up, act, down.
-  const Weight s_gate = shared ? dense_weight(*shared_gate, D, "the shared experts' gate") : Weight{};
-  const Weight s_up = shared ? dense_weight(*shared_up, D, "the shared experts' up") : Weight{};
-  const Weight s_down = shared ? dense_weight(*shared_down, s_gate.N, "the shared experts' down") : Weight{};
-  TORCH_CHECK(!shared || (s_up.N == s_gate.N && s_down.N == D), "the shared experts' shapes");
-  Buffer s_g(B * s_gate.N), s_u(B * s_up.N);
-  const std::vector<Job> s_in = {{s_gate, s_g.data()}, {s_up, s_u.data()}};
+  const std::optional<GatedWeights> s_w =
+      shared ? std::optional<GatedWeights>(std::in_place, *shared_gate, *shared_up, *shared_down, D) : std::nullopt;
+  const int64_t s_m = shared ? s_w->gate.N : 0;
+  Buffer s_g(B * s_m), s_u(B * s_m);
+  const std::vector<Job> s_in = shared ? std::vector<Job>{{s_w->gate, s_g.data()}, {s_w->up, s_u.data()}}
+                                       : std::vector<Job>{};
   // One region for the routed experts (arithmetic: exact MXFP4 decodes far slower than memory streams) and the
   // shared gate and up rows (a stream from memory), each expert followed by its share of the row pieces, so that
   // while one core computes an expert the other streams rows; then one for the up-projection and the shared
@@ -231,7 +240,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   // the two alternated in one process: `k3-slice`'s MoE (16 MXFP4 experts, 2 shared BF16) 35.1 -> 32.5 ms,
   // medians of 6 blocks; `mini`'s steps 8.22 / 7.01 -> 8.19 / 6.92 ms, medians of 800 steps alternated step by
   // step (both engines' cores are busy with the experts' arithmetic, so only the stream's pace is gained).
-  const int64_t s_rows = shared ? rows_of_jobs(s_in) : 0, s_piece = shared ? project_grain(s_in) : 1;
+  const int64_t s_rows = rows_of_jobs(s_in), s_piece = shared ? project_grain(s_in) : 1;
   const int64_t R = (s_rows + s_piece - 1) / s_piece;
   std::vector<int64_t> tasks;  // expert u as -1 - u, each followed by its share of the row pieces (p >= 0)
   for (int64_t u = 0; u < U; ++u) {
@@ -270,9 +279,9 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
     last.push_back({up, out.data_ptr<float>(), mixed.data_ptr<float>()});
   }
   if (shared) {
-    f.apply(s_g.data(), s_u.data(), B * s_gate.N);
+    f.apply(s_g.data(), s_u.data(), B * s_m);
     shared_out = rows_like(xn, D);
-    last.push_back({s_down, shared_out.data_ptr<float>(), s_g.data()});
+    last.push_back({s_w->down, shared_out.data_ptr<float>(), s_g.data()});
   }
   if (!last.empty()) project(nullptr, B, last);
   return shared ? out + shared_out : out;
