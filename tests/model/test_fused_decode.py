@@ -411,6 +411,28 @@ def test_the_mla_weighted_rows_against_float64_avx2_and_one_head(L):
         native.weighted_rows_product(torch.ones(9, S), c)
 
 
+def test_an_mla_head_with_a_nan_score_gives_nan_and_leaves_the_other_sequence_alone(counting):
+    """The MLA heads' softmax runs 8 positions at a time (exp8, the tail padded with -inf): a NaN in one
+    sequence's cached k_rope (it enters the scores only, not the weighted sum of latents) makes that
+    sequence's update NaN, as the general path's softmax does, and the other sequence of the batch keeps
+    the general path's values."""
+    model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=11).set_fast_decode(False)
+    layer, index = next(
+        (l, i) for i, l in enumerate(model.model.layers) if l.self_attn.__class__.__name__ == "MLAttention"
+    )
+    cache, _ = prefilled(model, [7, 3], seed=1)
+    reference, _ = prefilled(model, [7, 3], seed=1)
+    for state in (cache.layers[index], reference.layers[index]):
+        state.k_rope[0, 2, 1] = float("nan")  # within sequence 0's 7 positions
+    x = torch.randn(2, 1, model.config.hidden_size, generator=gen(4))
+    with torch.no_grad():
+        got = fused.mixer_update(layer.input_layernorm, layer.self_attn, x, cache.layers[index])
+        want = layer.self_attn(layer.input_layernorm(x), reference.layers[index])
+    assert counting.calls["mla_mixer"] == 1
+    assert got[0].isnan().all() and want[0].isnan().all()
+    assert got[1].isfinite().all() and rel(got[1], want[1]) <= 1e-5
+
+
 @pytest.mark.parametrize("quantized", [None, False])  # routed experts MXFP4, or BF16 like the rest
 def test_fused_step_with_bf16_weights_equals_general_path(counting, quantized):
     cfg = K3Config.preset("tiny")
