@@ -49,6 +49,9 @@ K3_MATH inline __m256 sigmoid8(__m256 x) {
   return keep_nan(x, _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-88.0f), _CMP_LT_OQ), s));
 }
 
+// x sigmoid(x) (SiLU)
+K3_MATH inline __m256 silu8(__m256 x) { return _mm256_mul_ps(x, sigmoid8(x)); }
+
 // tanh(x), Cephes' tanhf: below |x| = 0.625 the odd polynomial x + x^3 P(x^2), above it sign(x) (1 - 2 / (e^2|x|
 // + 1)) (exp8 clamped at 88: 1 from |x| = 44 on); NaN for NaN.
 K3_MATH inline __m256 tanh8(__m256 x) {
@@ -69,6 +72,32 @@ K3_MATH inline __m256 tanh8(__m256 x) {
   return keep_nan(x, y);
 }
 
+// a[i] = f(a[i]) for i < n, 8 values at a time; a tail is padded with zeros and goes through f too, so that each
+// result depends on its own value alone (not on n or i). f: __m256 -> __m256.
+template <typename F>
+K3_MATH inline void map8(float* a, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, f(_mm256_loadu_ps(a + i)));
+  if (i == n) return;
+  alignas(32) float tail[8] = {};
+  std::copy(a + i, a + n, tail);
+  _mm256_store_ps(tail, f(_mm256_load_ps(tail)));
+  std::copy(tail, tail + (n - i), a + i);
+}
+
+// a[i] = f(a[i], b[i]) for i < n, the same way. f: (__m256, __m256) -> __m256.
+template <typename F>
+K3_MATH inline void map8(float* a, const float* b, int64_t n, F f) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(a + i, f(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  if (i == n) return;
+  alignas(32) float tail_a[8] = {}, tail_b[8] = {};
+  std::copy(a + i, a + n, tail_a);
+  std::copy(b + i, b + n, tail_b);
+  _mm256_store_ps(tail_a, f(_mm256_load_ps(tail_a), _mm256_load_ps(tail_b)));
+  std::copy(tail_a, tail_a + (n - i), a + i);
+}
+
 // The gated activations of k3.model.activations, kind 0 SiLU-GLU silu(g) u, 1 SiTU b tanh(g/b) sigmoid(g)
 // c tanh(u/c), 8 values at a time (libm's scalar tanh and exp took ~6 % of a `k3-slice` decode step of 8
 // sequences). Every value goes through the vector code (a tail is padded), so each result depends on its g and
@@ -78,8 +107,8 @@ struct GatedActivation {
   float beta, linear_beta;
 
   K3_MATH __m256 operator()(__m256 g, __m256 u) const {
+    if (kind == 0) return _mm256_mul_ps(silu8(g), u);
     const __m256 s = sigmoid8(g);
-    if (kind == 0) return _mm256_mul_ps(_mm256_mul_ps(g, s), u);
     const __m256 b = _mm256_set1_ps(beta), c = _mm256_set1_ps(linear_beta);
     const __m256 capped_gate = _mm256_mul_ps(b, tanh8(_mm256_div_ps(g, b)));
     const __m256 capped_up = _mm256_mul_ps(c, tanh8(_mm256_div_ps(u, c)));
@@ -87,16 +116,7 @@ struct GatedActivation {
   }
 
   // g[i] = act(g[i], u[i]) for i < n.
-  K3_MATH void apply(float* g, const float* u, int64_t n) const {
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(g + i, (*this)(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
-    if (i == n) return;
-    alignas(32) float tail_g[8] = {}, tail_u[8] = {};
-    std::copy(g + i, g + n, tail_g);
-    std::copy(u + i, u + n, tail_u);
-    _mm256_store_ps(tail_g, (*this)(_mm256_load_ps(tail_g), _mm256_load_ps(tail_u)));
-    std::copy(tail_g, tail_g + (n - i), g + i);
-  }
+  K3_MATH void apply(float* g, const float* u, int64_t n) const { map8(g, u, n, *this); }
 
   // The same over bfloat16 g and u (bit patterns): each value widened to fp32 (exact), act computed in fp32
   // and rounded to bfloat16 once (to nearest even, as torch's .to(torch.bfloat16); NaN stays NaN).

@@ -69,6 +69,18 @@ __attribute__((target("avx2,fma"))) inline void position_weights(float* p, const
   if (body < S) _mm256_maskstore_ps(p + body, last, _mm256_div_ps(tail(p + body), total));
 }
 
+// d[i] = e^g with g = lb sigmoid(rate d[i]) for i < K (KDA's bounded gate; d holds f + dt on entry), 8 channels
+// at a time; NaN stays NaN. With libm's scalar exp, 8 heads of 64 took 3.61 us, 0.85 so (one thread, EPYC
+// Zen 3); with the SiLUs and output gates also 8 at a time, a `mini` kda_mixer 231-232 -> 222-223 us (one
+// build, the two switched at run time, best of 3,000 calls in each of three alternated processes).
+__attribute__((target("avx2,fma"))) inline void bounded_decay(float* d, int64_t K, float lower_bound, float rate) {
+  const __m256 lb = _mm256_set1_ps(lower_bound), a = _mm256_set1_ps(rate);
+  k3_math::map8(d, K, [&](__m256 fi) __attribute__((target("avx2,fma"))) {
+    const __m256 g = _mm256_mul_ps(lb, k3_math::sigmoid8(_mm256_mul_ps(a, fi)));
+    return k3_math::keep_nan(g, k3_math::exp8(g));
+  });
+}
+
 inline float inverse_l2(const float* x, int64_t n, float eps) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
@@ -166,10 +178,12 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
         for (int64_t i = 0; i < K; ++i) {
           qn[i] = cqz[i] * nq * s;
           kn[i] = ckz[i] * nk;
-          const float fi = f.data()[r * P + h * K + i] + dt[h * K + i];
-          const float g = lower_bound.has_value() ? static_cast<float>(*lower_bound) * sigmoid(rate * fi)
-                                                  : -rate * softplus(fi);
-          decay[i] = std::exp(g);
+          decay[i] = f.data()[r * P + h * K + i] + dt[h * K + i];  // f + dt, then e^g of it
+        }
+        if (lower_bound.has_value()) {
+          bounded_decay(decay.data(), K, static_cast<float>(*lower_bound), rate);
+        } else {
+          for (int64_t i = 0; i < K; ++i) decay[i] = std::exp(-rate * softplus(decay[i]));
         }
         const float beta = sigmoid(yb.data()[r * H + h]);
         kda_decode::delta_step(qn.data(), kn.data(), cv.data() + r * Pv + h * V, decay.data(), beta,
@@ -178,7 +192,7 @@ inline std::vector<Tensor> kda_mixer(const Tensor& x, const Tensor& norm_w, doub
         float* out = o.data() + r * Pv + h * V;
         rms_norm(oh.data(), o_norm_w.data_ptr<float>(), oeps, V, out);
         const float* gz = gate + r * Pv + h * V;
-        for (int64_t j = 0; j < V; ++j) out[j] *= sigmoid(gz[j]);
+        gate_by_sigmoid(out, gz, V);
       }
   });
   Tensor update = rows_like(x, D);
@@ -272,7 +286,7 @@ inline std::vector<Tensor> mla_mixer(const Tensor& x, const Tensor& norm_w, doub
         dense_rows(wv, L, o_latent.data() + j * L, 1, oz, v_dim, 0, v_dim);
         if (w_g.has_value()) {
           const float* gz = yg.data() + r * heads * v_dim + (h0 + j) * v_dim;
-          for (int64_t i = 0; i < v_dim; ++i) oz[i] *= sigmoid(gz[i]);
+          gate_by_sigmoid(oz, gz, v_dim);
         }
       }
       z += G;

