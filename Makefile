@@ -42,7 +42,7 @@ sandbox-tools:
 	  else echo "note: runsc/bubblewrap not installed; sandbox tests will be skipped"; fi; }
 
 test: $(STAMP) native browser sandbox-tools
-	@echo "== running the test suite (about 10 minutes on 2 cores)"
+	@echo "== running the test suite (about 14 minutes on 2 cores)"
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
