@@ -23,9 +23,9 @@ constexpr int64_t kHeadGroup = 8;  // MLA heads of one sequence attending togeth
 // An MLA head's weights over its S positions, in place: p[t] = softmax_t((p[t] + rope_scores[t]) scale),
 // 8 positions at a time, the exps by k3_math::exp8 (the last positions padded with -inf, whose exp is 0, so
 // a weight's bits depend on its score, the head's largest score and their sum alone). A NaN score makes
-// every weight NaN, as libm's scalar exp did. The scalar loop it replaces took a sixth of a `mini` MLA
-// layer's time at 512 positions and a quarter at 4,096 (one thread, weights hot, EPYC Zen 3: 152.7 -> 126.9
-// and 675.7 -> 489.9 us).
+// every weight NaN, as libm's scalar exp did. Against the scalar loop it replaced, switched at run time in
+// one build: a `mini` MLA mixer at 512 / 4,096 positions 139-141 -> 123-125 us / 601-608 -> 479-481 us (one
+// thread, weights hot, best of 300 calls in three alternated processes, EPYC Zen 3).
 __attribute__((target("avx2,fma"))) inline void position_weights(float* p, const float* rope_scores, float scale,
                                                                  int64_t S) {
   const int64_t body = S - S % 8;
