@@ -417,8 +417,10 @@ def test_an_mla_head_with_a_nan_score_gives_nan_and_leaves_the_other_sequence_al
     sequence's update NaN, as the general path's softmax does, and the other sequence of the batch keeps
     the general path's values."""
     model = K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=11).set_fast_decode(False)
-    layer, index = next(
-        (l, i) for i, l in enumerate(model.model.layers) if l.self_attn.__class__.__name__ == "MLAttention"
+    index, layer = next(
+        (i, candidate)
+        for i, candidate in enumerate(model.model.layers)
+        if candidate.self_attn.__class__.__name__ == "MLAttention"
     )
     cache, _ = prefilled(model, [7, 3], seed=1)
     reference, _ = prefilled(model, [7, 3], seed=1)
