@@ -18,14 +18,15 @@ are noisy; `--threads 1` (default) avoids torch's thread spinning when other pro
     .venv/bin/python benchmarks/decode.py --batch 1,8 --checkpoint CKPT --bf16-products  # bf16 products
 
 `--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
-profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for
-the fused decode path and the general one (`K3ForCausalLM.set_fast_decode(False)`), steps of the two
-interleaved in one process so that both see the same machine load; experts MXFP4 and F32 (and MXFP4 with
-inputs rounded to int8, `--int8-expert-inputs`: k3.ops.mxfp4.int8_x). The fused path
-is k3.model.fused (a layer's mixer and FFN one native call each): its component times are those of its
-functions, `fused calls` how many of them ran in the profiled step (0 on the general path). Then, for the
-fused path, the bytes of weights a token reads by component (`component_bytes`) and the GB/s each part
-runs at, beside a read of a 512 MiB buffer in the same run: the floor the step could reach.
+profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for each
+decode path (`decode_paths`: the step's layers in one native call, only its total timed; the fused kernels
+layer by layer, each component timed; the general path, `K3ForCausalLM.set_fast_decode(False)`), the paths
+taking turns in blocks of 10 steps in one process so that all see the same machine load (each block's first
+step, which builds the decode plan again, not counted); experts MXFP4 and F32 (and MXFP4 with inputs rounded
+to int8, `--int8-expert-inputs`: k3.ops.mxfp4.int8_x). The fused path is k3.model.fused: its component
+times are those of its functions, `fused calls` how many of them ran in the profiled step (0 on the general
+path). Then, for the fused path, the bytes of weights a token reads by component (`component_bytes`) and the
+GB/s each part runs at, beside a read of a 512 MiB buffer in the same run: the floor the step could reach.
 """
 
 from __future__ import annotations
@@ -281,6 +282,9 @@ def decode_paths(model: K3ForCausalLM) -> dict[str, dict | None]:
     return {"one call": one_call, "fused": layer_by_layer, "general": {"enabled": False}}
 
 
+PROFILE_BLOCK = 10  # steps a path runs in its turn in the step profile
+
+
 @torch.no_grad()
 def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -> list[dict]:
     from torch.profiler import profile
@@ -303,21 +307,30 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
         tokens[path] = torch.tensor([[1]])
     times = {p: [] for p in paths}
     parts = {p: dict.fromkeys(clock.seconds, 0.0) for p in paths}
-    for step in range(steps + 2):  # two warm-up steps
+
+    def step(path: str) -> float:
+        clock.reset()
+        t = time.perf_counter()
+        logits = model(tokens[path], caches[path])
+        tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
+        return time.perf_counter() - t
+
+    # The paths take turns in blocks of PROFILE_BLOCK steps. A switch clears the model's decode plan
+    # (set_fast_decode), so each block's first step, which builds it again, is not counted: switched at every
+    # step, `mini`'s one-call step measured 14.2-14.7 ms at 2 threads where it takes 8.2-8.8 (Zen 3).
+    for start in range(0, steps, PROFILE_BLOCK):
         for path, setting in paths.items():
             select(setting)
-            clock.reset()
-            t = time.perf_counter()
-            logits = model(tokens[path], caches[path])
-            if step >= 2:
-                times[path].append(time.perf_counter() - t)
+            step(path)
+            for _ in range(min(PROFILE_BLOCK, steps - start)):
+                times[path].append(step(path))
                 for k, v in clock.seconds.items():
                     parts[path][k] += v
-            tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
     rows = []
     weights = component_bytes(model)
     for path, setting in paths.items():
         select(setting)
+        step(path)  # the plan built again, outside the profile
         clock.native_calls = 0
         with profile() as prof:
             model(tokens[path], caches[path])
