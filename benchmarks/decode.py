@@ -26,7 +26,8 @@ step, which builds the decode plan again, not counted); experts MXFP4 and F32 (a
 to int8, `--int8-expert-inputs`: k3.ops.mxfp4.int8_x). The fused path is k3.model.fused: its component
 times are those of its functions, `fused calls` how many of them ran in the profiled step (0 on the general
 path). Then, for the fused path, the bytes of weights a token reads by component (`component_bytes`) and the
-GB/s each part runs at, beside a read of a 512 MiB buffer in the same run: the floor the step could reach.
+GB/s each part runs at, beside a read of a 512 MiB buffer in the same run: the floor the step could reach,
+with each path's share of it.
 """
 
 from __future__ import annotations
@@ -212,7 +213,9 @@ def component_bytes(model: K3ForCausalLM) -> dict[str, int]:
 
 
 def print_bandwidth(rows: list[dict], read_bytes_per_s: float) -> None:
-    """The fused path's GB/s per component against the read bandwidth measured in this run."""
+    """The fused path's GB/s per component against the read bandwidth measured in this run, and where the
+    one-call step (the default, whose components are not seen) stands against the same floor."""
+    one_call = {r["experts"]: r["ms_per_token"] for r in rows if r["path"] == "one call"}
     for r in rows:
         if r["path"] != "fused":
             continue
@@ -220,13 +223,16 @@ def print_bandwidth(rows: list[dict], read_bytes_per_s: float) -> None:
         ms = dict(r["component_ms"], rest=r["ms_per_token"] - sum(r["component_ms"].values()))
         total = sum(parts.values())
         floor_ms = 1e3 * total / read_bytes_per_s
+        steps = [("the step", r["ms_per_token"])]
+        if r["experts"] in one_call:
+            steps = [("layer by layer", r["ms_per_token"]), ("in one call", one_call[r["experts"]])]
         print(
             f"{r['experts']:>7} fused: weights read per token "
             + ", ".join(
                 f"{k} {parts[k] / 1e6:.1f} MB at {parts[k] / ms[k] / 1e6:.1f} GB/s" for k in parts if parts[k]
             )
-            + f"; {total / 1e9:.3f} GB / {read_bytes_per_s / 1e9:.1f} GB/s read = floor {floor_ms:.2f} ms,"
-            + f" the step at {100 * floor_ms / r['ms_per_token']:.0f} % of it"
+            + f"; {total / 1e9:.3f} GB / {read_bytes_per_s / 1e9:.1f} GB/s read = floor {floor_ms:.2f} ms, "
+            + ", ".join(f"{name} at {100 * floor_ms / step_ms:.0f} % of it" for name, step_ms in steps)
         )
 
 
