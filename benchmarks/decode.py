@@ -318,12 +318,13 @@ def step_profile(model: K3ForCausalLM, experts: str, context: int, steps: int) -
         clock.reset()
         t = time.perf_counter()
         logits = model(tokens[path], caches[path])
+        seconds = time.perf_counter() - t
         tokens[path] = logits[:, -1].argmax(-1, keepdim=True)
-        return time.perf_counter() - t
+        return seconds
 
     # The paths take turns in blocks of PROFILE_BLOCK steps. A switch clears the model's decode plan
     # (set_fast_decode), so each block's first step, which builds it again, is not counted: switched at every
-    # step, `mini`'s one-call step measured 14.2-14.7 ms at 2 threads where it takes 8.2-8.8 (Zen 3).
+    # step, `mini`'s one-call step measured 15.4 ms at 2 threads, 9.1-9.3 in blocks, 8.5-9.2 alone (Zen 3).
     for start in range(0, steps, PROFILE_BLOCK):
         for path, setting in paths.items():
             select(setting)
