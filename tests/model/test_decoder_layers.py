@@ -208,6 +208,26 @@ def test_an_moe_the_kernels_do_not_take_runs_its_general_forward_from_inside_the
         assert calls["general_moe"] > 0 and calls["general_moe"] % 2 == 0
 
 
+def test_the_stream_handed_to_a_python_ffn_is_not_written_into_afterwards(tmp_path, counting):
+    """The native loop adds a block's later updates into its own partial sum in place; a partial sum it has
+    handed out (here, without AttnRes, the FFN's input, to an FFN that runs in Python because its routing is
+    recorded) must keep its values after the step, for whatever holds it (a hook here)."""
+    model = kimi_linear(tmp_path)  # no AttnRes: each FFN reads the partial sum itself
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for layer in model.model.layers:
+        layer.post_attention_layernorm.register_forward_pre_hook(
+            lambda _module, args: seen.append((args[0], args[0].clone()))
+        )
+    cache, token = prefilled(model, [5, 9], seed=7)
+    seen.clear()
+    with record_routing(model), torch.no_grad():
+        model(token, cache)
+    assert counting.calls["decoder_layers"] == 1 and counting.calls["general_moe"] > 0
+    assert len(seen) == sum(layer.is_moe for layer in model.model.layers)  # each MoE's input, from Python
+    for i, (held, as_seen) in enumerate(seen):
+        assert torch.equal(held, as_seen), f"MoE {i}'s input changed after it was handed out"
+
+
 def test_a_cache_not_yet_prefilled_or_a_gradient_takes_the_layers_one_by_one(counting):
     """A first token into an empty cache (no KDA state to continue) and a step that records gradients (the
     kernels have no backward) do not take the one-call route, and still give the general path's logits."""

@@ -272,19 +272,22 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
   }
   // One region again for the latent up-projection and the shared experts' down rows.
   std::vector<Job> last;
-  Tensor out = mixed, shared_out;
+  Tensor out = mixed;  // this call's own tensor either way: the shared experts' rows are added into it
+  Buffer shared_out;
   if (w_up.has_value()) {
     const Weight up = dense_weight(*w_up, L, "routed_expert_up_proj");
     out = rows_like(z, up.N);
     last.push_back({up, out.data_ptr<float>(), mixed.data_ptr<float>()});
   }
   if (shared) {
+    TORCH_CHECK(out.numel() == B * D, "the shared experts' output must have the routed experts' width");
     f.apply(s_g.data(), s_u.data(), B * s_m);
-    shared_out = rows_like(xn, D);
-    last.push_back({s_w->down, shared_out.data_ptr<float>(), s_g.data()});
+    shared_out.resize(B * D);
+    last.push_back({s_w->down, shared_out.data(), s_g.data()});
   }
   if (!last.empty()) project(nullptr, B, last);
-  return shared ? out + shared_out : out;
+  if (shared) add_into(out.data_ptr<float>(), shared_out.data(), B * D);
+  return out;
 }
 
 // sum_i p_i v_i over values [B, D] each, p = softmax_i(<v_i, w> / sqrt(mean(v_i^2) + eps)), w = norm_w * proj_w

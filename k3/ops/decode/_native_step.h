@@ -128,13 +128,16 @@ inline std::optional<Tensor> table_experts(const ExpertTable& table, const std::
 // The residual stream of one step: finished blocks and the open block's partial sum (k3.model.attn_res).
 struct Stream {
   std::vector<Tensor> blocks;
-  Tensor partial;  // undefined right after a block closes
+  Tensor partial;      // undefined right after a block closes
+  bool owned = false;  // partial is the stream's own tensor, which no one else holds: updates go into it
 
   // A read site: AttnRes over [blocks..., partial] with weights (norm_w, proj_w, eps), or the partial sum while
-  // no block is finished; `weights` None: a model without AttnRes (the plain residual stream).
-  Tensor read(const py::handle& weights) const {
+  // no block is finished; `weights` None: a model without AttnRes (the plain residual stream). The partial sum
+  // handed out is no longer written into (a Python FFN, or its hooks, may keep it).
+  Tensor read(const py::handle& weights) {
     if (weights.is_none() || blocks.empty()) {
       TORCH_CHECK(partial.defined(), "the residual stream has no open block to read");
+      owned = false;
       return partial;
     }
     const py::tuple w = py::reinterpret_borrow<py::tuple>(weights);
@@ -144,7 +147,22 @@ struct Stream {
     return attn_res_read(values, w[0].cast<Tensor>(), w[1].cast<Tensor>(), w[2].cast<double>());
   }
 
-  void add(const Tensor& update) { partial = partial.defined() ? partial + update : update; }
+  // partial += update. A block's first update is taken as it is (a kernel's result, or the FFN's from Python),
+  // the next sum is a new tensor of the stream's own, and later ones are added into it in place: the same bits,
+  // one aten add a block instead of one an update (with moe_experts' own sum, a `mini` step's aten ops 139 ->
+  // 111; its time within the noise, Zen 3).
+  void add(const Tensor& update) {
+    if (!partial.defined()) {
+      partial = update;
+      owned = false;
+    } else if (owned && update.sizes() == partial.sizes() && update.is_contiguous() &&
+               update.scalar_type() == torch::kFloat32 && partial.scalar_type() == torch::kFloat32) {
+      add_into(partial.data_ptr<float>(), update.data_ptr<float>(), partial.numel());
+    } else {  // torch's add: any layout, dtype or broadcast an FFN from Python may return
+      partial = partial + update;
+      owned = true;
+    }
+  }
 };
 
 // The rows of `table` [V, H] (fp32, or BF16: exact in fp32) of the tokens ids [B, 1]: [B, 1, H] fp32, as
