@@ -286,7 +286,7 @@ Tensor moe_experts(const Tensor& xn, const Tensor& z, const Tensor& weights, con
     last.push_back({s_w->down, shared_out.data(), s_g.data()});
   }
   if (!last.empty()) project(nullptr, B, last);
-  if (shared) add_into(out.data_ptr<float>(), shared_out.data(), B * D);
+  if (shared) axpy(1.0f, shared_out.data(), B * D, out.data_ptr<float>());  // 1 x + y: torch's add, bit for bit
   return out;
 }
 

@@ -525,11 +525,6 @@ inline void project(const float* x, int64_t B, const std::vector<Job>& jobs) {
                              [&](int64_t r0, int64_t r1) { project_rows(x, B, jobs, r0, r1); });
 }
 
-// y += x over n values: a sum of updates, the same bits as torch's add (one rounding a value), no aten op.
-inline void add_into(float* y, const float* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += x[i];
-}
-
 // out = x / sqrt(mean(x^2) + eps) * w over n values (w null: no weight), as k3.model.norm.rms_norm.
 inline void rms_norm(const float* x, const float* w, float eps, int64_t n, float* out) {
   float squares = 0.0f;

@@ -157,7 +157,7 @@ struct Stream {
       owned = false;
     } else if (owned && update.sizes() == partial.sizes() && update.is_contiguous() &&
                update.scalar_type() == torch::kFloat32 && partial.scalar_type() == torch::kFloat32) {
-      add_into(partial.data_ptr<float>(), update.data_ptr<float>(), partial.numel());
+      axpy(1.0f, update.data_ptr<float>(), partial.numel(), partial.data_ptr<float>());  // 1 x + y: one rounding
     } else {  // torch's add: any layout, dtype or broadcast an FFN from Python may return
       partial = partial + update;
       owned = true;
