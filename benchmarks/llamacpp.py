@@ -30,8 +30,8 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also
    makes; `--k3-bf16-products`: k3's decode steps multiply the BF16 weights by inputs rounded to bf16
    (k3.model.tiling; CPUs with AVX-512 BF16), as llama.cpp rounds its activations for BF16 weights.
-The CPU, its SIMD features, the load and the engines' kernels and flags are printed: timings on a shared
-machine are noisy.
+The CPU, its SIMD features, the load and the engines' kernels and flags (llama.cpp's with the commit its ggml
+reports) are printed: timings on a shared machine are noisy.
 """
 
 from __future__ import annotations

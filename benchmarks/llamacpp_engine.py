@@ -204,7 +204,22 @@ class LlamaEngine:
         import llama_cpp
 
         flags = self.C.llama_print_system_info().decode().strip()
-        return f"llama-cpp-python {llama_cpp.__version__}; {flags}"
+        return f"llama-cpp-python {llama_cpp.__version__}, {ggml_build()}; {flags}"
+
+
+def ggml_build() -> str:
+    """The loaded llama.cpp's ggml as it reports itself (`ggml_version`; `ggml_commit`: the llama.cpp commit
+    it was built from, "-dirty" for a tree with local changes), or what is missing."""
+    import ctypes
+
+    from llama_cpp.llama_cpp import _lib  # the libllama in use (LLAMA_CPP_LIB_PATH's or the wheel's)
+
+    try:
+        version, commit = _lib.ggml_version, _lib.ggml_commit  # dlsym searches libllama's dependencies too
+    except AttributeError:
+        return "ggml's version and commit not exported by this build"
+    version.restype = commit.restype = ctypes.c_char_p
+    return f"ggml {version().decode()}, llama.cpp commit {commit().decode()}"
 
 
 # ---- the measurements -------------------------------------------------------------------------------------
