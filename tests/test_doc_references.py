@@ -1,7 +1,8 @@
 """Every pointer into the docs resolves: where code or docs name `docs/<page>.md`, the page exists, and where
 they name a section of it in quotes (`docs/native.md "Reproducibility"`), the page has a heading or a bold
 paragraph lead containing those words. So a page can be split or a heading renamed without leaving readers
-at a dead end. benchmarks/results/ is left out: its files are what commands printed at the time."""
+at a dead end. benchmarks/results/ is left out: its files are what commands printed at the time. And every
+file benchmarks/results/INDEX.md names is in git (the folder's .gitignore lets through only what is named)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,32 @@ def test_a_broken_reference_is_caught(tmp_path):
     assert any(normalised("MXFP4\n  GEMV") in n for n in names)
     assert any(normalised("one call a step") in n for n in names)
     assert not any(normalised("a kernel that is not there") in n for n in names)
+
+
+def expanded(name: str) -> list[str]:
+    """A shell brace pattern's names: `runs/{a,b}/log.csv` -> runs/a/log.csv, runs/b/log.csv."""
+    match = re.search(r"\{([^{}]*)\}", name)
+    if match is None:
+        return [name]
+    head, tail = name[: match.start()], name[match.end() :]
+    return [full for part in match.group(1).split(",") for full in expanded(head + part + tail)]
+
+
+def test_every_result_the_index_names_is_in_git():
+    """benchmarks/results/.gitignore keeps only the files INDEX.md names: a result named there but not
+    allowed through (so present here, absent from every clone) is a dead reference."""
+    results = ROOT / "benchmarks" / "results"
+    tracked = subprocess.run(
+        ["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    in_git = {Path(name).relative_to("benchmarks/results").as_posix() for name in tracked}
+    named = re.findall(r"^\| `([^`]+)` \|", (results / "INDEX.md").read_text(), flags=re.MULTILINE)
+    assert len(named) > 100 and expanded("r/{a,b}/{x,y}.csv")[1:3] == ["r/a/y.csv", "r/b/x.csv"]
+    folders = {str(folder) for path in in_git for folder in Path(path).parents}  # a named folder: its files
+    missing = [
+        name
+        for pattern in named
+        for name in expanded(pattern)
+        if name not in in_git and name.rstrip("/") not in folders
+    ]
+    assert not missing, f"named in benchmarks/results/INDEX.md but not in git: {missing}"
