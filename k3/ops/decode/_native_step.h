@@ -147,15 +147,16 @@ struct Stream {
     return attn_res_read(values, w[0].cast<Tensor>(), w[1].cast<Tensor>(), w[2].cast<double>());
   }
 
-  // partial += update. A block's first update is taken as it is (a kernel's result, or the FFN's from Python),
-  // the next sum is a new tensor of the stream's own, and later ones are added into it in place: the same bits,
-  // one aten add a block instead of one an update (with moe_experts' own sum, a `mini` step's aten ops 139 ->
-  // 111; its time within the noise, Zen 3).
+  // partial += update. A block's first update (its first layer's mixer output) is taken as it is, the next sum
+  // is a new tensor of the stream's own, and later ones are added into it in place where axpy can pair their
+  // elements in memory order (same shape, both contiguous fp32): the same bits, one aten add a block instead of
+  // one an update (with moe_experts' own sum, a `mini` step's aten ops 139 -> 111; its time within the noise,
+  // Zen 3).
   void add(const Tensor& update) {
     if (!partial.defined()) {
       partial = update;
       owned = false;
-    } else if (owned && update.sizes() == partial.sizes() && update.is_contiguous() &&
+    } else if (owned && update.sizes() == partial.sizes() && update.is_contiguous() && partial.is_contiguous() &&
                update.scalar_type() == torch::kFloat32 && partial.scalar_type() == torch::kFloat32) {
       axpy(1.0f, update.data_ptr<float>(), partial.numel(), partial.data_ptr<float>());  // 1 x + y: one rounding
     } else {  // torch's add: any layout, dtype or broadcast an FFN from Python may return
