@@ -21,7 +21,8 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
 4. --speed (benchmarks/llamacpp_engine.py, one process per engine and thread count, so two large models never
    share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a decode batch
    of --batch sequences; the decode floor (weight bytes a token reads / the streaming read bandwidth, the
-   highest measured before each round and in each engine's process); k3 prefills a prompt in its engine's
+   highest measured before each round and in each engine's process; and each round against the read its own
+   process took right after its timings); k3 prefills a prompt in its engine's
    chunks (`Engine.chunk_size`, as `k3 serve` does; `--k3-one-call`: in one call), llama.cpp in one batch;
    k3 against llama.cpp with its default
    settings, experts MXFP4 in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on
