@@ -19,6 +19,7 @@ Both engines do the same work, as a server does it:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import time
 from pathlib import Path
@@ -210,8 +211,6 @@ class LlamaEngine:
 def ggml_build() -> str:
     """The loaded llama.cpp's ggml as it reports itself (`ggml_version`; `ggml_commit`: the llama.cpp commit
     it was built from, "-dirty" for a tree with local changes), or what is missing."""
-    import ctypes
-
     from llama_cpp.llama_cpp import _lib  # the libllama in use (LLAMA_CPP_LIB_PATH's or the wheel's)
 
     try:
