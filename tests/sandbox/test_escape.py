@@ -180,7 +180,7 @@ for i in range(1000):
         time.sleep(30)
         os._exit(0)
     n += 1
-print("forked", n, flush=True)
+    print("forked", n, flush=True)  # before the next fork: the limit's kill can come right after a failed one
 time.sleep(30)
 """
 
@@ -195,7 +195,7 @@ def test_fork_bomb_stops_at_the_pids_limit(sbx, backend):
     r = sbx.commands.run("python3 bomb.py", timeout=20)
     assert r.killed_by == "pids", r
     if backend == "bwrap":
-        assert 10 <= int(r.stdout.split()[1]) < 32, r
+        assert 10 <= int(r.stdout.split()[-1]) < 32, r  # the count the last fork printed
     assert time.monotonic() - started < 20
     t0 = time.monotonic()
     subprocess.run(["true"], check=True)
