@@ -82,24 +82,26 @@ def test_the_tiled_kernels_equal_the_row_kernels_and_the_layout():
     """dense_rows_product on a tiled matrix against the same matrix in rows (bit for bit) at batch sizes
     1-9, 1 and 2 threads, both widths: 40 rows split across 2 threads cut a block in two (rows 16-23),
     which the one-vector 16-lane kernel does row by row; one vector in AVX2 reads two whole blocks at a time
-    (rows 0-15 and 24-39 on 2 threads, a pair and a block left over on 1)."""
+    (rows 0-15 and 24-39 on 2 threads, a pair and a block left over on 1). Several vectors in AVX2 go
+    through a block 256 columns at a time: K = 1000 ends in a shorter chunk."""
     native = load_native()
     g = gen(3)
-    w = torch.randn(40, 7168, generator=g).bfloat16()
-    tiled = native.tile_rows(w)
-    assert torch.equal(tiled, by_torch(w)) and matrix_shape(tiled) == (40, 7168)
-    assert torch.equal(rows_of(tiled, 8, 24), w[8:24]) and torch.equal(rows_of(tiled, 0, 40), w)
     variants = ["avx2"] + (["avx512"] if native.gemv_variant() == "avx512" else [])
     before = torch.get_num_threads()
     try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
-            for B in range(1, 10):
-                x = torch.randn(B, 7168, generator=g)
-                for variant in variants:
-                    rows = native.dense_rows_product(x, w, variant=variant)
-                    blocks = native.dense_rows_product(x, tiled, variant=variant)
-                    assert torch.equal(blocks, rows), (B, variant)
+        for K in (7168, 1000):
+            w = torch.randn(40, K, generator=g).bfloat16()
+            tiled = native.tile_rows(w)
+            assert torch.equal(tiled, by_torch(w)) and matrix_shape(tiled) == (40, K)
+            assert torch.equal(rows_of(tiled, 8, 24), w[8:24]) and torch.equal(rows_of(tiled, 0, 40), w)
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for B in range(1, 10):
+                    x = torch.randn(B, K, generator=g)
+                    for variant in variants:
+                        rows = native.dense_rows_product(x, w, variant=variant)
+                        blocks = native.dense_rows_product(x, tiled, variant=variant)
+                        assert torch.equal(blocks, rows), (K, B, variant)
     finally:
         torch.set_num_threads(before)
 

@@ -367,13 +367,67 @@ __attribute__((target("avx2,fma"))) inline void tiled_block_pair(const uint16_t*
     for (int r = 0; r < kRows; ++r) y[n + j * kRows + r] = mxfp4_rows::horizontal_sum(acc[j][r]);
 }
 
+// A half block (rows `half` .. + 3 of a tiled block) times vectors b0 .. b0 + V - 1 over columns [i0, i1),
+// carrying each row's and vector's 8-lane sum in `sums` ([B][4 rows][8 lanes], this half's): over all
+// columns in order, tile<4, V, Tiled>'s arithmetic, so the same bits.
+template <int V>
+__attribute__((target("avx2,fma"))) inline void half_block_columns(const uint16_t* half, int64_t K, const float* x,
+                                                                   int64_t b0, int64_t i0, int64_t i1,
+                                                                   float* sums) {
+  __m256 acc[4][V];
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm256_loadu_ps(sums + ((b0 + v) * 4 + r) * 8);
+  for (int64_t i = i0; i < i1; i += 8) {
+    __m256 xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = _mm256_loadu_ps(x + (b0 + v) * K + i);
+    prefetch_ahead<Tiled>(half, i);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 w = load8(half + r * Tiled::rows_apart(K) + i * Tiled::kStep);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(w, xv[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < 4; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(sums + ((b0 + v) * 4 + r) * 8, acc[r][v]);
+}
+
+// B > 1 vectors times the tiled block of rows n .. n + 7 (AVX2): K in chunks of kChunkColumns, each chunk's
+// two halves x three or two vectors a pass (one vector's 4 chains of FMAs wait on their latency) while its
+// 4 kB are in L1, the sums carried in `sums`
+// (2 x [B][4][8]). The lines asked for ahead keep arriving while a chunk's later passes compute; reading each
+// half block whole, pass after pass, left memory idle while the passes after the first read the L2 cache.
+constexpr int64_t kChunkColumns = 256;
+__attribute__((target("avx2,fma"))) inline void tiled_block_chunks(const uint16_t* W, int64_t K, const float* x,
+                                                                   int64_t B, float* y, int64_t ldy, int64_t n,
+                                                                   float* sums) {
+  std::fill(sums, sums + 2 * B * 32, 0.0f);
+  for (int64_t i0 = 0; i0 < K; i0 += kChunkColumns) {
+    const int64_t i1 = std::min(K, i0 + kChunkColumns);
+    for (int h = 0; h < 2; ++h) {
+      const uint16_t* half = Tiled::start(W, K, n + 4 * h);
+      float* s = sums + h * B * 32;
+      const int64_t passes = (B + 2) / 3;
+      for (int64_t p = 0, b = 0; p < passes; ++p) {  // as even as can be: 4 = 2 + 2, not 3 + 1
+        const int64_t V = (B - b + passes - p - 1) / (passes - p);
+        if (V == 3) half_block_columns<3>(half, K, x, b, i0, i1, s);
+        if (V == 2) half_block_columns<2>(half, K, x, b, i0, i1, s);
+        if (V == 1) half_block_columns<1>(half, K, x, b, i0, i1, s);
+        b += V;
+      }
+    }
+  }
+  for (int h = 0; h < 2; ++h)
+    for (int64_t b = 0; b < B; ++b)
+      for (int r = 0; r < 4; ++r)
+        y[b * ldy + n + 4 * h + r] = mxfp4_rows::horizontal_sum(_mm256_loadu_ps(sums + ((h * B + b) * 4 + r) * 8));
+}
+
 // y[b * ldy + n] = W[n, :] . x[b] for tiled BF16 rows [n0, n1): whole blocks one at a time, each read front
 // to back for all B vectors (a tile of 6 rows would straddle blocks and read most of them twice), the rows
 // outside whole blocks one by one. Without AVX-512, one vector reads two blocks at a time (tiled_block_pair),
-// and B > 1 each half block (4 rows: one cache line of the 128-byte column step) x three vectors per tile
+// and B > 1 each half block (4 rows: one cache line of the 128-byte column step) x three vectors per pass
 // (12 accumulators, 3 vectors and a weight: the 16 AVX2 registers; with AVX2 forced here, against rows:
-// 1.07-1.10x at B = 8, where two vectors per tile gave 0.91-0.94x), then two, then one; the other half's line
-// from the cache.
+// 1.07-1.10x at B = 8, where two vectors per tile gave 0.91-0.94x) or two, a chunk of columns at a time
+// (tiled_block_chunks); the other half's line from the cache.
 __attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, int64_t K, const float* x, int64_t B,
                                                            float* y, int64_t ldy, int64_t n0, int64_t n1, bool wide) {
   constexpr int64_t kBlock = Tiled::kRows;
@@ -384,6 +438,7 @@ __attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, in
       for (int64_t b = 0; b < B; ++b) tile<1, 1, Tiled>(W, K, x, b, y, ldy, n);
   };
   one_by_one(n0, first);
+  std::vector<float> sums(!wide && B > 1 ? 2 * B * 32 : 0);  // tiled_block_chunks
   for (int64_t n = first; n < last; n += kBlock) {
     if (wide) {
       tiled_block_vectors(W, K, x, B, y, ldy, n);
@@ -393,12 +448,7 @@ __attribute__((target("avx2,fma"))) inline void tiled_rows(const uint16_t* W, in
     } else if (B == 1) {
       tile<8, 1, Tiled>(W, K, x, 0, y, ldy, n);
     } else {
-      for (int64_t half = n; half < n + kBlock; half += kBlock / 2) {
-        int64_t b = 0;
-        for (; b + 3 <= B; b += 3) tile<4, 3, Tiled>(W, K, x, b, y, ldy, half);
-        for (; b + 2 <= B; b += 2) tile<4, 2, Tiled>(W, K, x, b, y, ldy, half);
-        if (b < B) tile<4, 1, Tiled>(W, K, x, b, y, ldy, half);
-      }
+      tiled_block_chunks(W, K, x, B, y, ldy, n, sums.data());
     }
   }
   one_by_one(last, n1);
