@@ -392,9 +392,9 @@ __attribute__((target("avx2,fma"))) inline void half_block_columns(const uint16_
 
 // B > 1 vectors times the tiled block of rows n .. n + 7 (AVX2): K in chunks of kChunkColumns, each chunk's
 // two halves x three or two vectors a pass (one vector's 4 chains of FMAs wait on their latency) while its
-// 4 kB are in L1, the sums carried in `sums`
-// (2 x [B][4][8]). The lines asked for ahead keep arriving while a chunk's later passes compute; reading each
-// half block whole, pass after pass, left memory idle while the passes after the first read the L2 cache.
+// 4 kB are in L1, the sums carried in `sums` (2 x [B][4][8]). The lines asked for ahead keep arriving while a
+// chunk's later passes compute; reading each half block whole, pass after pass, left memory idle while the
+// passes after the first read the L2 cache (docs/native-decode.md "Tiled BF16 weights").
 constexpr int64_t kChunkColumns = 256;
 __attribute__((target("avx2,fma"))) inline void tiled_block_chunks(const uint16_t* W, int64_t K, const float* x,
                                                                    int64_t B, float* y, int64_t ldy, int64_t n,
