@@ -22,15 +22,14 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    share the page cache): prefill tokens/s, decode ms/token after --decode-context tokens, and a decode batch
    of --batch sequences; the decode floor (weight bytes a token reads / the streaming read bandwidth, the
    highest measured before each round and in each engine's process; and each round against the read its own
-   process took right after its timings); k3 prefills a prompt in its engine's
-   chunks (`Engine.chunk_size`, as `k3 serve` does; `--k3-one-call`: in one call), llama.cpp in one batch;
-   k3 against llama.cpp with its default
-   settings, experts MXFP4 in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in fp32 on
-   them, or in bf16 with `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has the
-   instructions); `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts multiply
-   inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4 path also
-   makes; `--k3-bf16-products`: k3's decode steps multiply the BF16 weights by inputs rounded to bf16
-   (k3.model.tiling; CPUs with AVX-512 BF16), as llama.cpp rounds its activations for BF16 weights.
+   process took right after its timings); k3 prefills a prompt in its engine's chunks (`Engine.chunk_size`, as
+   `k3 serve` does; `--k3-one-call`: in one call), llama.cpp in one batch; k3 against llama.cpp with its
+   default settings, experts MXFP4 in both; `--weights bf16`: every other matrix BF16 in both (k3 computes in
+   fp32 on them, or in bf16 with `--k3-compute bf16`: its activations bf16, products in bf16 where the CPU has
+   the instructions); `--k3-experts int8` (or `both`, alternated with the exact k3): k3's MXFP4 experts
+   multiply inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4
+   path also makes; `--k3-bf16-products`: k3's decode steps multiply the BF16 weights by inputs rounded to
+   bf16 (k3.model.tiling; CPUs with AVX-512 BF16), as llama.cpp rounds its activations for BF16 weights.
 The CPU, its SIMD features, the load and the engines' kernels and flags (llama.cpp's with the commit its ggml
 reports) are printed: timings on a shared machine are noisy.
 """
