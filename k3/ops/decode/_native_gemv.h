@@ -410,7 +410,6 @@ __attribute__((target("avx2,fma"))) inline void tiled_block_chunks(const uint16_
         const int64_t V = (B - b + passes - p - 1) / (passes - p);
         if (V == 3) half_block_columns<3>(half, K, x, b, i0, i1, s);
         if (V == 2) half_block_columns<2>(half, K, x, b, i0, i1, s);
-        if (V == 1) half_block_columns<1>(half, K, x, b, i0, i1, s);
         b += V;
       }
     }
