@@ -8,9 +8,10 @@ by memory, a batch of 8 is bound by arithmetic. Issue 40 asks a batch of 8 for 5
 script says which component holds a batch back, in the numbers that decide it: the multiply-adds each
 component does for a token (every Linear's and MXFP4Linear's in x out, the router's scores; a MoE layer's
 routed experts top_k of them, the others not being run), its milliseconds in a step, and so its GFLOP/s
-(2 x B x multiply-adds / time) against an fp32 GEMM of 2048^3 timed in the same run. Attention over the cache
-and KDA's state update are not counted (at the short context used, small beside the weights); `rest` is the
-lm_head, the final norm, AttnRes and the embedding.
+(2 x B x multiply-adds / time) against an fp32 GEMM of 2048^3 timed in the same run (the better of a timing
+before the steps and one after). Attention over the cache and KDA's state update are not counted (at the
+short context used, small beside the weights); `rest` is the lm_head, the final norm, AttnRes and the
+embedding.
 
 The checkpoint loads as `k3 generate` loads it (BF16 weights tiled for the decode kernels, fp32 compute).
 The fused step runs layer by layer (`set_fast_decode(True, one_call=False)`), so that benchmarks/decode.py's
