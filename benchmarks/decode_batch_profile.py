@@ -100,14 +100,14 @@ def profile_batches(
 
 
 def print_profile(result: dict[int, dict], macs: dict[str, int], gemm: float) -> None:
-    """A row per batch size: each component's ms and GFLOP/s, the step's, and tokens/s against B = 1."""
+    """A row per batch size: each component's ms and GFLOP/s, the step's, tokens/s against the least B."""
+    first = min(result)  # tokens/s are compared with this batch size's
+    base = first / statistics.median(result[first]["one_call_ms"])
     print(
-        f"{'B':>3} {'one call ms':>11} {'tok/s':>6} {'x B=1':>6} | "
+        f"{'B':>3} {'one call ms':>11} {'tok/s':>6} {f'x B={first}':>6} | "
         + " ".join(f"{k + ' ms GF/s':>14}" for k in [*KINDS, "step"])
         + " | % of GEMM"
     )
-    first = min(result)
-    base = first / statistics.median(result[first]["one_call_ms"])
     for B, r in sorted(result.items()):
         one_call, layer = statistics.median(r["one_call_ms"]), statistics.median(r["layer_ms"])
         ms = dict(r["parts"], rest=layer - sum(r["parts"].values()))
@@ -119,7 +119,7 @@ def print_profile(result: dict[int, dict], macs: dict[str, int], gemm: float) ->
             + f" {layer:7.1f} {flops / layer:6.1f} | {100 * flops / one_call / (gemm / 1e9):5.1f} %"
         )
     print(
-        "(components: the layer-by-layer step's; tok/s, x B=1 and % of GEMM: the one-call step's; "
+        f"(components: the layer-by-layer step's; tok/s, x B={first} and % of GEMM: the one-call step's; "
         "multiply-adds a token: " + ", ".join(f"{k} {macs[k] / 1e6:.0f} M" for k in KINDS) + ")"
     )
 
