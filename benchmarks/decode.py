@@ -38,6 +38,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from server_streams import server_throughput  # benchmarks/ is on the path as a script
@@ -192,22 +193,32 @@ def tensor_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
 
 
-def component_bytes(model: K3ForCausalLM) -> dict[str, int]:
-    """Bytes of weights one sequence's decode step reads, by component: every KDA / MLA / dense MLP weight;
-    per MoE layer its router, latent projections and shared experts plus top_k routed experts (distinct
-    for one sequence); the rest: lm_head, norms and AttnRes vectors (the embedding row is negligible)."""
+def by_component(
+    model: K3ForCausalLM, measure: Callable[[torch.nn.Module], int]
+) -> tuple[dict[str, int], int]:
+    """`measure` of the modules one sequence's decode step runs, by component: every KDA / MLA mixer and dense
+    MLP whole; per MoE layer its router, latent projections and shared experts plus top_k routed experts; and
+    the measure of the routed experts a step does not run. `rest` is left at 0 for the caller."""
     out = dict.fromkeys([k for k, _ in COMPONENTS] + ["rest"], 0)
-    # the embedding table is read a row a token; tied, it is lm_head's weight (counted once), read whole
-    unread = 0 if model.config.tie_word_embeddings else tensor_bytes(model.model.embed_tokens)
+    not_run = 0
     for layer in model.model.layers:
-        out["kda" if isinstance(layer.self_attn, KDAttention) else "mla"] += tensor_bytes(layer.self_attn)
+        out["kda" if isinstance(layer.self_attn, KDAttention) else "mla"] += measure(layer.self_attn)
         if not layer.is_moe:
-            out["mlp"] += tensor_bytes(layer.mlp)
+            out["mlp"] += measure(layer.mlp)
             continue
         moe = layer.block_sparse_moe
-        expert = tensor_bytes(moe.experts[0])
-        out["moe"] += tensor_bytes(moe) - (len(moe.experts) - moe.gate.top_k) * expert
-        unread += (len(moe.experts) - moe.gate.top_k) * expert
+        idle = (len(moe.experts) - moe.gate.top_k) * measure(moe.experts[0])
+        out["moe"] += measure(moe) - idle
+        not_run += idle
+    return out, not_run
+
+
+def component_bytes(model: K3ForCausalLM) -> dict[str, int]:
+    """Bytes of weights one sequence's decode step reads, by component (`by_component`); the rest: lm_head,
+    norms and AttnRes vectors (the embedding row is negligible)."""
+    out, unread = by_component(model, tensor_bytes)
+    # the embedding table is read a row a token; tied, it is lm_head's weight (counted once), read whole
+    unread += 0 if model.config.tie_word_embeddings else tensor_bytes(model.model.embed_tokens)
     out["rest"] = tensor_bytes(model) - unread - sum(out.values())
     return out
 

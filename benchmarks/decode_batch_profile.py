@@ -28,11 +28,10 @@ import statistics
 import time
 
 import torch
-from decode import COMPONENTS, ComponentClock, prefilled, wrap_fused  # benchmarks/ is on the path
+from decode import COMPONENTS, ComponentClock, by_component, prefilled, wrap_fused  # benchmarks/ on the path
 
 from k3.model import K3ForCausalLM
-from k3.model.kda import KDAttention
-from k3.model.moe import MoE, Router
+from k3.model.moe import Router
 from k3.ops.roofline import machine_line, references, references_line
 
 KINDS = [k for k, _ in COMPONENTS] + ["rest"]
@@ -52,15 +51,7 @@ def matrix_macs(module: torch.nn.Module) -> int:
 
 def component_macs(model: K3ForCausalLM) -> dict[str, int]:
     """Multiply-adds a token's decode step does in each component's weights (see the module's docstring)."""
-    out = dict.fromkeys(KINDS, 0)
-    for layer in model.model.layers:
-        out["kda" if isinstance(layer.self_attn, KDAttention) else "mla"] += matrix_macs(layer.self_attn)
-        if not layer.is_moe:
-            out["mlp"] += matrix_macs(layer.mlp)
-            continue
-        moe: MoE = layer.block_sparse_moe
-        not_run = len(moe.experts) - moe.gate.top_k
-        out["moe"] += matrix_macs(moe) - not_run * matrix_macs(moe.experts[0])
+    out, _ = by_component(model, matrix_macs)
     out["rest"] = matrix_macs(model.lm_head)
     return out
 
