@@ -3,6 +3,7 @@ anything slow happens; `k3 atlas demo` moves to the next free port; the URL prin
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -15,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from k3.cli import app
-from k3.listen import ListenError, listening_socket, url_of
+from k3.listen import ListenError, listening_socket, run_app, url_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,3 +70,33 @@ def test_the_printed_url_is_the_one_serving(tmp_path):
             assert refused.value.code == 401  # no bearer token: the sandbox API answered
         finally:
             server.terminate()
+
+
+def test_what_is_alive_when_serving_starts_is_frozen_out_of_the_collector(monkeypatch):
+    """`run_app` freezes the startup heap before uvicorn serves: an object made before it is no longer among
+    those the collector walks, while one made after it is; garbage in a cycle is collected, not kept."""
+    import uvicorn
+
+    static = ["made before serving"]  # lists are always tracked (a dict of strings is not)
+    cycle = [None]
+    cycle[0] = cycle
+    seen = {}
+
+    def serve(server, sockets):
+        later = ["made while serving"]
+        walked = gc.get_objects()
+        seen.update(static=any(o is static for o in walked), later=any(o is later for o in walked))
+        seen.update(frozen=gc.get_freeze_count())
+
+    monkeypatch.setattr(uvicorn.Server, "run", serve)
+    collected = []
+    del cycle
+    gc.callbacks.append(lambda phase, info: phase == "stop" and collected.append(info["collected"]))
+    try:
+        with socket.socket() as sock:
+            run_app(None, sock, "warning")
+    finally:
+        gc.callbacks.pop()
+        gc.unfreeze()  # the other tests in this process collect as before
+    assert seen == {"static": False, "later": True, "frozen": seen["frozen"]} and seen["frozen"] > 1000, seen
+    assert sum(collected) >= 1  # the cycle was collected before the freeze
