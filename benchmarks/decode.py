@@ -17,6 +17,9 @@ are noisy; `--threads 1` (default) avoids torch's thread spinning when other pro
     .venv/bin/python benchmarks/decode.py --batch 1,4,8 [--checkpoint CKPT]  # batched decode tokens/s
     .venv/bin/python benchmarks/decode.py --batch 1,8 --checkpoint CKPT --bf16-products  # bf16 products
 
+A preset's random models are laid out as `k3 generate` loads a checkpoint (`as_loaded`) for `--step-profile`
+and `--batch`.
+
 `--step-profile`: ms/token of one decode step and the aten ops it dispatches (top-level ops, torch
 profiler), by component (MoE, KDA, MLA, dense MLP, the rest: norms, AttnRes, embeddings, lm_head), for each
 decode path (`decode_paths`: the step's layers in one native call, only its total timed; the fused kernels
@@ -415,6 +418,16 @@ def print_step_profile(rows: list[dict]) -> None:
 
 # ---- batched decode ------------------------------------------------------------------------------------
 @torch.no_grad()
+def as_loaded(model: K3ForCausalLM) -> K3ForCausalLM:
+    """A preset's random model as `k3 generate` loads a checkpoint: inference weights (no gradient), laid out
+    for the decode kernels (k3.model.tiling: its fp32 matrices together on huge pages). A model as
+    `from_config` builds it keeps trainable weights where they are: `mini`'s steps 14.01 against 12.96 ms
+    (medians of 8 alternated rounds, 2 threads, Zen 3, 2026-12-07)."""
+    model.requires_grad_(False)
+    model.tile_weights()
+    return model
+
+
 def prefilled(model: K3ForCausalLM, batch: int, context: int, gen: torch.Generator):
     """`batch` sequences of random ids from `gen`, each prefilled alone to about `context` tokens (lengths 7
     apart), their caches stacked as the engine batches them: a ModelCache."""
@@ -495,7 +508,12 @@ def main() -> None:
             modes = " int8" if args.int8_expert_inputs else ""
             return [(experts + modes + (" bf16 products" if args.bf16_products else ""), model)]
         return [
-            (e, K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q).set_int8_expert_inputs(i8))
+            (
+                e,
+                as_loaded(K3ForCausalLM.from_config(cfg, seed=0, quantized_experts=q)).set_int8_expert_inputs(
+                    i8
+                ),
+            )
             for e, q, i8 in (("mxfp4", None, False), ("f32", False, False), ("mxfp4 int8", None, True))
             if args.int8_expert_inputs or not i8
         ]
