@@ -417,17 +417,18 @@ def print_step_profile(rows: list[dict]) -> None:
 
 
 # ---- batched decode ------------------------------------------------------------------------------------
-@torch.no_grad()
 def as_loaded(model: K3ForCausalLM) -> K3ForCausalLM:
     """A preset's random model as `k3 generate` loads a checkpoint: inference weights (no gradient), laid out
     for the decode kernels (k3.model.tiling: its fp32 matrices together on huge pages). A model as
     `from_config` builds it keeps trainable weights where they are: `mini`'s steps 14.01 against 12.96 ms
-    (medians of 8 alternated rounds, 2 threads, Zen 3, 2026-12-07)."""
+    (medians of 8 alternated rounds, 2 threads, Zen 3, 2026-12-07;
+    results/decode_mini_as_loaded_ab_zen3_1207.txt)."""
     model.requires_grad_(False)
     model.tile_weights()
     return model
 
 
+@torch.no_grad()
 def prefilled(model: K3ForCausalLM, batch: int, context: int, gen: torch.Generator):
     """`batch` sequences of random ids from `gen`, each prefilled alone to about `context` tokens (lengths 7
     apart), their caches stacked as the engine batches them: a ModelCache."""
