@@ -62,7 +62,7 @@ def freeze_startup_heap() -> int:
 
     What a server holds when it starts (the model's modules and tensors, the tokenizer, the imported
     libraries: ~250 k tracked objects in `k3 serve` of `mini`) stays for its life, yet every pass of the
-    collector's oldest generation walked all of it, holding the event loop and every stream: 218 ms once in
+    collector's oldest generation walked all of it, holding the event loop and every stream: 224 ms once in
     320 requests of `k3 serve`'s engine with its prefix cache, none once frozen (benchmarks/serve_gc.py; vLLM
     and SGLang freeze their servers' heaps likewise). Collected first, so that no garbage is kept for good;
     objects created later are collected as before.
