@@ -130,6 +130,37 @@ def test_the_fused_step_gives_the_same_bits_at_1_and_2_threads(weights):
     assert steps[1].abs().max() > 0.1 and torch.equal(steps[1], steps[2])
 
 
+def test_mla_head_groups_over_cache_tiles_equal_the_general_path(counting):
+    """MLA decode goes over a sequence's cache a tile of 128 positions at a time for every head group of the
+    chunk of heads a thread takes (k3/ops/decode/_native_mixers.h, `attend`). 20 heads (groups of 8, 8 and 4)
+    over caches of 300 and 170 positions (three and two tiles, the last ones partial): against the general
+    path (torch ops); bit for bit each sequence alone against the batch, and at 1 against 2 threads, where the
+    chunks are others (at 2: 16 heads, then 4 of one sequence and 12 of the next, then 8)."""
+    cfg = dataclasses.replace(K3Config.preset("mini"), num_attention_heads=20, num_key_value_heads=20)
+    model = K3ForCausalLM.from_config(cfg, seed=3, num_layers=4)  # KDA, KDA, KDA, MLA
+    lengths = [300, 170]
+    error, scale = fused_vs_general(model, lengths, steps=2)
+    assert error <= 1e-5 and scale > 0.1
+    assert counting.calls["mla_mixer"] == 2
+    before = torch.get_num_threads()
+    steps = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(1)  # the prefills alike (torch's GEMMs are only bounded across counts)
+            cache, token = prefilled(model, lengths, seed=7)
+            alone = [prefilled(model, [n], seed=7 + i)[0] for i, n in enumerate(lengths)]
+            torch.set_num_threads(threads)
+            steps[threads] = decode(model, cache, token, steps=2)
+            for i, one in enumerate(alone):
+                assert torch.equal(decode(model, one, token[i : i + 1], steps=2)[0], steps[threads][i]), (
+                    threads,
+                    i,
+                )
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(steps[1], steps[2])
+
+
 def test_the_experts_avx512_and_avx2_gemvs_give_the_same_bits(monkeypatch):
     """One sequence's MXFP4 experts (one-row GEMVs: AVX-512 where the CPU has it) against the same step
     with the AVX2 kernel forced: the same logits, bit for bit. On an AVX2-only CPU both runs are AVX2."""

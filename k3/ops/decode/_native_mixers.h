@@ -19,6 +19,8 @@
 namespace decode_native {
 
 constexpr int64_t kHeadGroup = 8;  // MLA heads of one sequence attending together (weighted_rows' limit)
+constexpr int64_t kAttendTile = 128;  // cached positions a chunk's head groups go over together (K3: 288 KB)
+constexpr int64_t kCacheFromMemory = int64_t{8} << 20;  // a sequence's cache larger than this: fewer chunks
 
 // An MLA head's weights over its S positions, in place: p[t] = softmax_t((p[t] + rope_scores[t]) scale),
 // 8 positions at a time, the exps by k3_math::exp8 (the last positions padded with -inf, whose exp is 0, so
@@ -252,35 +254,52 @@ inline std::vector<Tensor> mla_mixer(const Tensor& x, const Tensor& norm_w, doub
   }
   Buffer o(B * heads * v_dim);
   const float sc = static_cast<float>(scale);
-  // kv_b's rows are read in place (absorbed into the query and the output), fp32 or BF16 alike. The heads
-  // of one sequence go in groups of up to kHeadGroup: a group's scores are one product of the cached rows
-  // with its G queries, and weighted_rows adds the cached rows up for the G heads at once, in registers
-  // over tiles of positions (one head at a time read the whole cache twice per head, 192 passes over it per
-  // token at K3's 96 heads, and kept its sums in memory: K3's MLA layer at 4k positions took 1.6x as long).
-  // Every value is summed in the order one head alone sums it (dense_rows' rows do not depend on the batch,
-  // weighted_rows does axpy's arithmetic), so the bits are those of one head at a time.
+  // kv_b's rows are read in place (absorbed into the query and the output), fp32 or BF16 alike. A thread
+  // takes the heads of a chunk, one sequence at a time: their scores are products of the cached rows with up
+  // to kHeadGroup queries at a time, and weighted_rows adds the rows up for up to kHeadGroup heads at once,
+  // in registers. Both go over the cache a tile of kAttendTile positions at a time, every group of the chunk
+  // on a tile before the next tile, so the cache crosses memory twice a chunk rather than twice a group (K3's
+  // 96 heads: 12 groups, 24 passes over 75 MB of cache a layer at 32k positions). Every value is summed in
+  // the order one head alone sums it (dense_rows' rows depend on neither their batch nor their range,
+  // weighted_rows does axpy's arithmetic over the positions in order, tile after tile), so the bits are those
+  // of one head at a time over the whole cache.
   const auto attend = [&](const auto* w_kv_b, int64_t z0, int64_t z1) {
-    Buffer q_latent(kHeadGroup * L), q_rope(kHeadGroup * rope), o_latent(kHeadGroup * L), p, rope_scores;
+    Buffer q_latent, q_rope, o_latent, p, rope_scores;
+    const bool by_row = read_short_rows_one_by_one();  // short cached rows read once for a group's queries
     for (int64_t z = z0; z < z1;) {
-      const int64_t r = z / heads, h0 = z % heads, S = len[r] + 1;
-      const int64_t G = std::min({kHeadGroup, z1 - z, heads - h0});
+      const int64_t r = z / heads, h0 = z % heads, n = std::min(z1 - z, heads - h0), S = len[r] + 1;
       const float* c = latent.data_ptr<float>() + r * cap * L;
       const float* kr = k_rope.data_ptr<float>() + r * cap * rope;
-      std::fill_n(q_latent.begin(), G * L, 0.0f);
-      for (int64_t j = 0; j < G; ++j) {
+      q_latent.assign(n * L, 0.0f);
+      q_rope.resize(n * rope);
+      for (int64_t j = 0; j < n; ++j) {
         const float* qz = yq.data() + r * heads * dq + (h0 + j) * dq;  // [nope | rope]
         const auto* wk = w_kv_b + (h0 + j) * (nope + v_dim) * L;        // W_k [nope, L], then W_v [v_dim, L]
         for (int64_t i = 0; i < nope; ++i) axpy(qz[i], wk + i * L, L, q_latent.data() + j * L);
         std::copy_n(qz + nope, rope, q_rope.data() + j * rope);
       }
-      p.resize(G * S);
-      rope_scores.resize(G * S);
-      dense_rows(c, L, q_latent.data(), G, p.data(), S, 0, S, kv_b.wide);                // (q_n W_k) . c_t
-      dense_rows(kr, rope, q_rope.data(), G, rope_scores.data(), S, 0, S, kv_b.wide);    // q_r . k_r,t
-      for (int64_t j = 0; j < G; ++j) position_weights(p.data() + j * S, rope_scores.data() + j * S, sc, S);
-      std::fill_n(o_latent.begin(), G * L, 0.0f);
-      weighted_rows(p.data(), S, G, c, L, o_latent.data(), kv_b.wide);  // o_latent[j] = sum_t p[j, t] c_t
-      for (int64_t j = 0; j < G; ++j) {
+      p.resize(n * S);
+      rope_scores.resize(n * S);
+      const int64_t tile = n > kHeadGroup ? kAttendTile : S;  // one group: nothing to share a tile with
+      for (int64_t t0 = 0; t0 < S; t0 += tile) {
+        const int64_t t1 = std::min(S, t0 + tile);
+        for (int64_t g = 0; g < n; g += kHeadGroup) {
+          const int64_t G = std::min(kHeadGroup, n - g);
+          float *pg = p.data() + g * S, *rg = rope_scores.data() + g * S;
+          dense_rows(c, L, q_latent.data() + g * L, G, pg, S, t0, t1, kv_b.wide, by_row);         // (q_n W_k) . c_t
+          dense_rows(kr, rope, q_rope.data() + g * rope, G, rg, S, t0, t1, kv_b.wide, by_row);  // q_r . k_r,t
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) position_weights(p.data() + j * S, rope_scores.data() + j * S, sc, S);
+      o_latent.assign(n * L, 0.0f);
+      for (int64_t t0 = 0; t0 < S; t0 += tile) {  // o_latent[j] = sum_t p[j, t] c_t
+        const int64_t t1 = std::min(S, t0 + tile);
+        for (int64_t g = 0; g < n; g += kHeadGroup) {
+          const int64_t G = std::min(kHeadGroup, n - g);
+          weighted_rows(p.data() + g * S, S, G, c, L, o_latent.data() + g * L, kv_b.wide, t0, t1);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
         float* oz = o.data() + r * heads * v_dim + (h0 + j) * v_dim;
         const auto* wv = w_kv_b + (h0 + j) * (nope + v_dim) * L + nope * L;
         dense_rows(wv, L, o_latent.data() + j * L, 1, oz, v_dim, 0, v_dim);
@@ -289,12 +308,18 @@ inline std::vector<Tensor> mla_mixer(const Tensor& x, const Tensor& norm_w, doub
           gate_by_sigmoid(oz, gz, v_dim);
         }
       }
-      z += G;
+      z += n;
     }
   };
-  // heads in chunks taken as threads go: whole groups, unless too few heads would leave a thread idle
-  const int64_t group_grain = std::clamp<int64_t>(B * heads / at::get_num_threads(), 1, kHeadGroup);
-  k3_native::parallel_chunks(B * heads, group_grain, group_grain, [&](int64_t z0, int64_t z1) {
+  // Heads in chunks taken as threads go: whole groups, unless too few heads would leave a thread idle. Where a
+  // sequence's cache is larger than kCacheFromMemory (it then crosses memory each time it is read), about two
+  // chunks a thread, as each chunk reads it twice; smaller caches stay in the caches and keep up to four.
+  const int64_t threads = at::get_num_threads();
+  const int64_t group_grain = std::clamp<int64_t>(B * heads / threads, 1, kHeadGroup);
+  const int64_t most_positions = *std::max_element(len, len + B) + 1;
+  const bool from_memory = most_positions * (L + rope) * int64_t(sizeof(float)) > kCacheFromMemory;
+  const int64_t least = from_memory ? std::max<int64_t>(group_grain, B * heads / (2 * threads)) : group_grain;
+  k3_native::parallel_chunks(B * heads, group_grain, least, [&](int64_t z0, int64_t z1) {
     kv_b.dense != nullptr ? attend(kv_b.dense, z0, z1) : attend(kv_b.bf16, z0, z1);
   });
   Tensor update = rows_like(x, D);

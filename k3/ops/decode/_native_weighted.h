@@ -59,10 +59,11 @@ K3_DECODE_AVX512 inline void weighted_block32(const float* a, int64_t S, const f
 }
 
 template <int G>
-inline void weighted_rows_of(const float* a, int64_t S, const float* c, int64_t L, float* o, bool wide) {
+inline void weighted_rows_of(const float* a, int64_t S, const float* c, int64_t L, float* o, bool wide,
+                             int64_t from, int64_t to) {
   const int64_t wide_end = wide ? L - L % 32 : 0, body = L - L % 8;
-  for (int64_t t0 = 0; t0 < S; t0 += kWeightedTile) {
-    const int64_t t1 = std::min(S, t0 + kWeightedTile);
+  for (int64_t t0 = from; t0 < to; t0 += kWeightedTile) {
+    const int64_t t1 = std::min(to, t0 + kWeightedTile);
     for (int64_t l0 = 0; l0 < wide_end; l0 += 32) weighted_block32<G>(a, S, c, L, o, l0, t0, t1);
     for (int64_t l0 = wide_end; l0 < body; l0 += 8) weighted_block8<G>(a, S, c, L, o, l0, t0, t1);
     for (int64_t t = t0; body < L && t < t1; ++t)
@@ -70,16 +71,20 @@ inline void weighted_rows_of(const float* a, int64_t S, const float* c, int64_t 
   }
 }
 
-inline void weighted_rows(const float* a, int64_t S, int64_t G, const float* c, int64_t L, float* o, bool wide) {
+// The positions [from, to) of them (all S by default): o continues each value's chain, so positions taken range
+// after range, in order, give the bits of all of them at once.
+inline void weighted_rows(const float* a, int64_t S, int64_t G, const float* c, int64_t L, float* o, bool wide,
+                          int64_t from = 0, int64_t to = -1) {
+  if (to < 0) to = S;
   switch (G) {
-    case 1: return weighted_rows_of<1>(a, S, c, L, o, wide);
-    case 2: return weighted_rows_of<2>(a, S, c, L, o, wide);
-    case 3: return weighted_rows_of<3>(a, S, c, L, o, wide);
-    case 4: return weighted_rows_of<4>(a, S, c, L, o, wide);
-    case 5: return weighted_rows_of<5>(a, S, c, L, o, wide);
-    case 6: return weighted_rows_of<6>(a, S, c, L, o, wide);
-    case 7: return weighted_rows_of<7>(a, S, c, L, o, wide);
-    case 8: return weighted_rows_of<8>(a, S, c, L, o, wide);
+    case 1: return weighted_rows_of<1>(a, S, c, L, o, wide, from, to);
+    case 2: return weighted_rows_of<2>(a, S, c, L, o, wide, from, to);
+    case 3: return weighted_rows_of<3>(a, S, c, L, o, wide, from, to);
+    case 4: return weighted_rows_of<4>(a, S, c, L, o, wide, from, to);
+    case 5: return weighted_rows_of<5>(a, S, c, L, o, wide, from, to);
+    case 6: return weighted_rows_of<6>(a, S, c, L, o, wide, from, to);
+    case 7: return weighted_rows_of<7>(a, S, c, L, o, wide, from, to);
+    case 8: return weighted_rows_of<8>(a, S, c, L, o, wide, from, to);
     default: TORCH_CHECK(false, "weighted_rows takes 1 to 8 rows, got ", G);
   }
 }
