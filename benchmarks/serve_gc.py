@@ -26,7 +26,8 @@ import time
 
 import httpx
 import torch
-from serve_disconnect import served  # benchmarks/ is on the path as a script
+from decode import as_loaded  # benchmarks/ is on the path as a script
+from serve_disconnect import served
 
 from k3.config import K3Config
 from k3.engine.generate import Engine
@@ -74,8 +75,7 @@ async def completions(base: str, waves: int, tokens: int) -> int:
 
 def one_setting(preset: str, frozen: bool, waves: int, tokens: int) -> dict:
     cfg = K3Config.preset(preset)
-    model = K3ForCausalLM.from_config(cfg, seed=0).requires_grad_(False)  # inference weights, as loaded
-    model.tile_weights()
+    model = as_loaded(K3ForCausalLM.from_config(cfg, seed=0))  # weights as `k3 serve` loads a checkpoint's
     cache = PrefixCache(64, 2**30, checkpoint_identity(model), None)
     app = create_app(
         Engine(model, max_batch=8, prefix_cache=cache), builtin_tokenizer(cfg.vocab_size), "bench"
