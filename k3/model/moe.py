@@ -143,7 +143,7 @@ def expert_matrices(expert: nn.Module) -> ExpertMatrices | None:
     modules = expert.__dict__["_modules"]
     dense, packed, scale, quantized = [], [], [], []
     for name in ("w1", "w3", "w2"):
-        matrix = modules[name]
+        matrix = modules.get(name)  # None: not an expert the kernels know (a RemoteExpert: another rank's)
         if isinstance(matrix, MXFP4Linear):
             packed.append(parameter(matrix, "weight_packed"))
             scale.append(parameter(matrix, "weight_scale"))

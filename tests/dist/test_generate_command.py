@@ -70,10 +70,12 @@ def test_launch_passes_every_parsed_option_but_nproc_to_the_ranks(tmp_path, monk
         CliRunner().invoke(app, args[2:]).exit_code == 0
     )  # each rank's parse (outside torchrun: one process)
     assert CliRunner().invoke(app, user).exit_code == 0  # what the user typed, on one process
-    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", 5, 0.1, 0, 0.3, 1.0, None, 2, True, True, None)
+    sampling = (5, 0.1, 0, 0.3, 1.0, None)  # max tokens, temperature, top-k, top-p, penalty, seed (unset)
+    # then layers, int8 expert inputs, bf16 products, threads (unset), images (none)
+    assert ran[0] == ran[1] == ("ckpt dir", "Hola  mundo", *sampling, 2, True, True, None, None)
     assert CliRunner().invoke(app, [*user[:-1], "--nproc", "3"]).exit_code == 0  # the flag off: left out
     assert "--bf16-products" not in launched[1][1] and CliRunner().invoke(app, launched[1][1][2:]).exit_code == 0
-    assert ran[2][-3:-1] == (True, False)
+    assert ran[2][-4:-2] == (True, False)
 
 
 def test_generate_from_a_url_on_two_processes_prints_what_one_process_prints(tmp_path):
