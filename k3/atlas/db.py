@@ -228,17 +228,9 @@ class AtlasDB:
             ).fetchone()
         return None if row is None else _tensor(row)
 
-    def tensor_by_id(self, tid: int) -> LogicalTensor | None:
-        row = self.conn.execute("SELECT * FROM tensors WHERE id = ?", (tid,)).fetchone()
-        return None if row is None else _tensor(row)
-
     # ---- statistics -----------------------------------------------------------------------------------
     def done_ids(self) -> set[int]:
         return {r[0] for r in self.conn.execute("SELECT id FROM stats")}
-
-    def write_stats(self, tid: int, record: dict[str, Any], seconds: float) -> None:
-        """One transaction: the tensor's statistics appear whole or not at all."""
-        self.write_stats_rows([stats_row(tid, record, seconds)])
 
     def write_stats_rows(self, rows: Sequence[tuple[Any, ...]]) -> None:
         """Rows of `stats_row`, in one transaction: each tensor's statistics appear whole or not at all."""

@@ -167,9 +167,5 @@ class Comm:
         self._call("all_reduce", lambda: dist.all_reduce(t, group=self.group))
         return t
 
-    def broadcast_(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
-        self._call("broadcast", lambda: dist.broadcast(t, src, group=self.group))
-        return t
-
     def barrier(self) -> None:
         self.all_reduce_(torch.zeros(1, device=self.device))

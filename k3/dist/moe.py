@@ -116,12 +116,6 @@ class ExpertParallel:
         self.stats.clear()
         return rows
 
-    @staticmethod
-    def uninstall(model: nn.Module) -> None:
-        for layer in model.model.layers:  # type: ignore[union-attr]
-            if layer.is_moe:
-                layer.block_sparse_moe.__dict__.pop("dispatch", None)
-
 
 def _shipped(expert: RoutedExpert) -> list[torch.Tensor]:
     """What a replica of `expert` needs: the weights of w1, w3, w2, or (MXFP4) their packed codes and

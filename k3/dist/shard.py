@@ -70,11 +70,6 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> nn.Module:
     return model
 
 
-def local_experts(moe: MoE) -> list[int]:
-    """The ids of the experts this rank holds in `moe`."""
-    return [e for e, expert in enumerate(moe.experts) if isinstance(expert, RoutedExpert)]
-
-
 def sharded_model(
     cfg: K3Config, *, seed: int, rank: int, world: int, quantized_experts: bool | None = None
 ) -> K3ForCausalLM:

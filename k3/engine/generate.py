@@ -82,7 +82,6 @@ class Engine:
         self._ids = itertools.count()
         self.policy_version = 0
         self.steps = 0  # calls of `step` that ran a forward
-        self._moe_layers = sorted(model.routers())
         self.prefix_cache = prefix_cache
         self.image_cache = ImageCache()  # the tower's rows by image content hash
 

@@ -37,11 +37,6 @@ import torch
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def sequence_logprob(token_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """[N, T] token log-probs -> [N] log-prob of each sequence (counted tokens only)."""
-    return (token_logp * mask).sum(-1)
-
-
 def group_baseline(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     """[N] rewards -> [N] r - mean of its group (K = group_size consecutive rows)."""
     r = rewards.view(-1, group_size)  # [G, K]

@@ -6,9 +6,6 @@ from dataclasses import asdict, dataclass, field
 
 from k3.errors import K3Error
 
-KILLED_BY = (None, "timeout", "oom", "pids", "cpu", "output", "killed")
-SNAPSHOT_KINDS = ("memory+fs", "fs")
-
 
 class SandboxError(K3Error):
     """A sandbox cannot do what was asked: bad arguments, a missing backend, a dead sandbox, a path

@@ -7,8 +7,6 @@ Patches are ordered frame, then row-major (y, x).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -87,7 +85,3 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     a, b = pairs[..., 0], pairs[..., 1]
     c, s = cos[:, None], sin[:, None]  # [L, 1, d/2]
     return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).to(x.dtype)
-
-
-def attention_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
