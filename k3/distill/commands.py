@@ -138,7 +138,7 @@ T = {k: p.default for k, p in inspect.signature(make_teachers).parameters.items(
 
 @distill_app.command("teachers")
 def teachers(
-    out: Annotated[Path, typer.Option(help="Folder of the specialists (OUT/<task>/checkpoint).")] = Path(
+    out: Annotated[Path, typer.Option(help="Folder of the specialists (`OUT/<task>/checkpoint`).")] = Path(
         "runs/teachers"
     ),
     tasks: Annotated[

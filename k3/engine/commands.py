@@ -171,7 +171,7 @@ MAX_TOKENS = typer.Option(128, "--max-tokens", "-n", help="Most tokens to genera
 TEMPERATURE = typer.Option(0.7, "--temperature", "-t", help="0 = greedy.")
 TOP_K = typer.Option(0, "--top-k", help="Sample among the k most likely tokens (0 = off).")
 TOP_P = typer.Option(0.95, "--top-p", help="Nucleus sampling mass (1 = off).")
-PENALTY = typer.Option(1.0, "--repetition-penalty", help="> 1 discourages repeating tokens.")
+PENALTY = typer.Option(1.0, "--repetition-penalty", help="Over 1 discourages repeating tokens (1 = off).")
 SEED = typer.Option(None, "--seed", help="Seed for reproducible sampling.")
 LAYERS = typer.Option(None, "--layers", help="Run only the first N layers (a depth-truncated model).")
 INT8_EXPERTS = typer.Option(

@@ -76,7 +76,7 @@ def template_build(
 def serve(
     host: str = typer.Option("127.0.0.1", help="Address to bind (127.0.0.1: this machine only)."),
     port: int = typer.Option(8100, help="TCP port."),
-    tokens: Path = typer.Option(None, help='JSON file {"<token>": "<client name>"}; default: a new token.'),
+    tokens: Path = typer.Option(None, help='JSON file `{"<token>": "<client name>"}`; default: a new token.'),
     quota: int = typer.Option(8, help="Live sandboxes per client."),
     max_ttl: float = typer.Option(3600, help="Longest sandbox lifetime a client may ask for (s)."),
     e2b: bool = typer.Option(
