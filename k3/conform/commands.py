@@ -5,23 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from typer.core import TyperGroup
 
 from k3.errors import K3Error
-from k3.terminal import fail
-
-
-class _WriteByDefault(TyperGroup):
-    """`k3 golden CKPT ...` is `k3 golden write CKPT ...`; `k3 golden verify ...` stays itself."""
-
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
-            args = ["write", *args]
-        return super().parse_args(ctx, args)
-
+from k3.terminal import fail, group_with_default
 
 golden_app = typer.Typer(
-    cls=_WriteByDefault,
+    cls=group_with_default("write"),
     help="Golden packs: k3's exact numbers for a checkpoint, for other engines to be held against.",
     no_args_is_help=True,
 )

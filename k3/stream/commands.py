@@ -9,27 +9,17 @@ import time
 from pathlib import Path
 
 import typer
-from typer.core import TyperGroup
 
 from k3.errors import K3Error
-from k3.terminal import fail, remove_if_empty
+from k3.terminal import fail, group_with_default, remove_if_empty
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20}
 _UNITS |= {"GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
 
 
-class _RunByDefault(TyperGroup):
-    """`k3 stream SOURCE ...` is `k3 stream run SOURCE ...`; `k3 stream compare ...` stays itself."""
-
-    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
-            args = ["run", *args]
-        return super().parse_args(ctx, args)
-
-
 stream_app = typer.Typer(
-    cls=_RunByDefault,
+    cls=group_with_default("run"),
     help="Exact logits of the whole model on a small machine: stream the weights layer by layer.",
     no_args_is_help=True,
 )
