@@ -1,7 +1,8 @@
 """The listening socket of every `k3` server (`k3 serve`, `k3 atlas serve|demo`, `k3 sandbox serve`): bound
 before the slow part (loading a model, scanning a checkpoint), so a bad or taken port is a one-line error at
-once; the URL printed is the address actually bound. `run_app` then freezes what is alive at the start out of
-Python's cyclic collector before it serves (`freeze_startup_heap`).
+once; the URL printed is the address actually bound, and `only_this_machine` says whether other machines can
+reach it. `run_app` then freezes what is alive at the start out of Python's cyclic collector before it serves
+(`freeze_startup_heap`).
 
     sock = listening_socket("127.0.0.1", 8000)             # K3Error if 8000 is taken or not a port
     sock = listening_socket("127.0.0.1", 8000, tries=20)   # 8000, else 8001 ... 8019, else any free port
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import ipaddress
 import socket
 
 from k3.errors import K3Error
@@ -50,6 +52,11 @@ def listening_socket(host: str, port: int, tries: int = 1) -> socket.socket:
         f"port {port} on {host} is taken (another server is listening there): "
         "choose another with --port, or --port 0 for any free one"
     )
+
+
+def only_this_machine(sock: socket.socket) -> bool:
+    """Whether `sock` is bound to a loopback address (127.0.0.0/8, ::1): no other machine can reach it."""
+    return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
 
 
 def url_of(sock: socket.socket) -> str:

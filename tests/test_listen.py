@@ -16,7 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from k3.cli import app
-from k3.listen import ListenError, listening_socket, run_app, url_of
+from k3.listen import ListenError, listening_socket, only_this_machine, run_app, url_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,3 +100,25 @@ def test_what_is_alive_when_serving_starts_is_frozen_out_of_the_collector(monkey
         gc.unfreeze()  # the other tests in this process collect as before
     assert not seen["static"] and seen["later"] and seen["frozen"] > 1000, seen
     assert sum(collected) >= 1  # the cycle was collected before the freeze
+
+
+@pytest.mark.parametrize(
+    "host, alone", [("127.0.0.1", True), ("127.0.0.2", True), ("::1", True), ("0.0.0.0", False)]
+)
+def test_only_a_loopback_address_is_this_machine_alone(host, alone):
+    with listening_socket(host, 0) as sock:
+        assert only_this_machine(sock) is alone
+
+
+def test_k3_serve_on_an_address_others_reach_needs_a_key_before_anything_is_loaded(tmp_path):
+    """No checkpoint is there: the refusal comes first. With a key it gets as far as the checkpoint."""
+    args = ["serve", str(tmp_path / "no-such-checkpoint"), "--host", "0.0.0.0", "--port", "0"]
+    r = CliRunner().invoke(app, args, env={"K3_API_KEY": None})
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "error: --host 0.0.0.0 takes requests from other machines, which must authenticate: give a key with "
+        "--api-key KEY (or K3_API_KEY)"
+    ], r.output
+    r = CliRunner().invoke(app, [*args, "--api-key", "s3cret"])
+    assert r.exit_code == 1 and "no-such-checkpoint" in r.output and "authenticate" not in r.output, r.output
+    r = CliRunner().invoke(app, args, env={"K3_API_KEY": "s3cret"})
+    assert r.exit_code == 1 and "authenticate" not in r.output, r.output

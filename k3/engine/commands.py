@@ -445,13 +445,13 @@ def serve(
     ),
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
-    /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise. Chat messages may
-    hold `image_url` parts (data URLs) when the checkpoint has a vision tower."""
+    /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise; another address needs
+    --api-key. Chat messages may hold `image_url` parts (data URLs) when the checkpoint has a vision tower."""
 
     from k3.engine.generate import Engine
     from k3.engine.server import create_app
     from k3.errors import K3Error
-    from k3.listen import listening_socket, run_app, url_of
+    from k3.listen import listening_socket, only_this_machine, run_app, url_of
 
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
@@ -461,6 +461,12 @@ def serve(
         sock = listening_socket(host, port)
     except K3Error as e:
         fail(str(e))
+    if api_key is None and not only_this_machine(sock):
+        sock.close()
+        fail(
+            f"--host {host} takes requests from other machines, which must authenticate: "
+            "give a key with --api-key KEY (or K3_API_KEY)"
+        )
     model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
