@@ -110,6 +110,23 @@ def test_only_a_loopback_address_is_this_machine_alone(host, alone):
         assert only_this_machine(sock) is alone
 
 
+@pytest.mark.parametrize("command", ["serve", "demo"])
+def test_the_atlas_on_an_address_others_reach_needs_a_key_before_anything_is_done(command, tmp_path):
+    where = (
+        [command, str(tmp_path / "no-such-checkpoint")]
+        if command == "serve"
+        else [command, "--dir", str(tmp_path)]
+    )
+    r = CliRunner().invoke(
+        app, ["atlas", *where, "--host", "0.0.0.0", "--port", "0"], env={"K3_ATLAS_KEY": None}
+    )
+    assert r.exit_code == 1 and r.output.strip().splitlines() == [
+        "error: --host 0.0.0.0 takes requests from other machines, which must authenticate: give a key with "
+        "--key KEY (or K3_ATLAS_KEY), or write a static site to host with `k3 atlas build`"
+    ], r.output
+    assert not any(tmp_path.iterdir())  # nothing created, nothing scanned
+
+
 def test_k3_serve_on_an_address_others_reach_needs_a_key_before_anything_is_loaded(tmp_path):
     """No checkpoint is there: the refusal comes first. With a key it gets as far as the checkpoint."""
     args = ["serve", str(tmp_path / "no-such-checkpoint"), "--host", "0.0.0.0", "--port", "0"]

@@ -23,6 +23,32 @@ atlas_app = typer.Typer(
 
 SOURCE_HELP = "A checkpoint directory, a .safetensors file, an http(s) URL of one, or hf://ORG/REPO[@REV]."
 SERVE_SOURCE_HELP = SOURCE_HELP + " A preset name or a config.json shows the config-only view (no weights)."
+KEY = typer.Option(
+    None,
+    "--key",
+    envvar="K3_ATLAS_KEY",
+    help="Every request needs this key: the browser asks for it (any user name, the key as password). "
+    "Required on an address other machines reach.",
+)
+
+
+def _listen(host: str, port: int, key: str | None, tries: int = 1):
+    """The atlas server's socket (a one-line error for a bad or taken port), refused without a key where other
+    machines could reach it."""
+    from k3.errors import K3Error
+    from k3.listen import listening_socket, only_this_machine
+
+    try:
+        sock = listening_socket(host, port, tries)
+    except K3Error as e:
+        fail(str(e))
+    if key is None and not only_this_machine(sock):
+        sock.close()
+        fail(
+            f"--host {host} takes requests from other machines, which must authenticate: give a key with "
+            "--key KEY (or K3_ATLAS_KEY), or write a static site to host with `k3 atlas build`"
+        )
+    return sock
 
 
 def run_scan(
@@ -150,7 +176,7 @@ def stats_command(
     Console().print(table)
 
 
-def _make_app(source: str, out: Path | None, scan_first: bool):
+def _make_app(source: str, out: Path | None, scan_first: bool, key: str | None):
     from k3.atlas.server import create_app
     from k3.atlas.view import Atlas
 
@@ -158,7 +184,7 @@ def _make_app(source: str, out: Path | None, scan_first: bool):
     if scan_first and atlas.is_checkpoint and not atlas.scan_complete:
         run_scan(source, out, None)
         atlas = Atlas.open(source, out)
-    return create_app(atlas)
+    return create_app(atlas, key)
 
 
 @atlas_app.command("serve")
@@ -168,14 +194,15 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address (127.0.0.1: this machine only)."),
     out: Path | None = typer.Option(None, "--out", help="Directory of atlas.sqlite (default: a cache dir)."),
     scan_first: bool = typer.Option(True, "--scan/--no-scan", help="Scan first if the scan is incomplete."),
+    key: str = KEY,
 ) -> None:
     """Serve the atlas of a checkpoint (or of a config alone) on http://HOST:PORT/."""
     from k3.errors import K3Error
-    from k3.listen import listening_socket, run_app, url_of
+    from k3.listen import run_app, url_of
 
+    sock = _listen(host, port, key)
     try:
-        sock = listening_socket(host, port)
-        app = _make_app(source, out, scan_first)
+        app = _make_app(source, out, scan_first, key)
     except (K3Error, OSError) as e:
         fail(str(e))
     print(f"atlas of {source}: {url_of(sock)}", flush=True)
@@ -213,19 +240,15 @@ def demo_command(
         Path("checkpoints/mini"), "--dir", help="Where the mini checkpoint lives."
     ),
     port: int = typer.Option(8000, "--port", help="0: any free port."),
-    host: str = typer.Option("127.0.0.1", "--host"),
+    host: str = typer.Option("127.0.0.1", "--host", help="Bind address (127.0.0.1: this machine only)."),
+    key: str = KEY,
 ) -> None:
     """Create the `mini` checkpoint if absent (k3 init --preset mini), scan it, serve its atlas (on the next
     free port if PORT is taken: the URL printed is the one bound)."""
     from k3.config import K3Config
-    from k3.errors import K3Error
-    from k3.listen import listening_socket, run_app, url_of
+    from k3.listen import run_app, url_of
 
-    try:
-        sock = listening_socket(host, port, tries=20)
-    except K3Error as e:
-        fail(str(e))
-
+    sock = _listen(host, port, key, tries=20)
     cfg = K3Config.preset("mini")
     if not (directory / "config.json").exists():
         from k3.model.init import init_checkpoint
@@ -236,7 +259,7 @@ def demo_command(
         from k3.tokenizer.build import write_tokenizer
 
         write_tokenizer(directory, cfg.vocab_size)
-    app = _make_app(str(directory), None, scan_first=True)
+    app = _make_app(str(directory), None, True, key)
     taken = "" if sock.getsockname()[1] == port else f" (port {port} is taken)"
     print(f"atlas of {directory}: {url_of(sock)}{taken}", flush=True)
     run_app(app, sock, "warning")

@@ -5,13 +5,19 @@
 Safety: tensors are addressed by their integer id in the checkpoint's index (names are looked up in the
 index, never used as paths); static files come only from the package's `static/` directory (Starlette's
 StaticFiles refuses paths that leave it); every parameter is validated and a bad one is a 4xx. The
-command binds 127.0.0.1 unless told otherwise.
+command binds 127.0.0.1 unless told otherwise, and on an address other machines reach it needs a key, which
+every request then carries as HTTP Basic authentication (the browser asks once: any user name, the key as
+password; `BasicAuth`). The routing probe runs one text at a time, of at most 2,000 characters.
 
 Every GET document has the same URL in the static export (`k3.atlas.site`), so the page works on both.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hmac
+import threading
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -20,6 +26,7 @@ from fastapi import FastAPI, HTTPException, Query
 from fastapi.responses import FileResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k3.atlas.stats import STAT_KEYS
 from k3.atlas.tiles import MODES
@@ -35,8 +42,39 @@ class RouteRequest(BaseModel):
     text: str = Field(min_length=1, max_length=2000)
 
 
-def create_app(atlas: Atlas) -> FastAPI:
+class BasicAuth:
+    """ASGI middleware: every HTTP request needs `Authorization: Basic base64(USER:KEY)`, any USER (else 401
+    with the challenge that makes a browser ask for it and send it with every later request, the page's
+    fetches included)."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    def _password(self, header: bytes) -> bytes:
+        scheme, _, encoded = header.partition(b" ")
+        if scheme.lower() != b"basic":
+            return b""
+        try:
+            return base64.b64decode(encoded.strip(), validate=True).partition(b":")[2]
+        except (binascii.Error, ValueError):
+            return b""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = self._password(dict(scope["headers"]).get(b"authorization", b""))
+            if not hmac.compare_digest(given, self.key):
+                challenge = {"WWW-Authenticate": 'Basic realm="k3 atlas", charset="UTF-8"'}
+                response = JSONResponse({"detail": "the atlas key is needed"}, 401, headers=challenge)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(atlas: Atlas, key: str | None = None) -> FastAPI:
+    """The atlas's app; with `key`, every request must carry it (`BasicAuth`)."""
     app = FastAPI(title="k3 atlas", docs_url=None, redoc_url=None, openapi_url=None)
+    if key is not None:
+        app.add_middleware(BasicAuth, key=key)
     state = _ServerState(atlas)
 
     def not_found(e: Exception) -> HTTPException:
@@ -132,17 +170,18 @@ def create_app(atlas: Atlas) -> FastAPI:
     def route(req: RouteRequest) -> JSONResponse:
         from k3.atlas.routing import RoutingUnavailable
 
-        probe = state.routing()
-        if probe is None:
-            return JSONResponse(
-                {"available": False, "reason": state.routing_status()["reason"]}, status_code=409
-            )
-        try:
-            return JSONResponse({"available": True, **probe.route(req.text)})
-        except RoutingUnavailable as e:
-            return JSONResponse({"available": False, "reason": str(e)}, status_code=409)
-        except ValueError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from e
+        with state.routing_one_at_a_time:  # a text runs the routers of every layer: one at a time
+            probe = state.routing()
+            if probe is None:
+                return JSONResponse(
+                    {"available": False, "reason": state.routing_status()["reason"]}, status_code=409
+                )
+            try:
+                return JSONResponse({"available": True, **probe.route(req.text)})
+            except RoutingUnavailable as e:
+                return JSONResponse({"available": False, "reason": str(e)}, status_code=409)
+            except ValueError as e:
+                raise HTTPException(status_code=400, detail=str(e)) from e
 
     return app
 
@@ -154,6 +193,7 @@ class _ServerState:
         self.atlas = atlas
         self._renderer = None
         self._probe = None
+        self.routing_one_at_a_time = threading.Lock()
 
     def renderer(self):
         if self._renderer is None:

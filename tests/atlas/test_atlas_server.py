@@ -34,6 +34,25 @@ def preset_client() -> TestClient:
     return TestClient(create_app(Atlas.open("k3")))
 
 
+def test_with_a_key_every_request_needs_it_as_basic_authentication(atlas: Atlas) -> None:
+    import base64
+
+    keyed = TestClient(create_app(atlas, key="s3cret"))
+
+    def basic(user_and_password: str) -> dict[str, str]:
+        return {"Authorization": "Basic " + base64.b64encode(user_and_password.encode()).decode()}
+
+    for path in ("/", "/api/summary.json", "/static/app.js", "/i18n/en.json"):
+        refused = keyed.get(path)
+        assert refused.status_code == 401 and refused.headers["www-authenticate"].startswith("Basic realm=")
+        for wrong in (basic("anyone:s3cre"), basic("s3cret:"), {"Authorization": "Bearer s3cret"}):
+            assert keyed.get(path, headers=wrong).status_code == 401
+        assert keyed.get(path, headers={"Authorization": "Basic %%%"}).status_code == 401
+        assert keyed.get(path, headers=basic("anyone:s3cret")).status_code == 200
+        assert keyed.get(path, headers=basic(":s3cret")).status_code == 200
+    assert keyed.post("/api/route.json", json={"text": "hola"}).status_code == 401
+
+
 def tid(client: TestClient, name: str) -> int:
     r = client.get("/api/lookup.json", params={"name": name})
     assert r.status_code == 200

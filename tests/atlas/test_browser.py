@@ -70,10 +70,9 @@ def k3_preset_url() -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def tiny_atlas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A `tiny` checkpoint and the folder of its scan."""
     from k3.atlas.scan import scan
-    from k3.atlas.server import create_app
-    from k3.atlas.view import Atlas
     from k3.config import K3Config
     from k3.model.init import init_checkpoint
 
@@ -81,7 +80,15 @@ def tiny_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     init_checkpoint(K3Config.preset("tiny"), ckpt, seed=0)
     db_dir = tmp_path_factory.mktemp("tiny-db")
     scan(ckpt, db_dir / "atlas.sqlite", workers=2)
-    yield from _serve(create_app(Atlas.open(str(ckpt), db_dir)))
+    return ckpt, db_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_url(tiny_atlas: tuple[Path, Path]) -> Iterator[str]:
+    from k3.atlas.server import create_app
+    from k3.atlas.view import Atlas
+
+    yield from _serve(create_app(Atlas.open(str(tiny_atlas[0]), tiny_atlas[1])))
 
 
 def _open(browser, url: str):
@@ -259,3 +266,31 @@ def test_config_view_opens_a_layer_and_hover_values(browser, k3_preset_url: str,
     page.wait_for_function("document.querySelector('#viewer-hover').textContent.includes('valor')")
     assert errors == []
     page.close()
+
+
+def test_a_keyed_atlas_asks_the_browser_once_and_the_page_s_requests_carry_the_key(
+    browser, tiny_atlas
+) -> None:
+    """`k3 atlas serve --key`: HTTP Basic authentication, which the browser sends with every request of the
+    page, its fetches and the routing probe's POST included; without the key, 401 and its challenge."""
+    from k3.atlas.server import create_app
+    from k3.atlas.view import Atlas
+
+    for url in _serve(create_app(Atlas.open(str(tiny_atlas[0]), tiny_atlas[1]), key="s3cret")):
+        anonymous = browser.new_context()  # a headless browser cannot ask: it stops at the 401
+        response = anonymous.request.get(url)
+        assert response.status == 401 and response.headers["www-authenticate"].startswith("Basic")
+        anonymous.close()
+        context = browser.new_context(http_credentials={"username": "anyone", "password": "s3cret"})
+        page = context.new_page()
+        page.set_default_timeout(60_000)
+        page.goto(url)
+        page.wait_for_selector("body[data-ready='1']", timeout=30_000)
+        assert page.locator(".layer-row").count() == 5  # tiny's layers: the page's own fetches got through
+        status, answer = page.evaluate(
+            """async () => { const r = await fetch("api/route.json", {method: "POST",
+                headers: {"Content-Type": "application/json"}, body: JSON.stringify({text: "Hola"})});
+                return [r.status, await r.json()]; }"""
+        )
+        assert status == 409 and answer["available"] is False  # the probe's answer (no tokenizer), not a 401
+        context.close()
