@@ -2,7 +2,7 @@
 before the slow part (loading a model, scanning a checkpoint), so a bad or taken port is a one-line error at
 once; the URL printed is the address actually bound, and `only_this_machine` says whether other machines can
 reach it. `run_app` then freezes what is alive at the start out of Python's cyclic collector before it serves
-(`freeze_startup_heap`).
+(`freeze_startup_heap`). `BodyLimit` refuses request bodies over a size before they are held in memory.
 
     sock = listening_socket("127.0.0.1", 8000)             # K3Error if 8000 is taken or not a port
     sock = listening_socket("127.0.0.1", 8000, tries=20)   # 8000, else 8001 ... 8019, else any free port
@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import gc
 import ipaddress
+import json
 import socket
 
 from k3.errors import K3Error
@@ -85,3 +86,54 @@ def run_app(app, sock: socket.socket, log_level: str) -> None:
 
     freeze_startup_heap()
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
+
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over `max_bytes` gets 413 (an OpenAI-shaped error) instead of
+    being read whole into memory: by its Content-Length before anything is read, or, sent in chunks, as soon
+    as the chunks pass the limit (the app then sees the client gone, and its reply is replaced by the 413)."""
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen, over, started = 0, False, False
+
+        async def counted_receive():
+            nonlocal seen, over
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def send_unless_over(message) -> None:
+            nonlocal started
+            if not over:
+                started = True
+                await send(message)
+
+        try:
+            await self.app(scope, counted_receive, send_unless_over)
+        except Exception:
+            if not over:  # the app's own failure; a body cut short may raise (starlette's ClientDisconnect)
+                raise
+        if over and not started:  # (an app that answered before reading its body has had its say)
+            await self._refuse(send)
+
+    async def _refuse(self, send) -> None:
+        message = f"the request body is over this server's limit of {self.max_bytes:,} bytes"
+        error = {"error": {"message": message, "type": "invalid_request_error", "code": "request_too_large"}}
+        body = json.dumps(error).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": body})

@@ -13,10 +13,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from k3.cli import app
-from k3.listen import ListenError, listening_socket, only_this_machine, run_app, url_of
+from k3.listen import BodyLimit, ListenError, listening_socket, only_this_machine, run_app, url_of
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,3 +141,32 @@ def test_k3_serve_on_an_address_others_reach_needs_a_key_before_anything_is_load
     assert r.exit_code == 1 and "no-such-checkpoint" in r.output and "authenticate" not in r.output, r.output
     r = CliRunner().invoke(app, args, env={"K3_API_KEY": "s3cret"})
     assert r.exit_code == 1 and "authenticate" not in r.output, r.output
+
+
+def body_limited_app(max_bytes: int):
+    """A FastAPI app behind BodyLimit answering with the length of the body it read; `calls` counts them."""
+    inner, calls = FastAPI(), []
+
+    @inner.post("/echo")
+    async def echo(request: Request) -> dict:
+        calls.append(1)
+        return {"read": len(await request.body())}
+
+    inner.add_middleware(BodyLimit, max_bytes=max_bytes)
+    return inner, calls
+
+
+def test_a_body_over_the_limit_is_413_by_its_length_or_as_its_chunks_pass_it():
+    app_, calls = body_limited_app(1000)
+    client = TestClient(app_)
+    assert client.post("/echo", content=b"x" * 1000).json() == {"read": 1000}  # the limit itself passes
+    assert calls == [1]
+    refused = client.post("/echo", content=b"x" * 1001)
+    assert refused.status_code == 413 and refused.json()["error"]["code"] == "request_too_large"
+    assert calls == [1]  # refused by its Content-Length: the app never ran
+    chunks = (b"x" * 300 for _ in range(5))  # no Content-Length: chunked
+    refused = client.post("/echo", content=chunks)
+    assert refused.status_code == 413 and "1,000 bytes" in refused.json()["error"]["message"]
+    assert client.post("/echo", content=(b"x" * 300 for _ in range(3))).json() == {"read": 900}
+    bad = client.post("/echo", content=b"x", headers={"Content-Length": "a lot"})
+    assert bad.status_code in (400, 413)  # the HTTP layer or BodyLimit: never read as a body

@@ -31,11 +31,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from k3.atlas.stats import STAT_KEYS
 from k3.atlas.tiles import MODES
 from k3.atlas.view import Atlas, AtlasError
+from k3.listen import BodyLimit
 
 STATIC_DIR = Path(str(resources.files("k3.atlas") / "static"))
 I18N_DIR = Path(str(resources.files("k3.atlas") / "i18n"))
 LANGUAGES = ("es", "en")
 MAX_VALUE_WINDOW = 64
+MAX_REQUEST_BYTES = 2**20  # the one body the API takes: a routing text of at most 2,000 characters
 
 
 class RouteRequest(BaseModel):
@@ -73,7 +75,8 @@ class BasicAuth:
 def create_app(atlas: Atlas, key: str | None = None) -> FastAPI:
     """The atlas's app; with `key`, every request must carry it (`BasicAuth`)."""
     app = FastAPI(title="k3 atlas", docs_url=None, redoc_url=None, openapi_url=None)
-    if key is not None:
+    app.add_middleware(BodyLimit, max_bytes=MAX_REQUEST_BYTES)
+    if key is not None:  # outermost: a request without the key is refused unread
         app.add_middleware(BasicAuth, key=key)
     state = _ServerState(atlas)
 

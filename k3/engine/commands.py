@@ -443,6 +443,9 @@ def serve(
     max_image_tokens: int = typer.Option(
         None, "--max-image-tokens", help="Most tokens one image may take after resizing (default: any)."
     ),
+    max_request_mb: int = typer.Option(
+        64, "--max-request-mb", help="Most MiB in a request's body (then 413): images as data URLs count."
+    ),
 ) -> None:
     """Serve a checkpoint over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions,
     /v1/models, /tokenize, /detokenize). Binds 127.0.0.1 unless --host says otherwise; another address needs
@@ -455,6 +458,8 @@ def serve(
 
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
+    if max_request_mb < 1:
+        fail(f"--max-request-mb must be >= 1, got {max_request_mb}")
     if max_batch < 1 or max_queue < 0:
         fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     try:
@@ -488,6 +493,7 @@ def serve(
         allow_remote_images=allow_remote_images,
         max_images=max_images,
         max_image_tokens=max_image_tokens,
+        max_request_bytes=max_request_mb * 2**20,
     )
     print(f"k3 serve: {name} on {url_of(sock)}v1", flush=True)
     run_app(app, sock, "info")

@@ -54,7 +54,10 @@ from k3.engine.sequence import Event
 from k3.engine.tokenize_api import add_tokenize_routes
 from k3.engine.worker import EngineWorker, Handle, QueueFull
 from k3.errors import K3Error
+from k3.listen import BodyLimit
 from k3.tokenizer.kimi import Tokenizer
+
+MAX_REQUEST_BYTES = 64 * 2**20  # a chat with an image or two as data URLs (one image: up to 32 MiB encoded)
 
 
 @dataclass
@@ -105,10 +108,11 @@ def create_app(
     allow_remote_images: bool = False,
     max_images: int = 8,
     max_image_tokens: int | None = None,
+    max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown. Images (chat
     `image_url` parts, k3.engine.images): data URLs; http(s) with `allow_remote_images`; at most
-    `max_images` a request and `max_image_tokens` an image."""
+    `max_images` a request and `max_image_tokens` an image. A body over `max_request_bytes` gets 413."""
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
     stop_ids = frozenset({tokenizer.special.eos, tokenizer.special.end_of_msg})
@@ -122,7 +126,8 @@ def create_app(
     app = FastAPI(title="k3", version="0.1.0", lifespan=lifespan)
     app.state.worker, app.state.request_timeout = worker, request_timeout
 
-    if api_key is not None:
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:  # added last, so outermost: a request without the key is refused unread
         app.add_middleware(BearerAuth, key=api_key)
 
     @app.exception_handler(APIError)

@@ -53,6 +53,13 @@ def test_with_a_key_every_request_needs_it_as_basic_authentication(atlas: Atlas)
     assert keyed.post("/api/route.json", json={"text": "hola"}).status_code == 401
 
 
+def test_a_body_over_a_mebibyte_is_413_unread(client: TestClient) -> None:
+    big = client.post(
+        "/api/route.json", content=b"x" * (2**20 + 1), headers={"Content-Type": "application/json"}
+    )
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+
+
 def tid(client: TestClient, name: str) -> int:
     r = client.get("/api/lookup.json", params={"name": name})
     assert r.status_code == 200

@@ -154,8 +154,9 @@ def test_chat_reads_piped_turns(checkpoint: Path) -> None:
 
 
 def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`k3 serve` binds 127.0.0.1 by default and hands --max-queue, --request-timeout and the API key
-    (from K3_API_KEY) to the app (k3.listen.run_app is replaced by a recorder; the app runs in-process)."""
+    """`k3 serve` binds 127.0.0.1 by default and hands --max-queue, --request-timeout, --max-request-mb and
+    the API key (from K3_API_KEY, checked before the body's size) to the app (k3.listen.run_app is replaced
+    by a recorder; the app runs in-process)."""
     from fastapi.testclient import TestClient
 
     import k3.listen
@@ -164,7 +165,7 @@ def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(k3.listen, "run_app", lambda app, sock, level: seen.update(app=app, sock=sock))
     monkeypatch.setenv("K3_API_KEY", "k")
     args = ["serve", str(checkpoint), "--max-queue", "3", "--request-timeout", "9", "--port", "0"]
-    result = runner.invoke(app, args)
+    result = runner.invoke(app, [*args, "--max-request-mb", "1"])
     assert result.exit_code == 0, result.output
     with seen["sock"] as sock:
         host, port = sock.getsockname()
@@ -175,6 +176,11 @@ def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPat
         assert client.get("/v1/models").status_code == 401
         r = client.get("/v1/models", headers={"Authorization": "Bearer k"})
         assert r.status_code == 200 and r.json()["data"][0]["id"] == checkpoint.name
+        big = {"Authorization": "Bearer k", "Content-Length": str(2**20 + 1)}
+        assert client.post("/v1/completions", headers=big, content=b" " * (2**20 + 1)).status_code == 413
+        assert client.post("/v1/completions", headers={"Content-Length": str(2**20 + 1)}).status_code == 401
+    result = runner.invoke(app, ["serve", str(checkpoint), "--max-request-mb", "0"])
+    assert result.exit_code != 0 and "--max-request-mb" in result.output
     result = runner.invoke(app, ["serve", str(checkpoint), "--request-timeout", "0"])
     assert result.exit_code != 0 and "--request-timeout" in result.output
     result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "-1"])

@@ -285,3 +285,16 @@ def test_tokenize_and_detokenize(served) -> None:
     messages = [{"role": "user", "content": "Hola"}]
     r = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()
     assert r["tokens"] == encode_chat(tok, messages)
+
+
+def test_a_body_over_the_servers_limit_is_413_in_openais_shape(tiny_checkpoint, live_server) -> None:
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    engine = Engine(K3ForCausalLM.from_pretrained(tiny_checkpoint))
+    with live_server(create_app(engine, tok, NAME, max_request_bytes=4096)) as base:
+        limited = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0, timeout=60)
+        assert limited.completions.create(model=NAME, prompt=TEXT, max_tokens=1).choices[0].text is not None
+        with pytest.raises(openai.APIStatusError) as refused:
+            limited.completions.create(model=NAME, prompt=TEXT * 100, max_tokens=1)
+        assert refused.value.status_code == 413 and "limit of 4,096 bytes" in refused.value.message
+        assert refused.value.code == "request_too_large"
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"  # and it serves on
