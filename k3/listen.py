@@ -90,8 +90,10 @@ def run_app(app, sock: socket.socket, log_level: str) -> None:
 
 class BodyLimit:
     """ASGI middleware: a request whose body is over `max_bytes` gets 413 (an OpenAI-shaped error) instead of
-    being read whole into memory: by its Content-Length before anything is read, or, sent in chunks, as soon
-    as the chunks pass the limit (the app then sees the client gone, and its reply is replaced by the 413)."""
+    being held in memory: by its Content-Length before the app runs, or, sent in chunks, as soon as they pass
+    the limit (the app then sees the client gone, and its reply is replaced by the 413). The rest of the body
+    is read and dropped first, up to 8 x `max_bytes`, so that a client still sending gets the 413 rather than
+    a broken connection (beyond that the connection is closed on it)."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -102,6 +104,8 @@ class BodyLimit:
             return
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.max_bytes:
+            if length.isdigit() and int(length) <= 8 * self.max_bytes:
+                await self._drop_the_rest(receive, 0)
             await self._refuse(send)
             return
         seen, over, started = 0, False, False
@@ -113,6 +117,8 @@ class BodyLimit:
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
                     over = True
+                    if message.get("more_body", False):
+                        await self._drop_the_rest(receive, seen)
                     return {"type": "http.disconnect"}
             return message
 
@@ -129,6 +135,16 @@ class BodyLimit:
                 raise
         if over and not started:  # (an app that answered before reading its body has had its say)
             await self._refuse(send)
+
+    async def _drop_the_rest(self, receive, seen: int) -> None:
+        """Read the body's remaining chunks without keeping them, up to 8 x max_bytes in all."""
+        while seen <= 8 * self.max_bytes:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            seen += len(message.get("body", b""))
+            if not message.get("more_body", False):
+                return
 
     async def _refuse(self, send) -> None:
         message = f"the request body is over this server's limit of {self.max_bytes:,} bytes"

@@ -79,6 +79,7 @@ def serve(
     tokens: Path = typer.Option(None, help='JSON file `{"<token>": "<client name>"}`; default: a new token.'),
     quota: int = typer.Option(8, help="Live sandboxes per client."),
     max_ttl: float = typer.Option(3600, help="Longest sandbox lifetime a client may ask for (s)."),
+    max_upload_mb: int = typer.Option(256, help="Most MiB in a request's body, a file upload (then 413)."),
     e2b: bool = typer.Option(
         False, "--e2b", help="Speak E2B's protocol (the `e2b` SDK); k3's API under /k3."
     ),
@@ -92,6 +93,8 @@ def serve(
     from k3.errors import K3Error
     from k3.listen import listening_socket, run_app, url_of
 
+    if max_upload_mb < 1:
+        fail(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
     try:
         sock = listening_socket(host, port)
     except K3Error as e:
@@ -121,9 +124,11 @@ def serve(
         if e2b:
             from k3.sandbox.e2b import create_e2b_app
 
-            app = create_e2b_app(table, quota=quota, max_ttl_s=max_ttl, backend=backend)
+            app = create_e2b_app(
+                table, quota=quota, max_ttl_s=max_ttl, backend=backend, max_body_bytes=max_upload_mb * 2**20
+            )
         else:
-            app = create_app(table, quota=quota, max_ttl_s=max_ttl)
+            app = create_app(table, quota=quota, max_ttl_s=max_ttl, max_body_bytes=max_upload_mb * 2**20)
     except SandboxError as e:
         fail(str(e))
     if e2b:

@@ -29,10 +29,11 @@ from fastapi import Depends, FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from k3.listen import BodyLimit
 from k3.sandbox import snapshots
 from k3.sandbox.envd import ENVD_VERSION, EnvdSandbox, connect_apps, envd_router
 from k3.sandbox.sandbox import BACKENDS, Sandbox, default_root
-from k3.sandbox.server import Registry, create_app
+from k3.sandbox.server import MAX_BODY_BYTES, Registry, create_app
 from k3.sandbox.types import Limits, SandboxError
 
 TEMPLATE_ALIASES = {"base": "python"}
@@ -95,9 +96,11 @@ def create_e2b_app(
     backend: str = "gvisor",
     limits: Limits | None = None,
     reap_every_s: float = 5.0,
+    max_body_bytes: int = MAX_BODY_BYTES,
 ):
     """The ASGI application. `tokens`: API key -> client name; `backend`: the backend of sandboxes whose
-    template names none; `limits`: every sandbox's limits."""
+    template names none; `limits`: every sandbox's limits; a request body (an upload) over `max_body_bytes`
+    gets 413 unread."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one API key")
     if backend not in BACKENDS:
@@ -129,6 +132,7 @@ def create_e2b_app(
     app = FastAPI(
         title="k3 sandbox (E2B)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
 
     @app.exception_handler(SandboxError)
     async def bad_input(request: Request, exc: SandboxError):
@@ -365,7 +369,12 @@ def create_e2b_app(
         return info.entry
 
     app.include_router(envd_router(lookup))
-    app.mount("/k3", create_app(tokens, root=root, quota=quota, max_ttl_s=max_ttl_s, registry=reg))
+    app.mount(
+        "/k3",
+        create_app(
+            tokens, root=root, quota=quota, max_ttl_s=max_ttl_s, registry=reg, max_body_bytes=max_body_bytes
+        ),
+    )
     app.state.registry = reg
     connect = connect_apps(lookup)
 

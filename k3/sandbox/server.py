@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
+from k3.listen import BodyLimit
 from k3.sandbox import snapshots
 from k3.sandbox.sandbox import Sandbox, default_root
 from k3.sandbox.types import Limits, SandboxError
@@ -78,10 +79,15 @@ class Registry:
             s.kill()
 
 
+MAX_BODY_BYTES = 256 * 2**20  # the largest request body (a file upload), as a sandbox's default disk
+
+
 def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8, max_ttl_s: float = 3600,
-               reap_every_s: float = 5.0, registry: Registry | None = None) -> FastAPI:  # fmt: skip
+               reap_every_s: float = 5.0, registry: Registry | None = None,
+               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
     """`tokens`: bearer token -> client name. `quota`: live sandboxes per client. `registry`: share the
-    sandboxes and quotas of another server (the E2B one mounts this app; its lifespan then runs there)."""
+    sandboxes and quotas of another server (the E2B one mounts this app; its lifespan then runs there). A
+    request body (an upload) over `max_body_bytes` gets 413 unread."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one bearer token")
     reg = registry or Registry(quota)
@@ -102,6 +108,7 @@ def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8,
             reg.close()  # no sandbox outlives the server
 
     app = FastAPI(title="k3 sandbox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.state.registry = reg
 
     @app.exception_handler(SandboxError)

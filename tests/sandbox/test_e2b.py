@@ -47,7 +47,7 @@ def server(root, tmp_path_factory):
     port = _free_port()
     env = {**os.environ, "K3_SANDBOX_ROOT": str(root), "PYTHONPATH": str(Path(__file__).parents[2])}
     argv = [sys.executable, "-m", "k3", "sandbox", "serve", "--e2b", "--port", str(port)]
-    argv += ["--tokens", str(tokens), "--quota", str(QUOTA), "--backend", "gvisor"]
+    argv += ["--tokens", str(tokens), "--quota", str(QUOTA), "--backend", "gvisor", "--max-upload-mb", "1"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     saved = dict(os.environ)
     try:
@@ -145,6 +145,18 @@ def test_sdk_drives_a_sandbox(server, backend):
     assert not sbx.is_running()
     with pytest.raises(SandboxNotFoundException):
         Sandbox.connect(sbx.sandbox_id)
+
+
+def test_an_upload_over_the_servers_limit_is_refused_and_the_sandbox_serves_on(server):
+    """`--max-upload-mb 1`: a 2 MiB file is a 413 before the server holds it; 0.9 MiB is written."""
+    sbx = Sandbox.create(template="base@bwrap", timeout=60)
+    try:
+        with pytest.raises(SandboxException, match="413"):
+            sbx.files.write("big.bin", b"x" * 2**21)
+        sbx.files.write("fits.bin", b"y" * 900_000)
+        assert sbx.commands.run("wc -c < fits.bin; ls big.bin 2>&1 | wc -l").stdout == "900000\n1\n"
+    finally:
+        sbx.kill()
 
 
 def test_snapshot_is_a_template(server):
