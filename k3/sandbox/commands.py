@@ -80,6 +80,11 @@ def serve(
     quota: int = typer.Option(8, help="Live sandboxes per client."),
     max_ttl: float = typer.Option(3600, help="Longest sandbox lifetime a client may ask for (s)."),
     max_upload_mb: int = typer.Option(256, help="Most MiB in a request's body, a file upload (then 413)."),
+    max_limits: str = typer.Option(
+        None,
+        help="The most a client may ask for a sandbox, as FIELD=VALUE,... over the default ceiling "
+        "cpus=2,memory_mb=4096,pids=1024,disk_mb=4096,output_mb=64 (and cpu_s: none).",
+    ),
     e2b: bool = typer.Option(
         False, "--e2b", help="Speak E2B's protocol (the `e2b` SDK); k3's API under /k3."
     ),
@@ -95,6 +100,7 @@ def serve(
 
     if max_upload_mb < 1:
         fail(f"--max-upload-mb must be >= 1, got {max_upload_mb}")
+    ceiling = _ceiling(max_limits)
     try:
         sock = listening_socket(host, port)
     except K3Error as e:
@@ -125,10 +131,17 @@ def serve(
             from k3.sandbox.e2b import create_e2b_app
 
             app = create_e2b_app(
-                table, quota=quota, max_ttl_s=max_ttl, backend=backend, max_body_bytes=max_upload_mb * 2**20
+                table,
+                quota=quota,
+                max_ttl_s=max_ttl,
+                backend=backend,
+                max_body_bytes=max_upload_mb * 2**20,
+                ceiling=ceiling,
             )
         else:
-            app = create_app(table, quota=quota, max_ttl_s=max_ttl, max_body_bytes=max_upload_mb * 2**20)
+            app = create_app(
+                table, quota=quota, max_ttl_s=max_ttl, max_body_bytes=max_upload_mb * 2**20, ceiling=ceiling
+            )
     except SandboxError as e:
         fail(str(e))
     if e2b:
@@ -139,6 +152,30 @@ def serve(
     else:
         print(f"sandbox API on {url_of(sock)}", flush=True)
     run_app(app, sock, "warning")
+
+
+def _ceiling(pairs: str | None):
+    """`--max-limits cpus=4,memory_mb=8192`: the default ceiling with those fields changed."""
+    from dataclasses import replace
+
+    from k3.sandbox.server import CEILING
+    from k3.sandbox.types import Limits, SandboxError
+
+    if pairs is None:
+        return CEILING
+    values: dict = {}
+    for pair in pairs.split(","):
+        name, _, text = pair.strip().partition("=")
+        kind = float if name in ("cpus", "cpu_s") else int
+        try:
+            values[name] = None if name == "cpu_s" and text == "none" else kind(text)
+        except ValueError:
+            fail(f"--max-limits: {pair.strip()!r} is not FIELD=NUMBER")
+    try:
+        Limits.from_fields(values)  # the names and values checked
+        return replace(CEILING, **values)
+    except SandboxError as e:
+        fail(f"--max-limits: {e}")
 
 
 def e2b_exports(api_key: str, url: str) -> list[str]:

@@ -33,7 +33,7 @@ from k3.listen import BodyLimit
 from k3.sandbox import snapshots
 from k3.sandbox.envd import ENVD_VERSION, EnvdSandbox, connect_apps, envd_router
 from k3.sandbox.sandbox import BACKENDS, Sandbox, default_root
-from k3.sandbox.server import MAX_BODY_BYTES, Registry, create_app
+from k3.sandbox.server import CEILING, MAX_BODY_BYTES, Registry, create_app
 from k3.sandbox.types import Limits, SandboxError
 
 TEMPLATE_ALIASES = {"base": "python"}
@@ -97,10 +97,11 @@ def create_e2b_app(
     limits: Limits | None = None,
     reap_every_s: float = 5.0,
     max_body_bytes: int = MAX_BODY_BYTES,
+    ceiling: Limits = CEILING,
 ):
     """The ASGI application. `tokens`: API key -> client name; `backend`: the backend of sandboxes whose
     template names none; `limits`: every sandbox's limits; a request body (an upload) over `max_body_bytes`
-    gets 413 unread."""
+    gets 413 unread; `ceiling`: the most a client of k3's own API (under /k3) may ask for a sandbox."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one API key")
     if backend not in BACKENDS:
@@ -372,7 +373,13 @@ def create_e2b_app(
     app.mount(
         "/k3",
         create_app(
-            tokens, root=root, quota=quota, max_ttl_s=max_ttl_s, registry=reg, max_body_bytes=max_body_bytes
+            tokens,
+            root=root,
+            quota=quota,
+            max_ttl_s=max_ttl_s,
+            registry=reg,
+            max_body_bytes=max_body_bytes,
+            ceiling=ceiling,
         ),
     )
     app.state.registry = reg

@@ -80,14 +80,16 @@ class Registry:
 
 
 MAX_BODY_BYTES = 256 * 2**20  # the largest request body (a file upload), as a sandbox's default disk
+# The most a client may ask for a sandbox (its `limits`); `k3 sandbox serve --max-limits` sets another.
+CEILING = Limits(cpus=2, memory_mb=4096, pids=1024, disk_mb=4096, output_mb=64)
 
 
 def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8, max_ttl_s: float = 3600,
                reap_every_s: float = 5.0, registry: Registry | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:  # fmt: skip
+               max_body_bytes: int = MAX_BODY_BYTES, ceiling: Limits = CEILING) -> FastAPI:  # fmt: skip
     """`tokens`: bearer token -> client name. `quota`: live sandboxes per client. `registry`: share the
     sandboxes and quotas of another server (the E2B one mounts this app; its lifespan then runs there). A
-    request body (an upload) over `max_body_bytes` gets 413 unread."""
+    request body (an upload) over `max_body_bytes` gets 413 unread; limits asked over `ceiling`, 400."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one bearer token")
     reg = registry or Registry(quota)
@@ -145,12 +147,16 @@ def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8,
 
     @app.post("/sandboxes")
     def create(body: CreateBody, who: str = Depends(client)) -> dict:
+        limits = Limits.from_fields(body.limits) if body.limits else None
+        over = (limits or Limits()).over(ceiling)
+        if over:
+            raise SandboxError(f"limits over this server's ceiling: {', '.join(over)}")
         admit(who)
         own_snapshot(body.snapshot_id, who)
         sbx = Sandbox.create(
             template=body.template,
             timeout=min(body.timeout, max_ttl_s),
-            limits=Limits(**body.limits) if body.limits else None,
+            limits=limits,
             backend=body.backend,
             allow_internet_access=body.allow_internet_access,
             snapshot=body.snapshot_id,

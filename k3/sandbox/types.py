@@ -41,6 +41,29 @@ class Limits:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_fields(cls, values: dict) -> Limits:
+        """Limits from a request's `{field: value}` (the defaults for the rest); an unknown field is a
+        SandboxError, as is a bad value."""
+        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise SandboxError(
+                f"no such limit {', '.join(unknown)}: one of {', '.join(cls.__dataclass_fields__)}"
+            )
+        return cls(**values)
+
+    def over(self, ceiling: Limits) -> list[str]:
+        """The fields of these limits above `ceiling`'s, each as `field value > ceiling` (no CPU-time limit is
+        above any)."""
+        found = [
+            f"{name} {getattr(self, name)} > {getattr(ceiling, name)}"
+            for name in ("cpus", "memory_mb", "pids", "disk_mb", "output_mb")
+            if getattr(self, name) > getattr(ceiling, name)
+        ]
+        if ceiling.cpu_s is not None and (self.cpu_s is None or self.cpu_s > ceiling.cpu_s):
+            found.append(f"cpu_s {self.cpu_s} > {ceiling.cpu_s}")
+        return found
+
 
 @dataclass(frozen=True)
 class CommandResult:

@@ -73,3 +73,20 @@ def test_host_template_shows_host_python_but_not_host_files(root):
     t = resolve_template(root, "python")
     assert t.binds[0] == "/usr" and (t.rootfs / "etc/passwd").read_text().count("\n") == 3
     assert not (t.rootfs / "etc/shadow").exists()
+
+
+def test_serve_max_limits_changes_the_ceilings_fields_and_refuses_what_is_not_one():
+    from k3.sandbox.commands import _ceiling
+    from k3.sandbox.server import CEILING
+
+    assert _ceiling(None) == CEILING
+    ceiling = _ceiling("cpus=4, memory_mb=8192,cpu_s=60")
+    assert (ceiling.cpus, ceiling.memory_mb, ceiling.cpu_s, ceiling.disk_mb) == (
+        4.0,
+        8192,
+        60.0,
+        CEILING.disk_mb,
+    )
+    for bad, says in (("memory_mb=lots", "is not FIELD=NUMBER"), ("memroy_mb=1", "no such limit memroy_mb")):
+        r = CliRunner().invoke(app, ["sandbox", "serve", "--port", "0", "--max-limits", bad])
+        assert r.exit_code == 1 and says in r.output, r.output

@@ -16,7 +16,7 @@ from sandbox_testing import leftovers, require
 
 from k3.sandbox.client import RemoteSandbox
 from k3.sandbox.server import create_app
-from k3.sandbox.types import SandboxError
+from k3.sandbox.types import Limits, SandboxError
 
 CLIENTS = 16
 TOKENS = {f"token-{i:02d}-{'x' * 24}": f"client-{i:02d}" for i in range(CLIENTS)}
@@ -50,6 +50,23 @@ def test_no_or_wrong_token_is_401(server):
     assert httpx.get(f"{url}/sandboxes", headers={"Authorization": "Bearer nope"}).status_code == 401
     assert httpx.get(f"{url}/sandboxes", headers={"Authorization": TOKEN[0]}).status_code == 401
     assert httpx.get(f"{url}/openapi.json").status_code == 404  # nothing is served without a token
+
+
+def test_limits_over_the_servers_ceiling_or_unknown_are_400_and_cost_no_quota(server):
+    url, _ = server
+    auth = {"Authorization": f"Bearer {TOKEN[4]}"}
+    for limits, says in (
+        ({"memory_mb": 8192}, "memory_mb 8192 > 4096"),
+        ({"cpus": 3, "disk_mb": 5000}, "cpus 3 > 2, disk_mb 5000 > 4096"),
+        ({"memroy_mb": 64}, "no such limit memroy_mb"),
+        ({"pids": 2}, "pids must be an integer >= 4"),
+    ):
+        r = httpx.post(f"{url}/sandboxes", headers=auth, json={"backend": "bwrap", "limits": limits})
+        assert r.status_code == 400 and says in r.json()["detail"], (limits, r.text)
+    with make(url, 4, limits=Limits(memory_mb=4096, disk_mb=64)) as a, make(url, 4) as b:  # the quota: 2
+        assert (
+            a.commands.run("true", timeout=20).exit_code == b.commands.run("true", timeout=20).exit_code == 0
+        )
 
 
 def test_another_clients_sandbox_is_404(server):
