@@ -60,6 +60,14 @@ def only_this_machine(sock: socket.socket) -> bool:
     return ipaddress.ip_address(sock.getsockname()[0]).is_loopback
 
 
+def require_key_beyond_this_machine(sock: socket.socket, host: str, key: str | None, how: str) -> None:
+    """Closes `sock` and raises ListenError when other machines can reach it and no `key` was given: remote
+    requests must authenticate. `how` says how to give a key."""
+    if key is None and not only_this_machine(sock):
+        sock.close()
+        raise ListenError(f"--host {host} takes requests from other machines, which must authenticate: {how}")
+
+
 def url_of(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"

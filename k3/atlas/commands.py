@@ -36,18 +36,14 @@ def _listen(host: str, port: int, key: str | None, tries: int = 1):
     """The atlas server's socket (a one-line error for a bad or taken port), refused without a key where other
     machines could reach it."""
     from k3.errors import K3Error
-    from k3.listen import listening_socket, only_this_machine
+    from k3.listen import listening_socket, require_key_beyond_this_machine
 
+    how = "give a key with --key KEY (or K3_ATLAS_KEY), or write a static site to host with `k3 atlas build`"
     try:
         sock = listening_socket(host, port, tries)
+        require_key_beyond_this_machine(sock, host, key, how)
     except K3Error as e:
         fail(str(e))
-    if key is None and not only_this_machine(sock):
-        sock.close()
-        fail(
-            f"--host {host} takes requests from other machines, which must authenticate: give a key with "
-            "--key KEY (or K3_ATLAS_KEY), or write a static site to host with `k3 atlas build`"
-        )
     return sock
 
 

@@ -454,7 +454,7 @@ def serve(
     from k3.engine.generate import Engine
     from k3.engine.server import create_app
     from k3.errors import K3Error
-    from k3.listen import listening_socket, only_this_machine, run_app, url_of
+    from k3.listen import listening_socket, require_key_beyond_this_machine, run_app, url_of
 
     if request_timeout is not None and not request_timeout > 0:
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
@@ -464,14 +464,9 @@ def serve(
         fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     try:
         sock = listening_socket(host, port)
+        require_key_beyond_this_machine(sock, host, api_key, "give a key with --api-key KEY (or K3_API_KEY)")
     except K3Error as e:
         fail(str(e))
-    if api_key is None and not only_this_machine(sock):
-        sock.close()
-        fail(
-            f"--host {host} takes requests from other machines, which must authenticate: "
-            "give a key with --api-key KEY (or K3_API_KEY)"
-        )
     model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     name = model_name or (
         checkpoint.rstrip("/").rsplit("/", 1)[-1] if "://" in checkpoint else Path(checkpoint).resolve().name
