@@ -113,6 +113,21 @@ class PrefixCache:
         if self.state_dir is not None:
             self.load_dir()
 
+    def health(self) -> dict:
+        """What the server's /health says of the cache: lookups that resumed (hits) or not (misses), prompt
+        tokens not prefilled, blocks stored and evicted, blocks and bytes held, files refused at start."""
+        s = self.stats
+        return {
+            "hits": s.hits,
+            "misses": s.misses,
+            "cached_tokens": s.cached_tokens,
+            "inserted": s.inserted,
+            "evicted": s.evicted,
+            "blocks": len(self.blocks),
+            "bytes": self.bytes,
+            "refused_files": len(s.refused),
+        }
+
     # ---- lookups -----------------------------------------------------------------------------------------
     def match(self, ids: list[int], limit: int, need_experts: bool = False) -> list[Block]:
         """The cached chain over ids[:limit], deepest last (blocks with experts only, if asked)."""

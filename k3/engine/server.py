@@ -140,12 +140,15 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
-        return {
+        doc = {
             "status": "ok" if worker.error is None else "degraded",
             "in_flight": worker.in_flight,
             "running": len(engine.running),
             "waiting": len(engine.waiting),
         }
+        if engine.prefix_cache is not None:
+            doc["prefix_cache"] = engine.prefix_cache.health()
+        return doc
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -82,6 +82,12 @@ def test_multi_turn_chat_with_and_without_the_cache(tiny_checkpoint, tok, live_s
     off_ctx, _ = serve(tiny_checkpoint, tok, live_server, pc=False)
     with on_ctx as on, off_ctx as off:
         turns_on, turns_off = list(conversation(on)), list(conversation(off))
+        health_on, health_off = httpx.get(f"{on}/health").json(), httpx.get(f"{off}/health").json()
+    assert "prefix_cache" not in health_off
+    cached = [expected_cached([ids for ids, _ in turns_on[:i]], ids) for i, (ids, _) in enumerate(turns_on)]
+    seen = health_on["prefix_cache"]
+    assert (seen["hits"], seen["misses"]) == (sum(c > 0 for c in cached), sum(c == 0 for c in cached))
+    assert seen["cached_tokens"] == sum(cached) and seen["blocks"] > 0 and seen["evicted"] == 0
     earlier: list[list[int]] = []
     for (ids, a), (ids_off, b) in zip(turns_on, turns_off, strict=True):
         assert ids == ids_off
