@@ -6,20 +6,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from typer.main import get_command
+from cli_walk import commands
 from typer.testing import CliRunner
 
 from k3.cli import app
 
 WIDTH = 200  # wide enough that no help line wraps
 BOX = re.compile(r"[│╭╮╰╯─]")
-
-
-def commands(command, path=()):
-    """(path, click command) for `k3` and every command below it."""
-    yield path, command
-    for name, sub in getattr(command, "commands", {}).items():
-        yield from commands(sub, (*path, name))
 
 
 def written_words(text: str) -> list[str]:
@@ -31,7 +24,7 @@ def shown_words(output: str) -> set[str]:
     return set(BOX.sub(" ", output).split())
 
 
-COMMANDS = list(commands(get_command(app)))
+COMMANDS = list(commands())
 
 
 @pytest.mark.parametrize("path, command", COMMANDS, ids=[" ".join(("k3", *p)) for p, _ in COMMANDS])

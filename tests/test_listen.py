@@ -170,3 +170,17 @@ def test_a_body_over_the_limit_is_413_by_its_length_or_as_its_chunks_pass_it():
     assert client.post("/echo", content=(b"x" * 300 for _ in range(3))).json() == {"read": 900}
     bad = client.post("/echo", content=b"x", headers={"Content-Length": "a lot"})
     assert bad.status_code in (400, 413)  # the HTTP layer or BodyLimit: never read as a body
+
+
+def test_every_k3_server_binds_127_0_0_1_unless_told():
+    """Every command with a --host option (a server) defaults to the loopback address."""
+    from cli_walk import commands
+
+    hosts = {
+        " ".join(path): param.default
+        for path, command in commands()
+        for param in command.params
+        if "--host" in getattr(param, "opts", [])
+    }
+    assert set(hosts) == {"serve", "atlas serve", "atlas demo", "sandbox serve"}, hosts
+    assert set(hosts.values()) == {"127.0.0.1"}
