@@ -57,8 +57,8 @@ class Limits:
         above any)."""
         found = [
             f"{name} {getattr(self, name)} > {getattr(ceiling, name)}"
-            for name in ("cpus", "memory_mb", "pids", "disk_mb", "output_mb")
-            if getattr(self, name) > getattr(ceiling, name)
+            for name in self.__dataclass_fields__
+            if name != "cpu_s" and getattr(self, name) > getattr(ceiling, name)
         ]
         if ceiling.cpu_s is not None and (self.cpu_s is None or self.cpu_s > ceiling.cpu_s):
             found.append(f"cpu_s {self.cpu_s} > {ceiling.cpu_s}")
