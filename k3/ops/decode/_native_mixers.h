@@ -281,24 +281,21 @@ inline std::vector<Tensor> mla_mixer(const Tensor& x, const Tensor& norm_w, doub
       p.resize(n * S);
       rope_scores.resize(n * S);
       const int64_t tile = n > kHeadGroup ? kAttendTile : S;  // one group: nothing to share a tile with
-      for (int64_t t0 = 0; t0 < S; t0 += tile) {
-        const int64_t t1 = std::min(S, t0 + tile);
-        for (int64_t g = 0; g < n; g += kHeadGroup) {
-          const int64_t G = std::min(kHeadGroup, n - g);
-          float *pg = p.data() + g * S, *rg = rope_scores.data() + g * S;
-          dense_rows(c, L, q_latent.data() + g * L, G, pg, S, t0, t1, kv_b.wide, by_row);         // (q_n W_k) . c_t
-          dense_rows(kr, rope, q_rope.data() + g * rope, G, rg, S, t0, t1, kv_b.wide, by_row);  // q_r . k_r,t
-        }
-      }
+      // f(t0, t1, g, G): positions [t0, t1) for the heads [g, g + G) of the chunk, every group on a tile first
+      const auto tiles_then_groups = [&](const auto& f) {
+        for (int64_t t0 = 0; t0 < S; t0 += tile)
+          for (int64_t g = 0; g < n; g += kHeadGroup) f(t0, std::min(S, t0 + tile), g, std::min(kHeadGroup, n - g));
+      };
+      tiles_then_groups([&](int64_t t0, int64_t t1, int64_t g, int64_t G) {
+        float *pg = p.data() + g * S, *rg = rope_scores.data() + g * S;
+        dense_rows(c, L, q_latent.data() + g * L, G, pg, S, t0, t1, kv_b.wide, by_row);         // (q_n W_k) . c_t
+        dense_rows(kr, rope, q_rope.data() + g * rope, G, rg, S, t0, t1, kv_b.wide, by_row);  // q_r . k_r,t
+      });
       for (int64_t j = 0; j < n; ++j) position_weights(p.data() + j * S, rope_scores.data() + j * S, sc, S);
       o_latent.assign(n * L, 0.0f);
-      for (int64_t t0 = 0; t0 < S; t0 += tile) {  // o_latent[j] = sum_t p[j, t] c_t
-        const int64_t t1 = std::min(S, t0 + tile);
-        for (int64_t g = 0; g < n; g += kHeadGroup) {
-          const int64_t G = std::min(kHeadGroup, n - g);
-          weighted_rows(p.data() + g * S, S, G, c, L, o_latent.data() + g * L, kv_b.wide, t0, t1);
-        }
-      }
+      tiles_then_groups([&](int64_t t0, int64_t t1, int64_t g, int64_t G) {  // o_latent[j] = sum_t p[j, t] c_t
+        weighted_rows(p.data() + g * S, S, G, c, L, o_latent.data() + g * L, kv_b.wide, t0, t1);
+      });
       for (int64_t j = 0; j < n; ++j) {
         float* oz = o.data() + r * heads * v_dim + (h0 + j) * v_dim;
         const auto* wv = w_kv_b + (h0 + j) * (nope + v_dim) * L + nope * L;
