@@ -29,6 +29,7 @@ from pathlib import Path
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo's position-grid helper is torch.compiled
 
 import torch  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from k3.ops.roofline import best_seconds, gemm_rate, machine_line  # noqa: E402
 
@@ -86,7 +87,7 @@ def one_case(impl: str, size: str, dtype_name: str, layers: int, repeats: int, o
     with torch.no_grad():
         seconds = best_seconds(run, repeats)
         features = run()[0].float()
-    torch.save(features, out.with_suffix(".pt"))
+    save_file({"features": features.contiguous()}, out.with_suffix(".safetensors"))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     row = {
         "seconds": seconds,
@@ -116,7 +117,7 @@ def run_case(impl: str, size: str, dtype: str, args, tmp: Path) -> dict | None:
         print(f"  {impl} {size} {dtype}: failed\n{done.stderr[-2000:]}")
         return None
     row = json.loads(out.read_text())
-    row["features"] = torch.load(out.with_suffix(".pt"))
+    row["features"] = load_file(out.with_suffix(".safetensors"))["features"]
     return row
 
 
