@@ -2,7 +2,9 @@
 
 Bodies are pydantic models in strict mode: a wrong JSON type (a string for `max_tokens`, a number for
 `prompt`) is a validation error, which the server answers with 422 naming the field. Unknown fields are
-accepted and ignored, as OpenAI clients send many. Errors are OpenAI-style JSON,
+accepted and ignored, as OpenAI clients send many, except those of OpenAI's and vLLM's that would change what
+is sampled and k3 does not do (`logit_bias`, penalties, `best_of`...): set to anything but their neutral
+value they are a 400, not output the client did not ask for. Errors are OpenAI-style JSON,
 `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -45,6 +47,32 @@ class APIError(Exception):
 def invalid(message: str, param: str | None = None) -> APIError:
     """400: a well-formed request the server cannot run (empty prompt, too long, ids out of range...)."""
     return APIError(400, message, "invalid_request_error", param)
+
+
+# Fields of OpenAI's and vLLM's APIs that change what is sampled, which k3 does not implement, each with the
+# values that change nothing.
+NOT_IMPLEMENTED: dict[str, tuple[Any, ...]] = {
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "min_tokens": (None, 0),
+    "min_p": (None, 0),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+}
+
+
+def refuse_not_implemented(body: BaseModel) -> None:
+    """400 for the first field of NOT_IMPLEMENTED that the request sets to a value that would matter."""
+    for name, value in (body.model_extra or {}).items():
+        neutral = NOT_IMPLEMENTED.get(name)
+        if neutral is not None and (isinstance(value, bool) or value not in neutral):  # True == 1 in Python
+            allowed = " or ".join(map(repr, neutral[1:])) or "absent"
+            raise invalid(f"{name}: not implemented by this server (leave it out, or {allowed})", name)
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]

@@ -47,7 +47,15 @@ from k3.engine.outputs import (
     merge_legacy,
 )
 from k3.engine.prefix_cache import cached_tokens
-from k3.engine.protocol import APIError, ChatBody, CompletionBody, SamplingBody, invalid, validation_error
+from k3.engine.protocol import (
+    APIError,
+    ChatBody,
+    CompletionBody,
+    SamplingBody,
+    invalid,
+    refuse_not_implemented,
+    validation_error,
+)
 from k3.engine.responses import gather_plain, merged, sse, streamed
 from k3.engine.sampling import SamplingError, SamplingParams
 from k3.engine.sequence import Event
@@ -219,9 +227,17 @@ def create_app(
             raise invalid(str(e)) from e
 
     def submit_all(
-        requests: list[tuple[list[int], SamplingParams]], images: list | None = None
+        requests: list[tuple[list[int], SamplingParams]], images: list | None = None, param: str = "n"
     ) -> list[Handle]:
-        """Admit every choice or none (429 with Retry-After when the queue is full)."""
+        """Admit every choice or none: 429 with Retry-After when the queue is full, 400 (naming `param`)
+        when the request alone asks for more sequences than the server ever holds, which no retry mends."""
+        if len(requests) > worker.capacity:
+            raise invalid(
+                f"{param}: this request asks for {len(requests)} sequences (prompts times n), more than the "
+                f"server runs and queues at once ({worker.capacity}: --max-batch + --max-queue); "
+                "send them in smaller requests",
+                param,
+            )
         handles: list[Handle] = []
         try:
             for prompt, params in requests:
@@ -299,6 +315,7 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         check_model(body.model)
+        refuse_not_implemented(body)
         prompts = completion_prompts(body)
         want = body.logprobs is not None
         choices: list[tuple[list[int], str]] = []
@@ -315,7 +332,7 @@ def create_app(
                 requests.append((ids, sampling(body, max_tokens, j, **logprobs)))
                 choices.append((ids, text))
         StopStrings(body.stop)  # checked before anything runs
-        handles = submit_all(requests)
+        handles = submit_all(requests, param="prompt" if len(prompts) > 1 else "n")
         rid, now, end = f"cmpl-{uuid.uuid4().hex}", int(time.time()), deadline()
 
         async def choice(
@@ -389,6 +406,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
+        refuse_not_implemented(body)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
         images = chat_images(

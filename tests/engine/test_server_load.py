@@ -206,6 +206,16 @@ BAD = [  # path, body (dict, or raw bytes), status, the param named, a word the 
     ("/v1/completions", {**COMPLETION, "max_tokens": 10**7}, 400, "max_tokens", "8192"),
     ("/v1/completions", {**COMPLETION, "prompt": [1] * 8200}, 400, "prompt", "8200 tokens"),
     ("/v1/completions", {**COMPLETION, "model": "gpt-4"}, 404, "model", "gpt-4"),
+    # what would change the output and k3 does not do: refused, not ignored (neutral values pass, below)
+    ("/v1/completions", {**COMPLETION, "logit_bias": {"5": 100}}, 400, "logit_bias", "not implemented"),
+    ("/v1/completions", {**COMPLETION, "best_of": 3}, 400, "best_of", "1"),
+    ("/v1/completions", {**COMPLETION, "best_of": True}, 400, "best_of", "not implemented"),
+    ("/v1/chat/completions", {**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty", "0"),
+    ("/v1/chat/completions", {**CHAT, "guided_json": {}}, 400, "guided_json", "leave it out"),
+    # more sequences than max_batch + max_queue (12) could ever hold: a 429 would be retried forever
+    ("/v1/completions", {**COMPLETION, "prompt": ["x"] * 7, "n": 2}, 400, "prompt", "14 sequences"),
+    ("/v1/completions", {**COMPLETION, "n": 13}, 400, "n", "(12: --max-batch"),
+    ("/v1/chat/completions", {**CHAT, "n": 13}, 400, "n", "13 sequences"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 422, "messages", "at least 1"),
     (
         "/v1/chat/completions",
@@ -245,8 +255,11 @@ def test_bad_inputs_get_4xx_naming_the_problem(served) -> None:
                 body,
                 error["message"],
             )
-        # odd but valid: lone surrogates (JSON can escape them; the tokenizer replaces them) are no error
+        # odd but valid: lone surrogates (JSON can escape them; the tokenizer replaces them) are no error,
+        # nor the neutral values of fields k3 does not implement, nor fields nobody knows
         for path, body in (
+            ("/v1/completions", {**COMPLETION, "logit_bias": {}, "best_of": 1, "frequency_penalty": 0.0}),
+            ("/v1/chat/completions", {**CHAT, "presence_penalty": 0, "user": "u1", "no_such_field": [1]}),
             ("/v1/completions", {**COMPLETION, "prompt": "a \ud800 b"}),
             ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}),
         ):
