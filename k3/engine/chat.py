@@ -6,7 +6,10 @@ A request maps onto the release encoder's arguments (docs/chat.md has the table)
   `reasoning_content`); `developer` is `system`; image parts only with `image_prompts` (a model with a
   vision tower: each part becomes its image's prompt in place, k3.chat.encoder), else text parts only;
 * `tools` -> the tool declarations; `tool_choice` "required" / "none" -> the tool-choice system
-  message ("auto" and a named function write nothing, as in the release); `response_format` as is;
+  message ("auto" and a named function write nothing, as in the release); `response_format` as is. Both
+  are checked first as OpenAI's API states them (each tool `{"type": "function", "function": {"name", ...}}`,
+  names distinct; a choice of "none", "auto", "required" or one declared function), so that a malformed
+  declaration is an error and not a prompt the model was never trained on;
 * `reasoning_effort` -> `thinking_effort`: minimal/low -> low, medium, high, xhigh/max -> max, and
   "none" turns thinking off;
 * `chat_template_kwargs` (as vLLM passes them to the chat template): the release encoder's own keywords
@@ -92,6 +95,7 @@ def chat_prompt(
     if "thinking" in kwargs and not isinstance(kwargs["thinking"], bool):
         raise ChatRequestError("thinking must be true or false", "chat_template_kwargs")
     options.update(kwargs)
+    check_tools(tools, tool_choice)
     if tool_choice is not None:
         options["tool_choice"] = tool_choice
     if response_format is not None:
@@ -106,6 +110,42 @@ def chat_prompt(
                 )
     roles = [{**m, "role": "system"} if m.get("role") == "developer" else m for m in messages]
     return ChatPrompt(roles, tools, options)
+
+
+def check_tools(tools: list[dict] | None, tool_choice: Any) -> None:
+    """Raise ChatRequestError unless `tools` and `tool_choice` are as OpenAI's API defines them."""
+    names: list[str] = []
+    for i, tool in enumerate(tools or []):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            raise ChatRequestError(f'{where}: must be {{"type": "function", "function": {{...}}}}', "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise ChatRequestError(f"{where}.function.name: must be a non-empty string", "tools")
+        if name in names:
+            raise ChatRequestError(f"{where}.function.name: {name!r} is declared twice", "tools")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise ChatRequestError(f"{where}.function.parameters: must be a JSON Schema object", "tools")
+        if not isinstance(function.get("description", ""), str):
+            raise ChatRequestError(f"{where}.function.description: must be a string", "tools")
+        names.append(name)
+    if tool_choice is None or tool_choice in ("none", "auto"):
+        return
+    if tool_choice == "required":
+        if not names:
+            raise ChatRequestError('"required" needs tools to choose from', "tool_choice")
+        return
+    chosen = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    if not isinstance(chosen, dict) or tool_choice.get("type") != "function":
+        raise ChatRequestError(
+            'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if chosen.get("name") not in names:
+        raise ChatRequestError(
+            f"{chosen.get('name')!r} is not one of the declared tools {names}", "tool_choice"
+        )
 
 
 def _is_text_part(part: Any) -> bool:

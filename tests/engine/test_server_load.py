@@ -176,6 +176,7 @@ def test_api_key(tiny_checkpoint, live_server, tok) -> None:
 
 COMPLETION = {"model": NAME, "prompt": "x", "max_tokens": 2}
 CHAT = {"model": NAME, "messages": [{"role": "user", "content": "hola"}], "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 BAD = [  # path, body (dict, or raw bytes), status, the param named, a word the message must hold
     ("/v1/completions", {"model": NAME}, 422, "prompt", "required"),
     ("/v1/completions", {**COMPLETION, "prompt": 5}, 422, "prompt", "string"),
@@ -231,6 +232,33 @@ BAD = [  # path, body (dict, or raw bytes), status, the param named, a word the 
         "messages",
         "no vision tower",  # a text-only model (K3ForCausalLM) served
     ),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "tools[0]: must be"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "retrieval", "function": {}}]}, 400, "tools", "[0]"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [TOOL, {"type": "function", "function": {}}]},
+        400,
+        "tools",
+        "[1]",
+    ),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL, TOOL]}, 400, "tools", "declared twice"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+        400,
+        "tools",
+        "JSON Schema object",
+    ),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "required"}, 400, "tool_choice", "needs tools"),
+    ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "always"}, 400, "tool_choice", "auto"),
+    (
+        "/v1/chat/completions",
+        {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+        400,
+        "tool_choice",
+        "'g' is not one of the declared tools ['f']",
+    ),
+    ("/tokenize", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools", "tools[0]"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs", "logprobs"),
     ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 30}, 422, "top_logprobs", "less"),
     ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "at least 1"),
@@ -260,6 +288,12 @@ def test_bad_inputs_get_4xx_naming_the_problem(served) -> None:
         for path, body in (
             ("/v1/completions", {**COMPLETION, "logit_bias": {}, "best_of": 1, "frequency_penalty": 0.0}),
             ("/v1/chat/completions", {**CHAT, "presence_penalty": 0, "user": "u1", "no_such_field": [1]}),
+            (
+                "/v1/chat/completions",
+                {**CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "f"}}},
+            ),
+            ("/v1/chat/completions", {**CHAT, "tools": [TOOL], "tool_choice": "required"}),
+            ("/v1/chat/completions", {**CHAT, "tool_choice": "none"}),
             ("/v1/completions", {**COMPLETION, "prompt": "a \ud800 b"}),
             ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\udfff"}]}),
         ):
