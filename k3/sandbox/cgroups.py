@@ -1,6 +1,7 @@
 """One small interface over cgroup v1 (a directory per controller: memory, pids, cpu) and cgroup v2 (one
 unified directory): create a group with limits, put a process in it, read its OOM kills and pids-limit
-hits, kill everything in it, remove it. `Cgroup.detect()` picks the version this machine mounts."""
+hits, its CPU time and memory, kill everything in it, remove it. `Cgroup.detect()` picks the version this
+machine mounts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from k3.sandbox.types import Limits, SandboxError
 
@@ -25,6 +27,24 @@ def _read_key(path: Path, key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+class Memory(NamedTuple):
+    """A cgroup's memory in bytes: `used` without the page cache, `cache` (the file pages on the LRU lists:
+    not shared memory, which holds a gVisor guest's memory and counts as used), `limit`."""
+
+    used: int
+    cache: int
+    limit: int
+
+
+def _read_int(path: Path) -> int:
+    """The integer a one-value cgroup file holds ("max", as cgroup v2 writes no limit, is -1); 0 if absent."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return 0
+    return -1 if text == "max" else int(text)
 
 
 class Cgroup:
@@ -69,6 +89,10 @@ class Cgroup:
 
     def cpu_seconds(self) -> float:
         """CPU time (user + system) the group's processes used, in seconds."""
+        raise NotImplementedError
+
+    def memory(self) -> Memory:
+        """The group's memory now (its children's included) and its limit, in bytes."""
         raise NotImplementedError
 
     def pids(self) -> set[int]:
@@ -154,6 +178,13 @@ class CgroupV1(Cgroup):
         except (OSError, ValueError):
             return 0.0
 
+    def memory(self) -> Memory:
+        mem = self.dirs()[0]
+        stat = mem / "memory.stat"  # total_: the children's too
+        cache = _read_key(stat, "total_active_file") + _read_key(stat, "total_inactive_file")
+        used = _read_int(mem / "memory.usage_in_bytes") - cache
+        return Memory(max(used, 0), cache, _read_int(mem / "memory.limit_in_bytes"))
+
 
 class CgroupV2(Cgroup):
     """cgroup v2: memory.max + memory.swap.max = 0, pids.max, cpu.max "quota period"; OOM kills from
@@ -187,6 +218,12 @@ class CgroupV2(Cgroup):
 
     def cpu_seconds(self) -> float:
         return _read_key(self.dirs()[0] / "cpu.stat", "usage_usec") / 1e6
+
+    def memory(self) -> Memory:
+        d = self.dirs()[0]
+        cache = _read_key(d / "memory.stat", "active_file") + _read_key(d / "memory.stat", "inactive_file")
+        used = _read_int(d / "memory.current") - cache
+        return Memory(max(used, 0), cache, _read_int(d / "memory.max"))
 
     def kill_all(self, deadline_s: float = 5.0) -> None:
         kill = self.dirs()[0] / "cgroup.kill"

@@ -2,7 +2,7 @@
 One server on 127.0.0.1 answers three things:
 
 - E2B's control-plane REST API (as in E2B's spec/openapi.yml): create (`POST /sandboxes`, `/v2/sandboxes`),
-  get, list (`/sandboxes`, `/v2/sandboxes`), kill, set timeout, pause, resume / connect, snapshots
+  get, list (`/sandboxes`, `/v2/sandboxes`), kill, set timeout, metrics, pause, resume / connect, snapshots
   (`POST /sandboxes/{id}/snapshots`, a snapshot id is then a template; `DELETE /templates/{id}`), fork.
   `X-API-KEY` is a k3 client token: each key sees only its own sandboxes (another key's id is 404), its
   live sandboxes are capped by the quota (429, the SDK's RateLimitException), a wrong key is 401.
@@ -26,8 +26,10 @@ from pathlib import Path
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.listen import BodyLimit
 from k3.sandbox import snapshots
@@ -139,9 +141,17 @@ def create_e2b_app(
     async def bad_input(request: Request, exc: SandboxError):
         return _error(400, str(exc))
 
-    @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
+    # Every error in E2B's shape, {"code", "message"}, which the SDK reads: also a path no route serves
+    # (starlette's HTTPException, the base of FastAPI's) and a body that fails validation.
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
         return _error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body") or "body"
+        return _error(400, f"{where}: {first.get('msg', 'invalid request')}")
 
     def client(request: Request) -> str:
         key = request.headers.get("x-api-key", "")
@@ -281,6 +291,28 @@ def create_e2b_app(
     def set_timeout(sid: str, body: TimeoutBody, info: Info = Depends(running)) -> Response:
         info.entry.sandbox.set_timeout(min(body.timeout, max_ttl_s))
         return Response(status_code=204)
+
+    @app.get("/sandboxes/{sid}/metrics")
+    def metrics(
+        sid: str, start: int | None = None, end: int | None = None, info: Info = Depends(running)
+    ) -> list[dict]:
+        """One sample, taken now (k3 keeps no history): [] when [start, end] (Unix seconds) excludes now."""
+        usage = info.entry.sandbox.usage()
+        if (start is not None and usage.timestamp < start) or (end is not None and usage.timestamp > end):
+            return []
+        return [
+            {
+                "timestamp": _iso(datetime.fromtimestamp(usage.timestamp, UTC)),
+                "timestampUnix": int(usage.timestamp),
+                "cpuCount": max(1, round(usage.cpu_count)),
+                "cpuUsedPct": usage.cpu_used_pct * usage.cpu_count / max(1, round(usage.cpu_count)),
+                "memUsed": usage.mem_used,
+                "memCache": usage.mem_cache,
+                "memTotal": usage.mem_total,
+                "diskUsed": usage.disk_used,
+                "diskTotal": usage.disk_total,
+            }
+        ]
 
     @app.post("/sandboxes/{sid}/refreshes", status_code=204)
     def refresh(sid: str, info: Info = Depends(running)) -> Response:

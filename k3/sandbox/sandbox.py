@@ -9,6 +9,7 @@ reaper process that removes all of it when the sandbox is killed, its lifetime e
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import os
@@ -27,7 +28,7 @@ from k3.sandbox.guest import guest_tools
 from k3.sandbox.gvisor import GvisorBackend
 from k3.sandbox.process import Outcome, Proc
 from k3.sandbox.templates import WORKSPACE, resolve_template
-from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot
+from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot, Usage
 from k3.sandbox.workspace import Disk, unmount
 
 BACKENDS = {"gvisor": GvisorBackend, "bwrap": BwrapBackend}
@@ -58,6 +59,34 @@ def _check_root(root: Path, backend: str) -> None:
 FILE_OP_TIMEOUT_S = 60.0  # a files operation is a command too; this is its deadline
 
 
+MAX_ARG_STRLEN = 32 * 4096  # Linux's limit on one argument or one NAME=VALUE string, its NUL included
+
+
+def check_exec_strings(argv: list[str], env: dict[str, str]) -> None:
+    """SandboxError for what exec(2) would refuse in one string (a NUL byte, a string over MAX_ARG_STRLEN)
+    or an environment name it cannot carry (empty, or holding '='), said before anything starts."""
+    for name, value in env.items():
+        if not name or "=" in name or "\0" in name:
+            raise SandboxError(
+                f"environment variable name {name[:40]!r}: must be non-empty, without '=' or NUL"
+            )
+        if "\0" in value:
+            raise SandboxError(f"environment variable {name}: its value holds a NUL byte")
+        if len(f"{name}={value}".encode()) >= MAX_ARG_STRLEN:
+            raise SandboxError(
+                f"environment variable {name}: {len(value.encode())} bytes, over exec(2)'s "
+                f"{MAX_ARG_STRLEN - 1} for one NAME=VALUE: pass large data as stdin or a file"
+            )
+    for arg in argv:
+        if "\0" in arg:
+            raise SandboxError("the command holds a NUL byte")
+        if len(arg.encode()) >= MAX_ARG_STRLEN:
+            raise SandboxError(
+                f"the command has a string of {len(arg.encode())} bytes, over exec(2)'s "
+                f"{MAX_ARG_STRLEN - 1}: pass large data as stdin or a file"
+            )
+
+
 class Commands:
     """`sbx.commands`: shell commands in the sandbox. Several may run at once; each has its own limits
     (memory, pids, output, timeout) and a limit ends that command only."""
@@ -85,12 +114,22 @@ class Commands:
         data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
         env = {"K3_SEED": str(sbx.seed), **(envs or {})}
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        check_exec_strings(argv, env)
         with sbx._lock:  # not during a snapshot
             sbx._check_alive()
             limit = min(float(timeout), sbx._remaining())
             pid = sbx._next_pid()
             cap = output_cap or sbx.limits.output_mb << 20
-            proc = sbx._backend.exec(argv, limit, cwd or WORKSPACE, env, data, keep_stdin, pid, cap)
+            try:
+                proc = sbx._backend.exec(argv, limit, cwd or WORKSPACE, env, data, keep_stdin, pid, cap)
+            except OSError as e:
+                if e.errno != errno.E2BIG:
+                    raise
+                raise SandboxError(
+                    "the command with its arguments and environment is larger than exec(2) takes "
+                    f"({sum(len(a) for a in argv) + sum(len(k) + len(v) for k, v in env.items())} bytes): "
+                    "pass large data as stdin or a file"
+                ) from e
             proc.argv, proc.envs, proc.cwd, proc.tag = argv, dict(envs or {}), cwd or WORKSPACE, tag
             sbx._procs[pid] = proc
         return proc
@@ -165,6 +204,8 @@ class Sandbox:
         self._killed = False
         self._lost = False  # its processes were killed from outside (gVisor: its kernel is gone)
         self._snapshotting = False  # between checkpoint and restore its kernel is down, and it is not dead
+        self._cpu_sample = (time.monotonic(), 0.0)  # (when, its cgroup's CPU seconds then): usage()
+        self._usage_lock = threading.Lock()
         self._reaper = subprocess.Popen(
             [sys.executable, "-S", "-I", str(REAPER)],
             stdin=subprocess.PIPE,
@@ -296,6 +337,28 @@ class Sandbox:
         """Make the sandbox end `timeout` seconds from now."""
         self._deadline = time.time() + timeout
         self._send_plan()
+
+    def usage(self) -> Usage:
+        """What the sandbox uses now (types.Usage): the CPU since the call before, memory, disk."""
+        self._check_alive()
+        cgroup = self._backend.cgroup
+        now, cpu = time.monotonic(), cgroup.cpu_seconds()
+        with self._usage_lock:  # two callers each get their own interval
+            then, before = self._cpu_sample
+            self._cpu_sample = (now, cpu)
+        percent = 100 * max(cpu - before, 0.0) / max(now - then, 1e-6) / self.limits.cpus
+        memory = cgroup.memory()
+        disk = os.statvfs(self._disk.path)
+        return Usage(
+            timestamp=time.time(),
+            cpu_count=self.limits.cpus,
+            cpu_used_pct=percent,
+            mem_used=memory.used,
+            mem_cache=memory.cache,
+            mem_total=memory.limit,
+            disk_used=(disk.f_blocks - disk.f_bfree) * disk.f_frsize,
+            disk_total=disk.f_blocks * disk.f_frsize,
+        )
 
     # -- snapshots, fork, pause ------------------------------------------------------------------------
     def create_snapshot(self, snapshot_id: str | None = None) -> Snapshot:

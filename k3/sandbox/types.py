@@ -13,6 +13,23 @@ class SandboxError(K3Error):
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What a sandbox uses at one moment (E2B's sandbox metrics). `cpu_used_pct`: the CPU time its processes
+    took since the sample before (or since it started), in percent of its `cpus` quota over that time;
+    memory of its cgroup (gVisor: its kernel's too), `mem_used` without the page cache `mem_cache`,
+    `mem_total` the cgroup's limit; the disk (workspace and /tmp) used and its size; bytes throughout."""
+
+    timestamp: float  # Unix seconds
+    cpu_count: float  # the CPU quota in cores
+    cpu_used_pct: float
+    mem_used: int
+    mem_cache: int
+    mem_total: int
+    disk_used: int
+    disk_total: int
+
+
+@dataclass(frozen=True)
 class Limits:
     """Hard limits. `cpus` is a CFS quota in cores for the whole sandbox; `memory_mb` (RAM, no swap) and
     `pids` (processes) are limits of each command's process tree, and of all of them together on bubblewrap

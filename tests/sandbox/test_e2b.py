@@ -172,6 +172,31 @@ def test_snapshot_is_a_template(server):
         sbx.kill()
 
 
+def test_metrics_and_errors_in_e2bs_shape(server):
+    """`get_metrics`: one sample of now, seeing a file a command wrote (tests/sandbox/test_usage.py holds
+    the sample to planted memory and CPU); another key's sandbox is not found; a path no route serves and a
+    malformed body come back as E2B's {"code", "message"}, which the SDK reads (it had raised KeyError)."""
+    sbx = Sandbox.create(template="base@bwrap", timeout=60)
+    try:
+        sbx.commands.run("head -c 4194304 /dev/zero > four.bin")
+        [sample] = sbx.get_metrics()
+        assert 4 << 20 <= sample.disk_used <= sample.disk_total
+        assert 0 < sample.mem_used < sample.mem_total and sample.cpu_count >= 1
+        assert abs(sample.timestamp.timestamp() - time.time()) < 30
+        assert sbx.get_metrics(end=sample.timestamp.replace(year=2000)) == []
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_metrics(sbx.sandbox_id, api_key=BOB)
+        for method, path, body, status in (
+            ("GET", f"/sandboxes/{sbx.sandbox_id}/no-such-thing", None, 404),
+            ("POST", "/sandboxes", {"templateID": "base@bwrap", "timeout": "long"}, 400),
+        ):
+            r = httpx.request(method, server + path, json=body, headers={"X-API-KEY": ALICE})
+            assert r.status_code == status and set(r.json()) == {"code", "message"}, r.text
+            assert r.json()["code"] == status
+    finally:
+        sbx.kill()
+
+
 def test_wrong_key_and_other_keys_sandboxes(server):
     with pytest.raises(AuthenticationException):
         Sandbox.create(template="base@bwrap", api_key="not-a-key")
