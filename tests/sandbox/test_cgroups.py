@@ -32,6 +32,15 @@ def test_v2_writes_limits_and_reads_counters(tmp_path):
     (d / "pids.events").write_text("max 5\n")
     assert (g.oom_kills(), g.pids_limit_hits()) == (2, 5)
     assert g.procs_files() == [d / "cgroup.procs"]
+    # memory: the file pages on the LRU lists are cache; shmem (a gVisor guest's memory) counts as used
+    (d / "memory.current").write_text("50000000\n")
+    (d / "memory.stat").write_text(
+        "anon 30000000\nfile 20000000\nshmem 8000000\nactive_file 7000000\ninactive_file 5000000\n"
+    )
+    (d / "cpu.stat").write_text("usage_usec 2500000\nuser_usec 2000000\n")
+    assert g.memory() == (38_000_000, 12_000_000, 300 << 20) and g.cpu_seconds() == 2.5
+    (d / "memory.max").write_text("max\n")
+    assert g.memory().limit == -1
 
 
 def test_v2_command_group_nests_under_the_sandboxs(tmp_path):
