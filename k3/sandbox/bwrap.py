@@ -121,6 +121,9 @@ class BwrapBackend:
                 env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"},
                 on_exit=ended,
             )
+        except BaseException:  # it never started (exec refused it): its cgroup goes now
+            group.remove()
+            raise
         finally:
             os.close(fd)
 

@@ -31,5 +31,7 @@ def test_what_exec_refuses_is_a_clear_error_and_the_sandbox_lives_on(backend, ro
                 sbx.commands.run(cmd, envs=envs, timeout=20)
             assert all(w in str(e.value) for w in words), (words, str(e.value)[:200])
             assert sbx.commands.run("echo alive", timeout=20).stdout == "alive\n"
+        if backend == "bwrap":  # a command exec refused leaves no cgroup of its own behind
+            assert not [d for d in sbx._backend.cgroup.dirs()[0].iterdir() if d.is_dir()]
         fits = "z" * (MAX_ARG_STRLEN - 10)  # just under the limit: runs
         assert sbx.commands.run("echo ${#Z}", envs={"Z": fits}, timeout=20).stdout == f"{len(fits)}\n"
