@@ -8,7 +8,7 @@ import httpx
 
 from k3.sandbox.files import EntryInfo
 from k3.sandbox.templates import WORKSPACE
-from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot
+from k3.sandbox.types import CommandResult, Limits, SandboxError, Snapshot, Usage
 
 MARGIN_S = 30.0
 CONTROL_TIMEOUT_S = 120.0
@@ -108,6 +108,9 @@ class RemoteSandbox:
     def fork(self, count: int, reseed: bool = False) -> list[RemoteSandbox | Exception]:
         r = self._conn.call("POST", f"{self._url}/fork", json={"count": count, "reseed": reseed})
         return [SandboxError(c["error"]) if "error" in c else RemoteSandbox(self._conn, c) for c in r.json()]
+
+    def usage(self) -> Usage:
+        return Usage(**self._conn.call("GET", f"{self._url}/usage").json())
 
     def pause(self) -> str:
         return self._conn.call("POST", f"{self._url}/pause").json()["sandbox_id"]

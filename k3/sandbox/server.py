@@ -186,6 +186,10 @@ def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8,
     def list_dir(path: str = "/home/user", sbx: Sandbox = Depends(owned)) -> list[dict]:
         return [asdict(e) for e in sbx.files.list(path)]
 
+    @app.get("/sandboxes/{sid}/usage")
+    def usage(sbx: Sandbox = Depends(owned)) -> dict:
+        return asdict(sbx.usage())
+
     @app.delete("/sandboxes/{sid}/files", status_code=204)
     def remove(path: str, sbx: Sandbox = Depends(owned)) -> Response:
         sbx.files.remove(path)

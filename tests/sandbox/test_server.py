@@ -73,12 +73,21 @@ def test_another_clients_sandbox_is_404(server):
     url, _ = server
     with make(url, 0) as mine:
         other = {"Authorization": f"Bearer {TOKEN[1]}"}
-        for method, path in (("POST", "/commands"), ("GET", "/files?path=a"), ("DELETE", "")):
+        for method, path in (
+            ("POST", "/commands"),
+            ("GET", "/files?path=a"),
+            ("GET", "/usage"),
+            ("DELETE", ""),
+        ):
             r = httpx.request(
                 method, f"{url}/sandboxes/{mine.sandbox_id}{path}", headers=other, json={"cmd": "id"}
             )
             assert r.status_code == 404, (method, path, r.text)
         assert mine.commands.run("echo still-mine", timeout=20).stdout == "still-mine\n"
+        mine.commands.run("head -c 3145728 /dev/zero > three.bin", timeout=20)  # its usage, over HTTP
+        usage = mine.usage()
+        assert 3 << 20 <= usage.disk_used < 4 << 20 and usage.disk_total == Limits().disk_mb << 20
+        assert usage.mem_total == Limits().memory_mb << 20 and usage.cpu_count == Limits().cpus
 
 
 def test_quota_is_429(server):
