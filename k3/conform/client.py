@@ -47,7 +47,8 @@ class EngineClient:
     def models(self) -> dict:
         r = self.http.get(f"{self.base}/models")
         if r.status_code != 200:
-            raise EngineCallError(f"GET /v1/models: HTTP {r.status_code}: {r.text[:200]}")
+            hint = " (an OpenAI-compatible base URL ends in /v1)" if not self.base.endswith("/v1") else ""
+            raise EngineCallError(f"GET {self.base}/models: HTTP {r.status_code}{hint}: {r.text[:200]}")
         data = r.json().get("data") or [{}]
         self._model = data[0].get("id")
         return data[0]

@@ -196,3 +196,23 @@ def test_an_engine_without_logprobs_is_told_so(pack, checkpoint, serve):
         [result] = run_scenarios(Run(client, GoldenReference(read_sequences(pack)), 1e-3, 4), ["repeat"])
         client.close()
     assert not result.passed and "no logprobs" in result.notes[0]
+
+
+def test_a_base_url_without_v1_is_told_so(pack, serve):
+    """The engine is there but answers 404 at BASE/models: the error names the URL and the missing /v1."""
+    from fastapi import FastAPI
+
+    app_ = FastAPI()
+
+    @app_.get("/v1/models")
+    def models():
+        return {"data": [{"id": "m", "max_model_len": 4096}]}
+
+    with serve(app_) as base:
+        result = runner.invoke(app, ["conform", "--engine", base, "--golden", str(pack)])
+        assert result.exit_code == 1 and len(result.output.splitlines()) == 1, result.output
+        assert f"GET {base}/models: HTTP 404 (an OpenAI-compatible base URL ends in /v1)" in result.output
+        result = runner.invoke(
+            app, ["conform", "--engine", f"{base}/v1", "--golden", str(pack), "--scenarios", "tokenize"]
+        )
+        assert "ends in /v1" not in result.output
