@@ -146,7 +146,7 @@ def download_command(
         None, "--local-dir", help="Write the files here instead of the Hugging Face cache."
     ),
 ) -> None:
-    """Download a Hub checkpoint's files (resumable, each checked against the Hub's sha256)."""
+    """Download a Hub checkpoint's files (resumable after a kill, each checked against the Hub's sha256)."""
     from k3.checkpoint.download import download
 
     try:

@@ -12,7 +12,7 @@
 
 Faults for the error tests: `hub.fault = "ignore-range" | "wrong-range" | "short" | "corrupt" | "move"`
 (the CDN answers 200, a shifted range, half the range, or a flipped first byte; the Hub answers an
-unexpected X-Repo-Commit).
+unexpected X-Repo-Commit); `hub.pace` (bytes per second) makes the CDN a slow link.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import hmac
 import json
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -29,6 +30,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 _SECRET = b"cdn-secret"
 _DIRECT = (".json", ".py", ".md", ".txt")
+PACE_PIECE = 32 * 1024  # a paced CDN writes this much, then waits
 
 
 @dataclass
@@ -64,9 +66,10 @@ class FakeHub:
         self.hub_log: list[tuple[str, str, dict[str, str]]] = []  # (method, path, headers)
         self.cdn_log: list[tuple[str, str, dict[str, str]]] = []
         self.cdn_bytes = 0  # body bytes the CDN served
+        self.pace: float | None = None  # the CDN's bytes per second (a slow link), None: as fast as it can
         self._lock = threading.Lock()
         self._hub = _Server(("127.0.0.1", 0), self._handler(self._hub_answer, self.hub_log))
-        self._cdn = _Server(("127.0.0.1", 0), self._handler(self._cdn_answer, self.cdn_log))
+        self._cdn = _Server(("127.0.0.1", 0), self._handler(self._cdn_answer, self.cdn_log, paced=True))
         self.endpoint = f"http://127.0.0.1:{self._hub.server_address[1]}"
         self.cdn = f"http://127.0.0.1:{self._cdn.server_address[1]}"
         for server in (self._hub, self._cdn):
@@ -84,7 +87,7 @@ class FakeHub:
         self.close()
 
     # ---- HTTP plumbing -------------------------------------------------------------------------------------
-    def _handler(self, answer, log):  # noqa: ANN001, ANN202
+    def _handler(self, answer, log, paced: bool = False):  # noqa: ANN001, ANN202
         hub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -105,9 +108,18 @@ class FakeHub:
                 self.end_headers()
                 if self.command != "HEAD":
                     try:
-                        self.wfile.write(body)
+                        self._write(body, hub.pace if paced else None)
                     except (BrokenPipeError, ConnectionResetError):  # the client gave up on a bad answer
                         self.close_connection = True
+
+            def _write(self, body: bytes, pace: float | None) -> None:
+                if pace is None:
+                    self.wfile.write(body)
+                    return
+                for start in range(0, len(body), PACE_PIECE):
+                    self.wfile.write(body[start : start + PACE_PIECE])
+                    self.wfile.flush()
+                    time.sleep(PACE_PIECE / pace)
 
             do_GET = do_HEAD = _go  # noqa: N815
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from fake_hub import FakeHub, repo_from_folder
+from fake_hub import FakeHub, Repo, repo_from_folder
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -57,7 +61,7 @@ def hub(fake, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_ENDPOINT", fake.endpoint)
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
-    fake.fault = None
+    fake.fault, fake.pace = None, None
     fake.hub_log.clear()
     fake.cdn_log.clear()
     fake.cdn_bytes = 0
@@ -255,6 +259,48 @@ def test_download_is_verified_and_fills_the_cache_reads_then_skip(tiny, hub, tmp
         result.exit_code != 0 and "sha256" in result.output and "HTTP" not in result.output.split("sha256")[0]
     )
     assert not (tmp_path / "bad" / "model-00001-of-00001.safetensors").exists()
+
+
+@pytest.mark.parametrize("into", ["local-dir", "cache"])
+def test_a_download_killed_midway_resumes_where_it_stopped(hub, tmp_path, into):
+    """SIGKILL during `k3 download` over a slow link, then the same command again: the file is finished from
+    where the first process stopped (one Range request from its partial length on) and checked by sha256,
+    in a local dir and in the Hugging Face cache (which huggingface_hub's own scan then finds whole). The
+    shard is 24 MiB of random bytes, more than the 10 MiB huggingface_hub writes at a time."""
+    name, size = "model-00001-of-00001.safetensors", 24 * 2**20
+    hub.repos["org/big"] = Repo({name: os.urandom(size)}, COMMIT, {"main": COMMIT})
+    hub.pace = size / 3  # bytes per second: ~3 s for the file
+    argv = [sys.executable, "-m", "k3", "download", "hf://org/big"]
+    if into == "local-dir":
+        where, pattern = tmp_path / "d", "*.part"
+        argv += ["--local-dir", str(where)]
+    else:
+        where, pattern = Path(os.environ["HF_HUB_CACHE"]), "*.k3.incomplete"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    first = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not [p for p in where.rglob(pattern) if p.stat().st_size > 0]:
+        assert first.poll() is None and time.monotonic() < deadline, "no partial file appeared"
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    [partial] = list(where.rglob(pattern))
+    kept = partial.stat().st_size
+    assert 0 < kept < size
+    hub.pace, before, served = None, len(hub.cdn_log), hub.cdn_bytes
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    folder = where / "models--org--big" / "snapshots" / COMMIT if into == "cache" else where
+    assert (folder / name).read_bytes() == hub.repos["org/big"].files[name]
+    asked = [h.get("range") for method, path, h in hub.cdn_log[before:] if method == "GET" and name in path]
+    assert asked == [f"bytes={kept}-"] and hub.cdn_bytes - served == size - kept, (asked, kept)
+    assert not list(where.rglob(pattern)) and not list(where.rglob("*.incomplete"))
+    assert not [h for _, _, h in hub.cdn_log if "authorization" in h]  # HF_TOKEN is set: the Hub's only
+    if into == "cache":
+        from huggingface_hub import scan_cache_dir
+
+        scanned = scan_cache_dir(where)
+        assert not scanned.warnings and {r.repo_id for r in scanned.repos} == {"org/big"}
 
 
 def test_not_a_hub_source_is_one_line():
