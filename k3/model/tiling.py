@@ -107,6 +107,20 @@ def rows_of(w: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = N
     return taken if out is None else out.copy_(taken)
 
 
+def copy_rows_into(w: torch.Tensor, rows: torch.Tensor) -> None:
+    """Copy the [N, K] matrix `rows` into the weight w in place, whatever w's layout (rows, tiled or paired):
+    what loading new weights into a laid-out model takes, since its `state_dict()` hands a tiled weight out
+    as a copy in rows, and a copy into that copy reaches nothing."""
+    if not is_tiled(w):
+        w.copy_(rows)
+        return
+    if tuple(rows.shape) != matrix_shape(w):
+        raise ValueError(f"rows {tuple(rows.shape)} for a matrix of {matrix_shape(w)}")
+    native = load_native()
+    rows = rows.to(w.dtype).contiguous()
+    w.copy_(native.pair_rows(rows) if is_paired(w) else native.tile_rows(rows))
+
+
 def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     """A state_dict post-hook (every Linear has it): a tiled weight is saved as the [N, K] matrix it is."""
     key = prefix + "weight"

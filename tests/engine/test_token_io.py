@@ -181,3 +181,31 @@ def test_load_weights_between_requests_only(model: K3ForCausalLM) -> None:
     fresh = Engine(new).complete([prompt], p)[0]
     assert after.tokens == fresh.tokens and after.logprobs == pytest.approx(fresh.logprobs, abs=1e-6)
     assert after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+
+
+def test_load_weights_reaches_tiled_weights(tmp_path) -> None:
+    """A BF16 model laid out for the decode kernels (k3.model.tiling) hands its tiled weights out of
+    `state_dict()` as copies in rows: new weights must reach the tiles themselves. After the swap the engine
+    gives, bit for bit, what an engine built on the new weights gives (tiled the same way), and every weight
+    reads back as the new one."""
+    from k3.model.tiling import is_tiled
+
+    cfg = K3Config.preset("tiny")
+    old, new = (
+        K3ForCausalLM.from_config(cfg, seed=s).to(torch.bfloat16).requires_grad_(False) for s in (1, 9)
+    )
+    for m in (old, new):
+        m.compute_dtype = torch.float32
+        m.tile_weights()
+    assert sum(is_tiled(p) for p in old.parameters()) > 10
+    engine = Engine(old)
+    p = SamplingParams(temperature=0.0, max_tokens=6)
+    prompt = prompts([9])[0]
+    before = engine.complete([prompt], p)[0]
+    engine.load_weights(new.state_dict(), 3)
+    after = engine.complete([prompt], p)[0]
+    fresh = Engine(new).complete([prompt], p)[0]
+    assert after.tokens == fresh.tokens and after.logprobs == fresh.logprobs
+    assert after.logprobs != before.logprobs
+    wanted = new.state_dict()
+    assert all(torch.equal(t, wanted[name]) for name, t in old.state_dict().items())
