@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3.model.tiling import block_rows, is_tiled, matrix_shape, rows_of, untiled_state
+from k3.model.tiling import block_rows, is_tiled, laid_out_state, matrix_shape, rows_of, untiled_state
 from k3.ops.decode.native import load_native
 
 # The dtypes the native kernels read weight matrices in: fp32, or BF16 as fp32 in registers.
@@ -107,13 +107,15 @@ def _converted_in_blocks(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 class Linear(nn.Linear):
     """A bias-free `nn.Linear` whose weight may be stored in another dtype than the activations, and, for
-    inference, tiled for the decode kernels (k3.model.tiling: a 4-D weight, saved as [N, K] by state_dict)."""
+    inference, tiled for the decode kernels (k3.model.tiling: a 4-D weight, saved as [N, K] by state_dict and
+    loaded from [N, K] by load_state_dict)."""
 
     tileable = True  # whether k3.model.tiling may tile the weight (False where code reads its rows in place)
 
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.register_state_dict_post_hook(untiled_state)
+        self._register_load_state_dict_pre_hook(laid_out_state, with_module=True)
 
     def reset_parameters(self) -> None:
         # Weights come from a checkpoint or from k3.model.init; skip nn.Linear's costly kaiming init.

@@ -107,18 +107,28 @@ def rows_of(w: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = N
     return taken if out is None else out.copy_(taken)
 
 
+def laid_out_like(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The [N, K] matrix `rows` in w's layout (tiled or paired) and dtype: a new tensor."""
+    if tuple(rows.shape) != matrix_shape(w):
+        raise ValueError(f"rows {tuple(rows.shape)} for a matrix of {matrix_shape(w)}")
+    rows = rows.to(w.dtype).contiguous()
+    native = load_native()
+    return native.pair_rows(rows) if is_paired(w) else native.tile_rows(rows)
+
+
 def copy_rows_into(w: torch.Tensor, rows: torch.Tensor) -> None:
     """Copy the [N, K] matrix `rows` into the weight w in place, whatever w's layout (rows, tiled or paired):
     what loading new weights into a laid-out model takes, since its `state_dict()` hands a tiled weight out
     as a copy in rows, and a copy into that copy reaches nothing."""
-    if not is_tiled(w):
-        w.copy_(rows)
-        return
-    if tuple(rows.shape) != matrix_shape(w):
-        raise ValueError(f"rows {tuple(rows.shape)} for a matrix of {matrix_shape(w)}")
-    native = load_native()
-    rows = rows.to(w.dtype).contiguous()
-    w.copy_(native.pair_rows(rows) if is_paired(w) else native.tile_rows(rows))
+    w.copy_(laid_out_like(w, rows) if is_tiled(w) else rows)
+
+
+def laid_out_state(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+    """A load_state_dict pre-hook (every Linear has it): the [N, K] matrix given for a tiled weight is laid
+    out as the weight is, so that `load_state_dict(state_dict())` works on a tiled model too."""
+    key, w = prefix + "weight", module._parameters.get("weight")
+    if w is not None and is_tiled(w) and key in state and state[key].dim() == 2:
+        state[key] = laid_out_like(w, state[key])
 
 
 def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:

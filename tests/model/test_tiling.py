@@ -157,6 +157,23 @@ def test_a_tiled_state_dict_is_the_rows_and_untiling_restores_them():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+def test_a_tiled_model_loads_a_state_dict_of_rows_into_its_tiles():
+    """load_state_dict of [N, K] matrices into a tiled model lays them out as its weights are (it had failed
+    on the shapes): the weights stay tiled, read back as the rows given, and the logits are those of a
+    plain model holding the same state, bit for bit."""
+    source = bf16_model(False)
+    source.model.layers[0].self_attn.q_proj.weight.mul_(3)  # a state other than the target's own
+    target = bf16_model(False)
+    target.tile_weights()
+    given = source.state_dict()
+    target.load_state_dict(given)
+    assert is_tiled(target.lm_head.weight) and is_tiled(target.model.layers[0].self_attn.q_proj.weight)
+    assert all(torch.equal(v, given[k]) for k, v in target.state_dict().items())
+    assert given["lm_head.weight"].dim() == 2  # the caller's dictionary is left as it was
+    for a, b in zip(logits(source, [5, 9], 2), logits(target, [5, 9], 2), strict=True):
+        assert torch.equal(a, b)
+
+
 def test_gradients_flow_through_a_tiled_weight_to_the_input():
     """A tiled Linear under autograd (its weight frozen, the input trainable) computes the untiled one's
     output and input gradient."""
