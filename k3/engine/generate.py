@@ -52,7 +52,6 @@ from k3.engine.sequence_cache import keep_final_state, row_cache_bytes, start_ca
 from k3.engine.state_store import SequenceState
 from k3.model.cache import ModelCache
 from k3.model.routing import record_routing
-from k3.model.tiling import copy_rows_into
 from k3.vision.prompt import expand_placeholders
 
 
@@ -424,15 +423,9 @@ class Engine:
                     if names
                 )
             )
-        live = {**dict(self.model.named_parameters()), **dict(self.model.named_buffers())}
-        with torch.no_grad():
-            for name, tensor in state_dict.items():
-                # a tiled weight's state_dict entry is a copy: write the parameter itself (not its .data,
-                # whose writes the version counter the decode plan watches does not see)
-                if name in live:
-                    copy_rows_into(live[name], tensor)
-                else:
-                    own[name].copy_(tensor)
+        # load_state_dict, not copies into state_dict()'s tensors: a tiled weight's entry there is a copy in
+        # rows, and the Linears' pre-hook lays the rows out as the weight is (k3.model.tiling)
+        self.model.load_state_dict(state_dict)
         self.policy_version = version
         if self.prefix_cache is not None:  # states of the old weights are no use any more
             self.prefix_cache.rekey(self.identity())

@@ -116,13 +116,6 @@ def laid_out_like(w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return native.pair_rows(rows) if is_paired(w) else native.tile_rows(rows)
 
 
-def copy_rows_into(w: torch.Tensor, rows: torch.Tensor) -> None:
-    """Copy the [N, K] matrix `rows` into the weight w in place, whatever w's layout (rows, tiled or paired):
-    what loading new weights into a laid-out model takes, since its `state_dict()` hands a tiled weight out
-    as a copy in rows, and a copy into that copy reaches nothing."""
-    w.copy_(laid_out_like(w, rows) if is_tiled(w) else rows)
-
-
 def laid_out_state(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
     """A load_state_dict pre-hook (every Linear has it): the [N, K] matrix given for a tiled weight is laid
     out as the weight is, so that `load_state_dict(state_dict())` works on a tiled model too."""
