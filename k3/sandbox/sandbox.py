@@ -348,6 +348,8 @@ class Sandbox:
             self._cpu_sample = (now, cpu)
         percent = 100 * max(cpu - before, 0.0) / max(now - then, 1e-6) / self.limits.cpus
         memory = cgroup.memory()
+        if not os.path.ismount(self._disk.path):  # killed meanwhile: statvfs would read the host's disk
+            raise SandboxError(f"sandbox {self.sandbox_id} is not running")
         disk = os.statvfs(self._disk.path)
         return Usage(
             timestamp=time.time(),

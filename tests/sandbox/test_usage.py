@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import time
 
-from k3.sandbox import Limits, Sandbox
+import pytest
+
+from k3.sandbox import Limits, Sandbox, SandboxError
 from k3.sandbox.gvisor import BACKSTOP_EXTRA_MB
 
 LIMITS = Limits(cpus=1.0, memory_mb=256, pids=32, disk_mb=32)
@@ -42,3 +44,5 @@ def test_usage_sees_what_commands_plant(backend, root):
         time.sleep(1.0)
         idle = sbx.usage()
         assert idle.cpu_used_pct < 25, idle
+    with pytest.raises(SandboxError, match="was killed"):  # no figures of a disk that is gone
+        sbx.usage()
