@@ -114,6 +114,8 @@ def chat_prompt(
 
 def check_tools(tools: list[dict] | None, tool_choice: Any) -> None:
     """Raise ChatRequestError unless `tools` and `tool_choice` are as OpenAI's API defines them."""
+    if tools is not None and not isinstance(tools, list):
+        raise ChatRequestError("must be a list of tool declarations", "tools")
     names: list[str] = []
     for i, tool in enumerate(tools or []):
         where = f"tools[{i}]"

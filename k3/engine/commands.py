@@ -301,6 +301,7 @@ def chat(
 
     from k3.chat.encoder import encode_chat
     from k3.chat.parser import ReplyParser
+    from k3.engine.chat import ChatRequestError, check_tools
     from k3.engine.generate import Engine
     from k3.vision.prompt import image_prompt
 
@@ -310,6 +311,10 @@ def chat(
             declared = json.loads(tools.read_text())
         except (OSError, ValueError) as e:
             fail(f"--tools {tools}: cannot read a JSON list of tools ({e})")
+        try:
+            check_tools(declared, None)
+        except ChatRequestError as e:
+            fail(f"--tools {tools}: {e}")
     attached = load_images(image)  # images for the next user turn (k3.engine.images.ImageInput)
     model, tok = load(checkpoint, layers, int8_expert_inputs, bf16_products, threads)
     if attached and not hasattr(model, "encode_images"):

@@ -286,3 +286,23 @@ def test_k3_chat_shows_reasoning_and_tool_calls(served, tiny_checkpoint, tmp_pat
     assert '[tool call functions.get_weather:0] get_weather({"city": "París"' in r.output
     assert "tool get_weather> 21" in r.output and "tool calc> 4" in r.output
     assert r.output.count("k3> ") == 2  # the results sent back, the model answered again
+
+
+def test_k3_chat_refuses_malformed_tools_before_loading(tmp_path) -> None:
+    """`k3 chat --tools FILE`: a declaration OpenAI's API would refuse is one line naming the file and the
+    tool, before any checkpoint is read (the path given does not exist)."""
+    app = typer.Typer()
+    app.command()(commands.chat)
+    app.command()(commands.tokenize)
+    tools = tmp_path / "tools.json"
+    for declared, words in (
+        ([{"type": "function", "function": {"description": "no name"}}], "tools[0].function.name"),
+        ([TOOLS[0], TOOLS[0]], "declared twice"),
+        ({"type": "function"}, "a list of tool declarations"),
+    ):
+        tools.write_text(json.dumps(declared))
+        r = CliRunner().invoke(
+            app, ["chat", str(tmp_path / "nowhere"), "--tools", str(tools)], input="hola\n"
+        )
+        assert r.exit_code == 1 and f"--tools {tools}" in r.output and words in r.output, r.output
+        assert "no such" not in r.output and len(r.output.strip().splitlines()) == 1
