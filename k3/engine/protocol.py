@@ -71,8 +71,8 @@ def refuse_not_implemented(body: BaseModel) -> None:
     for name, value in (body.model_extra or {}).items():
         neutral = NOT_IMPLEMENTED.get(name)
         if neutral is not None and (isinstance(value, bool) or value not in neutral):  # True == 1 in Python
-            allowed = " or ".join(map(repr, neutral[1:])) or "absent"
-            raise invalid(f"{name}: not implemented by this server (leave it out, or {allowed})", name)
+            allowed = "".join(f", or {v!r}" for v in neutral[1:])
+            raise invalid(f"{name}: not implemented by this server (leave it out{allowed})", name)
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
