@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -47,6 +48,7 @@ FORMAT = "k3-golden/1"
 TOP = 20
 KDA_EVERY = 64
 SUITES = ("default", "chat", "long")
+SCRATCH = "scratch"  # the folder of a pack, while it is computed through `k3 stream`
 LOGITS_CAP = 64 * 2**20  # bytes of full logits kept for `k3 stream compare` (else the file is left out)
 
 
@@ -165,10 +167,12 @@ def compute(
     continuation: int,
     via_stream: bool,
     hidden_layers: tuple[int, ...],
+    scratch: Path | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], list[dict]]:
-    """(data tensors, logits tensors of the prompt sequences, sequence descriptions)."""
+    """(data tensors, logits tensors of the prompt sequences, sequence descriptions). Through `k3 stream`,
+    each pass keeps its state under `scratch` (None: in memory only), where a killed run resumes."""
     if via_stream:
-        return _through_stream(ckpt, sequences, continuation, hidden_layers)
+        return _through_stream(ckpt, sequences, continuation, hidden_layers, scratch)
     from k3.model import K3ForCausalLM
 
     model = K3ForCausalLM.from_pretrained(ckpt)
@@ -203,17 +207,21 @@ def _logits_file(rows: list[torch.Tensor], sequences) -> dict[str, torch.Tensor]
     return {"logits": logits, "lengths": torch.tensor([r.shape[0] for r in rows]), "input_ids": ids}
 
 
-def _through_stream(ckpt, sequences, continuation, hidden_layers):
+def _through_stream(ckpt, sequences, continuation, hidden_layers, scratch: Path | None):
     """The same through `k3 stream` (bounded memory): a greedy pass, then every position of prompt +
-    continuation with the chosen layers dumped."""
+    continuation with the chosen layers dumped; each run's state in its own folder under `scratch`."""
     from k3.stream.api import stream_logits
     from k3.stream.runner import StreamOptions
 
+    def folder(name: str) -> Path | None:
+        return None if scratch is None else scratch / name
+
     prompts = [p for _, p in sequences]
-    gen = stream_logits(ckpt, prompts, StreamOptions(max_new_tokens=continuation)).outputs["generated"]
+    options = StreamOptions(max_new_tokens=continuation)
+    gen = stream_logits(ckpt, prompts, options, scratch_dir=folder("generate")).outputs["generated"]
     full = [p + gen[i].tolist() for i, p in enumerate(prompts)]
     options = StreamOptions(all_positions=True, top_k=TOP, dump_hidden=hidden_layers)
-    out = stream_logits(ckpt, full, options).outputs
+    out = stream_logits(ckpt, full, options, scratch_dir=folder("score")).outputs
     data: dict[str, torch.Tensor] = {}
     described, prompt_logits = [], []
     for i, ((name, prompt), ids) in enumerate(zip(sequences, full, strict=True)):
@@ -253,7 +261,8 @@ def write_golden(
     n = cfg.num_hidden_layers
     hidden_layers = tuple(sorted({0, n // 2, n - 1}))
     sequences = suite_sequences(tokenizer, suite, long_tokens)
-    data, logits, described = compute(ckpt, sequences, continuation, via_stream, hidden_layers)
+    scratch = out / SCRATCH  # the streamed passes' state: a killed `k3 golden write` resumes from it
+    data, logits, described = compute(ckpt, sequences, continuation, via_stream, hidden_layers, scratch)
     out.mkdir(parents=True, exist_ok=True)
     _atomic_save(data, out / "data.safetensors")
     files = ["data.safetensors"]
@@ -287,6 +296,7 @@ def write_golden(
         "data": {name: sha256(out / name) for name in files},
     }
     _atomic_text(out / "manifest.json", json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(scratch, ignore_errors=True)  # the pack is whole: its passes' state is no use any more
     return manifest
 
 

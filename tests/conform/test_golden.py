@@ -216,3 +216,40 @@ def test_a_base_url_without_v1_is_told_so(pack, serve):
             app, ["conform", "--engine", f"{base}/v1", "--golden", str(pack), "--scenarios", "tokenize"]
         )
         assert "ends in /v1" not in result.output
+
+
+def test_a_streamed_pack_interrupted_resumes_from_its_scratch(checkpoint, tmp_path, monkeypatch):
+    """`k3 golden write` through `k3 stream` keeps each pass's state under OUT/scratch: stopped after a few
+    layers of its scoring pass, it is run again and goes on from the last committed layer (not from the
+    first), and the pack is bit for bit the one an uninterrupted run writes; the scratch is gone after."""
+    from k3.stream.runner import StreamRun
+    from k3.stream.scratch import Scratch
+
+    kwargs = dict(continuation=1, via_stream=True, long_tokens=64)
+    write_golden(checkpoint, tmp_path / "whole", **kwargs)
+    commit, commits = Scratch.commit, []
+
+    def stop_in_scoring(self, progress, streams):
+        commit(self, progress, streams)
+        commits.append(self.directory.name)
+        if commits.count("score") == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Scratch, "commit", stop_in_scoring)
+    with pytest.raises(KeyboardInterrupt):
+        write_golden(checkpoint, tmp_path / "resumed", **kwargs)
+    monkeypatch.setattr(Scratch, "commit", commit)
+    assert (tmp_path / "resumed" / "scratch" / "score" / "state.safetensors").is_file()
+    run_pass, starts = StreamRun._pass, []
+
+    def spy(self, tokens, start_layer, streams):
+        starts.append((self.scratch.directory.name, self.pass_index, start_layer))
+        return run_pass(self, tokens, start_layer, streams)
+
+    monkeypatch.setattr(StreamRun, "_pass", spy)
+    write_golden(checkpoint, tmp_path / "resumed", **kwargs)
+    assert starts[0][0] == "generate" and starts[0][2] > 0  # its last pass was whole: only the output read
+    assert ("score", 0, 3) in starts and ("score", 0, 0) not in starts, starts
+    assert not (tmp_path / "resumed" / "scratch").exists()
+    for name in ("data.safetensors", "logits.safetensors", "prompts.jsonl"):
+        assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
