@@ -17,11 +17,15 @@ Tensors (published name -> GGUF name, `blk.N.` per layer) with these changes of 
 
 Types follow the converter: F32 for 1-D tensors, norms, the router, the KDA convs and tensors not named
 `.weight`; the chosen `outtype` for the rest, Q8_0 falling back to F16 where a row is not a multiple of 32.
-The file is written to a temporary name and renamed at the end.
+The file is written to a temporary name and renamed at the end; an export killed on the way (SIGKILL
+included) run again with the same arguments goes on from the first tensor it had not finished.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,6 +77,60 @@ class Planned:
         """The slices as written: float32 / float16 arrays for F32 / F16, ggml's bytes (uint8) otherwise."""
         for values in self.slices():
             yield values if self.qtype == Q.MXFP4 else gguf.quants.quantize(values, self.qtype)
+
+
+def file_head(out: Path, cfg: K3Config, checkpoint: Path, file_type: int, plan: list[Planned]) -> bytes:
+    """The file's first bytes, as GGUFWriter writes them: header, metadata and tensor infos (written to a
+    scratch file beside `out`, read back, removed)."""
+    scratch = out.with_name(out.name + ".head.tmp")
+    w = gguf.GGUFWriter(scratch, arch_name(cfg))
+    try:
+        write_metadata(w, cfg, checkpoint.name, file_type)
+        write_vocab(w, checkpoint, cfg)
+        for p in plan:
+            dtype = np.dtype({Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8))
+            shape = p.byte_shape if dtype == np.uint8 else p.shape
+            w.add_tensor_info(p.name, shape, dtype, p.nbytes, raw_dtype=p.qtype)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        w.close()
+        return scratch.read_bytes()
+    finally:
+        w.close()
+        scratch.unlink(missing_ok=True)
+
+
+def files_seen(checkpoint: Path) -> list[tuple[str, int, int]]:
+    """Each file of the checkpoint folder: name, size, modification time (what a resumed export checks)."""
+    return [
+        (f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in sorted(checkpoint.iterdir()) if f.is_file()
+    ]
+
+
+def write_tensors(tmp: Path, head: bytes, plan: list[Planned], job: str) -> None:
+    """`head`, then every tensor's data at GGUF's alignment, into `tmp`. A `tmp` left by a killed export of
+    the same job (its `.job` file: the head's hash and the checkpoint's files) is continued from its first
+    tensor not whole, so the hours of a large export are not lost; anything else starts afresh."""
+    pad = functools.partial(gguf.GGUFWriter.ggml_pad, n=gguf.GGUF_DEFAULT_ALIGNMENT)
+    starts, at = [], pad(len(head))  # each tensor's offset in the file
+    for p in plan:
+        starts.append(at)
+        at += pad(p.nbytes)
+    marker = tmp.with_name(tmp.name + ".job")
+    same = tmp.is_file() and marker.is_file() and marker.read_text() == job
+    have = tmp.stat().st_size if same else 0
+    first = next((i for i, p in enumerate(plan) if starts[i] + p.nbytes > have), len(plan))
+    if not same:  # the marker goes first and comes back last: it stands for a whole head of this job
+        marker.unlink(missing_ok=True)
+        tmp.write_bytes(head)
+        marker.write_text(job)
+    with open(tmp, "r+b") as f:
+        f.truncate(starts[first] if first < len(plan) else at)  # zeros: the padding before that tensor
+        f.seek(0, os.SEEK_END)
+        for p in plan[first:]:
+            _Streamed(p).tofile(f)
+            f.write(bytes(pad(p.nbytes) - p.nbytes))
 
 
 class _Streamed:
@@ -382,24 +440,11 @@ def export_gguf(
     mxfp4 = any(p.qtype == Q.MXFP4 for p in plan)
     file_type = MXFP4_MOE_FILE_TYPE if mxfp4 else FILE_TYPES[OUTTYPES[outtype]]
     tmp = out.with_name(out.name + ".tmp")
-    w = gguf.GGUFWriter(tmp, arch_name(cfg))
-    try:
-        write_metadata(w, cfg, checkpoint.name, file_type)
-        write_vocab(w, checkpoint, cfg)
-        for p in plan:
-            dtype = np.dtype({Q.F32: np.float32, Q.F16: np.float16}.get(p.qtype, np.uint8))
-            shape = p.byte_shape if dtype == np.uint8 else p.shape
-            w.add_tensor_info(p.name, shape, dtype, p.nbytes, raw_dtype=p.qtype)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_ti_data_to_file()
-        for p in plan:
-            w.write_tensor_data(_Streamed(p))  # type: ignore[arg-type]
-        w.close()
-        os.replace(tmp, out)
-    finally:
-        w.close()
-        tmp.unlink(missing_ok=True)
+    head = file_head(out, cfg, checkpoint, file_type, plan)
+    job = json.dumps({"head": hashlib.sha256(head).hexdigest(), "checkpoint": files_seen(checkpoint)})
+    write_tensors(tmp, head, plan, job)
+    os.replace(tmp, out)
+    tmp.with_name(tmp.name + ".job").unlink(missing_ok=True)
     types: dict[str, int] = {}
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1

@@ -253,3 +253,52 @@ def test_chat_template_renders_the_k3_chat_format():
         for prompt in (True, False):
             want = render_chat(chat, add_generation_prompt=prompt)
             assert template.render(messages=chat, add_generation_prompt=prompt) == want
+
+
+def test_an_interrupted_export_resumes_at_its_first_unfinished_tensor(k3_tiny, tmp_path, monkeypatch):
+    """An export stopped while writing a tensor (as SIGKILL would stop it: nothing cleaned up) and run again
+    writes only the tensors from that one on, and the file is the uninterrupted export's, byte for byte. A
+    checkpoint touched in between starts the export afresh."""
+    import shutil
+
+    from k3.export import gguf as export
+
+    whole = export_gguf(k3_tiny, tmp_path / "whole.gguf").path.read_bytes()
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(k3_tiny, ckpt)
+    tofile, written = export._Streamed.tofile, []
+
+    def stop_at_the_seventh(self, f):
+        if len(written) == 6:
+            f.write(b"\x01" * (self.nbytes // 2))  # half a tensor, then the process is gone
+            raise KeyboardInterrupt
+        written.append(self.planned.name)
+        tofile(self, f)
+
+    monkeypatch.setattr(export._Streamed, "tofile", stop_at_the_seventh)
+    out = tmp_path / "m.gguf"
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(ckpt, out)
+    assert not out.exists() and (tmp_path / "m.gguf.tmp").exists()
+
+    def counted(self, f):
+        written.append(self.planned.name)
+        tofile(self, f)
+
+    monkeypatch.setattr(export._Streamed, "tofile", counted)
+    first_six = written[:]
+    report = export_gguf(ckpt, out)
+    resumed = written[6:]
+    assert out.read_bytes() == whole and report.tensors == 6 + len(resumed)
+    assert resumed[0] not in first_six and len(set(resumed) | set(first_six)) == report.tensors
+    assert not list(tmp_path.glob("m.gguf.*"))
+
+    written.clear()  # again, killed after six; the checkpoint changes; the next run starts from the first
+    monkeypatch.setattr(export._Streamed, "tofile", stop_at_the_seventh)
+    with pytest.raises(KeyboardInterrupt):
+        export_gguf(ckpt, tmp_path / "n.gguf")
+    (ckpt / "config.json").write_text((ckpt / "config.json").read_text() + "\n")
+    monkeypatch.setattr(export._Streamed, "tofile", counted)
+    written.clear()
+    export_gguf(ckpt, tmp_path / "n.gguf")
+    assert len(written) == report.tensors and (tmp_path / "n.gguf").read_bytes() == whole
