@@ -427,6 +427,7 @@ class Engine:
         # rows, and the Linears' pre-hook lays the rows out as the weight is (k3.model.tiling)
         self.model.load_state_dict(state_dict)
         self.policy_version = version
+        self.image_cache = ImageCache(self.image_cache.size)  # rows of the old tower
         if self.prefix_cache is not None:  # states of the old weights are no use any more
             self.prefix_cache.rekey(self.identity())
 

@@ -135,3 +135,38 @@ def test_too_many_images_and_decompression_bomb(served, client, monkeypatch):
         client.chat.completions.create(
             model=NAME, messages=image_message(data_url(png(30, 30))), max_tokens=1
         )
+
+
+def test_new_weights_drop_the_image_rows_of_the_old_tower(tiny_checkpoint):
+    """Images are cached as the tower's rows by content hash; after `Engine.load_weights` those rows belong
+    to the old tower. An image seen before the swap is encoded again, and the answer is a fresh engine's on
+    the new weights, logprobs included (with the old rows it was not)."""
+    import hashlib
+
+    from k3.engine.images import ImageInput
+    from k3.engine.sampling import SamplingParams
+
+    tok = Tokenizer.from_dir(tiny_checkpoint)
+    data = png(61, 45, seed=2)
+    prompt, item = expected_prompt(tok, data, "¿Qué hay?")
+    image = ImageInput(hashlib.sha256(data).hexdigest(), item)
+    params = SamplingParams(temperature=0.0, max_tokens=4, logprobs=1)
+
+    def answer(engine: Engine) -> tuple[list[int], list[float]]:
+        seq = engine.submit(prompt, params, images=[image])
+        while engine.has_work:
+            engine.step()
+        return seq.output, seq.logprobs
+
+    engine = Engine(K3ForConditionalGeneration.from_pretrained(tiny_checkpoint))
+    before = answer(engine)
+    new = K3ForConditionalGeneration.from_pretrained(tiny_checkpoint)
+    with torch.no_grad():
+        for name, weight in new.named_parameters():
+            if name.startswith(("vision_tower.", "mm_projector.")):  # the tower and its projector only
+                weight.mul_(1.5)
+    engine.load_weights(new.state_dict(), 1)
+    encoded = engine.image_cache.encoded
+    after = answer(engine)
+    assert engine.image_cache.encoded == encoded + 1
+    assert after == answer(Engine(new)) and after[1] != before[1]
