@@ -84,7 +84,11 @@ def download(
         tree = HfApi(endpoint=hub.endpoint, library_name="k3").list_repo_tree(
             ref.repo_id, revision=hub.commit, recursive=True
         )
-        lfs = {f.path: f for f in tree if isinstance(f, RepoFile) and f.lfs is not None}
+        files = [f for f in tree if isinstance(f, RepoFile)]
+        lfs = {f.path: f for f in files if f.lfs is not None}
+        if patterns and not list(filter_repo_objects([f.path for f in files], allow_patterns=patterns)):
+            names = ", ".join(sorted(f.path for f in files)[:8])
+            raise CheckpointError(f"{hub.location}: no file matches {' or '.join(patterns)} (it has {names})")
         wanted = set(filter_repo_objects(list(lfs), allow_patterns=patterns))
         for name in sorted(wanted):
             sha256 = lfs[name].lfs.sha256

@@ -241,6 +241,8 @@ def test_tensors_that_disagree_with_the_config(hub):
 
 
 def test_download_is_verified_and_fills_the_cache_reads_then_skip(tiny, hub, tmp_path):
+    typo = CliRunner().invoke(app, ["download", "hf://org/tiny", "--include", "*.jsn"])
+    assert typo.exit_code == 1 and "no file matches *.jsn (it has config.json" in typo.output, typo.output
     result = CliRunner().invoke(app, ["download", "hf://org/tiny", "--include", "*.json"])
     assert result.exit_code == 0, result.output
     assert hub.cdn_bytes == 0  # JSON files are served by the Hub itself; no safetensors fetched
