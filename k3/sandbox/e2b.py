@@ -82,6 +82,11 @@ class Info:
     pausing: bool = False  # being paused: the TTL reaper leaves its entry alone
 
 
+def _whole_cpus(cores: float) -> int:
+    """E2B's `cpuCount` (whole CPUs) for a CPU quota in cores."""
+    return max(1, round(cores))
+
+
 def _iso(t: datetime) -> str:
     return t.isoformat().replace("+00:00", "Z")
 
@@ -190,7 +195,7 @@ def create_e2b_app(
             **sandbox_json(sid, info),
             "startedAt": _iso(info.started),
             "endAt": _iso(ends),
-            "cpuCount": max(1, round(lim.cpus)),
+            "cpuCount": _whole_cpus(lim.cpus),
             "memoryMB": lim.memory_mb,
             "diskSizeMB": lim.disk_mb,
             "state": "paused" if info.paused else "running",
@@ -300,12 +305,13 @@ def create_e2b_app(
         usage = info.entry.sandbox.usage()
         if (start is not None and usage.timestamp < start) or (end is not None and usage.timestamp > end):
             return []
+        cpus = _whole_cpus(usage.cpu_count)
         return [
             {
                 "timestamp": _iso(datetime.fromtimestamp(usage.timestamp, UTC)),
                 "timestampUnix": int(usage.timestamp),
-                "cpuCount": max(1, round(usage.cpu_count)),
-                "cpuUsedPct": usage.cpu_used_pct * usage.cpu_count / max(1, round(usage.cpu_count)),
+                "cpuCount": cpus,
+                "cpuUsedPct": usage.cpu_used_pct * usage.cpu_count / cpus,  # of the whole CPUs, as E2B's
                 "memUsed": usage.mem_used,
                 "memCache": usage.mem_cache,
                 "memTotal": usage.mem_total,
