@@ -35,6 +35,14 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+def check_sha256(path: Path, stated: str, url: str) -> None:
+    """Raise CheckpointError, having deleted `path`, unless its bytes hash to `stated`: a corrupt copy is
+    never left where a reader would take it, nor a partial file a later run would continue from."""
+    if (found := sha256_of(path)) != stated:
+        path.unlink()
+        raise CheckpointError(f"{url}: sha256 {found} of the downloaded file, the Hub states {stated}")
+
+
 def fetch_resumably(url: str, size: int, sha256: str, target: Path, partial: Path) -> None:
     """`url`'s bytes into `target` by way of `partial`, continued from its length when a run before left
     it; raises CheckpointError (and drops the partial file) when the whole does not hash to `sha256`."""
@@ -55,9 +63,7 @@ def fetch_resumably(url: str, size: int, sha256: str, target: Path, partial: Pat
         http_get(
             location, f, resume_size=have, headers=headers, expected_size=size, displayed_filename=target.name
         )
-    if (found := sha256_of(partial)) != sha256:
-        partial.unlink()  # never continue from bytes that are not the file's
-        raise CheckpointError(f"{url}: sha256 {found} of the downloaded file, the Hub states {sha256}")
+    check_sha256(partial, sha256, url)
     target.parent.mkdir(parents=True, exist_ok=True)
     os.replace(partial, target)
 
@@ -119,9 +125,5 @@ def download(
         path = Path(folder) / name
         if not path.is_file():
             raise CheckpointError(f"{hub.url(name)}: not downloaded")
-        if (found := sha256_of(path)) != (stated := lfs[name].lfs.sha256):
-            path.unlink()  # never leave a corrupt copy where a reader would take it
-            raise CheckpointError(
-                f"{hub.url(name)}: sha256 {found} of the downloaded file, the Hub states {stated}"
-            )
+        check_sha256(path, lfs[name].lfs.sha256, hub.url(name))
     return hub.location, Path(folder)
