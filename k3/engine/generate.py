@@ -52,6 +52,7 @@ from k3.engine.sequence_cache import keep_final_state, row_cache_bytes, start_ca
 from k3.engine.state_store import SequenceState
 from k3.model.cache import ModelCache
 from k3.model.routing import record_routing
+from k3.model.tiling import state_entries
 from k3.vision.prompt import expand_placeholders
 
 
@@ -396,17 +397,16 @@ class Engine:
                 f"load_weights: {len(self.waiting) + len(self.running)} sequences are in flight; "
                 "swap weights between requests"
             )
-        own = self.model.state_dict()
+        own = state_entries(self.model)  # {name: (shape, dtype)}: state_dict() would untile every matrix
         missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
         misfit = [
-            f"{name} {tuple(t.shape)}/{t.dtype} (model: {tuple(own[name].shape)}/{own[name].dtype})"
+            f"{name} {tuple(t.shape)}/{t.dtype} (model: {own[name][0]}/{own[name][1]})"
             for name, t in state_dict.items()
             if name in own
             and (
-                t.shape != own[name].shape
+                tuple(t.shape) != own[name][0]
                 or (
-                    t.dtype != own[name].dtype
-                    and not (t.is_floating_point() and own[name].is_floating_point())
+                    t.dtype != own[name][1] and not (t.is_floating_point() and own[name][1].is_floating_point)
                 )
             )
         ]

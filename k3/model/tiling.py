@@ -124,6 +124,22 @@ def laid_out_state(module: nn.Module, state: dict, prefix: str, *args: object) -
         state[key] = laid_out_like(w, state[key])
 
 
+def state_entries(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every entry `model.state_dict()` hands out, a tiled weight as its [N, K],
+    without making the state: state_dict() copies every tiled matrix back into rows (k3-slice: ~11 GB)."""
+    entries = {}
+    for name, module in model.named_modules(remove_duplicate=False):  # shared modules under every name
+        prefix = name + "." if name else ""
+        for key, p in module._parameters.items():
+            if p is not None:
+                shape = matrix_shape(p) if key == "weight" and is_tiled(p) else tuple(p.shape)
+                entries[prefix + key] = (shape, p.dtype)
+        for key, b in module._buffers.items():
+            if b is not None and key not in module._non_persistent_buffers_set:
+                entries[prefix + key] = (tuple(b.shape), b.dtype)
+    return entries
+
+
 def untiled_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     """A state_dict post-hook (every Linear has it): a tiled weight is saved as the [N, K] matrix it is."""
     key = prefix + "weight"

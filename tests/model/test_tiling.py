@@ -174,6 +174,29 @@ def test_a_tiled_model_loads_a_state_dict_of_rows_into_its_tiles():
         assert torch.equal(a, b)
 
 
+def test_state_entries_name_a_tiled_state_without_making_it(monkeypatch):
+    """`state_entries` gives state_dict()'s names, shapes and dtypes (a tiled weight as [N, K], tied
+    embeddings under both names) without untiling a matrix, and loading into a tiled model untiles none."""
+    from k3.model import tiling
+
+    model = bf16_model(False)
+    model.lm_head.weight = model.model.embed_tokens.weight  # tied: one parameter under two names
+    model.tile_weights()
+    state = model.state_dict()
+    state["model.layers.0.self_attn.q_proj.weight"] *= 2
+
+    def untiled(*args):
+        raise AssertionError("a matrix was untiled")
+
+    monkeypatch.setattr(tiling, "rows_of", untiled)
+    entries = tiling.state_entries(model)
+    assert entries == {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    model.load_state_dict(state)
+    monkeypatch.undo()
+    got = model.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in state.items())
+
+
 def test_gradients_flow_through_a_tiled_weight_to_the_input():
     """A tiled Linear under autograd (its weight frozen, the input trainable) computes the untiled one's
     output and input gradient."""
