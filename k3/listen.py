@@ -16,6 +16,7 @@ import gc
 import ipaddress
 import json
 import socket
+from collections.abc import Callable
 
 from k3.errors import K3Error
 
@@ -96,15 +97,22 @@ def run_app(app, sock: socket.socket, log_level: str) -> None:
     uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=[sock])
 
 
-class BodyLimit:
-    """ASGI middleware: a request whose body is over `max_bytes` gets 413 (an OpenAI-shaped error) instead of
-    being held in memory: by its Content-Length before the app runs, or, sent in chunks, as soon as they pass
-    the limit (the app then sees the client gone, and its reply is replaced by the 413). The rest of the body
-    is read and dropped first, up to 8 x `max_bytes`, so that a client still sending gets the 413 rather than
-    a broken connection (beyond that the connection is closed on it)."""
+def openai_error(status: int, message: str) -> dict:
+    """An error body in the shape of OpenAI's API (the engine's and the atlas's servers)."""
+    code = "request_too_large" if status == 413 else None
+    return {"error": {"message": message, "type": "invalid_request_error", "code": code}}
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+
+class BodyLimit:
+    """ASGI middleware: a request whose body is over `max_bytes` gets 413 (its body `error(413, message)`, in
+    the shape of the app's other errors; OpenAI's by default) instead of being held in memory: by its
+    Content-Length before the app runs, or, sent in chunks, as soon as they pass the limit (the app then sees
+    the client gone, and its reply is replaced by the 413). The rest of the body is read and dropped first,
+    up to 8 x `max_bytes`, so that a client still sending gets the 413 rather than a broken connection
+    (beyond that the connection is closed on it)."""
+
+    def __init__(self, app, max_bytes: int, error: Callable[[int, str], dict] = openai_error) -> None:
+        self.app, self.max_bytes, self.error = app, max_bytes, error
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -156,8 +164,7 @@ class BodyLimit:
 
     async def _refuse(self, send) -> None:
         message = f"the request body is over this server's limit of {self.max_bytes:,} bytes"
-        error = {"error": {"message": message, "type": "invalid_request_error", "code": "request_too_large"}}
-        body = json.dumps(error).encode()
+        body = json.dumps(self.error(413, message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 413, "headers": headers})
         await send({"type": "http.response.body", "body": body})

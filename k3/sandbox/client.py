@@ -27,9 +27,10 @@ class Connection:
             raise SandboxError(f"sandbox server: {method} {url}: {e}") from e
         if r.status_code >= 400:
             try:
-                detail = r.json().get("detail", r.text)
+                body = r.json()  # {"detail"} from k3's API; {"code", "message"} from E2B's, which serves it
             except ValueError:
-                detail = r.text
+                body = None
+            detail = body.get("detail", body.get("message", r.text)) if isinstance(body, dict) else r.text
             raise SandboxError(
                 f"sandbox server answered {r.status_code}: {detail}",
             ) from None

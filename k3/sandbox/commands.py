@@ -166,9 +166,10 @@ def _ceiling(pairs: str | None):
     values: dict = {}
     for pair in pairs.split(","):
         name, _, text = pair.strip().partition("=")
-        kind = float if name in ("cpus", "cpu_s") else int
-        try:
-            values[name] = None if name == "cpu_s" and text == "none" else kind(text)
+        try:  # an integer as written stays one; Limits says which fields must be integers
+            values[name] = (
+                None if text == "none" else int(text) if text.lstrip("-").isdigit() else float(text)
+            )
         except ValueError:
             fail(f"--max-limits: {pair.strip()!r} is not FIELD=NUMBER")
     try:

@@ -8,7 +8,8 @@ One server on 127.0.0.1 answers three things:
   live sandboxes are capped by the quota (429, the SDK's RateLimitException), a wrong key is 401.
 - E2B's in-sandbox API ("envd", `envd.py`): processes and the filesystem over Connect, `/files`, `/health`;
   the SDK names the sandbox in a header, so one address serves every sandbox (`E2B_SANDBOX_URL`).
-- k3's own API (`server.py`) under `/k3`, with the same tokens, quotas and sandboxes.
+- k3's own API (`server.py`) under `/k3`, with the same tokens, quotas and sandboxes (a sandbox made there
+  is the SDK's to drive too; its template reads `NAME@BACKEND`).
 
 A template is a k3 template name ("base" is k3's "python"), optionally `NAME@BACKEND` to pick the backend
 ("base@bwrap"), or the id of a snapshot this key made."""
@@ -91,8 +92,13 @@ def _iso(t: datetime) -> str:
     return t.isoformat().replace("+00:00", "Z")
 
 
+def _error_body(status: int, message: str) -> dict:
+    """An error in E2B's shape, which the SDK reads."""
+    return {"code": status, "message": message}
+
+
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"code": status, "message": message}, status_code=status)
+    return JSONResponse(_error_body(status, message), status_code=status)
 
 
 def create_e2b_app(
@@ -140,7 +146,7 @@ def create_e2b_app(
     app = FastAPI(
         title="k3 sandbox (E2B)", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
     )
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, error=_error_body)  # /k3's bodies too
 
     @app.exception_handler(SandboxError)
     async def bad_input(request: Request, exc: SandboxError):
@@ -165,8 +171,17 @@ def create_e2b_app(
                 return name
         raise HTTPException(401, "Invalid API key")
 
+    def adopt_own_api_sandboxes() -> None:
+        """Give E2B's view to the running sandboxes made through k3's own API at /k3 (caller holds reg.lock):
+        the SDK then finds, connects to and drives them as its own."""
+        for sid, (owner, sbx) in reg.sandboxes.items():
+            if sid not in infos:
+                template = f"{sbx.template}@{sbx.backend}"
+                infos[sid] = Info(owner, template, EnvdSandbox(sbx, {}), secrets.token_urlsafe(24))
+
     def owned(sid: str, who: str) -> Info:
         with reg.lock:
+            adopt_own_api_sandboxes()
             info = infos.get(sid)
         if info is None or info.owner != who:
             raise HTTPException(404, f"sandbox {sid} not found")
@@ -261,6 +276,7 @@ def create_e2b_app(
     def listing(who: str, state: str | None) -> list[dict]:
         wanted = set(state.split(",")) if state else {"running", "paused"}
         with reg.lock:
+            adopt_own_api_sandboxes()
             mine = [(sid, i) for sid, i in infos.items() if i.owner == who]
         out = [detail_json(sid, i) for sid, i in mine if ("paused" if i.paused else "running") in wanted]
         return sorted(out, key=lambda d: d["startedAt"])
@@ -416,7 +432,7 @@ def create_e2b_app(
             quota=quota,
             max_ttl_s=max_ttl_s,
             registry=reg,
-            max_body_bytes=max_body_bytes,
+            max_body_bytes=None,  # limited above
             ceiling=ceiling,
         ),
     )

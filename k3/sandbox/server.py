@@ -86,10 +86,12 @@ CEILING = Limits(cpus=2, memory_mb=4096, pids=1024, disk_mb=4096, output_mb=64)
 
 def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8, max_ttl_s: float = 3600,
                reap_every_s: float = 5.0, registry: Registry | None = None,
-               max_body_bytes: int = MAX_BODY_BYTES, ceiling: Limits = CEILING) -> FastAPI:  # fmt: skip
+               max_body_bytes: int | None = MAX_BODY_BYTES,
+               ceiling: Limits = CEILING) -> FastAPI:  # fmt: skip
     """`tokens`: bearer token -> client name. `quota`: live sandboxes per client. `registry`: share the
     sandboxes and quotas of another server (the E2B one mounts this app; its lifespan then runs there). A
-    request body (an upload) over `max_body_bytes` gets 413 unread; limits asked over `ceiling`, 400."""
+    request body (an upload) over `max_body_bytes` gets 413 unread (None: the app is mounted under one
+    that limits them); limits asked over `ceiling`, 400."""
     if not tokens:
         raise SandboxError("the sandbox server needs at least one bearer token")
     reg = registry or Registry(quota)
@@ -110,7 +112,10 @@ def create_app(tokens: dict[str, str], root: Path | None = None, quota: int = 8,
             reg.close()  # no sandbox outlives the server
 
     app = FastAPI(title="k3 sandbox", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if max_body_bytes is not None:  # errors as FastAPI's, {"detail": message}
+        app.add_middleware(
+            BodyLimit, max_bytes=max_body_bytes, error=lambda status, message: {"detail": message}
+        )
     app.state.registry = reg
 
     @app.exception_handler(SandboxError)

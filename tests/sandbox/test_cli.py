@@ -76,6 +76,8 @@ def test_host_template_shows_host_python_but_not_host_files(root):
 
 
 def test_serve_max_limits_changes_the_ceilings_fields_and_refuses_what_is_not_one():
+    from dataclasses import replace
+
     from k3.sandbox.commands import _ceiling
     from k3.sandbox.server import CEILING
 
@@ -87,6 +89,12 @@ def test_serve_max_limits_changes_the_ceilings_fields_and_refuses_what_is_not_on
         60.0,
         CEILING.disk_mb,
     )
-    for bad, says in (("memory_mb=lots", "is not FIELD=NUMBER"), ("memroy_mb=1", "no such limit memroy_mb")):
+    assert _ceiling("cpus=0.5,cpu_s=none") == replace(CEILING, cpus=0.5, cpu_s=None)
+    for bad, says in (
+        ("memory_mb=lots", "is not FIELD=NUMBER"),
+        ("memroy_mb=1", "no such limit memroy_mb"),
+        ("memory_mb=1.5", "Limits.memory_mb must be an integer >= 16, got 1.5"),
+        ("pids=none", "Limits.pids must be an integer >= 4, got None"),
+    ):
         r = CliRunner().invoke(app, ["sandbox", "serve", "--port", "0", "--max-limits", bad])
         assert r.exit_code == 1 and says in r.output, r.output

@@ -26,6 +26,9 @@ from e2b import (  # the official SDK, unchanged
 )
 from sandbox_testing import require
 
+from k3.sandbox import SandboxError
+from k3.sandbox.client import RemoteSandbox
+
 QUOTA = 17  # carol runs 16 clients at once, then one more fits, then the next gets 429
 KEYS = {"alice-key-0123456789": "alice", "bob-key-0123456789": "bob", "carol-key-0123456789": "carol"}
 ALICE, BOB, CAROL = KEYS
@@ -147,16 +150,46 @@ def test_sdk_drives_a_sandbox(server, backend):
         Sandbox.connect(sbx.sandbox_id)
 
 
+OVER = "413: the request body is over this server's limit of 1,048,576 bytes"  # --max-upload-mb 1
+
+
 def test_an_upload_over_the_servers_limit_is_refused_and_the_sandbox_serves_on(server):
-    """`--max-upload-mb 1`: a 2 MiB file is a 413 before the server holds it; 0.9 MiB is written."""
+    """`--max-upload-mb 1`: a 2 MiB file, or a 2 MiB request to the REST API, is a 413 before the server
+    holds it, which the SDK reads as E2B's error (it had shown a body in OpenAI's shape); 0.9 MiB is
+    written."""
     sbx = Sandbox.create(template="base@bwrap", timeout=60)
     try:
-        with pytest.raises(SandboxException, match="413"):
+        with pytest.raises(SandboxException) as refused:
             sbx.files.write("big.bin", b"x" * 2**21)
+        assert str(refused.value) == OVER
+        with pytest.raises(SandboxException) as refused:
+            Sandbox.create(template="base@bwrap", envs={"BIG": "x" * 2**21})
+        assert str(refused.value) == OVER
         sbx.files.write("fits.bin", b"y" * 900_000)
         assert sbx.commands.run("wc -c < fits.bin; ls big.bin 2>&1 | wc -l").stdout == "900000\n1\n"
     finally:
         sbx.kill()
+
+
+def test_k3s_own_api_beside_e2bs(server):
+    """Under --e2b, k3's own API (`RemoteSandbox`) is served at /k3 with the same keys and sandboxes: a
+    sandbox it makes is the SDK's to drive and end (it had been unknown to E2B's API), other keys find
+    neither, and its uploads have the same limit."""
+    own = RemoteSandbox.create(server + "/k3", ALICE, template="coreutils", backend="bwrap", timeout=60)
+    try:
+        own.files.write("made.txt", "by k3's API")
+        assert Sandbox.connect(own.sandbox_id).files.read("made.txt") == "by k3's API"
+        assert own.sandbox_id in [s.sandbox_id for s in Sandbox.list().next_items()]
+        assert own.sandbox_id not in [s.sandbox_id for s in Sandbox.list(api_key=BOB).next_items()]
+        with pytest.raises(SandboxError) as refused:
+            own.files.write("big.bin", b"x" * 2**21)
+        assert str(refused.value) == "sandbox server answered " + OVER
+        assert own.commands.run("ls").stdout == "made.txt\n"
+        assert Sandbox.kill(own.sandbox_id)  # the SDK's to end too
+        with pytest.raises(SandboxError, match="404"):
+            own.commands.run("true")
+    finally:
+        Sandbox.kill(own.sandbox_id)
 
 
 def test_snapshot_is_a_template(server):

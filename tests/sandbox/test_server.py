@@ -173,3 +173,15 @@ def test_snapshot_fork_pause_connect_over_http(server):
         RemoteSandbox.connect(sid, url, TOKEN[10])  # not that client's
     with RemoteSandbox.connect(sid, url, TOKEN[9]) as again:
         assert again.sandbox_id == sid and again.files.read("kept.txt") == "across pause"
+
+
+def test_a_body_over_the_limit_is_413_in_the_apis_error_shape(root):
+    """An upload over `max_body_bytes` is refused unread with k3's API's error shape, {"detail"}, which
+    RemoteSandbox reads (BodyLimit's default is OpenAI's)."""
+    from fastapi.testclient import TestClient
+
+    app = create_app(TOKENS, root=root, max_body_bytes=1000)
+    auth = {"Authorization": f"Bearer {TOKEN[0]}"}
+    r = TestClient(app).put("/sandboxes/sbx-0/files", params={"path": "a"}, content=b"x" * 1001, headers=auth)
+    assert r.status_code == 413
+    assert r.json() == {"detail": "the request body is over this server's limit of 1,000 bytes"}
