@@ -79,9 +79,11 @@ class Planned:
             yield values if self.qtype == Q.MXFP4 else gguf.quants.quantize(values, self.qtype)
 
 
-def file_head(out: Path, cfg: K3Config, checkpoint: Path, file_type: int, plan: list[Planned]) -> bytes:
+def file_head(
+    out: Path, cfg: K3Config, checkpoint: Path, file_type: int, plan: list[Planned]
+) -> tuple[bytes, int]:
     """The file's first bytes, as GGUFWriter writes them: header, metadata and tensor infos (written to a
-    scratch file beside `out`, read back, removed)."""
+    scratch file beside `out`, read back, removed), and the alignment of the tensor data they announce."""
     scratch = out.with_name(out.name + ".head.tmp")
     w = gguf.GGUFWriter(scratch, arch_name(cfg))
     try:
@@ -95,7 +97,7 @@ def file_head(out: Path, cfg: K3Config, checkpoint: Path, file_type: int, plan: 
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
         w.close()
-        return scratch.read_bytes()
+        return scratch.read_bytes(), w.data_alignment
     finally:
         w.close()
         scratch.unlink(missing_ok=True)
@@ -108,11 +110,11 @@ def files_seen(checkpoint: Path) -> list[tuple[str, int, int]]:
     ]
 
 
-def write_tensors(tmp: Path, head: bytes, plan: list[Planned], job: str) -> None:
-    """`head`, then every tensor's data at GGUF's alignment, into `tmp`. A `tmp` left by a killed export of
-    the same job (its `.job` file: the head's hash and the checkpoint's files) is continued from its first
-    tensor not whole, so the hours of a large export are not lost; anything else starts afresh."""
-    pad = functools.partial(gguf.GGUFWriter.ggml_pad, n=gguf.GGUF_DEFAULT_ALIGNMENT)
+def write_tensors(tmp: Path, head: bytes, alignment: int, plan: list[Planned], job: str) -> None:
+    """`head`, then every tensor's data at the head's `alignment`, into `tmp`. A `tmp` left by a killed
+    export of the same job (its `.job` file: the head's hash and the checkpoint's files) is continued from
+    its first tensor not whole, so the hours of a large export are not lost; anything else starts afresh."""
+    pad = functools.partial(gguf.GGUFWriter.ggml_pad, n=alignment)
     starts, at = [], pad(len(head))  # each tensor's offset in the file
     for p in plan:
         starts.append(at)
@@ -440,9 +442,9 @@ def export_gguf(
     mxfp4 = any(p.qtype == Q.MXFP4 for p in plan)
     file_type = MXFP4_MOE_FILE_TYPE if mxfp4 else FILE_TYPES[OUTTYPES[outtype]]
     tmp = out.with_name(out.name + ".tmp")
-    head = file_head(out, cfg, checkpoint, file_type, plan)
+    head, alignment = file_head(out, cfg, checkpoint, file_type, plan)
     job = json.dumps({"head": hashlib.sha256(head).hexdigest(), "checkpoint": files_seen(checkpoint)})
-    write_tensors(tmp, head, plan, job)
+    write_tensors(tmp, head, alignment, plan, job)
     os.replace(tmp, out)
     tmp.with_name(tmp.name + ".job").unlink(missing_ok=True)
     types: dict[str, int] = {}

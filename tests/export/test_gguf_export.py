@@ -302,3 +302,23 @@ def test_an_interrupted_export_resumes_at_its_first_unfinished_tensor(k3_tiny, t
     written.clear()
     export_gguf(ckpt, tmp_path / "n.gguf")
     assert len(written) == report.tensors and (tmp_path / "n.gguf").read_bytes() == whole
+
+
+def test_the_tensor_data_follow_the_alignment_the_head_announces(k3_tiny, tmp_path, monkeypatch):
+    """The data are laid out at the alignment the head's metadata gives (`general.alignment`, 32 unless
+    set), not at GGUF's default whatever the head says: with 64 announced, GGUFReader reads every tensor
+    as the default export has it."""
+    from k3.export import gguf as export
+
+    _, default = read_back(export_gguf(k3_tiny, tmp_path / "32.gguf").path)
+    write_metadata = export.write_metadata
+
+    def aligned_to_64(w, *args):
+        write_metadata(w, *args)
+        w.add_custom_alignment(64)
+
+    monkeypatch.setattr(export, "write_metadata", aligned_to_64)
+    fields, got = read_back(export_gguf(k3_tiny, tmp_path / "64.gguf").path)
+    assert fields["general.alignment"] == 64
+    assert got.keys() == default.keys()
+    assert all(got[k][0] == default[k][0] and np.array_equal(got[k][1], default[k][1]) for k in got)
