@@ -132,7 +132,8 @@ def state_entries(model: nn.Module) -> dict[str, tuple[tuple[int, ...], torch.dt
         prefix = name + "." if name else ""
         for key, p in module._parameters.items():
             if p is not None:
-                shape = matrix_shape(p) if key == "weight" and is_tiled(p) else tuple(p.shape)
+                tiled = key == "weight" and getattr(module, "tileable", False) and is_tiled(p)  # not a conv's
+                shape = matrix_shape(p) if tiled else tuple(p.shape)
                 entries[prefix + key] = (shape, p.dtype)
         for key, b in module._buffers.items():
             if b is not None and key not in module._non_persistent_buffers_set:
