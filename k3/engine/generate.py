@@ -45,7 +45,7 @@ import torch
 from k3.config import K3Config
 from k3.engine import state_store
 from k3.engine.images import ImageCache
-from k3.engine.prefix_cache import PrefixCache
+from k3.engine.prefix_cache import PrefixCache, PromptImages
 from k3.engine.sampling import SamplingParams, draw
 from k3.engine.sequence import Completion, EngineError, Event, Sequence, Status, TopLogprobs
 from k3.engine.sequence_cache import keep_final_state, row_cache_bytes, start_cache, store_boundary
@@ -133,6 +133,8 @@ class Engine:
             seq.state = state
         if images:
             seq.image_rows = self._image_rows(seq.prompt, images)
+            keyed = [(im.key, im.tokens) for im in images]
+            seq.prompt_images = PromptImages(seq.prompt, self.model.media_pad_id, keyed)
         self.waiting.append(seq)
         return seq
 

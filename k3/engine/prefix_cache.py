@@ -3,8 +3,9 @@
 While the engine prefills a prompt it cuts it at every multiple of `interval` (its chunks never cross
 one, see `Engine.chunk_size`) and stores a **block** per boundary b: the KDA states after position b and
 the MLA rows of positions b - interval..b (plus, when the sequence recorded them, the routed experts of
-those positions). A block's key is a hash chain: `key = sha256(parent key + the block's ids)`, the root
-key naming the checkpoint and the interval, so a key stands for the whole prefix 0..b and the model that
+those positions). A block's key is a hash chain: `key = sha256(parent key + the block's ids + which
+image rows its pads hold)` (`PromptImages`: the same pads can hold other pixels), the root key naming
+the checkpoint and the interval, so a key stands for the whole prefix 0..b and the model that
 computed it (vLLM's block hashes). A new prompt walks the chain over its own ids and resumes from the
 deepest cached block that leaves at least one prompt token to prefill (its logits give the first token);
 the resumed cache is the KDA state of that block and the MLA rows of the chain.
@@ -30,7 +31,9 @@ whose parent is missing is refused with a log line (and the prefix is recomputed
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import logging
 from array import array
 from collections import OrderedDict
@@ -54,6 +57,7 @@ class Block:
     parent: bytes  # the key of the block before (the root key for the first one)
     end: int
     tensors: state_store.Tensors  # kda.* (state after `end`), mla.* rows end-interval..end, tokens, experts?
+    media: bytes = b""  # what its image pads hold (PromptImages.media), part of its key
 
     @property
     def nbytes(self) -> int:
@@ -92,8 +96,30 @@ def cached_tokens(per_choice: list[int], prompts: int) -> int:
     return sum(min(per_choice[i * n : (i + 1) * n], default=0) for i in range(prompts))
 
 
-def block_key(parent: bytes, ids: list[int]) -> bytes:
-    return hashlib.sha256(parent + array("i", ids).tobytes()).digest()
+def block_key(parent: bytes, ids: list[int], media: bytes = b"") -> bytes:
+    """A block's key: its parent's, its ids and what its image pads hold (`PromptImages.media`)."""
+    return hashlib.sha256(parent + array("i", ids).tobytes() + media).digest()
+
+
+class PromptImages:
+    """A prompt's images as the prefix cache keys them. The same ids can hold other pixels (an image's pads
+    are one id repeated), so a block whose positions hold pads takes into its key which rows of which
+    images (by content hash) they hold: a prompt with the same images resumes from it, one with others
+    does not. Blocks before the first image key as text."""
+
+    def __init__(self, prompt: list[int], pad: int, images: list[tuple[str, int]]) -> None:
+        """images: (content hash, pads) of each image, in prompt order."""
+        self.positions = [i for i, t in enumerate(prompt) if t == pad]  # where the rows go, in order
+        self.images, self.first_rows = images, list(itertools.accumulate((n for _, n in images), initial=0))
+
+    def media(self, start: int, end: int) -> bytes:
+        """What the pads of positions [start, end) hold: each image's hash and its rows there."""
+        lo, hi = bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end)  # rows
+        held = []
+        for (key, _), first, stop in zip(self.images, self.first_rows, self.first_rows[1:], strict=False):
+            if first < hi and lo < stop:
+                held.append(f"{key}[{max(lo, first) - first}:{min(hi, stop) - first}]")
+        return "|".join(held).encode()
 
 
 class PrefixCache:
@@ -129,11 +155,13 @@ class PrefixCache:
         }
 
     # ---- lookups -----------------------------------------------------------------------------------------
-    def match(self, ids: list[int], limit: int, need_experts: bool = False) -> list[Block]:
+    def match(
+        self, ids: list[int], limit: int, need_experts: bool = False, images: PromptImages | None = None
+    ) -> list[Block]:
         """The cached chain over ids[:limit], deepest last (blocks with experts only, if asked)."""
         chain, key, n = [], self.root, self.interval
         for end in range(n, limit + 1, n):
-            key = block_key(key, ids[end - n : end])
+            key = block_key(key, ids[end - n : end], images.media(end - n, end) if images else b"")
             block = self.blocks.get(key)
             if block is None or (need_experts and block.experts is None):
                 break
@@ -142,9 +170,15 @@ class PrefixCache:
             self.blocks.move_to_end(block.key)
         return chain
 
-    def resume(self, ids: list[int], empty: ModelCache, need_experts: bool = False) -> Resume:
+    def resume(
+        self,
+        ids: list[int],
+        empty: ModelCache,
+        need_experts: bool = False,
+        images: PromptImages | None = None,
+    ) -> Resume:
         """Fill `empty` (a fresh batch-1 cache) from the longest cached prefix of ids that leaves one id."""
-        chain = self.match(ids, len(ids) - 1, need_experts)
+        chain = self.match(ids, len(ids) - 1, need_experts, images)
         if not chain:
             self.stats.misses += 1
             return Resume(empty, 0, self.root)
@@ -157,11 +191,18 @@ class PrefixCache:
 
     # ---- inserting ---------------------------------------------------------------------------------------
     def add(
-        self, parent: bytes, ids: list[int], cache: ModelCache, end: int, experts: torch.Tensor | None
+        self,
+        parent: bytes,
+        ids: list[int],
+        cache: ModelCache,
+        end: int,
+        experts: torch.Tensor | None,
+        media: bytes = b"",
     ) -> bytes:
         """Store the block ending at `end` of the sequence in `cache` (batch 1) whose last block is `parent`;
-        ids: its `interval` ids; experts [interval, n_moe, k] or None. Returns its key (the next parent)."""
-        key = block_key(parent, ids)
+        ids: its `interval` ids; experts [interval, n_moe, k] or None; media: what its pads hold
+        (`PromptImages.media`). Returns its key (the next parent)."""
+        key = block_key(parent, ids, media)
         known = self.blocks.get(key)
         if known is not None:
             extra = experts.to(torch.int16) if experts is not None and known.experts is None else None
@@ -177,7 +218,7 @@ class PrefixCache:
         tensors["tokens"] = torch.tensor(ids, dtype=torch.int32)
         if experts is not None:
             tensors["experts"] = experts.to(torch.int16)
-        block = Block(key, parent, end, tensors)
+        block = Block(key, parent, end, tensors, media)
         if self._admit(block) and self.state_dir is not None:
             self._write(block)
         return key
@@ -252,6 +293,7 @@ class PrefixCache:
             "parent": block.parent.hex(),
             "end": str(block.end),
             "interval": str(self.interval),
+            "media": block.media.decode(),
         }
         try:
             state_store.write(self._path(block.key), block.tensors, self.identity, meta)
@@ -268,13 +310,17 @@ class PrefixCache:
             try:
                 tensors, meta = state_store.read(path, self.identity)
                 block = Block(
-                    bytes.fromhex(meta["key"]), bytes.fromhex(meta["parent"]), int(meta["end"]), tensors
+                    bytes.fromhex(meta["key"]),
+                    bytes.fromhex(meta["parent"]),
+                    int(meta["end"]),
+                    tensors,
+                    meta.get("media", "").encode(),
                 )
                 if meta.get("interval") != str(self.interval) or path.name != f"{meta['key']}.safetensors":
                     raise state_store.StateFileError(
                         f"{path.name}: interval {meta.get('interval')} or name differs"
                     )
-                if block.key != block_key(block.parent, tensors["tokens"].tolist()):
+                if block.key != block_key(block.parent, tensors["tokens"].tolist(), block.media):
                     raise state_store.StateFileError(f"{path.name}: its ids do not hash to its key")
             except (state_store.StateFileError, KeyError, ValueError) as e:
                 self._refuse(path, str(e))

@@ -10,6 +10,7 @@ from enum import StrEnum
 
 import torch
 
+from k3.engine.prefix_cache import PromptImages
 from k3.engine.sampling import SamplingParams
 from k3.engine.state_store import SequenceState
 from k3.errors import K3Error
@@ -56,6 +57,7 @@ class Sequence:
     keep_state: bool = False  # keep its state when it finishes (`Engine.state_of`)
     state: SequenceState | None = None  # given to submit, or kept at the end (keep_state)
     image_rows: torch.Tensor | None = None  # [pads, hidden]: its images' rows in prompt order
+    prompt_images: PromptImages | None = None  # which images' rows its pads hold, for prefix cache keys
 
     @property
     def num_tokens(self) -> int:

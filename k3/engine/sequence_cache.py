@@ -26,15 +26,14 @@ def start_cache(seq: Sequence, model: torch.nn.Module, prefix_cache: PrefixCache
     if seq.state is not None:
         seq.cached = len(seq.state.tokens)
         cache = seq.state.cache.select([0])  # a copy: the state may serve again
-    elif prefix_cache is not None and seq.params.prompt_logprobs is None and seq.image_rows is None:
-        found = prefix_cache.resume(seq.prompt, model.new_cache(1), seq.record_experts)
+    elif prefix_cache is not None and seq.params.prompt_logprobs is None:
+        found = prefix_cache.resume(seq.prompt, model.new_cache(1), seq.record_experts, seq.prompt_images)
         cache, seq.cached, seq.block_key = found.cache, found.tokens, found.key
         if found.experts is not None and found.tokens:
             seq.experts.append(found.experts)
     else:
         cache = model.new_cache(1)
-        images = seq.image_rows is not None  # never stored: the same ids may hold other pixels
-        seq.block_key = None if prefix_cache is None or images else prefix_cache.root
+        seq.block_key = None if prefix_cache is None else prefix_cache.root
     seq.prefilled = seq.cached
     return cache
 
@@ -46,7 +45,8 @@ def store_boundary(seq: Sequence, prefix_cache: PrefixCache | None) -> None:
         return
     experts = recorded_experts(seq)[end - pc.interval : end] if seq.record_experts else None
     ids = seq.prompt[end - pc.interval : end]
-    seq.block_key = pc.add(seq.block_key, ids, seq.cache, end, experts)  # type: ignore[arg-type]
+    media = seq.prompt_images.media(end - pc.interval, end) if seq.prompt_images else b""
+    seq.block_key = pc.add(seq.block_key, ids, seq.cache, end, experts, media)  # type: ignore[arg-type]
 
 
 def keep_final_state(seq: Sequence, cache: ModelCache, row: int) -> None:

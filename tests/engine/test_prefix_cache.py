@@ -5,19 +5,23 @@ eviction, and state files (restart, foreign / outdated / truncated / corrupt one
 
 from __future__ import annotations
 
+import io
 import logging
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from k3.config import K3Config
 from k3.engine import state_store
 from k3.engine.generate import Engine
-from k3.engine.prefix_cache import PrefixCache
+from k3.engine.images import load_image
+from k3.engine.prefix_cache import PrefixCache, PromptImages
 from k3.engine.sampling import SamplingParams
 from k3.engine.sequence import EngineError, Status
-from k3.model import K3ForCausalLM
+from k3.model import K3ForCausalLM, K3ForConditionalGeneration
 
 INTERVAL = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -253,3 +257,57 @@ def test_save_and_restore_one_sequence_state(model, tmp_path: Path) -> None:
     foreign = Engine(K3ForCausalLM.from_config(K3Config.preset("tiny"), seed=1))
     with pytest.raises(state_store.StateFileError, match="written for checkpoint"):
         foreign.load_state(str(tmp_path / "slot.safetensors"))
+
+
+def test_prompt_images_key_the_rows_their_pads_hold() -> None:
+    """`PromptImages.media` names, for a span of positions, each image (by content hash) and its rows
+    there, from the pad positions alone: written out here by walking the prompt."""
+    pad = 9
+    prompt = [1, 2, pad, pad, pad, 3, pad, pad, 4, 5]  # image "a": 3 pads at 2-4, image "b": 2 at 6-7
+    images = PromptImages(prompt, pad, [("a", 3), ("b", 2)])
+    assert images.media(0, 2) == b"" and images.media(8, 10) == b""
+    assert images.media(0, 4) == b"a[0:2]"
+    assert images.media(4, 8) == b"a[2:3]|b[0:2]"
+    assert images.media(0, 10) == b"a[0:3]|b[0:2]"
+    assert images.media(7, 8) == b"b[1:2]"
+
+
+@pytest.fixture(scope="module")
+def vision_model() -> K3ForConditionalGeneration:
+    return K3ForConditionalGeneration.from_config(K3Config.preset("tiny"), seed=2)
+
+
+def image(seed: int, w: int = 64, h: int = 48):
+    buf = io.BytesIO()
+    pixels = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(buf, "PNG")
+    return load_image(buf.getvalue())
+
+
+def test_images_are_cached_by_their_pixels_bit_for_bit(vision_model, tmp_path: Path) -> None:
+    """A prompt with an image (text, the image's pads, text) is stored past its image: asked again with
+    the same image it resumes past the pads, with the same image after a restart from the state dir too,
+    and gives a fresh prefill's logits bit for bit. The same ids with other pixels resume only from the
+    text before the first pad, and give their own fresh prefill's logits (they had never been cached)."""
+    a, b = image(1), image(2)
+    assert a.tokens == b.tokens and a.key != b.key
+    pad = vision_model.media_pad_id
+    prompt = ids(21, seed=5) + [pad] * a.tokens + ids(30, seed=6)
+    first_pad = 21
+    pc = cache(vision_model, state_dir=tmp_path)
+    _, want_a = run(vision_model, cache(vision_model), prompt, images=[a])  # fresh, the same chunks
+    _, want_b = run(vision_model, cache(vision_model), prompt, images=[b])
+    assert not torch.equal(want_a, want_b)  # the pixels matter
+
+    stored, got = run(vision_model, pc, prompt, images=[a])
+    assert stored.cached == 0 and torch.equal(got, want_a)
+    deepest = (len(prompt) - 1) // INTERVAL * INTERVAL
+    for again in (pc, cache(vision_model, state_dir=tmp_path)):  # the same cache, then read back
+        seq, got = run(vision_model, again, prompt, images=[a])
+        assert seq.cached == deepest > first_pad + a.tokens
+        assert torch.equal(got, want_a)
+    seq, got = run(vision_model, pc, prompt, images=[b])
+    assert seq.cached == first_pad // INTERVAL * INTERVAL > 0
+    assert torch.equal(got, want_b)
+    text_only, _ = run(vision_model, pc, prompt)  # the same ids without pixels: not the image's blocks
+    assert text_only.cached == first_pad // INTERVAL * INTERVAL
