@@ -22,7 +22,12 @@ TOP = 5  # alternatives asked per position (the legacy completions API allows at
 
 
 class EngineCallError(K3Error):
-    """The engine answered a call with an error or with something the client cannot read."""
+    """The engine answered a call with an error (`status`: its HTTP status) or with something the client
+    cannot read (`status` None)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -64,7 +69,7 @@ class EngineClient:
 
     def _ok(self, r: httpx.Response, what: str) -> dict:
         if r.status_code != 200:
-            raise EngineCallError(f"{what}: HTTP {r.status_code}: {r.text[:300]}")
+            raise EngineCallError(f"{what}: HTTP {r.status_code}: {r.text[:300]}", r.status_code)
         return r.json()
 
     # ---- greedy generation with logprobs ----------------------------------------------------------------

@@ -72,7 +72,7 @@ def conform(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="k3's reference: this checkpoint, in memory."),
     golden: Path = typer.Option(None, "--golden", help="k3's reference: a golden pack (k3 golden)."),
     scenarios: str = typer.Option(
-        "prefix,tools,concurrent,cancel,long,repeat,tokenize", "--scenarios", help="Comma-separated."
+        "prefix,tools,concurrent,cancel,long,repeat,tokenize,images", "--scenarios", help="Comma-separated."
     ),
     report: Path = typer.Option(None, "--report", help="Write OUT.json and OUT.md beside the table."),
     expert_format: str = typer.Option(
@@ -86,7 +86,7 @@ def conform(
     """Drive an OpenAI-compatible engine through K3's hybrid-state scenarios; every returned logprob is
     held against k3's exact value. Exits 1 when a scenario fails."""
     from k3.conform.client import EngineClient
-    from k3.conform.golden import read_manifest, read_sequences
+    from k3.conform.golden import read_manifest, read_sequences, reference_model
     from k3.conform.reference import CheckpointReference, GoldenReference
     from k3.conform.report import THRESHOLDS, as_json, markdown, table
     from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
@@ -103,10 +103,8 @@ def conform(
         threshold = THRESHOLDS[expert_format]
     try:
         if checkpoint is not None:
-            from k3.model import K3ForCausalLM
-
             tokenizer = Tokenizer.from_source(checkpoint)
-            reference = CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint))
+            reference = CheckpointReference(reference_model(checkpoint))  # with its tower, if it has one
         else:
             manifest = read_manifest(golden)
             source = Path(manifest["checkpoint"]["source"])

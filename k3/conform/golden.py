@@ -15,7 +15,9 @@
     DIR/logits.safetensors   the prompts' full logits in `k3 stream compare`'s format (when under 64 MB)
     DIR/prompts.jsonl        their token ids, for `k3 stream ... --prompts`
 
-Small checkpoints are computed in memory (`K3ForCausalLM`); large ones through `k3 stream` (bounded memory:
+A checkpoint with a vision tower adds the `images` scenario's chats (their images' content hashes in the
+manifest's sequences). Small checkpoints are computed in memory (`K3ForCausalLM`, or with the tower
+`K3ForConditionalGeneration`); large ones through `k3 stream` (bounded memory:
 no routed expert ids or KDA states then, and hidden RMS only for the dumped layers; the manifest says so).
 """
 
@@ -31,16 +33,20 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import k3
+from k3.conform.reference import GoldenSequence
 from k3.conform.report import THRESHOLDS
 from k3.conform.texts import (
     chat_ids,
     equal_length_prompts,
     growing_chat,
+    image_chats,
     long_document,
     prompt_ids,
+    scenario_images,
     shifted_prompts,
     tool_chat,
 )
+from k3.engine.images import ImageInput, load_image
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer
 
@@ -73,19 +79,28 @@ def checkpoint_identity(ckpt: Path) -> dict:
     }
 
 
-def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int) -> list[tuple[str, list[int]]]:
-    """(name, prompt ids) of a suite: the scenarios' prompts (and `concurrent`'s, cut to one length), their
-    chats, or long documents."""
+Prompt = tuple[str, list[int], list[ImageInput]]  # (name, prompt ids, the images its pads hold, in order)
+
+
+def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int, vision: bool = False) -> list[Prompt]:
+    """The prompts of a suite: the scenarios' prompts (and `concurrent`'s, cut to one length), their chats
+    (with `vision`, a checkpoint with a vision tower: the `images` scenario's too), or long documents."""
     if suite not in SUITES:
         raise GoldenError(f"unknown suite {suite!r} (known: {', '.join(SUITES)})")
-    out = [(f"prompt {name}", ids) for name, ids in prompt_ids(tokenizer).items()]
-    out += [(f"concurrent {i}", ids) for i, ids in enumerate(equal_length_prompts(tokenizer))]
+    text = [(f"prompt {name}", ids) for name, ids in prompt_ids(tokenizer).items()]
+    text += [(f"concurrent {i}", ids) for i, ids in enumerate(equal_length_prompts(tokenizer))]
     if suite in ("default", "chat"):
-        out += [(f"growing turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(growing_chat())]
-        out += [(f"tools turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(tool_chat())]
-    out += list(zip(("shifted whole", "shifted middle dropped"), shifted_prompts(tokenizer), strict=True))
+        text += [(f"growing turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(growing_chat())]
+        text += [(f"tools turn {k + 1}", chat_ids(tokenizer, m)) for k, m in enumerate(tool_chat())]
+    text += list(zip(("shifted whole", "shifted middle dropped"), shifted_prompts(tokenizer), strict=True))
     if suite == "long":
-        out += [(f"document {n}", long_document(tokenizer, n)) for n in (long_tokens // 4, long_tokens)]
+        text += [(f"document {n}", long_document(tokenizer, n)) for n in (long_tokens // 4, long_tokens)]
+    out: list[Prompt] = [(name, ids, []) for name, ids in text]
+    if vision and suite in ("default", "chat"):
+        loaded = {name: load_image(png) for name, png in scenario_images().items()}
+        for name, messages, names in image_chats(scenario_images()):
+            images = [loaded[n] for n in names]
+            out.append((name, chat_ids(tokenizer, messages, images), images))
     return out
 
 
@@ -94,10 +109,24 @@ def expert_format(cfg) -> str:
 
 
 # ---- computing ---------------------------------------------------------------------------------------------
+def reference_model(ckpt: Path):
+    """The checkpoint's model in memory: with its vision tower when its config has one."""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+
+    vision = K3Config.from_pretrained(ckpt).vision_config is not None
+    return (K3ForConditionalGeneration if vision else K3ForCausalLM).from_pretrained(ckpt)
+
+
+def _pixels(images: list[ImageInput]) -> dict:
+    """The forward's keyword for a prompt's images (none for text)."""
+    return {"images": [im.item for im in images]} if images else {}
+
+
 @torch.no_grad()
-def _greedy(model, prompt: list[int], n: int) -> list[int]:
+def _greedy(model, prompt: list[int], n: int, images: list[ImageInput]) -> list[int]:
     cache = model.new_cache(1)
-    logits = model(torch.tensor([prompt]), cache, logits_to_keep=1)
+    logits = model(torch.tensor([prompt]), cache, logits_to_keep=1, **_pixels(images))
     out: list[int] = []
     for _ in range(n):
         out.append(int(logits[0, -1].argmax()))
@@ -107,7 +136,7 @@ def _greedy(model, prompt: list[int], n: int) -> list[int]:
 
 
 @torch.no_grad()
-def _in_memory(model, ids: list[int]) -> dict[str, torch.Tensor]:
+def _in_memory(model, ids: list[int], images: list[ImageInput]) -> dict[str, torch.Tensor]:
     """One sequence: logits, per-layer RMS and hidden states, routed experts."""
     from k3.model.routing import record_routing
 
@@ -122,7 +151,7 @@ def _in_memory(model, ids: list[int]) -> dict[str, torch.Tensor]:
     handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
     try:
         with record_routing(model, scores=False, weights=False) as trace:
-            logits = model(torch.tensor([ids]))[0]
+            logits = model(torch.tensor([ids]), **_pixels(images))[0]
     finally:
         for h in handles:
             h.remove()
@@ -163,7 +192,7 @@ def _rows(logits: torch.Tensor, ids: list[int]) -> dict[str, torch.Tensor]:
 
 def compute(
     ckpt: Path,
-    sequences: list[tuple[str, list[int]]],
+    sequences: list[Prompt],
     continuation: int,
     via_stream: bool,
     hidden_layers: tuple[int, ...],
@@ -173,25 +202,33 @@ def compute(
     each pass keeps its state under `scratch` (None: in memory only), where a killed run resumes."""
     if via_stream:
         return _through_stream(ckpt, sequences, continuation, hidden_layers, scratch)
-    from k3.model import K3ForCausalLM
-
-    model = K3ForCausalLM.from_pretrained(ckpt)
+    model = reference_model(ckpt)
     data: dict[str, torch.Tensor] = {}
     described, prompt_logits = [], []
-    for i, (name, prompt) in enumerate(sequences):
-        ids = prompt + _greedy(model, prompt, continuation)
-        out = _in_memory(model, ids)
+    for i, (name, prompt, images) in enumerate(sequences):
+        ids = prompt + _greedy(model, prompt, continuation, images)
+        out = _in_memory(model, ids, images)
         data |= {f"seq.{i}.{k}": v for k, v in _rows(out["logits"], ids).items()}
         data[f"seq.{i}.ids"] = torch.tensor(ids)
         data[f"seq.{i}.hidden_rms"] = out["hidden_rms"]
         data[f"seq.{i}.experts"] = out["experts"]
         if i == 0:
             data |= {f"hidden.{layer}": out["hidden"][layer] for layer in hidden_layers}
-            data |= _kda_states(model, max((s for _, s in sequences), key=len))  # the longest prompt
+            data |= _kda_states(model, max((s for _, s, _ in sequences), key=len))  # the longest prompt
         if name.startswith("prompt "):
             prompt_logits.append(out["logits"][: len(prompt)])
-        described.append({"name": name, "prompt_tokens": len(prompt), "tokens": len(ids)})
+        described.append(_described(name, prompt, ids, images))
     return data, _logits_file(prompt_logits, sequences), described
+
+
+def _described(name: str, prompt: list[int], ids: list[int], images: list[ImageInput]) -> dict:
+    """A sequence in the manifest: its name, lengths and the content hashes of its images."""
+    return {
+        "name": name,
+        "prompt_tokens": len(prompt),
+        "tokens": len(ids),
+        "images": [im.key for im in images],
+    }
 
 
 def _logits_file(rows: list[torch.Tensor], sequences) -> dict[str, torch.Tensor]:
@@ -216,15 +253,16 @@ def _through_stream(ckpt, sequences, continuation, hidden_layers, scratch: Path 
     def folder(name: str) -> Path | None:
         return None if scratch is None else scratch / name
 
-    prompts = [p for _, p in sequences]
+    prompts = [p for _, p, _ in sequences]
+    images = [[im.item for im in ims] for _, _, ims in sequences] if any(s[2] for s in sequences) else None
     options = StreamOptions(max_new_tokens=continuation)
-    gen = stream_logits(ckpt, prompts, options, scratch_dir=folder("generate")).outputs["generated"]
-    full = [p + gen[i].tolist() for i, p in enumerate(prompts)]
+    gen = stream_logits(ckpt, prompts, options, scratch_dir=folder("generate"), images=images)
+    full = [p + gen.outputs["generated"][i].tolist() for i, p in enumerate(prompts)]
     options = StreamOptions(all_positions=True, top_k=TOP, dump_hidden=hidden_layers)
-    out = stream_logits(ckpt, full, options, scratch_dir=folder("score")).outputs
+    out = stream_logits(ckpt, full, options, scratch_dir=folder("score"), images=images).outputs
     data: dict[str, torch.Tensor] = {}
     described, prompt_logits = [], []
-    for i, ((name, prompt), ids) in enumerate(zip(sequences, full, strict=True)):
+    for i, ((name, prompt, ims), ids) in enumerate(zip(sequences, full, strict=True)):
         logits = out["logits"][i, : len(ids)]
         data |= {f"seq.{i}.{k}": v for k, v in _rows(logits, ids).items()}
         data[f"seq.{i}.ids"] = torch.tensor(ids)
@@ -234,7 +272,7 @@ def _through_stream(ckpt, sequences, continuation, hidden_layers, scratch: Path 
             data |= {f"hidden.{layer}": out[f"hidden.{layer}"][0, : len(ids)] for layer in hidden_layers}
         if name.startswith("prompt "):
             prompt_logits.append(logits[: len(prompt)])
-        described.append({"name": name, "prompt_tokens": len(prompt), "tokens": len(ids)})
+        described.append(_described(name, prompt, ids, ims))
     return data, _logits_file(prompt_logits, sequences), described
 
 
@@ -260,7 +298,7 @@ def write_golden(
         via_stream = sum(f["bytes"] for f in identity["files"]) > 4 * 10**9
     n = cfg.num_hidden_layers
     hidden_layers = tuple(sorted({0, n // 2, n - 1}))
-    sequences = suite_sequences(tokenizer, suite, long_tokens)
+    sequences = suite_sequences(tokenizer, suite, long_tokens, vision=cfg.vision_config is not None)
     scratch = out / SCRATCH  # the streamed passes' state: a killed `k3 golden write` resumes from it
     data, logits, described = compute(ckpt, sequences, continuation, via_stream, hidden_layers, scratch)
     out.mkdir(parents=True, exist_ok=True)
@@ -273,7 +311,7 @@ def write_golden(
     if logits:
         _atomic_save(logits, out / "logits.safetensors")
         files.append("logits.safetensors")
-        lines = [json.dumps({"input_ids": ids}) for name, ids in sequences if name.startswith("prompt ")]
+        lines = [json.dumps({"input_ids": ids}) for name, ids, _ in sequences if name.startswith("prompt ")]
         _atomic_text(out / "prompts.jsonl", "\n".join(lines) + "\n")
         files.append("prompts.jsonl")
     manifest = {
@@ -322,13 +360,18 @@ def read_manifest(pack: Path) -> dict:
     return manifest
 
 
-def read_sequences(pack: Path) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
-    """(ids, top ids [T, 20], top logprobs [T, 20]) of every sequence (for conform's GoldenReference)."""
+def read_sequences(pack: Path) -> list[GoldenSequence]:
+    """Every sequence of the pack: ids, top ids and logprobs, its images' hashes (for GoldenReference)."""
     manifest = read_manifest(pack)
     data = load_file(Path(pack) / "data.safetensors")
     return [
-        (data[f"seq.{i}.ids"].tolist(), data[f"seq.{i}.top_ids"], data[f"seq.{i}.top_logprobs"])
-        for i in range(len(manifest["sequences"]))
+        GoldenSequence(
+            data[f"seq.{i}.ids"].tolist(),
+            data[f"seq.{i}.top_ids"],
+            data[f"seq.{i}.top_logprobs"],
+            described.get("images", []),
+        )
+        for i, described in enumerate(manifest["sequences"])
     ]
 
 
@@ -350,14 +393,12 @@ def verify_golden(pack: Path, ckpt: Path | None = None, sample: int = 2) -> list
             problems.append(f"checkpoint file {f['name']}: not the one the pack was made from")
     if problems:
         return problems
-    from k3.model import K3ForCausalLM
-
-    model = K3ForCausalLM.from_pretrained(ckpt)
+    model = reference_model(ckpt)
     tolerance = manifest["tolerances"]["recompute_max_dlogprob"]
-    for i, (ids, top_ids, top_lp) in enumerate(read_sequences(pack)[:sample]):
+    for i, s in enumerate(read_sequences(pack)[:sample]):  # the first prompts: text
         with torch.no_grad():
-            lp = model(torch.tensor([ids]))[0].double().log_softmax(-1)
-        d = float((lp.gather(1, top_ids) - top_lp.double()).abs().max())
+            lp = model(torch.tensor([s.ids]))[0].double().log_softmax(-1)
+        d = float((lp.gather(1, s.top_ids) - s.top_logprobs.double()).abs().max())
         if d > tolerance:
             problems.append(f"sequence {i}: recomputed top-20 logprobs differ by {d:.3g} (> {tolerance:g})")
     return problems

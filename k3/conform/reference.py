@@ -3,6 +3,7 @@
     ref = CheckpointReference(model, tokenizer)          # computed now, every position, full vocabulary
     ref = GoldenReference(pack)                          # read from a golden pack (k3.conform.golden): top-20
     rows = ref.expect(ids, positions)                    # [Expected] after ids[:p] for each p
+    rows = ref.expect(ids, positions, images)            # ids holding those images' pads (`ref.sees_images`)
 
 `Expected.logprob(token)` is the log-probability k3 gives `token` there (None when a golden pack did not keep
 it: only its top-20 are stored).
@@ -18,11 +19,13 @@ it agrees with best and says so.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
 
 import torch
 
+from k3.engine.images import ImageInput
 from k3.errors import K3Error
 from k3.model.routing import NearTie, near_ties, record_routing, runner_up_at
 
@@ -62,6 +65,16 @@ class Expected:
 Outcome = tuple[tuple[NearTie, ...], torch.Tensor]  # (the near-ties flipped, [len(rows), V] log-probs)
 
 
+@dataclass
+class GoldenSequence:
+    """One sequence of a golden pack; row p of its tables: the token after ids[:p + 1]."""
+
+    ids: list[int]  # [T]
+    top_ids: torch.Tensor  # [T, 20]
+    top_logprobs: torch.Tensor  # [T, 20]
+    images: list[str] = field(default_factory=list)  # content hashes of the images its pads hold, in order
+
+
 class CheckpointReference:
     """Every position computed by the model in memory (fp32), one forward per scored sequence, plus one per
     combination of outcomes of its router near-ties (at most MAX_TIES of them, the closest).
@@ -76,37 +89,48 @@ class CheckpointReference:
         self.model = model.eval()
         self.top, self.tie_gap, self.remember = top, tie_gap, remember
         self.forwards = 0  # model forwards run so far (the memo's hits run none)
-        self._memo: OrderedDict[tuple[int, ...], list[Outcome]] = OrderedDict()
+        self._memo: OrderedDict[tuple, list[Outcome]] = OrderedDict()
 
-    def _forward(self, ids: list[int], rows: list[int]) -> torch.Tensor:
+    @property
+    def sees_images(self) -> bool:
+        """Whether the model has a vision tower (a checkpoint with vision_config)."""
+        return hasattr(self.model, "encode_images")
+
+    def _forward(self, ids: list[int], rows: list[int], images: Sequence[ImageInput]) -> torch.Tensor:
         """[len(rows), V] float64 log-softmax of the logits at those rows (row p: after ids[:p + 1])."""
         self.forwards += 1
-        return self.model(torch.tensor([ids]))[0, rows].double().log_softmax(-1)
+        pixels = {"images": [im.item for im in images]} if images else {}
+        return self.model(torch.tensor([ids]), **pixels)[0, rows].double().log_softmax(-1)
 
-    def _outcomes(self, ids: list[int], rows: list[int]) -> list[Outcome]:
+    def _outcomes(self, ids: list[int], rows: list[int], images: Sequence[ImageInput]) -> list[Outcome]:
         """Every outcome of the request's near-ties, k3's own routing first."""
-        key = (*ids, -1, *rows)
+        key = (*ids, -1, *rows, *(im.key for im in images))
         if key in self._memo:
             self._memo.move_to_end(key)
         else:
             with torch.no_grad():
                 with record_routing(self.model, weights=False) as trace:
-                    outcomes = [((), self._forward(ids, rows))]
+                    outcomes = [((), self._forward(ids, rows, images))]
                 ties = near_ties(self.model, trace, self.tie_gap)[:MAX_TIES] if self.tie_gap > 0 else []
                 for n in range(1, len(ties) + 1):
                     for flipped in combinations(ties, n):
                         with runner_up_at(self.model, list(flipped)):
-                            outcomes.append((flipped, self._forward(ids, rows)))
+                            outcomes.append((flipped, self._forward(ids, rows, images)))
             self._memo[key] = outcomes
             while len(self._memo) > self.remember:  # bounded memory
                 self._memo.popitem(last=False)
         return self._memo[key]
 
-    def expect(self, ids: list[int], positions: list[int]) -> list[Expected]:
-        """For each p in positions (1 <= p <= len(ids)): the distribution of the token after ids[:p]."""
+    def expect(
+        self, ids: list[int], positions: list[int], images: Sequence[ImageInput] = ()
+    ) -> list[Expected]:
+        """For each p in positions (1 <= p <= len(ids)): the distribution of the token after ids[:p];
+        `images`: those whose pads ids holds, in order."""
         if not positions:
             return []
-        outcomes = self._outcomes(ids[: max(positions)], [p - 1 for p in positions])
+        if images and not self.sees_images:
+            raise ReferenceError("the checkpoint has no vision tower (its config has no vision_config)")
+        outcomes = self._outcomes(ids[: max(positions)], [p - 1 for p in positions], images)
         out = []
         for i, p in enumerate(positions):
             first = self._expected(outcomes[0][1][i])
@@ -124,18 +148,30 @@ class CheckpointReference:
 
 
 class GoldenReference:
-    """Distributions read from a golden pack: the sequences it holds (prompt + greedy continuation) and
-    any prefix of them; only their top-20 are known."""
+    """Distributions read from a golden pack: the sequences it holds (prompt + greedy continuation, and the
+    content hashes of the images whose pads it holds) and any prefix of them; only their top-20 are known."""
 
-    def __init__(self, sequences: list[tuple[list[int], torch.Tensor, torch.Tensor]]) -> None:
-        # (ids [T], top ids [T, 20], top logprobs [T, 20]); row p: after ids[:p + 1]
+    def __init__(self, sequences: list[GoldenSequence]) -> None:
         self.sequences = sequences
 
-    def expect(self, ids: list[int], positions: list[int]) -> list[Expected]:
+    @property
+    def sees_images(self) -> bool:
+        """Whether the pack holds sequences with images (a checkpoint with a vision tower)."""
+        return any(s.images for s in self.sequences)
+
+    def expect(
+        self, ids: list[int], positions: list[int], images: Sequence[ImageInput] = ()
+    ) -> list[Expected]:
         if not positions:
             return []
-        need = max(positions)
-        for seq, top_ids, top_lp in self.sequences:
-            if len(seq) >= need and seq[:need] == ids[:need]:
-                return [Expected(top_ids[p - 1].tolist(), top_lp[p - 1].double().tolist()) for p in positions]
-        raise ReferenceError(f"the golden pack holds no sequence starting with these {need} tokens")
+        need, keys = max(positions), [im.key for im in images]
+        for s in self.sequences:
+            if len(s.ids) >= need and s.ids[:need] == ids[:need] and s.images == keys:
+                return [
+                    Expected(s.top_ids[p - 1].tolist(), s.top_logprobs[p - 1].double().tolist())
+                    for p in positions
+                ]
+        with_images = f" and these {len(keys)} images" if keys else ""
+        raise ReferenceError(
+            f"the golden pack holds no sequence starting with these {need} tokens{with_images}"
+        )

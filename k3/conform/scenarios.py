@@ -12,6 +12,10 @@
   prompt, vLLM #51039; a 5xx past the limit).
 * repeat: one request three times (nondeterminism, state carried between requests).
 * tokenize: the chat prompts through `/tokenize` where offered (a chat template other than k3's).
+* images: a chat with an image, the same with another image of its size (the same prompt ids), the first
+  again, a turn more, both in one message (a prefix cache keyed by ids alone answers the second with the
+  first's state; image rows misplaced or cached under the wrong image). Skipped where k3's reference has
+  no vision tower or the engine refuses images.
 
 Generation is greedy (`temperature: 0`); the position of a generated token is its index in the request's
 sequence (prompt + generated). k3's distribution there is computed on the tokens the engine saw and chose.
@@ -30,11 +34,14 @@ from k3.conform.texts import (
     chat_ids,
     equal_length_prompts,
     growing_chat,
+    image_chats,
     long_document,
     prompt_ids,
+    scenario_images,
     shifted_prompts,
     tool_chat,
 )
+from k3.engine.images import ImageInput, load_image
 
 
 @dataclass
@@ -51,18 +58,22 @@ class Run:
     def text(self, token: int) -> str:
         return self.client.tokenizer.decode([token])
 
-    def check(self, result: ScenarioResult, name: str, prompt: list[int], gen: Generation) -> None:
-        """Hold a greedy generation on `prompt` against k3."""
+    def check(
+        self, result: ScenarioResult, name: str, prompt: list[int], gen: Generation, images: list = ()
+    ) -> None:
+        """Hold a greedy generation on `prompt` (holding `images`' pads) against k3."""
         ids = prompt + gen.tokens
         positions = [len(prompt) + j for j in range(len(gen.tokens))]
-        expected = self.reference.expect(ids, positions)
+        expected = self.reference.expect(ids, positions, images)
         hold(result, name, gen.returned, expected, positions, self.threshold, self.text)
         if not gen.tokens:
             result.fail(f"{name}: the engine generated no token (finish_reason {gen.finish_reason!r})")
 
-    def chat(self, result: ScenarioResult, name: str, messages: list[dict]) -> Generation:
+    def chat(
+        self, result: ScenarioResult, name: str, messages: list[dict], images: list[ImageInput] | None = None
+    ) -> Generation:
         gen = self.client.chat(messages, self.max_tokens)
-        self.check(result, name, chat_ids(self.client.tokenizer, messages), gen)
+        self.check(result, name, chat_ids(self.client.tokenizer, messages, images), gen, images or [])
         return gen
 
     def complete(self, result: ScenarioResult, name: str, prompt: list[int], max_tokens: int | None = None):
@@ -162,6 +173,22 @@ def tokenize(run: Run, result: ScenarioResult) -> None:
             result.top1_agree += len(want)
 
 
+def images(run: Run, result: ScenarioResult) -> None:
+    if not run.reference.sees_images:
+        result.skipped = "k3's reference has no vision tower (the checkpoint, or the pack's, has none)"
+        return
+    pngs = scenario_images()
+    loaded = {name: load_image(png) for name, png in pngs.items()}
+    for k, (name, messages, names) in enumerate(image_chats(pngs)):
+        try:
+            run.chat(result, name, messages, [loaded[n] for n in names])
+        except EngineCallError as e:
+            if k == 0 and e.status is not None and 400 <= e.status < 500:  # no images served: not wrong
+                result.skipped = f"the engine refuses images: {e}"
+                return
+            raise
+
+
 SCENARIOS: dict[str, Callable[[Run, ScenarioResult], None]] = {
     "prefix": prefix,
     "tools": tools,
@@ -171,6 +198,7 @@ SCENARIOS: dict[str, Callable[[Run, ScenarioResult], None]] = {
     "long": long,
     "repeat": repeat,
     "tokenize": tokenize,
+    "images": images,
 }
 
 

@@ -8,10 +8,17 @@ K3's encoder (k3.engine.chat, the release's XTML format), so golden packs and co
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 
+import numpy as np
+from PIL import Image
+
 from k3.engine.chat import chat_prompt
+from k3.engine.images import ImageInput
 from k3.tokenizer.kimi import Tokenizer
+from k3.vision.prompt import image_prompt
 
 # Real text in several languages and scripts (the Spanish from a published article on Kimi K3).
 PROMPTS = {
@@ -45,11 +52,59 @@ GROWING = [
 
 TOOL_TURNS = 10
 
+IMAGE_SIZE = (112, 84)  # (w, h) of the `images` scenario's two images
+IMAGE_REPLY = "A gradient of colours under fine noise."
 
-def chat_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+
+def chat_ids(tokenizer: Tokenizer, messages: list[dict], images: list[ImageInput] | None = None) -> list[int]:
     """Token ids of a chat request with these messages (defaults otherwise: thinking on, effort max),
-    ending by opening the assistant's turn, as k3's server encodes it."""
-    return chat_prompt(messages).ids(tokenizer, add_generation_prompt=True)
+    ending by opening the assistant's turn, as k3's server encodes it; `images`: those of its image parts,
+    in order (each part becomes the image's prompt: its size and one pad per row of the tower)."""
+    prompts = None if images is None else [image_prompt(im.original, im.tokens) for im in images]
+    return chat_prompt(messages, image_prompts=prompts).ids(tokenizer, add_generation_prompt=True)
+
+
+def scenario_images() -> dict[str, bytes]:
+    """Two images of one size, so of one token count (the same prompt ids), with other pixels: smooth
+    gradients under seeded noise, as PNG. An engine that finds a cached state by the prompt's ids alone
+    answers the second with the first's state."""
+    out = {}
+    for name, seed in (("a", 1), ("b", 2)):
+        rng = np.random.default_rng(seed)
+        y, x = np.mgrid[0 : IMAGE_SIZE[1], 0 : IMAGE_SIZE[0]]
+        base = np.stack([x * 255 / IMAGE_SIZE[0], y * 255 / IMAGE_SIZE[1], (x + y) % 64 * 4], axis=-1)
+        if seed == 2:
+            base = base[::-1, ::-1]
+        pixels = np.clip(base + rng.normal(0, 24, base.shape), 0, 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, "PNG")
+        out[name] = buf.getvalue()
+    return out
+
+
+def image_chats(pngs: dict[str, bytes]) -> list[tuple[str, list[dict], list[str]]]:
+    """(request name, messages, names of its images in order) of the `images` scenario: an image, another
+    with the same ids, the first again, then a turn more on it, and both in one message."""
+
+    def ask(names: list[str], text: str) -> dict:
+        parts = [{"type": "image_url", "image_url": {"url": data_url(pngs[n])}} for n in names]
+        return {"role": "user", "content": [*parts, {"type": "text", "text": text}]}
+
+    first = [{"role": "system", "content": SYSTEM}, ask(["a"], "Describe this image in one line.")]
+    second = [{"role": "system", "content": SYSTEM}, ask(["b"], "Describe this image in one line.")]
+    follow = [*first, {"role": "assistant", "content": IMAGE_REPLY}, {"role": "user", "content": "Why?"}]
+    both = [{"role": "system", "content": SYSTEM}, ask(["b", "a"], "Which of the two is brighter?")]
+    return [
+        ("image a", first, ["a"]),
+        ("image b (the same ids)", second, ["b"]),
+        ("image a again", first, ["a"]),
+        ("image a, one turn more", follow, ["a"]),
+        ("images b and a", both, ["b", "a"]),
+    ]
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def growing_chat() -> list[list[dict]]:

@@ -5,6 +5,8 @@
   boundary token is fed twice (llama.cpp's K3 `--cache-reuse`, partial prompt-cache reuse corrupting chats).
 * `SharedSlot`: prompts prefilled together in one batch end up decoding on the first one's KDA state
   (one user's KDA state leaking into another's, tt-metal).
+* `PixelBlindCache`: k3's prefix cache keyed by the prompt's ids alone, so that an image's pads find the
+  state of another image of the same size (a prefix cache that hashes tokens but not images).
 * `drop_attn_res_read(model, layer)`: one layer's AttnRes read before its mixer skipped in decode steps
   (the mixer reads the open block alone: an AttnRes buffer overwritten, a vLLM fork).
 
@@ -44,6 +46,13 @@ class WrongBoundaryCache(Engine):
                     self.stored[tuple(prompt[: ends[-1]])] = seq.cache.select([0])
                     seq.prefilled = ends[-1]
         return super()._prefill_chunk(seq)
+
+
+class PixelBlindCache(Engine):
+    def submit(self, prompt, params, *args, **kwargs):
+        seq = super().submit(prompt, params, *args, **kwargs)
+        seq.prompt_images = None  # BUG: the blocks of its pads are keyed by their ids alone
+        return seq
 
 
 class SharedSlot(Engine):

@@ -1,5 +1,6 @@
-"""A `tiny` checkpoint with a 4,096-token context (so `long` reaches the limit cheaply) and a tokenizer; apps
-of k3's server on it, whole or broken (broken_engines.py), served on a local port; one reference for all."""
+"""A `tiny` checkpoint (with its small vision tower) with a 4,096-token context (so `long` reaches the limit
+cheaply) and a tokenizer; apps of k3's server on it, whole or broken (broken_engines.py), served on a local
+port; one reference for all."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import torch
 import uvicorn
 
 from k3.config import K3Config
+from k3.conform.golden import reference_model
 from k3.conform.reference import CheckpointReference
-from k3.model import K3ForCausalLM
 from k3.model.init import init_checkpoint
 from k3.tokenizer.build import write_tokenizer
 
@@ -45,7 +46,7 @@ def reference(checkpoint):
     """The checkpoint's reference, shared by every server the tests hold against it: the requests the servers
     agree on (all of them for k3's own engine, most for the broken ones) are computed once. A few hundred
     distinct requests at most, each a few [4, V] float64 tables."""
-    return CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint), remember=512)
+    return CheckpointReference(reference_model(checkpoint), remember=512)  # with its vision tower
 
 
 @contextlib.contextmanager

@@ -5,13 +5,22 @@ request and the position where the engine first parts from k3."""
 from __future__ import annotations
 
 import pytest
-from broken_engines import SharedSlot, WrongBoundaryCache, drop_attn_res_read
+from broken_engines import PixelBlindCache, SharedSlot, WrongBoundaryCache, drop_attn_res_read
 
 from k3.conform.client import EngineClient
+from k3.conform.golden import reference_model
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
-from k3.conform.texts import chat_ids, equal_length_prompts, growing_chat, prompt_ids
+from k3.conform.texts import (
+    chat_ids,
+    equal_length_prompts,
+    growing_chat,
+    image_chats,
+    prompt_ids,
+    scenario_images,
+)
 from k3.engine.generate import Engine
+from k3.engine.images import load_image
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.server import create_app
 from k3.engine.state_store import checkpoint_identity
@@ -38,7 +47,7 @@ def failing(results) -> set[str]:
 def test_k3_serve_passes_every_scenario(serve, checkpoint, reference, interval):
     """k3's engine as `k3 serve` builds it: with its exact prefix cache (the default interval, 2,048 prompt
     tokens, and 64) and without (`--no-prefix-cache`)."""
-    model = K3ForCausalLM.from_pretrained(checkpoint)
+    model = reference_model(checkpoint)  # with its vision tower, as `k3 serve` loads it
     cache = PrefixCache(interval, 2**30, checkpoint_identity(model), None) if interval else None
     results = conform(serve, checkpoint, reference, Engine(model, prefix_cache=cache), ALL)
     assert not failing(results), {n: r.notes for n, r in results.items()}
@@ -50,7 +59,9 @@ def test_k3_serve_passes_every_scenario(serve, checkpoint, reference, interval):
 
 
 def broken_engine(checkpoint, break_: str) -> Engine:
-    model = K3ForCausalLM.from_pretrained(checkpoint)
+    model = reference_model(checkpoint)
+    if break_ == "pixels":  # a block every 16 tokens: the image chats' pads fill whole blocks
+        return PixelBlindCache(model, prefix_cache=PrefixCache(16, 2**30, checkpoint_identity(model), None))
     if break_ == "boundary":
         return WrongBoundaryCache(model, Tokenizer.from_source(checkpoint).special.end_of_msg)
     if break_ == "slot":
@@ -60,9 +71,10 @@ def broken_engine(checkpoint, break_: str) -> Engine:
 
 
 FAILS = {
-    "boundary": {"prefix", "tools"},  # the chats, whose later turns restore an earlier turn's state
+    "boundary": {"prefix", "tools", "images"},  # the chats, whose later requests restore an earlier state
     "slot": {"concurrent"},  # only prompts prefilled together share a slot
-    "attn_res": {"prefix", "tools", "concurrent", "cancel", "shifted", "long", "repeat"},  # every decode step
+    "pixels": {"images"},  # only prompts with images hold pads
+    "attn_res": {"prefix", "tools", "concurrent", "cancel", "shifted", "long", "repeat", "images"},  # decode
 }
 
 
@@ -82,6 +94,28 @@ def test_each_break_fails_exactly_its_scenarios(serve, checkpoint, reference, br
         parting = results["concurrent"].parting
         assert parting.request.endswith("(concurrent)")
         assert parting.position == len(equal_length_prompts(tokenizer)[0]) + 1
+    elif break_ == "pixels":
+        # image a filled the cache; image b, the same ids, resumes from a's blocks: its first token parts
+        pngs = scenario_images()
+        name, messages, names = image_chats(pngs)[1]
+        parting = results["images"].parting
+        b = [load_image(pngs[n]) for n in names]
+        assert (parting.request, parting.position) == (name, len(chat_ids(tokenizer, messages, b)))
     else:
         parting = results["repeat"].parting
         assert (parting.request, parting.position) == ("repeat 1", len(prompt_ids(tokenizer)["en"]) + 1)
+
+
+def test_images_are_skipped_without_a_tower_on_either_side(serve, checkpoint, reference):
+    """`images` needs k3's reference to see pixels (a checkpoint with a vision tower) and the engine to take
+    them: a text-only reference, or an engine that answers images with a 4xx, skip it saying which."""
+    from k3.conform.reference import CheckpointReference
+
+    text_only = CheckpointReference(K3ForCausalLM.from_pretrained(checkpoint))
+    results = conform(serve, checkpoint, text_only, Engine(reference_model(checkpoint)), ["images"])
+    assert results["images"].passed and "no vision tower" in results["images"].skipped
+    results = conform(
+        serve, checkpoint, reference, Engine(K3ForCausalLM.from_pretrained(checkpoint)), ["images"]
+    )
+    assert results["images"].passed and "the engine refuses images: " in results["images"].skipped
+    assert "HTTP 400" in results["images"].skipped and "no vision tower" in results["images"].skipped

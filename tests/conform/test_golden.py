@@ -12,11 +12,13 @@ from typer.testing import CliRunner
 
 from k3.cli import app
 from k3.conform.client import EngineClient
-from k3.conform.golden import read_sequences, verify_golden, write_golden
-from k3.conform.reference import GoldenReference
+from k3.conform.golden import read_sequences, reference_model, verify_golden, write_golden
+from k3.conform.reference import GoldenReference, ReferenceError
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import Run, run_scenarios
+from k3.conform.texts import chat_ids, image_chats, scenario_images
 from k3.engine.generate import Engine
+from k3.engine.images import load_image
 from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
 from k3.tokenizer.kimi import Tokenizer
@@ -41,7 +43,7 @@ def test_the_pack_holds_what_the_manifest_says(pack, checkpoint):
     )
     data = load_file(pack / "data.safetensors")
     n = len(manifest["sequences"])
-    assert n == 8 + 4 + 4 + 10 + 2  # prompts, concurrent's prompts, growing chat, tool chat, shifted
+    assert n == 8 + 4 + 4 + 10 + 2 + 5  # prompts, concurrent's, growing chat, tool chat, shifted, images
     model = K3ForCausalLM.from_pretrained(checkpoint)
     ids = data["seq.13.ids"].tolist()  # a chat turn: prompt + 4 greedy tokens
     with torch.no_grad():
@@ -111,20 +113,21 @@ def test_k3_stream_compare_reads_the_pack(pack, checkpoint, tmp_path):
 def test_through_k3_stream_equals_in_memory(pack, checkpoint, tmp_path):
     write_golden(checkpoint, tmp_path / "streamed", continuation=4, via_stream=True)
     ours, theirs = read_sequences(pack), read_sequences(tmp_path / "streamed")
-    for (ids_a, _, lp_a), (ids_b, _, lp_b) in zip(ours, theirs, strict=True):
-        assert ids_a == ids_b
-        assert (lp_a - lp_b).abs().max() < 1e-4
+    assert sum(bool(s.images) for s in theirs) == 5  # the image chats, their pixels through the stream
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.ids == b.ids and a.images == b.images
+        assert (a.top_logprobs - b.top_logprobs).abs().max() < 1e-4
     manifest = json.loads((tmp_path / "streamed" / "manifest.json").read_text())
     assert manifest["computed"] == "k3 stream" and manifest["kda_every"] is None
 
 
 def test_conform_against_the_golden_pack(pack, checkpoint, reference, serve):
     tokenizer = Tokenizer.from_source(pack)  # the pack carries its tokenizer
-    with serve(create_app(Engine(K3ForCausalLM.from_pretrained(checkpoint)), tokenizer, "tiny")) as base:
+    with serve(create_app(Engine(reference_model(checkpoint)), tokenizer, "tiny")) as base:
         client = EngineClient(f"{base}/v1", tokenizer)
         golden = run_scenarios(
             Run(client, GoldenReference(read_sequences(pack)), THRESHOLDS["exact"], 4),
-            ["prefix", "tools", "concurrent", "repeat"],
+            ["prefix", "tools", "concurrent", "repeat", "images"],
         )
         exact = run_scenarios(Run(client, reference, THRESHOLDS["exact"], 4), ["prefix"])
         client.close()
@@ -142,7 +145,7 @@ def test_conform_against_the_golden_pack(pack, checkpoint, reference, serve):
                 str(pack.parent / "rep"),
             ],
         )
-    assert [r.passed for r in golden] == [True] * 4 and not any(r.skipped for r in golden)
+    assert [r.passed for r in golden] == [True] * 5 and not any(r.skipped for r in golden)
     assert golden[0].positions == exact[0].positions and golden[0].max_dlogprob < 1e-4
     assert result.exit_code == 0, result.output
     report = json.loads((pack.parent / "rep.json").read_text())
@@ -253,3 +256,32 @@ def test_a_streamed_pack_interrupted_resumes_from_its_scratch(checkpoint, tmp_pa
     assert not (tmp_path / "resumed" / "scratch").exists()
     for name in ("data.safetensors", "logits.safetensors", "prompts.jsonl"):
         assert (tmp_path / "resumed" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+
+def test_the_pack_holds_the_image_chats_computed_with_their_pixels(pack, checkpoint):
+    """With a vision tower the pack holds the `images` scenario's chats, each with its images' content
+    hashes: the second chat (the first's ids, other pixels) is its own forward with its own image, and
+    GoldenReference tells the two apart by those hashes."""
+    pngs = scenario_images()
+    name, messages, names = image_chats(pngs)[1]
+    images = [load_image(pngs[n]) for n in names]
+    manifest = json.loads((pack / "manifest.json").read_text())
+    i = next(i for i, s in enumerate(manifest["sequences"]) if s["name"] == name)
+    assert manifest["sequences"][i]["images"] == [im.key for im in images]
+    data = load_file(pack / "data.safetensors")
+    ids = data[f"seq.{i}.ids"].tolist()
+    assert ids[: manifest["sequences"][i]["prompt_tokens"]] == chat_ids(
+        Tokenizer.from_source(checkpoint), messages, images
+    )
+    model = reference_model(checkpoint)
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]), images=[im.item for im in images])[0].double().log_softmax(-1)
+    assert (data[f"seq.{i}.top_logprobs"].double() - lp.topk(20, -1).values).abs().max() < 1e-5
+    golden, a = GoldenReference(read_sequences(pack)), load_image(pngs["a"])
+    first = manifest["sequences"][i]["prompt_tokens"]  # the first generated token: after the prompt
+    [with_b] = golden.expect(ids, [first], images)
+    [with_a] = golden.expect(ids, [first], [a])  # the first chat: the same ids, image a
+    assert with_b.top_logprobs == pytest.approx(lp[first - 1].topk(20).values.tolist(), abs=1e-5)
+    assert with_a.top_logprobs != pytest.approx(with_b.top_logprobs, abs=1e-3)
+    with pytest.raises(ReferenceError, match="and these 2 images"):
+        golden.expect(ids, [first], [a, *images])
