@@ -73,7 +73,7 @@ def scenario_images() -> dict[str, bytes]:
         rng = np.random.default_rng(seed)
         y, x = np.mgrid[0 : IMAGE_SIZE[1], 0 : IMAGE_SIZE[0]]
         base = np.stack([x * 255 / IMAGE_SIZE[0], y * 255 / IMAGE_SIZE[1], (x + y) % 64 * 4], axis=-1)
-        if seed == 2:
+        if seed == 2:  # the same pattern turned half a turn
             base = base[::-1, ::-1]
         pixels = np.clip(base + rng.normal(0, 24, base.shape), 0, 255).astype(np.uint8)
         buf = io.BytesIO()

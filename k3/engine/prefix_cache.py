@@ -116,7 +116,7 @@ class PromptImages:
         """What the pads of positions [start, end) hold: each image's hash and its rows there."""
         lo, hi = bisect.bisect_left(self.positions, start), bisect.bisect_left(self.positions, end)  # rows
         held = []
-        for (key, _), first, stop in zip(self.images, self.first_rows, self.first_rows[1:], strict=False):
+        for (key, _), (first, stop) in zip(self.images, itertools.pairwise(self.first_rows), strict=True):
             if first < hi and lo < stop:
                 held.append(f"{key}[{max(lo, first) - first}:{min(hi, stop) - first}]")
         return "|".join(held).encode()

@@ -37,6 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from k3.engine.chat import finish_reason, reply_message, reply_parser, tool_call_deltas
 from k3.engine.chat_inputs import chat_images, encode_request, prompt_ids
 from k3.engine.generate import Engine
+from k3.engine.images import ImageInput
 from k3.engine.outputs import (
     LegacyLogprobs,
     Piece,
@@ -403,19 +404,23 @@ def create_app(
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
+    def images_of(messages: list) -> list[ImageInput] | None:
+        """A chat's images, checked and preprocessed under this server's settings (also for /tokenize)."""
+        return chat_images(
+            engine.model,
+            messages,
+            allow_remote=allow_remote_images,
+            max_images=max_images,
+            max_tokens=max_image_tokens,
+        )
+
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, request: Request):
         check_model(body.model)
         refuse_not_implemented(body)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        images = chat_images(
-            engine.model,
-            body.messages,
-            allow_remote=allow_remote_images,
-            max_images=max_images,
-            max_tokens=max_image_tokens,
-        )
+        images = images_of(body.messages)
         chat = encode_request(body, body.messages, images)
         prompt = prompt_ids(tokenizer, chat)
         max_tokens = budget(body, prompt, "messages", zero_ok=False)
@@ -517,5 +522,5 @@ def create_app(
             "usage": usage([prompt], sum(o.count for o in outcomes), handles),
         }
 
-    add_tokenize_routes(app, engine, tokenizer, check_model)
+    add_tokenize_routes(app, engine, tokenizer, check_model, images_of)
     return app

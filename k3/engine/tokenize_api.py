@@ -12,6 +12,7 @@ from fastapi import FastAPI
 
 from k3.engine.chat_inputs import encode_request, prompt_ids
 from k3.engine.generate import Engine
+from k3.engine.images import ImageInput
 from k3.engine.outputs import token_text
 from k3.engine.protocol import DetokenizeBody, TokenizeBody, invalid
 from k3.tokenizer.kimi import Tokenizer, tokenizer_config
@@ -22,9 +23,14 @@ def _second(item: tuple[str, int]) -> int:
 
 
 def add_tokenize_routes(
-    app: FastAPI, engine: Engine, tokenizer: Tokenizer, check_model: Callable[[str | None], None]
+    app: FastAPI,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    check_model: Callable[[str | None], None],
+    images_of: Callable[[list], list[ImageInput] | None],
 ) -> None:
-    """Add the three endpoints to `app`; `check_model` answers 404 for another model's name."""
+    """Add the three endpoints to `app`; `check_model` answers 404 for another model's name; `images_of`:
+    a chat's images as the server's chat completions take them (their prompts are part of the ids)."""
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody) -> dict:
@@ -40,7 +46,9 @@ def add_tokenize_routes(
         if body.prompt is not None:
             ids = tokenizer.encode(body.prompt)
         else:
-            ids = prompt_ids(tokenizer, encode_request(body, body.messages or []), body.add_generation_prompt)
+            messages = body.messages or []
+            chat = encode_request(body, messages, images_of(messages))
+            ids = prompt_ids(tokenizer, chat, body.add_generation_prompt)
         out: dict = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
         if body.return_token_strs:
             out["token_strs"] = [token_text(tokenizer, t) for t in ids]

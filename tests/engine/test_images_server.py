@@ -102,6 +102,21 @@ def test_logprobs_equal_a_direct_forward_and_usage_counts_image_tokens(served, c
     assert engine.image_cache.encoded == before
 
 
+def test_tokenize_gives_the_ids_a_chat_with_images_prefills(served):
+    """vLLM's /tokenize of a chat with an image gives the ids /v1/chat/completions prefills (the spec's
+    image prompt, written out here), under the server's image settings (it had refused image parts)."""
+    import httpx
+
+    base, tok, _, _ = served
+    data = png(61, 45, seed=1)
+    prompt, _ = expected_prompt(tok, data, "¿Qué hay?")
+    r = httpx.post(f"{base}/tokenize", json={"messages": image_message(data_url(data))})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == prompt and r.json()["count"] == len(prompt)
+    r = httpx.post(f"{base}/tokenize", json={"messages": image_message(data_url(png(200, 200)))})
+    assert r.status_code == 400 and "over the limit of 40" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
