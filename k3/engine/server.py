@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from k3.engine.chat import finish_reason, reply_message, reply_parser, tool_call_deltas
@@ -404,9 +405,11 @@ def create_app(
         }
 
     # ---- /v1/chat/completions ----------------------------------------------------------------------------
-    def images_of(messages: list) -> list[ImageInput] | None:
-        """A chat's images, checked and preprocessed under this server's settings (also for /tokenize)."""
-        return chat_images(
+    async def images_of(messages: list) -> list[ImageInput] | None:
+        """A chat's images, checked and preprocessed under this server's settings (also for /tokenize), in a
+        worker thread: decoding and resizing a large image takes long enough to stall every stream."""
+        return await run_in_threadpool(
+            chat_images,
             engine.model,
             messages,
             allow_remote=allow_remote_images,
@@ -420,7 +423,7 @@ def create_app(
         refuse_not_implemented(body)
         if body.top_logprobs and not body.logprobs:
             raise invalid("top_logprobs: needs logprobs: true", "top_logprobs")
-        images = images_of(body.messages)
+        images = await images_of(body.messages)
         chat = encode_request(body, body.messages, images)
         prompt = prompt_ids(tokenizer, chat)
         max_tokens = budget(body, prompt, "messages", zero_ok=False)

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI
 
@@ -27,7 +27,7 @@ def add_tokenize_routes(
     engine: Engine,
     tokenizer: Tokenizer,
     check_model: Callable[[str | None], None],
-    images_of: Callable[[list], list[ImageInput] | None],
+    images_of: Callable[[list], Awaitable[list[ImageInput] | None]],
 ) -> None:
     """Add the three endpoints to `app`; `check_model` answers 404 for another model's name; `images_of`:
     a chat's images as the server's chat completions take them (their prompts are part of the ids)."""
@@ -47,7 +47,7 @@ def add_tokenize_routes(
             ids = tokenizer.encode(body.prompt)
         else:
             messages = body.messages or []
-            chat = encode_request(body, messages, images_of(messages))
+            chat = encode_request(body, messages, await images_of(messages))
             ids = prompt_ids(tokenizer, chat, body.add_generation_prompt)
         out: dict = {"count": len(ids), "max_model_len": engine.max_context, "tokens": ids}
         if body.return_token_strs:

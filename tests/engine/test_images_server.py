@@ -117,6 +117,37 @@ def test_tokenize_gives_the_ids_a_chat_with_images_prefills(served):
     assert r.status_code == 400 and "over the limit of 40" in r.json()["error"]["message"]
 
 
+def test_preparing_an_image_leaves_the_server_answering(served, monkeypatch):
+    """An image is decoded and resized off the event loop: while one is being prepared (a large one, or a
+    slow remote URL), the server answers others (it had waited for it: here, for ever)."""
+    import threading
+
+    import httpx
+
+    from k3.engine import images
+
+    base = served[0]
+    load_image, started, answered = images.load_image, threading.Event(), threading.Event()
+
+    def held_until_health_answers(*args, **kwargs):
+        started.set()
+        answered.wait(20)  # with the loop blocked, /health cannot answer: its timeout ends the wait
+        return load_image(*args, **kwargs)
+
+    monkeypatch.setattr(images, "load_image", held_until_health_answers)
+    body = {"messages": image_message(data_url(png(61, 45, seed=1)))}
+    tokenize = threading.Thread(
+        target=httpx.post, args=(f"{base}/tokenize",), kwargs={"json": body, "timeout": 60}
+    )
+    tokenize.start()
+    try:
+        assert started.wait(10)
+        assert httpx.get(f"{base}/health", timeout=5).status_code == 200  # ReadTimeout: the loop was held
+    finally:
+        answered.set()
+        tokenize.join()
+
+
 @pytest.mark.parametrize(
     ("url", "problem"),
     [
