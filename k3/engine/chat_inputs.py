@@ -15,6 +15,7 @@ from typing import Any
 from k3.engine.chat import ChatPrompt, ChatRequestError, request_prompt
 from k3.engine.images import ImageInput, image_inputs
 from k3.engine.protocol import ChatFormatBody, ChatMessageBody, invalid
+from k3.engine.remote_images import RemoteImages
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer
 from k3.vision.prompt import image_prompt
@@ -30,7 +31,7 @@ def chat_images(
     model: Any,
     messages: list[ChatMessageBody],
     *,
-    allow_remote: bool = False,
+    remote: RemoteImages | None = None,
     max_images: int = 8,
     max_tokens: int | None = None,
 ) -> list[ImageInput] | None:
@@ -43,7 +44,7 @@ def chat_images(
             "messages: this model has no vision tower (its config has no vision_config)", "messages"
         )
     try:
-        return image_inputs(messages, allow_remote=allow_remote, max_images=max_images, max_tokens=max_tokens)
+        return image_inputs(messages, remote=remote, max_images=max_images, max_tokens=max_tokens)
     except K3Error as e:
         raise invalid(f"{e}", "messages") from e
 

@@ -442,7 +442,14 @@ def serve(
     bf16_products: bool = BF16_PRODUCTS,
     threads: int = THREADS,
     allow_remote_images: bool = typer.Option(
-        False, "--allow-remote-images", help="Fetch http(s) image URLs (size-capped, 10 s timeout)."
+        False,
+        "--allow-remote-images",
+        help="Fetch http(s) image URLs from public addresses (size-capped, 10 s timeout).",
+    ),
+    private_image_hosts: list[str] = typer.Option(
+        [],
+        "--private-image-hosts",
+        help="With --allow-remote-images: a host whose private address may serve images (repeatable).",
     ),
     max_images: int = typer.Option(8, "--max-images", help="Most images in one request."),
     max_image_tokens: int = typer.Option(
@@ -457,6 +464,7 @@ def serve(
     --api-key. Chat messages may hold `image_url` parts (data URLs) when the checkpoint has a vision tower."""
 
     from k3.engine.generate import Engine
+    from k3.engine.remote_images import RemoteImages
     from k3.engine.server import create_app
     from k3.errors import K3Error
     from k3.listen import listening_socket, require_key_beyond_this_machine, run_app, url_of
@@ -465,6 +473,8 @@ def serve(
         fail(f"--request-timeout must be > 0 seconds, got {request_timeout}")
     if max_request_mb < 1:
         fail(f"--max-request-mb must be >= 1, got {max_request_mb}")
+    if private_image_hosts and not allow_remote_images:
+        fail("--private-image-hosts names hosts for remote images: it needs --allow-remote-images")
     if max_batch < 1 or max_queue < 0:
         fail(f"--max-batch must be >= 1 and --max-queue >= 0, got {max_batch} and {max_queue}")
     try:
@@ -490,7 +500,7 @@ def serve(
         max_queue=max_queue,
         request_timeout=request_timeout,
         api_key=api_key,
-        allow_remote_images=allow_remote_images,
+        remote_images=RemoteImages(frozenset(private_image_hosts)) if allow_remote_images else None,
         max_images=max_images,
         max_image_tokens=max_image_tokens,
         max_request_bytes=max_request_mb * 2**20,

@@ -1,5 +1,5 @@
-"""Images for the engine and the server: where an image comes from (a data URL, a remote URL when allowed,
-a file for the CLI), its prompt ids, and the tower's output cached by the
+"""Images for the engine and the server: where an image comes from (a data URL, a remote URL when allowed:
+k3.engine.remote_images, a file for the CLI), its prompt ids, and the tower's output cached by the
 image's content hash (a multi-turn chat re-sends the same image; it is encoded once).
 
     img = load_image(data, max_tokens=...)                # ImageInput: content hash + prepared pixels
@@ -14,19 +14,18 @@ import base64
 import binascii
 import hashlib
 import re
-import urllib.request
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from k3.engine.remote_images import RemoteImages
 from k3.errors import K3Error
 from k3.vision.preprocess import MAX_IMAGE_BYTES, ImageError, Prepared, open_image, prepare
 from k3.vision.prompt import MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
 _DATA_URL = re.compile(r"data:(image/[A-Za-z0-9.+-]+)?(;[^,]*)?,(.*)", re.S)
-REMOTE_TIMEOUT = 10.0  # seconds for a remote image, when remote images are allowed
 
 
 @dataclass(frozen=True)
@@ -49,9 +48,10 @@ def load_image(data: bytes, *, max_tokens: int | None = None, max_bytes: int = M
     return ImageInput(hashlib.sha256(data).hexdigest(), item)
 
 
-def url_bytes(url: str, *, allow_remote: bool = False, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of an `image_url`: a base64 data URL; http(s) only when allowed (size cap, timeout);
-    file:// and every other scheme refused."""
+def url_bytes(url: str, *, remote: RemoteImages | None = None, max_bytes: int = MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of an `image_url`: a base64 data URL; http(s) only under a server's `remote` rule
+    (k3.engine.remote_images: public addresses, a size cap, a timeout); file:// and every other scheme
+    refused."""
     if not isinstance(url, str):
         raise ImageError("image_url.url must be a string")
     if url.startswith("data:"):
@@ -66,23 +66,12 @@ def url_bytes(url: str, *, allow_remote: bool = False, max_bytes: int = MAX_IMAG
             raise ImageError("image_url: the data URL is not valid base64") from None
     scheme = url.split(":", 1)[0].lower() if ":" in url else ""
     if scheme in ("http", "https"):
-        if not allow_remote:
+        if remote is None:
             raise ImageError(
                 "image_url: remote URLs are refused (start the server with --allow-remote-images)"
             )
-        return _fetch(url, max_bytes)
+        return remote.fetch(url)
     raise ImageError(f"image_url: the {scheme or 'scheme-less'} URL scheme is refused (data: URLs only)")
-
-
-def _fetch(url: str, max_bytes: int) -> bytes:
-    try:
-        with urllib.request.urlopen(url, timeout=REMOTE_TIMEOUT) as response:  # noqa: S310 (http(s) only)
-            data = response.read(max_bytes + 1)
-    except (OSError, ValueError) as e:
-        raise ImageError(f"image_url: could not fetch {url} ({e})") from None
-    if len(data) > max_bytes:
-        raise ImageError(f"image_url: {url} holds more than {max_bytes:,} bytes")
-    return data
 
 
 def image_prompt_ids(tokenizer, image: ImageInput) -> list[int]:
@@ -121,11 +110,12 @@ class ImageCache:
 def image_inputs(
     messages: Sequence,
     *,
-    allow_remote: bool = False,
+    remote: RemoteImages | None = None,
     max_images: int = 8,
     max_tokens: int | None = None,
 ) -> list[ImageInput]:
-    """The images of OpenAI chat messages' `image_url` parts, in order (ImageError names a bad part)."""
+    """The images of OpenAI chat messages' `image_url` parts, in order (ImageError names a bad part);
+    http(s) URLs under `remote` (None: refused)."""
     images: list[ImageInput] = []
     for i, m in enumerate(messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
@@ -137,7 +127,7 @@ def image_inputs(
             if len(images) == max_images:
                 raise ImageError(f"{where}: more than {max_images} images in one request (--max-images)")
             try:
-                images.append(load_image(url_bytes(url, allow_remote=allow_remote), max_tokens=max_tokens))
+                images.append(load_image(url_bytes(url, remote=remote), max_tokens=max_tokens))
             except ImageError as e:
                 raise ImageError(f"{where}: {e}") from None
     return images

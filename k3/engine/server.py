@@ -58,6 +58,7 @@ from k3.engine.protocol import (
     refuse_not_implemented,
     validation_error,
 )
+from k3.engine.remote_images import RemoteImages
 from k3.engine.responses import gather_plain, merged, sse, streamed
 from k3.engine.sampling import SamplingError, SamplingParams
 from k3.engine.sequence import Event
@@ -115,13 +116,13 @@ def create_app(
     default_max_tokens: int = 256,
     request_timeout: float | None = None,
     api_key: str | None = None,
-    allow_remote_images: bool = False,
+    remote_images: RemoteImages | None = None,
     max_images: int = 8,
     max_image_tokens: int | None = None,
     max_request_bytes: int = MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app; starts the engine thread on startup and stops it on shutdown. Images (chat
-    `image_url` parts, k3.engine.images): data URLs; http(s) with `allow_remote_images`; at most
+    `image_url` parts, k3.engine.images): data URLs; http(s) under `remote_images` (None: refused); at most
     `max_images` a request and `max_image_tokens` an image. A body over `max_request_bytes` gets 413."""
     worker = EngineWorker(engine, max_queue=max_queue)
     created = int(time.time())
@@ -412,7 +413,7 @@ def create_app(
             chat_images,
             engine.model,
             messages,
-            allow_remote=allow_remote_images,
+            remote=remote_images,
             max_images=max_images,
             max_tokens=max_image_tokens,
         )
