@@ -86,8 +86,8 @@ def conform(
     """Drive an OpenAI-compatible engine through K3's hybrid-state scenarios; every returned logprob is
     held against k3's exact value. Exits 1 when a scenario fails."""
     from k3.conform.client import EngineClient
-    from k3.conform.golden import read_manifest, read_sequences, reference_model
-    from k3.conform.reference import CheckpointReference, GoldenReference
+    from k3.conform.golden import read_manifest, read_sequences
+    from k3.conform.reference import CheckpointReference, GoldenReference, reference_model
     from k3.conform.report import THRESHOLDS, as_json, markdown, table
     from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
     from k3.tokenizer.kimi import Tokenizer

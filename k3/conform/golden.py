@@ -33,7 +33,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import k3
-from k3.conform.reference import GoldenSequence
+from k3.conform.reference import GoldenSequence, pixel_inputs, reference_model
 from k3.conform.report import THRESHOLDS
 from k3.conform.texts import (
     chat_ids,
@@ -109,24 +109,10 @@ def expert_format(cfg) -> str:
 
 
 # ---- computing ---------------------------------------------------------------------------------------------
-def reference_model(ckpt: Path):
-    """The checkpoint's model in memory: with its vision tower when its config has one."""
-    from k3.config import K3Config
-    from k3.model import K3ForCausalLM, K3ForConditionalGeneration
-
-    vision = K3Config.from_pretrained(ckpt).vision_config is not None
-    return (K3ForConditionalGeneration if vision else K3ForCausalLM).from_pretrained(ckpt)
-
-
-def _pixels(images: list[ImageInput]) -> dict:
-    """The forward's keyword for a prompt's images (none for text)."""
-    return {"images": [im.item for im in images]} if images else {}
-
-
 @torch.no_grad()
 def _greedy(model, prompt: list[int], n: int, images: list[ImageInput]) -> list[int]:
     cache = model.new_cache(1)
-    logits = model(torch.tensor([prompt]), cache, logits_to_keep=1, **_pixels(images))
+    logits = model(torch.tensor([prompt]), cache, logits_to_keep=1, **pixel_inputs(images))
     out: list[int] = []
     for _ in range(n):
         out.append(int(logits[0, -1].argmax()))
@@ -151,7 +137,7 @@ def _in_memory(model, ids: list[int], images: list[ImageInput]) -> dict[str, tor
     handles = [layer.register_forward_hook(hook) for layer in model.model.layers]
     try:
         with record_routing(model, scores=False, weights=False) as trace:
-            logits = model(torch.tensor([ids]), **_pixels(images))[0]
+            logits = model(torch.tensor([ids]), **pixel_inputs(images))[0]
     finally:
         for h in handles:
             h.remove()

@@ -22,6 +22,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import combinations
+from pathlib import Path
 
 import torch
 
@@ -65,6 +66,11 @@ class Expected:
 Outcome = tuple[tuple[NearTie, ...], torch.Tensor]  # (the near-ties flipped, [len(rows), V] log-probs)
 
 
+def pixel_inputs(images: Sequence[ImageInput]) -> dict:
+    """The forward's keyword for a prompt's images (none for text)."""
+    return {"images": [im.item for im in images]} if images else {}
+
+
 @dataclass
 class GoldenSequence:
     """One sequence of a golden pack; row p of its tables: the token after ids[:p + 1]."""
@@ -73,6 +79,15 @@ class GoldenSequence:
     top_ids: torch.Tensor  # [T, 20]
     top_logprobs: torch.Tensor  # [T, 20]
     images: list[str] = field(default_factory=list)  # content hashes of the images its pads hold, in order
+
+
+def reference_model(ckpt: Path) -> torch.nn.Module:
+    """The checkpoint's model in memory: with its vision tower when its config has one."""
+    from k3.config import K3Config
+    from k3.model import K3ForCausalLM, K3ForConditionalGeneration
+
+    vision = K3Config.from_pretrained(ckpt).vision_config is not None
+    return (K3ForConditionalGeneration if vision else K3ForCausalLM).from_pretrained(ckpt)
 
 
 class CheckpointReference:
@@ -99,8 +114,7 @@ class CheckpointReference:
     def _forward(self, ids: list[int], rows: list[int], images: Sequence[ImageInput]) -> torch.Tensor:
         """[len(rows), V] float64 log-softmax of the logits at those rows (row p: after ids[:p + 1])."""
         self.forwards += 1
-        pixels = {"images": [im.item for im in images]} if images else {}
-        return self.model(torch.tensor([ids]), **pixels)[0, rows].double().log_softmax(-1)
+        return self.model(torch.tensor([ids]), **pixel_inputs(images))[0, rows].double().log_softmax(-1)
 
     def _outcomes(self, ids: list[int], rows: list[int], images: Sequence[ImageInput]) -> list[Outcome]:
         """Every outcome of the request's near-ties, k3's own routing first."""

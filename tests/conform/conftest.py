@@ -15,8 +15,7 @@ import torch
 import uvicorn
 
 from k3.config import K3Config
-from k3.conform.golden import reference_model
-from k3.conform.reference import CheckpointReference
+from k3.conform.reference import CheckpointReference, reference_model
 from k3.model.init import init_checkpoint
 from k3.tokenizer.build import write_tokenizer
 

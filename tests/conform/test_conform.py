@@ -8,7 +8,7 @@ import pytest
 from broken_engines import PixelBlindCache, SharedSlot, WrongBoundaryCache, drop_attn_res_read
 
 from k3.conform.client import EngineClient
-from k3.conform.golden import reference_model
+from k3.conform.reference import reference_model
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import SCENARIOS, Run, run_scenarios
 from k3.conform.texts import (

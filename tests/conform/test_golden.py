@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from k3.cli import app
 from k3.conform.client import EngineClient
-from k3.conform.golden import read_sequences, reference_model, verify_golden, write_golden
-from k3.conform.reference import GoldenReference, ReferenceError
+from k3.conform.golden import read_sequences, verify_golden, write_golden
+from k3.conform.reference import GoldenReference, ReferenceError, reference_model
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import Run, run_scenarios
 from k3.conform.texts import chat_ids, image_chats, scenario_images

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -21,10 +23,13 @@ from k3.vision.preprocess import ImageError
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # the bytes only travel: nothing decodes them here
 
 
+DATA = Path(__file__).parent / "data"  # images_test.pem: a self-signed certificate for images.test (to 2126)
+
+
 @contextlib.contextmanager
-def image_server(routes: dict[str, tuple[int, dict, bytes]]):
-    """An HTTP server on 127.0.0.1 answering each path with (status, headers, body); yields (base URL, the
-    (path, Host header) of every request it saw)."""
+def image_server(routes: dict[str, tuple[int, dict, bytes]], tls: bool = False):
+    """An HTTP server on 127.0.0.1 answering each path with (status, headers, body), over TLS as images.test
+    with `tls`; yields (base URL, the (path, Host header) of every request it saw)."""
     seen: list[tuple[str, str]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -41,10 +46,14 @@ def image_server(routes: dict[str, tuple[int, dict, bytes]]):
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls:
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.load_cert_chain(DATA / "images_test.pem", DATA / "images_test.key")
+        server.socket = context.wrap_socket(server.socket, server_side=True)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_port}", seen
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{server.server_port}", seen
     finally:
         server.shutdown()
         server.server_close()
@@ -118,6 +127,28 @@ def test_the_connection_goes_to_the_address_that_was_checked(monkeypatch):
         remote = RemoteImages(frozenset({"images.test"}))
         assert url_bytes(f"http://images.test:{port}/cat.png", remote=remote) == PNG
         assert lookups == ["images.test"] and seen == [("/cat.png", f"images.test:{port}")]
+
+
+def test_https_checks_the_certificate_against_the_name_not_the_address(monkeypatch):
+    """Over https the pinned connection still verifies the server's certificate for the URL's name (SNI and
+    hostname check): images.test's certificate, trusted here, serves images.test; the same server named
+    other.test, or a certificate not trusted, is refused."""
+    resolve = socket.getaddrinfo
+
+    def local(host, *args, **kwargs):
+        return resolve("127.0.0.1" if host.endswith(".test") else host, *args, **kwargs)
+
+    monkeypatch.setattr(remote_images.socket, "getaddrinfo", local)
+    remote = RemoteImages(frozenset({"images.test", "other.test"}))
+    with image_server({"/cat.png": (200, {}, PNG)}, tls=True) as (base, seen):
+        port = base.rsplit(":", 1)[1]
+        with pytest.raises(ImageError, match="CERTIFICATE_VERIFY_FAILED"):  # not trusted yet
+            url_bytes(f"https://images.test:{port}/cat.png", remote=remote)
+        monkeypatch.setenv("SSL_CERT_FILE", str(DATA / "images_test.pem"))  # OpenSSL's trust store
+        assert url_bytes(f"https://images.test:{port}/cat.png", remote=remote) == PNG
+        assert seen[-1] == ("/cat.png", f"images.test:{port}")
+        with pytest.raises(ImageError, match="CERTIFICATE_VERIFY_FAILED.*[Hh]ostname mismatch"):
+            url_bytes(f"https://other.test:{port}/cat.png", remote=remote)
 
 
 def test_a_silent_server_times_out():
