@@ -185,6 +185,31 @@ def test_serve_wires_its_options(checkpoint: Path, monkeypatch: pytest.MonkeyPat
     assert result.exit_code != 0 and "--request-timeout" in result.output
     result = runner.invoke(app, ["serve", str(checkpoint), "--max-queue", "-1"])
     assert result.exit_code != 0 and "--max-queue" in result.output
+    result = runner.invoke(app, ["serve", str(checkpoint), "--private-image-hosts", "img.lan"])
+    assert result.exit_code != 0 and "it needs --allow-remote-images" in result.output
+
+
+def test_serve_hands_the_remote_image_rule_to_the_app(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Remote image URLs: refused by default (None), public hosts with --allow-remote-images, and the hosts
+    named by --private-image-hosts besides (k3.engine.server.create_app replaced by a recorder)."""
+    import k3.engine.server
+    import k3.listen
+    from k3.engine.remote_images import RemoteImages
+
+    rules = []
+    monkeypatch.setattr(k3.listen, "run_app", lambda app, sock, level: sock.close())
+    monkeypatch.setattr(k3.engine.server, "create_app", lambda *a, **kw: rules.append(kw["remote_images"]))
+    base = ["serve", str(checkpoint), "--port", "0"]
+    for extra in (
+        [],
+        ["--allow-remote-images"],
+        ["--allow-remote-images", *"--private-image-hosts a --private-image-hosts b".split()],
+    ):
+        result = runner.invoke(app, [*base, *extra])
+        assert result.exit_code == 0, result.output
+    assert rules == [None, RemoteImages(), RemoteImages(frozenset({"a", "b"}))]
 
 
 def test_generate_from_a_url_prints_what_the_folder_gives(checkpoint: Path) -> None:
