@@ -3,13 +3,15 @@ without it in the same run; bytes per cached token against the formula; long pro
 peak RSS.
 
     .venv/bin/python benchmarks/prefix_cache.py [--preset mini] [--turns 10] [--new-tokens 2048]
-        [--reply 32] [--interval 2048] [--agent-steps 8] [--long 32768 131072] [--threads 1]
+        [--reply 32] [--interval 2048] [--agent-steps 8] [--image-turns 4] [--image-size 448 336]
+        [--long 32768 131072] [--threads 1]
 
 Chat: turn t's prompt is turn t-1's prompt, its greedy reply and `--new-tokens` new ids (a user message in
 ids: the chat template does not change what is measured). Each turn runs on two engines over the same
 random model, one with a `PrefixCache` (`--interval`), one without, one after the other; TTFT is the
 time from submit to the first token. The greedy replies of both are compared (they must be the same).
 Agent: a 1,024-id system prompt, then `--agent-steps` steps of a 16-token reply and a 256-id tool result.
+Image chat: the chat again in the model with its vision tower, an image's pads in its first turn.
 Long prompts: each `--long` length prefilled alone (the engine's standard chunks, no prefix cache) in a
 fresh process: prefill tokens/s and the process's peak RSS.
 
@@ -41,10 +43,10 @@ def load() -> str:
     return f"load {os.getloadavg()[0]:.1f}"
 
 
-def ttft(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, list[int], int]:
+def ttft(engine: Engine, prompt: list[int], max_tokens: int, images=None) -> tuple[float, list[int], int]:
     """(seconds to the first token, the greedy reply, prompt tokens restored from the cache)."""
     start = time.perf_counter()
-    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))
+    seq = engine.submit(prompt, SamplingParams(temperature=0, max_tokens=max_tokens), images=images)
     first = None
     while engine.has_work:
         events = engine.step()
@@ -53,14 +55,15 @@ def ttft(engine: Engine, prompt: list[int], max_tokens: int) -> tuple[float, lis
     return first or 0.0, list(seq.output), seq.cached
 
 
-def conversation(model, pc, steps: list[list[int]], reply: int, label: str) -> list[dict]:
-    """Feed the turns (new ids each) to a cached and an uncached engine; one row per turn."""
+def conversation(model, pc, steps: list[list[int]], reply: int, label: str, images=None) -> list[dict]:
+    """Feed the turns (new ids each) to a cached and an uncached engine; one row per turn. `images`: those
+    whose pads the first turn holds (both engines keep their tower rows after the first turn)."""
     cached, plain = Engine(model, prefix_cache=pc), Engine(model)
     rows, prompt = [], []
     for t, new in enumerate(steps, 1):
         prompt = prompt + new
-        t_on, out_on, restored = ttft(cached, prompt, reply)
-        t_off, out_off, _ = ttft(plain, prompt, reply)
+        t_on, out_on, restored = ttft(cached, prompt, reply, images)
+        t_off, out_off, _ = ttft(plain, prompt, reply, images)
         rows.append(
             {
                 "turn": t,
@@ -111,6 +114,31 @@ print(json.dumps({{"tokens": {n}, "seconds": round(took, 1), "tok_s": round({n} 
     return {**json.loads(out.stdout), "load": os.getloadavg()[0]}
 
 
+def image_chat(args, rand) -> list[dict]:
+    """A chat whose first turn holds an image (`--image-size`, seeded pixels) in the model with its vision
+    tower: later turns resume past the image's pads from blocks keyed by its content."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from k3.engine.images import load_image
+    from k3.model import K3ForConditionalGeneration
+
+    model = K3ForConditionalGeneration.from_config(K3Config.preset(args.preset), seed=0)
+    w, h = args.image_size
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
+    image = load_image(buf.getvalue())
+    first = rand(64) + [model.media_pad_id] * image.tokens + rand(args.new_tokens - 64 - image.tokens)
+    steps = [first] + [rand(args.new_tokens) for _ in range(args.image_turns - 1)]
+    pc = PrefixCache(args.interval, 8 * 2**30, checkpoint_identity(model))
+    print(
+        f"image chat: a {w}x{h} image ({image.tokens} pads), {args.image_turns} turns, {load()}", flush=True
+    )
+    return conversation(model, pc, steps, args.reply, "image chat", images=[image])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="mini")
@@ -119,6 +147,8 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=32)
     ap.add_argument("--interval", type=int, default=2048)
     ap.add_argument("--agent-steps", type=int, default=8)
+    ap.add_argument("--image-turns", type=int, default=4, help="turns of the chat with an image (0: none)")
+    ap.add_argument("--image-size", type=int, nargs=2, default=[448, 336], metavar=("W", "H"))
     ap.add_argument("--long", type=int, nargs="*", default=[32768, 131072])
     ap.add_argument(
         "--threads", type=int, default=1, help="torch threads (2 on a loaded 2-core machine spin)"
@@ -156,6 +186,9 @@ def main() -> None:
         steps = [rand(1024)] + [rand(256) for _ in range(args.agent_steps - 1)]
         print(f"agent: {args.agent_steps} steps, {load()}", flush=True)
         result["agent"] = conversation(model, agent, steps, 16, "agent")
+
+    if args.image_turns:
+        result["image_chat"] = image_chat(args, rand)
 
     result["long"] = []
     for n in args.long:
