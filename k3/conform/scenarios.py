@@ -14,8 +14,9 @@
 * tokenize: the chat prompts through `/tokenize` where offered (a chat template other than k3's).
 * images: a chat with an image, the same with another image of its size (the same prompt ids), the first
   again, a turn more, both in one message (a prefix cache keyed by ids alone answers the second with the
-  first's state; image rows misplaced or cached under the wrong image). Skipped where k3's reference has
-  no vision tower or the engine refuses images.
+  first's state; image rows misplaced or cached under the wrong image); then their ids through `/tokenize`
+  where it takes images (an image's prompt other than K3's). Skipped where k3's reference has no vision
+  tower or the engine refuses images.
 
 Generation is greedy (`temperature: 0`); the position of a generated token is its index in the request's
 sequence (prompt + generated). k3's distribution there is computed on the tokens the engine saw and chose.
@@ -160,17 +161,22 @@ def tokenize(run: Run, result: ScenarioResult) -> None:
             if ids is None:
                 result.skipped = "the engine offers no /tokenize"
                 return
-            want = chat_ids(run.client.tokenizer, messages)
-            result.requests += 1
-            result.positions += len(want)
-            if ids != want:
-                j = next(
-                    (i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b),
-                    min(len(ids), len(want)),
-                )
-                result.fail(f"{name} turn {k + 1}: the engine's chat ids part from k3's at token {j}")
+            if not same_ids(result, f"{name} turn {k + 1}", ids, chat_ids(run.client.tokenizer, messages)):
                 return
-            result.top1_agree += len(want)
+
+
+def same_ids(result: ScenarioResult, name: str, ids: list[int], want: list[int]) -> bool:
+    """Compare an engine's chat ids with k3's; a difference fails the scenario, naming where it starts."""
+    result.requests += 1
+    result.positions += len(want)
+    if ids != want:
+        j = next(
+            (i for i, (a, b) in enumerate(zip(ids, want, strict=False)) if a != b), min(len(ids), len(want))
+        )
+        result.fail(f"{name}: the engine's chat ids part from k3's at token {j}")
+        return False
+    result.top1_agree += len(want)
+    return True
 
 
 def images(run: Run, result: ScenarioResult) -> None:
@@ -187,6 +193,17 @@ def images(run: Run, result: ScenarioResult) -> None:
                 result.skipped = f"the engine refuses images: {e}"
                 return
             raise
+    for name, messages, names in image_chats(pngs):  # the ids, where /tokenize takes images: the template
+        try:
+            ids = run.client.tokenize_chat(messages)
+        except EngineCallError as e:
+            result.notes.append(f"/tokenize of the image chats: {e}")
+            return
+        if ids is None:
+            return
+        want = chat_ids(run.client.tokenizer, messages, [loaded[n] for n in names])
+        if not same_ids(result, f"{name} (/tokenize)", ids, want):
+            return
 
 
 SCENARIOS: dict[str, Callable[[Run, ScenarioResult], None]] = {

@@ -19,6 +19,7 @@ from k3.conform.texts import (
     prompt_ids,
     scenario_images,
 )
+from k3.engine.chat import chat_prompt
 from k3.engine.generate import Engine
 from k3.engine.images import load_image
 from k3.engine.prefix_cache import PrefixCache
@@ -26,6 +27,7 @@ from k3.engine.server import create_app
 from k3.engine.state_store import checkpoint_identity
 from k3.model import K3ForCausalLM
 from k3.tokenizer.kimi import Tokenizer
+from k3.vision.prompt import image_prompt
 
 ALL = list(SCENARIOS)
 
@@ -119,3 +121,30 @@ def test_images_are_skipped_without_a_tower_on_either_side(serve, checkpoint, re
     )
     assert results["images"].passed and "the engine refuses images: " in results["images"].skipped
     assert "HTTP 400" in results["images"].skipped and "no vision tower" in results["images"].skipped
+
+
+def test_an_image_prompt_other_than_k3s_is_named_by_tokenize(serve, checkpoint, reference, monkeypatch):
+    """An engine that writes an image's prompt otherwise (here k3's own server with the size left out of
+    `image WxH`) parts from k3 in `images`, and its /tokenize ids show where: at the size's first token."""
+    import k3.engine.chat_inputs
+
+    def sizeless(original, tokens):
+        return image_prompt((0, 0), tokens)
+
+    monkeypatch.setattr(k3.engine.chat_inputs, "image_prompt", sizeless)
+    results = conform(serve, checkpoint, reference, Engine(reference_model(checkpoint)), ["images"])
+    tokenizer = Tokenizer.from_source(checkpoint)
+    pngs = scenario_images()
+    name, messages, names = image_chats(pngs)[0]
+    images = [load_image(pngs[n]) for n in names]
+    want = chat_ids(tokenizer, messages, images)
+    monkeypatch.undo()
+    assert not results["images"].passed
+    sizeless_prompts = [image_prompt((0, 0), im.tokens) for im in images]
+    theirs = chat_prompt(messages, image_prompts=sizeless_prompts).ids(tokenizer, add_generation_prompt=True)
+    first = next(i for i, (a, b) in enumerate(zip(theirs, want, strict=False)) if a != b)
+    assert tokenizer.decode(want[first:]).startswith(("112x84", "12x84", "2x84", "x84", "84"))
+    assert (
+        f"{name} (/tokenize): the engine's chat ids part from k3's at token {first}"
+        in results["images"].notes
+    )
