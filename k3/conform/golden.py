@@ -363,7 +363,9 @@ def read_sequences(pack: Path) -> list[GoldenSequence]:
 
 def verify_golden(pack: Path, ckpt: Path | None = None, sample: int = 2) -> list[str]:
     """Problems found (empty: the pack is sound): the data files' hashes; the checkpoint's files against
-    the identity (when `ckpt` is given), and `sample` sequences recomputed and held to the tolerance."""
+    the identity (when `ckpt` is given), and `sample` sequences recomputed and held to the tolerance (the
+    first ones, text, and the first with images when the pack holds some: its images made again, their
+    hashes checked)."""
     pack = Path(pack)
     manifest = read_manifest(pack)
     problems = [
@@ -381,9 +383,18 @@ def verify_golden(pack: Path, ckpt: Path | None = None, sample: int = 2) -> list
         return problems
     model = reference_model(ckpt)
     tolerance = manifest["tolerances"]["recompute_max_dlogprob"]
-    for i, s in enumerate(read_sequences(pack)[:sample]):  # the first prompts: text
+    sequences = read_sequences(pack)
+    chosen = list(range(min(sample, len(sequences))))
+    chosen += [i for i, s in enumerate(sequences) if s.images][:1]
+    by_hash = {im.key: im for im in (load_image(png) for png in scenario_images().values())}
+    for i in chosen:
+        s = sequences[i]
+        if any(key not in by_hash for key in s.images):
+            problems.append(f"sequence {i}: its images are not the ones this k3 makes (k3.conform.texts)")
+            continue
         with torch.no_grad():
-            lp = model(torch.tensor([s.ids]))[0].double().log_softmax(-1)
+            lp = model(torch.tensor([s.ids]), **pixel_inputs([by_hash[k] for k in s.images]))[0]
+            lp = lp.double().log_softmax(-1)
         d = float((lp.gather(1, s.top_ids) - s.top_logprobs.double()).abs().max())
         if d > tolerance:
             problems.append(f"sequence {i}: recomputed top-20 logprobs differ by {d:.3g} (> {tolerance:g})")

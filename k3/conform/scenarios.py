@@ -181,7 +181,10 @@ def same_ids(result: ScenarioResult, name: str, ids: list[int], want: list[int])
 
 def images(run: Run, result: ScenarioResult) -> None:
     if not run.reference.sees_images:
-        result.skipped = "k3's reference has no vision tower (the checkpoint, or the pack's, has none)"
+        result.skipped = (
+            "k3's reference has no vision tower (a checkpoint without vision_config, or a golden pack "
+            "without image chats: of such a checkpoint, or written by a k3 before them)"
+        )
         return
     pngs = scenario_images()
     loaded = {name: load_image(png) for name, png in pngs.items()}

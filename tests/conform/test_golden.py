@@ -85,6 +85,22 @@ def test_verify_checks_hashes_identity_and_a_recomputed_sample(pack, checkpoint,
     manifest["data"]["data.safetensors"] = sha256(damaged / "data.safetensors")
     (damaged / "manifest.json").write_text(json.dumps(manifest))
     assert any("recomputed" in p for p in verify_golden(damaged, checkpoint))
+    # the first sequence with images is recomputed with its pixels too: damage there is found, and an
+    # image this k3 does not make is named
+    k = next(i for i, d in enumerate(manifest["sequences"]) if d["images"])
+    data = load_file(pack / "data.safetensors")
+    data[f"seq.{k}.top_logprobs"] = data[f"seq.{k}.top_logprobs"] + 1e-3
+    save_file(data, damaged / "data.safetensors")
+    manifest["data"]["data.safetensors"] = sha256(damaged / "data.safetensors")
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    assert [p for p in verify_golden(damaged, checkpoint) if "recomputed" in p] == [
+        f"sequence {k}: recomputed top-20 logprobs differ by 0.001 (> 0.0001)"
+    ]
+    manifest["sequences"][k]["images"] = ["0" * 64]
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    assert f"sequence {k}: its images are not the ones this k3 makes (k3.conform.texts)" in verify_golden(
+        damaged, checkpoint
+    )
 
 
 def test_k3_stream_compare_reads_the_pack(pack, checkpoint, tmp_path):
