@@ -2,8 +2,9 @@
 One server on 127.0.0.1 answers three things:
 
 - E2B's control-plane REST API (as in E2B's spec/openapi.yml): create (`POST /sandboxes`, `/v2/sandboxes`),
-  get, list (`/sandboxes`, `/v2/sandboxes`), kill, set timeout, metrics, pause, resume / connect, snapshots
-  (`POST /sandboxes/{id}/snapshots`, a snapshot id is then a template; `DELETE /templates/{id}`), fork.
+  get, list (`/sandboxes`, `/v2/sandboxes`: filters and pages, `e2b_listing.py`), kill, set timeout,
+  metrics, pause, resume / connect, snapshots (`POST /sandboxes/{id}/snapshots`, a snapshot id is then a
+  template; `GET /snapshots`; `DELETE /templates/{id}`), fork.
   `X-API-KEY` is a k3 client token: each key sees only its own sandboxes (another key's id is 404), its
   live sandboxes are capped by the quota (429, the SDK's RateLimitException), a wrong key is 401.
 - E2B's in-sandbox API ("envd", `envd.py`): processes and the filesystem over Connect, `/files`, `/health`;
@@ -26,14 +27,14 @@ from pathlib import Path
 
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
-from fastapi import Depends, FastAPI, HTTPException, Request, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from k3.listen import BodyLimit
-from k3.sandbox import snapshots
+from k3.sandbox import e2b_listing, snapshots
 from k3.sandbox.envd import ENVD_VERSION, EnvdSandbox, connect_apps, envd_router
 from k3.sandbox.sandbox import BACKENDS, Sandbox, default_root
 from k3.sandbox.server import CEILING, MAX_BODY_BYTES, Registry, create_app
@@ -89,7 +90,8 @@ def _whole_cpus(cores: float) -> int:
 
 
 def _iso(t: datetime) -> str:
-    return t.isoformat().replace("+00:00", "Z")
+    """An ISO 8601 UTC time, always to the microsecond (so that the strings sort as the times do)."""
+    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def _error_body(status: int, message: str) -> dict:
@@ -273,21 +275,49 @@ def create_e2b_app(
     def create_v2(body: NewSandbox, who: str = Depends(client)) -> JSONResponse:
         return create(body, who)
 
-    def listing(who: str, state: str | None) -> list[dict]:
+    def listing(who: str, state: str | None, metadata: str | None, after: str | None, template: str | None):
+        """The client's sandboxes in the states asked (both by default), with every metadata pair asked,
+        started at or after `after`, of the template asked (its id as created, or its name)."""
         wanted = set(state.split(",")) if state else {"running", "paused"}
+        if unknown := sorted(wanted - {"running", "paused"}):
+            raise SandboxError(f"state: {', '.join(unknown)} is not running or paused")
+        pairs, since = e2b_listing.metadata_filter(metadata), e2b_listing.started_after(after)
         with reg.lock:
             adopt_own_api_sandboxes()
             mine = [(sid, i) for sid, i in infos.items() if i.owner == who]
-        out = [detail_json(sid, i) for sid, i in mine if ("paused" if i.paused else "running") in wanted]
-        return sorted(out, key=lambda d: d["startedAt"])
+        return [
+            detail_json(sid, i)
+            for sid, i in mine
+            if ("paused" if i.paused else "running") in wanted
+            and all(i.metadata.get(k) == v for k, v in pairs.items())
+            and (since is None or i.started >= since)
+            and (template is None or template in (i.template, i.template.partition("@")[0]))
+        ]
 
     @app.get("/sandboxes")
-    def list_v1(who: str = Depends(client)) -> list[dict]:
-        return listing(who, None)
+    def list_v1(metadata: str | None = None, who: str = Depends(client)) -> list[dict]:
+        return sorted(listing(who, None, metadata, None, None), key=lambda d: d["startedAt"])
 
     @app.get("/v2/sandboxes")
-    def list_v2(state: str | None = None, who: str = Depends(client)) -> list[dict]:
-        return listing(who, state)
+    def list_v2(
+        response: Response,
+        state: str | None = None,
+        metadata: str | None = None,
+        started_after: str | None = Query(None, alias="startedAfter"),
+        template: str | None = None,
+        order: str | None = None,
+        limit: int = e2b_listing.MAX_LIMIT,
+        next_token: str | None = Query(None, alias="nextToken"),
+        who: str = Depends(client),
+    ) -> list[dict]:
+        if order not in (None, "asc", "desc"):
+            raise SandboxError(f"order: {order!r} is not asc or desc")
+        found = listing(who, state, metadata, started_after, template)
+        by_start = (lambda d: [d["startedAt"], d["sandboxID"]], limit, next_token, order == "desc")
+        items, token = e2b_listing.page(found, *by_start)
+        if token is not None:
+            response.headers[e2b_listing.NEXT_TOKEN_HEADER] = token
+        return items
 
     @app.get("/sandboxes/{sid}")
     def get(sid: str, who: str = Depends(client)) -> dict:
@@ -385,12 +415,38 @@ def create_e2b_app(
     def connect_v2(sid: str, body: ConnectBody, who: str = Depends(client)) -> JSONResponse:
         return resume(sid, body.timeout, who)
 
+    made: dict[str, tuple[str, list[str]]] = {}  # snapshot id -> (its sandbox, its names), made through E2B
+
     @app.post("/sandboxes/{sid}/snapshots", status_code=201)
     def snapshot(sid: str, body: SnapshotBody, info: Info = Depends(running)) -> dict:
         snap = info.entry.sandbox.create_snapshot()
         with reg.lock:
             reg.snapshots[snap.id] = info.owner
-        return {"snapshotID": snap.id, "names": [body.name] if body.name else []}
+            made[snap.id] = (sid, [body.name] if body.name else [])
+        return {"snapshotID": snap.id, "names": made[snap.id][1]}
+
+    @app.get("/snapshots")
+    def list_snapshots(
+        response: Response,
+        sandbox_id: str | None = Query(None, alias="sandboxID"),
+        name: str | None = None,
+        limit: int = e2b_listing.MAX_LIMIT,
+        next_token: str | None = Query(None, alias="nextToken"),
+        who: str = Depends(client),
+    ) -> list[dict]:
+        """The client's snapshots (not its paused sandboxes), of one sandbox or by name or id if asked."""
+        with reg.lock:
+            mine = [(s, *made.get(s, ("", []))) for s, owner in reg.snapshots.items() if owner == who]
+            mine = [m for m in mine if m[0] not in infos]
+        found = [
+            {"snapshotID": s, "names": names}
+            for s, source, names in mine
+            if (sandbox_id is None or source == sandbox_id) and (name is None or name == s or name in names)
+        ]
+        items, token = e2b_listing.page(found, lambda d: [d["snapshotID"]], limit, next_token)
+        if token is not None:
+            response.headers[e2b_listing.NEXT_TOKEN_HEADER] = token
+        return items
 
     @app.delete("/templates/{template_id}", status_code=204)
     def delete_snapshot(template_id: str, who: str = Depends(client)) -> Response:
@@ -398,6 +454,7 @@ def create_e2b_app(
             if reg.snapshots.get(template_id) != who or template_id in infos:
                 raise HTTPException(404, f"snapshot {template_id} not found")
             reg.snapshots.pop(template_id)
+            made.pop(template_id, None)
         snapshots.delete(snapshots.load(state_root, template_id))
         return Response(status_code=204)
 

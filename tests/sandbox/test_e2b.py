@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,6 +24,8 @@ from e2b import (  # the official SDK, unchanged
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
+    SandboxQuery,
+    SandboxState,
 )
 from sandbox_testing import require
 
@@ -228,6 +231,54 @@ def test_metrics_and_errors_in_e2bs_shape(server):
             assert r.json()["code"] == status
     finally:
         sbx.kill()
+
+
+def test_list_filters_and_pages_as_the_sdk_asks(server):
+    """`Sandbox.list` with a query (metadata, start time, template, state), an order and pages of `limit`,
+    and `Sandbox.list_snapshots` by source sandbox and name: each answers exactly what it asks (the metadata
+    filter had been ignored: every sandbox of the key came back; list_snapshots was a 404)."""
+    tag = uuid.uuid4().hex  # this run's sandboxes only, whatever else the key has
+    made = []
+    try:
+        for i in range(3):
+            meta = {"run": tag, "i": str(i), "who": "a&b=c d"}  # characters the query must quote
+            made.append(Sandbox.create(template="base@bwrap", timeout=60, metadata=meta))
+        ids = [s.sandbox_id for s in made]
+
+        def listed(query=None, **kw) -> list[str]:
+            return [s.sandbox_id for s in Sandbox.list(query=query, **kw).next_items()]
+
+        mine = SandboxQuery(metadata={"run": tag, "who": "a&b=c d"})
+        pages = Sandbox.list(query=mine, limit=2)
+        first = [s.sandbox_id for s in pages.next_items()]
+        assert pages.has_next and len(first) == 2
+        assert first + [s.sandbox_id for s in pages.next_items()] == ids and not pages.has_next  # by start
+        assert listed(mine, order="desc") == ids[::-1]
+        assert listed(SandboxQuery(metadata={"run": tag, "i": "1"})) == [ids[1]]
+        started = Sandbox.get_info(ids[1]).started_at
+        assert listed(SandboxQuery(metadata={"run": tag}, started_after=started)) == ids[1:]
+        assert listed(SandboxQuery(metadata={"run": tag}, template="base")) == ids
+        assert listed(SandboxQuery(metadata={"run": tag}, template="python")) == []
+        assert listed(SandboxQuery(metadata={"run": tag}, state=[SandboxState.PAUSED])) == []
+        assert listed(mine, api_key=BOB) == []
+        for bad in ({"limit": 0}, {"nextToken": "not-a-token"}, {"state": "sleeping"}, {"order": "up"}):
+            r = httpx.get(server + "/v2/sandboxes", params=bad, headers={"X-API-KEY": ALICE})
+            assert r.status_code == 400 and r.json()["code"] == 400, r.text
+
+        snap = made[0].create_snapshot(name="before")
+        assert [s.snapshot_id for s in Sandbox.list_snapshots(sandbox_id=ids[0]).next_items()] == [
+            snap.snapshot_id
+        ]
+        assert Sandbox.list_snapshots(sandbox_id=ids[1]).next_items() == []
+        assert [s.names for s in Sandbox.list_snapshots(name="before").next_items()] == [["before"]]
+        assert snap.snapshot_id not in [
+            s.snapshot_id for s in Sandbox.list_snapshots(api_key=BOB).next_items()
+        ]
+        assert Sandbox.delete_snapshot(snap.snapshot_id)
+        assert Sandbox.list_snapshots(sandbox_id=ids[0]).next_items() == []
+    finally:
+        for s in made:
+            s.kill()
 
 
 def test_wrong_key_and_other_keys_sandboxes(server):
