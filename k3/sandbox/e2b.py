@@ -313,8 +313,9 @@ def create_e2b_app(
         if order not in (None, "asc", "desc"):
             raise SandboxError(f"order: {order!r} is not asc or desc")
         found = listing(who, state, metadata, started_after, template)
-        by_start = (lambda d: [d["startedAt"], d["sandboxID"]], limit, next_token, order == "desc")
-        items, token = e2b_listing.page(found, *by_start)
+        items, token = e2b_listing.page(
+            found, lambda d: [d["startedAt"], d["sandboxID"]], limit, next_token, descending=order == "desc"
+        )
         if token is not None:
             response.headers[e2b_listing.NEXT_TOKEN_HEADER] = token
         return items
