@@ -44,7 +44,7 @@ sandbox-tools:
 # Two workers, each file in one of them (its module fixtures built once): many tests wait on subprocesses,
 # sandboxes and servers rather than compute, so two cores finish the suite in about half the time.
 test: $(STAMP) native browser sandbox-tools
-	@echo "== running the test suite (about 10 minutes on 2 cores)"
+	@echo "== running the test suite (about 12 minutes on 2 cores)"
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
