@@ -7,7 +7,8 @@ address among public ones is refused), unless the server names it in `private_ho
 store). The connection goes to the address that was checked, not to a second lookup (which a name could
 answer differently: DNS rebinding), with the name kept for TLS (certificate and SNI) and the Host header.
 Redirects are followed by hand, at most MAX_REDIRECTS, each target checked as the first; the body is read
-up to its cap, within a timeout. Proxy variables are not used: the check would see the proxy, not the host.
+up to its cap, the whole fetch within a timeout (a server sending a byte now and then holds a worker thread
+no longer). Proxy variables are not used: the check would see the proxy, not the host.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import http.client
 import ipaddress
 import socket
 import ssl
+import time
 import urllib.parse
 from dataclasses import dataclass, field
 
@@ -31,11 +33,13 @@ class RemoteImages:
     or addresses, as written in URLs) whatever they resolve to."""
 
     private_hosts: frozenset[str] = field(default_factory=frozenset)
-    timeout: float = 10.0  # seconds to connect, and between reads
+    timeout: float = 10.0  # seconds for the whole fetch (and at most for each wait on the server)
     max_bytes: int = MAX_IMAGE_BYTES
 
     def fetch(self, url: str) -> bytes:
-        """The body of an http(s) URL (ImageError names what is refused or failed)."""
+        """The body of an http(s) URL (ImageError names what is refused or failed), redirects included
+        within `timeout` (a server that sends a byte now and then is cut off there)."""
+        deadline = time.monotonic() + self.timeout
         for _ in range(MAX_REDIRECTS + 1):
             parts = urllib.parse.urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -46,7 +50,9 @@ class RemoteImages:
                 raise ImageError(f"image_url: {url} has a bad port") from None
             address = self._address(parts.hostname, port)
             try:
-                response, body = self._get(parts, address, port)
+                response, body = self._get(parts, address, port, deadline)
+            except TimeoutError:
+                raise ImageError(f"image_url: {url} took longer than {self.timeout:g} s") from None
             except (OSError, http.client.HTTPException) as e:
                 raise ImageError(f"image_url: could not fetch {url} ({e})") from None
             if response.status in REDIRECTS and response.getheader("Location"):
@@ -77,8 +83,9 @@ class RemoteImages:
                     )
         return found[0]
 
-    def _get(self, parts: urllib.parse.SplitResult, address: str, port: int):
-        """GET the URL's path from `address` (the checked one), the host name kept for TLS and Host."""
+    def _get(self, parts: urllib.parse.SplitResult, address: str, port: int, deadline: float):
+        """GET the URL's path from `address` (the checked one), the host name kept for TLS and Host; the
+        body up to one byte over the cap, by `deadline` (TimeoutError past it)."""
         if parts.scheme == "https":
             conn: http.client.HTTPConnection = _PinnedHTTPS(parts.hostname, address, port, self.timeout)
         else:
@@ -87,7 +94,15 @@ class RemoteImages:
             path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
             conn.request("GET", path, headers={"Accept": "image/*", "User-Agent": "k3"})
             response = conn.getresponse()
-            return response, response.read(self.max_bytes + 1)
+            body = bytearray()
+            while len(body) <= self.max_bytes:
+                if time.monotonic() > deadline:
+                    raise TimeoutError
+                chunk = response.read1(min(2**16, self.max_bytes + 1 - len(body)))
+                if not chunk:
+                    break
+                body += chunk
+            return response, bytes(body)
         finally:
             conn.close()
 

@@ -10,6 +10,7 @@ import contextlib
 import socket
 import ssl
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -151,13 +152,40 @@ def test_https_checks_the_certificate_against_the_name_not_the_address(monkeypat
             url_bytes(f"https://other.test:{port}/cat.png", remote=remote)
 
 
-def test_a_silent_server_times_out():
+def test_a_silent_or_trickling_server_is_cut_off_at_the_timeout():
+    """A server that never answers, and one that sends a byte every 50 ms (each read on time, the whole
+    never), both end at the fetch's timeout with an error that says so."""
     with socket.socket() as quiet:  # accepts (the kernel's backlog) and never answers
         quiet.bind(("127.0.0.1", 0))
         quiet.listen(1)
         remote = RemoteImages(frozenset({"127.0.0.1"}), timeout=0.5)
-        with pytest.raises(ImageError, match=r"could not fetch .* \(timed out\)"):
+        with pytest.raises(ImageError, match=r"took longer than 0.5 s"):
             url_bytes(f"http://127.0.0.1:{quiet.getsockname()[1]}/cat.png", remote=remote)
+
+    class Trickle(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            with contextlib.suppress(OSError):  # the client goes away at its timeout
+                for _ in range(1000):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    time.sleep(0.05)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Trickle)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        start = time.monotonic()
+        with pytest.raises(ImageError, match=r"took longer than 0.5 s"):
+            url_bytes(f"http://127.0.0.1:{server.server_port}/cat.png", remote=remote)
+        assert time.monotonic() - start < 5  # not the 50 s the bytes take
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_remote_urls_are_refused_unless_the_server_allows_them():
