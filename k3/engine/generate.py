@@ -133,8 +133,9 @@ class Engine:
             seq.state = state
         if images:
             seq.image_rows = self._image_rows(seq.prompt, images)
-            keyed = [(im.key, im.tokens) for im in images]
-            seq.prompt_images = PromptImages(seq.prompt, self.model.media_pad_id, keyed)
+            if self.prefix_cache is not None:  # its blocks are keyed by the pixels their pads hold
+                keyed = [(im.pixels_key, im.tokens) for im in images]
+                seq.prompt_images = PromptImages(seq.prompt, self.model.media_pad_id, keyed)
         self.waiting.append(seq)
         return seq
 

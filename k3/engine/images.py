@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
 import re
 from collections import OrderedDict
@@ -36,6 +37,15 @@ class ImageInput:
     @property
     def tokens(self) -> int:
         return self.item.tokens
+
+    @functools.cached_property
+    def pixels_key(self) -> str:
+        """sha256 of what the tower reads (the prepared pixels and their grid): what the prefix cache keys
+        an image's states by, so that states kept on disk are not reused by a k3 that prepares the same
+        bytes otherwise. Computed once, when an engine with a prefix cache takes the image: 5 ms for a
+        448x336 image, 64 ms for 1920x1080 (25 MB of pixels; EPYC Zen 3), against seconds of prefill."""
+        grid = ",".join(map(str, self.item.grid)).encode()
+        return hashlib.sha256(grid + self.item.pixels.contiguous().numpy().tobytes()).hexdigest()
 
     @property
     def original(self) -> tuple[int, int]:

@@ -311,3 +311,26 @@ def test_images_are_cached_by_their_pixels_bit_for_bit(vision_model, tmp_path: P
     assert torch.equal(got, want_b)
     text_only, _ = run(vision_model, pc, prompt)  # the same ids without pixels: not the image's blocks
     assert text_only.cached == first_pad // INTERVAL * INTERVAL
+
+
+def test_images_are_keyed_by_their_pixels_not_their_bytes(vision_model, tmp_path: Path) -> None:
+    """States kept on disk name an image by what the tower read: an engine after a restart that prepares the
+    same bytes into other pixels (another k3's preprocessing: here the same content hash given other pixels)
+    resumes only from the text before the image; the same pixels resume past it."""
+    from k3.engine.images import ImageInput
+
+    a, b = image(1), image(2)
+    pad = vision_model.media_pad_id
+    prompt = ids(21, seed=5) + [pad] * a.tokens + ids(30, seed=6)
+    run(vision_model, cache(vision_model, state_dir=tmp_path), prompt, images=[a])
+    same_bytes_other_pixels = ImageInput(a.key, b.item)
+    seq, got = run(
+        vision_model, cache(vision_model, state_dir=tmp_path), prompt, images=[same_bytes_other_pixels]
+    )
+    assert seq.cached == 21 // INTERVAL * INTERVAL
+    _, want = run(vision_model, cache(vision_model), prompt, images=[b])
+    assert torch.equal(got, want)
+    seq, _ = run(
+        vision_model, cache(vision_model, state_dir=tmp_path), prompt, images=[ImageInput(b.key, a.item)]
+    )
+    assert seq.cached == (len(prompt) - 1) // INTERVAL * INTERVAL  # other bytes, the same pixels
