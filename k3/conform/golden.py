@@ -42,11 +42,10 @@ from k3.conform.texts import (
     image_chats,
     long_document,
     prompt_ids,
-    scenario_images,
     shifted_prompts,
     tool_chat,
 )
-from k3.engine.images import ImageInput, load_image
+from k3.engine.images import ImageInput
 from k3.errors import K3Error
 from k3.tokenizer.kimi import Tokenizer
 
@@ -97,10 +96,9 @@ def suite_sequences(tokenizer: Tokenizer, suite: str, long_tokens: int, vision: 
         text += [(f"document {n}", long_document(tokenizer, n)) for n in (long_tokens // 4, long_tokens)]
     out: list[Prompt] = [(name, ids, []) for name, ids in text]
     if vision and suite in ("default", "chat"):
-        loaded = {name: load_image(png) for name, png in scenario_images().items()}
-        for name, messages, names in image_chats(scenario_images()):
-            images = [loaded[n] for n in names]
-            out.append((name, chat_ids(tokenizer, messages, images), images))
+        out += [
+            (name, chat_ids(tokenizer, messages, images), images) for name, messages, images in image_chats()
+        ]
     return out
 
 
@@ -386,7 +384,7 @@ def verify_golden(pack: Path, ckpt: Path | None = None, sample: int = 2) -> list
     sequences = read_sequences(pack)
     chosen = list(range(min(sample, len(sequences))))
     chosen += [i for i, s in enumerate(sequences) if s.images][:1]
-    by_hash = {im.key: im for im in (load_image(png) for png in scenario_images().values())}
+    by_hash = {im.key: im for _, _, images in image_chats() for im in images}
     for i in chosen:
         s = sequences[i]
         if any(key not in by_hash for key in s.images):

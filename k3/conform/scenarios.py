@@ -38,11 +38,10 @@ from k3.conform.texts import (
     image_chats,
     long_document,
     prompt_ids,
-    scenario_images,
     shifted_prompts,
     tool_chat,
 )
-from k3.engine.images import ImageInput, load_image
+from k3.engine.images import ImageInput
 
 
 @dataclass
@@ -186,17 +185,16 @@ def images(run: Run, result: ScenarioResult) -> None:
             "without image chats: of such a checkpoint, or written by a k3 before them)"
         )
         return
-    pngs = scenario_images()
-    loaded = {name: load_image(png) for name, png in pngs.items()}
-    for k, (name, messages, names) in enumerate(image_chats(pngs)):
+    chats = image_chats()
+    for k, (name, messages, images) in enumerate(chats):
         try:
-            run.chat(result, name, messages, [loaded[n] for n in names])
+            run.chat(result, name, messages, images)
         except EngineCallError as e:
             if k == 0 and e.status is not None and 400 <= e.status < 500:  # no images served: not wrong
                 result.skipped = f"the engine refuses images: {e}"
                 return
             raise
-    for name, messages, names in image_chats(pngs):  # the ids, where /tokenize takes images: the template
+    for name, messages, images in chats:  # the ids, where /tokenize takes images: the template
         try:
             ids = run.client.tokenize_chat(messages)
         except EngineCallError as e:
@@ -204,8 +202,7 @@ def images(run: Run, result: ScenarioResult) -> None:
             return
         if ids is None:
             return
-        want = chat_ids(run.client.tokenizer, messages, [loaded[n] for n in names])
-        if not same_ids(result, f"{name} (/tokenize)", ids, want):
+        if not same_ids(result, f"{name} (/tokenize)", ids, chat_ids(run.client.tokenizer, messages, images)):
             return
 
 

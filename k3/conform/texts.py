@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from k3.engine.chat import chat_prompt
-from k3.engine.images import ImageInput
+from k3.engine.images import ImageInput, load_image
 from k3.tokenizer.kimi import Tokenizer
 from k3.vision.prompt import image_prompt
 
@@ -64,7 +64,7 @@ def chat_ids(tokenizer: Tokenizer, messages: list[dict], images: list[ImageInput
     return chat_prompt(messages, image_prompts=prompts).ids(tokenizer, add_generation_prompt=True)
 
 
-def scenario_images() -> dict[str, bytes]:
+def _scenario_pngs() -> dict[str, bytes]:
     """Two images of one size, so of one token count (the same prompt ids), with other pixels: smooth
     gradients under seeded noise, as PNG. An engine that finds a cached state by the prompt's ids alone
     answers the second with the first's state."""
@@ -82,9 +82,12 @@ def scenario_images() -> dict[str, bytes]:
     return out
 
 
-def image_chats(pngs: dict[str, bytes]) -> list[tuple[str, list[dict], list[str]]]:
-    """(request name, messages, names of its images in order) of the `images` scenario: an image, another
-    with the same ids, the first again, then a turn more on it, and both in one message."""
+def image_chats() -> list[tuple[str, list[dict], list[ImageInput]]]:
+    """(request name, messages, its images in order) of the `images` scenario: an image, another with the
+    same ids, the first again, then a turn more on it, and both in one message. The messages carry the
+    images as PNG data URLs; each image is prepared once, as k3's server prepares it."""
+    pngs = _scenario_pngs()
+    loaded = {name: load_image(png) for name, png in pngs.items()}
 
     def ask(names: list[str], text: str) -> dict:
         parts = [{"type": "image_url", "image_url": {"url": data_url(pngs[n])}} for n in names]
@@ -94,13 +97,14 @@ def image_chats(pngs: dict[str, bytes]) -> list[tuple[str, list[dict], list[str]
     second = [{"role": "system", "content": SYSTEM}, ask(["b"], "Describe this image in one line.")]
     follow = [*first, {"role": "assistant", "content": IMAGE_REPLY}, {"role": "user", "content": "Why?"}]
     both = [{"role": "system", "content": SYSTEM}, ask(["b", "a"], "Which of the two is brighter?")]
-    return [
+    chats = [
         ("image a", first, ["a"]),
         ("image b (the same ids)", second, ["b"]),
         ("image a again", first, ["a"]),
         ("image a, one turn more", follow, ["a"]),
         ("images b and a", both, ["b", "a"]),
     ]
+    return [(name, messages, [loaded[n] for n in names]) for name, messages, names in chats]
 
 
 def data_url(data: bytes) -> str:

@@ -17,11 +17,9 @@ from k3.conform.texts import (
     growing_chat,
     image_chats,
     prompt_ids,
-    scenario_images,
 )
 from k3.engine.chat import chat_prompt
 from k3.engine.generate import Engine
-from k3.engine.images import load_image
 from k3.engine.prefix_cache import PrefixCache
 from k3.engine.server import create_app
 from k3.engine.state_store import checkpoint_identity
@@ -98,10 +96,8 @@ def test_each_break_fails_exactly_its_scenarios(serve, checkpoint, reference, br
         assert parting.position == len(equal_length_prompts(tokenizer)[0]) + 1
     elif break_ == "pixels":
         # image a filled the cache; image b, the same ids, resumes from a's blocks: its first token parts
-        pngs = scenario_images()
-        name, messages, names = image_chats(pngs)[1]
+        name, messages, b = image_chats()[1]
         parting = results["images"].parting
-        b = [load_image(pngs[n]) for n in names]
         assert (parting.request, parting.position) == (name, len(chat_ids(tokenizer, messages, b)))
     else:
         parting = results["repeat"].parting
@@ -134,9 +130,7 @@ def test_an_image_prompt_other_than_k3s_is_named_by_tokenize(serve, checkpoint, 
     monkeypatch.setattr(k3.engine.chat_inputs, "image_prompt", sizeless)
     results = conform(serve, checkpoint, reference, Engine(reference_model(checkpoint)), ["images"])
     tokenizer = Tokenizer.from_source(checkpoint)
-    pngs = scenario_images()
-    name, messages, names = image_chats(pngs)[0]
-    images = [load_image(pngs[n]) for n in names]
+    name, messages, images = image_chats()[0]
     want = chat_ids(tokenizer, messages, images)
     monkeypatch.undo()
     assert not results["images"].passed

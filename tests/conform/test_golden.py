@@ -16,9 +16,8 @@ from k3.conform.golden import read_sequences, verify_golden, write_golden
 from k3.conform.reference import GoldenReference, ReferenceError, reference_model
 from k3.conform.report import THRESHOLDS
 from k3.conform.scenarios import Run, run_scenarios
-from k3.conform.texts import chat_ids, image_chats, scenario_images
+from k3.conform.texts import chat_ids, image_chats
 from k3.engine.generate import Engine
-from k3.engine.images import load_image
 from k3.engine.server import create_app
 from k3.model import K3ForCausalLM
 from k3.tokenizer.kimi import Tokenizer
@@ -278,9 +277,8 @@ def test_the_pack_holds_the_image_chats_computed_with_their_pixels(pack, checkpo
     """With a vision tower the pack holds the `images` scenario's chats, each with its images' content
     hashes: the second chat (the first's ids, other pixels) is its own forward with its own image, and
     GoldenReference tells the two apart by those hashes."""
-    pngs = scenario_images()
-    name, messages, names = image_chats(pngs)[1]
-    images = [load_image(pngs[n]) for n in names]
+    chats = image_chats()
+    name, messages, images = chats[1]
     manifest = json.loads((pack / "manifest.json").read_text())
     i = next(i for i, s in enumerate(manifest["sequences"]) if s["name"] == name)
     assert manifest["sequences"][i]["images"] == [im.key for im in images]
@@ -293,7 +291,7 @@ def test_the_pack_holds_the_image_chats_computed_with_their_pixels(pack, checkpo
     with torch.no_grad():
         lp = model(torch.tensor([ids]), images=[im.item for im in images])[0].double().log_softmax(-1)
     assert (data[f"seq.{i}.top_logprobs"].double() - lp.topk(20, -1).values).abs().max() < 1e-5
-    golden, a = GoldenReference(read_sequences(pack)), load_image(pngs["a"])
+    golden, [a] = GoldenReference(read_sequences(pack)), chats[0][2]
     first = manifest["sequences"][i]["prompt_tokens"]  # the first generated token: after the prompt
     [with_b] = golden.expect(ids, [first], images)
     [with_a] = golden.expect(ids, [first], [a])  # the first chat: the same ids, image a
