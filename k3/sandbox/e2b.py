@@ -313,12 +313,14 @@ def create_e2b_app(
         if order not in (None, "asc", "desc"):
             raise SandboxError(f"order: {order!r} is not asc or desc")
         found = listing(who, state, metadata, started_after, template)
-        items, token = e2b_listing.page(
-            found, lambda d: [d["startedAt"], d["sandboxID"]], limit, next_token, descending=order == "desc"
+        return e2b_listing.page(
+            found,
+            lambda d: [d["startedAt"], d["sandboxID"]],
+            limit,
+            next_token,
+            response.headers,
+            order == "desc",
         )
-        if token is not None:
-            response.headers[e2b_listing.NEXT_TOKEN_HEADER] = token
-        return items
 
     @app.get("/sandboxes/{sid}")
     def get(sid: str, who: str = Depends(client)) -> dict:
@@ -436,18 +438,18 @@ def create_e2b_app(
         who: str = Depends(client),
     ) -> list[dict]:
         """The client's snapshots (not its paused sandboxes), of one sandbox or by name or id if asked."""
-        with reg.lock:
-            mine = [(s, *made.get(s, ("", []))) for s, owner in reg.snapshots.items() if owner == who]
-            mine = [m for m in mine if m[0] not in infos]
+        with reg.lock:  # (a paused sandbox is kept as a snapshot too, under its own id)
+            mine = [
+                (s, *made.get(s, ("", [])))
+                for s, owner in reg.snapshots.items()
+                if owner == who and s not in infos
+            ]
         found = [
             {"snapshotID": s, "names": names}
             for s, source, names in mine
             if (sandbox_id is None or source == sandbox_id) and (name is None or name == s or name in names)
         ]
-        items, token = e2b_listing.page(found, lambda d: [d["snapshotID"]], limit, next_token)
-        if token is not None:
-            response.headers[e2b_listing.NEXT_TOKEN_HEADER] = token
-        return items
+        return e2b_listing.page(found, lambda d: [d["snapshotID"]], limit, next_token, response.headers)
 
     @app.delete("/templates/{template_id}", status_code=204)
     def delete_snapshot(template_id: str, who: str = Depends(client)) -> Response:

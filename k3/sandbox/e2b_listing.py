@@ -14,7 +14,7 @@ import base64
 import binascii
 import json
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from datetime import datetime
 
 from k3.sandbox.types import SandboxError
@@ -52,10 +52,11 @@ def page(
     key: Callable[[dict], list[str]],
     limit: int,
     token: str | None,
+    headers: MutableMapping[str, str],
     descending: bool = False,
-) -> tuple[list[dict], str | None]:
+) -> list[dict]:
     """One page of `items` sorted by `key` (strings, unique per item): up to `limit` items after the one
-    `token` names, and the token of the next page (None on the last)."""
+    `token` names; the next page's token goes into the response's `headers` (none on the last page)."""
     if not 1 <= limit <= MAX_LIMIT:
         raise SandboxError(f"limit: {limit} is not in 1..{MAX_LIMIT}")
     ordered = sorted(items, key=key, reverse=descending)
@@ -63,8 +64,9 @@ def page(
         after = _read_token(token)
         ordered = [i for i in ordered if (key(i) < after if descending else key(i) > after)]
     taken = ordered[:limit]
-    more = len(ordered) > limit
-    return taken, _token(key(taken[-1])) if more else None
+    if len(ordered) > limit:
+        headers[NEXT_TOKEN_HEADER] = _token(key(taken[-1]))
+    return taken
 
 
 def _token(key: list) -> str:
