@@ -6,6 +6,7 @@ continuations, and speed, each engine in its own process, alternated.
         [--speed [--threads 1,2] [--prefill 512,2048] [--decode-context 512] [--batch 8] [--weights bf16]]
     .venv/bin/python benchmarks/llamacpp.py --preset k3-slice --work /data/slice --skip-agreement --speed \
         --weights bf16 --prefill 512          # the published dimensions: 11 GB per engine
+    .venv/bin/python benchmarks/llamacpp.py ... --alternate-steps 30   # both loaded, decode steps in turn
 
 Needs `llama-cpp-python` (the `llamacpp` extra, never in CI): `pip install llama-cpp-python==0.3.36`
 (it compiles llama.cpp: ~30 minutes on 2 cores; that version's llama.cpp, commit 0c1e570, has kimi-linear
@@ -30,6 +31,9 @@ and kimi-k3). docs/llamacpp.md says how to build it once and reuse the library.
    multiply inputs rounded to int8 per block of 32 (k3.ops.mxfp4.int8_x), the approximation llama.cpp's MXFP4
    path also makes; `--k3-bf16-products`: k3's decode steps multiply the BF16 weights by inputs rounded to
    bf16 (k3.model.tiling; CPUs with AVX-512 BF16), as llama.cpp rounds its activations for BF16 weights.
+5. --alternate-steps N (`alternate`): both engines loaded at once, each in its own process, N decode steps
+   of each taken in turn, the read measured after each pair: where the machine's memory bandwidth moves by
+   itself, engines timed minutes apart in 4. meet different machines.
 The CPU, its SIMD features, the load and the engines' kernels and flags (llama.cpp's with the commit its ggml
 reports) are printed: timings on a shared machine are noisy.
 """
@@ -301,6 +305,101 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
             compare(name, runs[name], runs["llama.cpp"], highest, args)
 
 
+def engine_server(engine: str, path: Path, threads: int, args, vocab: int, int8: bool) -> subprocess.Popen:
+    """benchmarks/llamacpp_engine.py --serve-steps, loaded and prefilled (its "ready" line read)."""
+    command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
+    command += ["--serve-steps", "--prefill", "", "--decode-steps", str(args.alternate_steps + 1)]
+    command += ["--batch", "1", "--decode-context", str(args.decode_context), "--weights", args.weights]
+    command += ["--vocab", str(vocab)]
+    command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8 else [])
+    command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
+    env = dict(os.environ)
+    if engine != "k3":
+        env.pop("GOMP_SPINCOUNT", None)
+    log = tempfile.TemporaryFile(mode="w+")  # llama.cpp's loading messages; shown if it fails
+    server = subprocess.Popen(
+        command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
+    )
+    line = server.stdout.readline()
+    if not line:
+        log.seek(0)
+        raise SystemExit(f"{engine} did not load:\n{log.read()[-3000:]}")
+    server.ready = json.loads(line)
+    return server
+
+
+def ask(server: subprocess.Popen, what: str) -> float:
+    server.stdin.write(what + "\n")
+    server.stdin.flush()
+    return float(server.stdout.readline())
+
+
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo: what new pages can take without swapping out or evicting a mapped file
+    that is in use (the kernel's estimate)."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit("no MemAvailable in /proc/meminfo")
+
+
+def alternate(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
+    """--alternate-steps N: k3 and llama.cpp loaded at once, each in its own process, and N decode steps of
+    one sequence after --decode-context tokens taken in turn (k3 then llama.cpp, then the other way round),
+    the streaming read measured in k3's process after each pair. Engines timed minutes apart meet different
+    machines where memory bandwidth moves on its own (an EPYC Zen 4 VM, 2026-12-08: a plain read 34-66 GB/s
+    within a minute, both cores' FMA rate unchanged); steps taken in turn meet the same one. Refused where
+    the GGUF does not fit beside the loaded k3: llama.cpp would then be timed reading the disk."""
+    variant = {"exact": "k3", "int8": "k3 int8", "both": "k3"}[args.k3_experts]
+    for n in args.threads:
+        torch.set_num_threads(n)
+        ours = engine_server("k3", ckpt, n, args, vocab, "int8" in variant)
+        need = gguf_path.stat().st_size + (1 << 30)
+        if available_bytes() < need:
+            ours.kill()
+            raise SystemExit(
+                f"--alternate-steps: {available_bytes() / 1e9:.1f} GB available with k3 loaded, "
+                f"llama.cpp's GGUF needs {need / 1e9:.1f} (with 1 GB to spare); time them one at a time"
+            )
+        theirs = engine_server("llama.cpp", gguf_path, n, args, vocab, False)
+        for server in (ours, theirs):  # untimed: pages the other's loading pushed out come back
+            ask(server, "step")
+        times: dict[str, list[float]] = {variant: [], "llama.cpp": []}
+        reads = []
+        for i in range(args.alternate_steps):
+            pair = [(variant, ours), ("llama.cpp", theirs)]
+            for name, server in pair if i % 2 == 0 else pair[::-1]:
+                times[name].append(ask(server, "step"))
+            reads.append(ask(ours, "read"))
+        for server in (ours, theirs):
+            server.stdin.close()
+            server.wait()
+        report_alternated(variant, times, reads, ours.ready["weight_bytes_per_token"], n, args)
+
+
+def report_alternated(variant: str, times: dict, reads: list, nbytes: float, threads: int, args) -> None:
+    k3_ms, ll_ms = (np.array(times[name]) * 1e3 for name in (variant, "llama.cpp"))
+    ratios = ll_ms / k3_ms  # > 1: k3 faster, pair by pair
+    floor = nbytes / np.array(reads) * 1e3  # each pair's floor, from the read right after it
+    print(
+        f"\n  {threads} thread(s), {len(k3_ms)} decode steps of each engine after {args.decode_context} "
+        f"tokens, taken in turn; read after each pair {min(reads) / 1e9:.1f}-{max(reads) / 1e9:.1f} GB/s"
+    )
+    for name, ms in ((variant, k3_ms), ("llama.cpp", ll_ms)):
+        print(
+            f"  {name:>12}: median {np.median(ms):.1f} ms, best {ms.min():.1f}, worst {ms.max():.1f}; "
+            f"median {np.median(floor / ms):.0%} of its pair's floor ({nbytes / 1e9:.2f} GB / the read)"
+        )
+    pairs = " ".join(f"{a:.0f}/{b:.0f}@{r / 1e9:.0f}" for a, b, r in zip(k3_ms, ll_ms, reads, strict=True))
+    print(f"  each pair, {variant} / llama.cpp ms @ the read in GB/s: {pairs}")
+    print(
+        f"  llama.cpp / {variant} pair by pair: median {np.median(ratios):.2f}x "
+        f"(range {ratios.min():.2f}-{ratios.max():.2f}x); {variant} faster in {(ratios > 1).sum()} of "
+        f"{len(ratios)}; medians {np.median(ll_ms) / np.median(k3_ms):.2f}x, "
+        f"best {ll_ms.min() / k3_ms.min():.2f}x"
+    )
+
+
 def gb(rates) -> str:
     return ", ".join(f"{b / 1e9:.1f}" for b in rates)
 
@@ -453,6 +552,12 @@ def main() -> None:
         action="store_true",
         help="--speed: k3 prefills a prompt in one model call (default: in its engine's chunks)",
     )
+    ap.add_argument(
+        "--alternate-steps",
+        type=int,
+        default=0,
+        help="both engines loaded at once, this many decode steps of each taken in turn (alternate)",
+    )
     args = ap.parse_args()
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
@@ -466,11 +571,14 @@ def main() -> None:
             if cfg.experts_mxfp4:
                 exports["mxfp4"] = gguf(ckpt, work / "mxfp4.gguf", experts="mxfp4")
             agreement_report(ckpt, exports, args, vocab)
-        if args.speed:
+        if args.speed or args.alternate_steps:
             experts = "mxfp4" if cfg.experts_mxfp4 else "f32"
             outtype = {"bf16": "bf16", "f32": "f32"}[args.weights]  # bf16: the published dtype of non-experts
             path = gguf(ckpt, work / f"speed-{outtype}-{experts}.gguf", outtype=outtype, experts=experts)
-            speed(ckpt, path, vocab, args)
+            if args.speed:
+                speed(ckpt, path, vocab, args)
+            if args.alternate_steps:
+                alternate(ckpt, path, vocab, args)
         print(machine_line())
 
 

@@ -4,6 +4,9 @@
     .venv/bin/python benchmarks/llamacpp_engine.py {k3,llama.cpp} PATH --threads 2 [--prefill 512,2048]
         [--decode-steps 16] [--batch 8 --batch-context 64] [--weights bf16] [--vocab V]
 
+    .venv/bin/python benchmarks/llamacpp_engine.py {k3,llama.cpp} PATH --serve-steps --decode-steps N ...
+        # decode steps one at a time, on request (benchmarks/llamacpp.py --alternate-steps)
+
 One process per engine and setting: at k3-slice's size (11 GB of weights per engine) two engines in one
 process would evict each other's pages from a 24 GB page cache, and the second would be timed reading disk.
 
@@ -255,6 +258,29 @@ def measure(engine, args) -> dict:
     return out
 
 
+def serve_steps(engine, args) -> None:
+    """--serve-steps: prefill --decode-context ids, take the untimed steps, print "ready", then answer each
+    line read from stdin: "step" with one decode step's seconds, "read" with the streaming read bandwidth
+    (bytes/s) measured here; anything else ends the process. benchmarks/llamacpp.py --alternate-steps keeps
+    two such processes loaded and asks them for steps in turn."""
+    import sys
+
+    cache = engine.prefill(prompts(args.vocab, 1, args.decode_context, seed=args.decode_context))
+    for _ in range(WARMUP_STEPS):
+        engine.step(cache, 1)
+    ready = {"ready": engine.describe()}
+    if isinstance(engine, K3Engine):
+        ready["weight_bytes_per_token"] = engine.weight_bytes()
+    print(json.dumps(ready), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "step":
+            print(seconds(lambda: engine.step(cache, 1)), flush=True)
+        elif line.strip() == "read":
+            print(read_here(args.threads), flush=True)
+        else:
+            return
+
+
 def read_here(threads: int) -> float:
     """The streaming read bandwidth (k3.ops.roofline) measured in this engine's process after its timings, at
     its threads: the memory as this process has it. On a VM the figure moves with the process (EPYC Zen 4,
@@ -286,6 +312,9 @@ def main() -> None:
     ap.add_argument("--bf16-products", action="store_true", help="k3: BF16 weights paired for bf16 products")
     ap.add_argument("--one-call", action="store_true", help="k3: a prompt in one call, not in chunks")
     ap.add_argument("--vocab", type=int, required=True, help="ids are drawn from [0, vocab)")
+    ap.add_argument(
+        "--serve-steps", action="store_true", help="decode steps one at a time on request (serve_steps)"
+    )
     args = ap.parse_args()
     longest = max([*args.prefill, args.decode_context, args.batch_context])
     if args.engine == "k3":
@@ -303,7 +332,10 @@ def main() -> None:
         n_ctx = max(n_ctx, longest + args.decode_steps + WARMUP_STEPS) + 16
         n_batch = max(longest, args.batch * args.batch_context)
         engine = LlamaEngine(args.path, args.threads, n_ctx, max(args.batch, 1), n_batch)
-    print(json.dumps(measure(engine, args)), flush=True)
+    if args.serve_steps:
+        serve_steps(engine, args)
+    else:
+        print(json.dumps(measure(engine, args)), flush=True)
 
 
 if __name__ == "__main__":
