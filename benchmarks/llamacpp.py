@@ -271,15 +271,19 @@ def row(label: str, ours: list[float], theirs: list[float], lower_is_better: boo
     print(f"  {label:>30} {cells[0]:>24} {cells[1]:>24} {ratio:>14.2f}x")
 
 
+def k3_variants(args) -> list[str]:
+    """The k3 engines --k3-experts and --k3-bf16-products ask for, by the names the tables print."""
+    variants = {"exact": ["k3"], "int8": ["k3 int8"], "both": ["k3", "k3 int8"]}[args.k3_experts]
+    return [f"{name} bf16p" for name in variants] if args.k3_bf16_products else variants
+
+
 def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     """Each engine in its own process, alternated k3, llama.cpp, k3, ... for --repeats rounds per thread
     count (with --k3-experts both: k3 exact, k3 with int8 expert inputs, llama.cpp); the streaming read
     bandwidth, measured before each round and in each engine's process after its timings (the highest of
     them), gives the decode floor (bytes a token reads / bandwidth); the best of the rounds is reported for
     each engine."""
-    variants = {"exact": ["k3"], "int8": ["k3 int8"], "both": ["k3", "k3 int8"]}[args.k3_experts]
-    if args.k3_bf16_products:
-        variants = [f"{name} bf16p" for name in variants]
+    variants = k3_variants(args)
     print(
         f"\nspeed: one engine per process, alternated, best of {args.repeats} rounds; "
         f"{args.weights} weights; k3 computes in {args.k3_compute}; 'k3 int8': its MXFP4 experts multiply "
@@ -305,8 +309,8 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
             compare(name, runs[name], runs["llama.cpp"], highest, args)
 
 
-def engine_server(engine: str, path: Path, threads: int, args, vocab: int, int8: bool) -> subprocess.Popen:
-    """benchmarks/llamacpp_engine.py --serve-steps, loaded and prefilled (its "ready" line read)."""
+def engine_server(engine: str, path: Path, threads: int, args, vocab: int, int8: bool):
+    """benchmarks/llamacpp_engine.py --serve-steps, loaded and prefilled: the process and its "ready" line."""
     command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
     command += ["--serve-steps", "--prefill", "", "--decode-steps", str(args.alternate_steps + 1)]
     command += ["--batch", "1", "--decode-context", str(args.decode_context), "--weights", args.weights]
@@ -324,8 +328,7 @@ def engine_server(engine: str, path: Path, threads: int, args, vocab: int, int8:
     if not line:
         log.seek(0)
         raise SystemExit(f"{engine} did not load:\n{log.read()[-3000:]}")
-    server.ready = json.loads(line)
-    return server
+    return server, json.loads(line)
 
 
 def ask(server: subprocess.Popen, what: str) -> float:
@@ -346,14 +349,14 @@ def available_bytes() -> int:
 def alternate(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     """--alternate-steps N: k3 and llama.cpp loaded at once, each in its own process, and N decode steps of
     one sequence after --decode-context tokens taken in turn (k3 then llama.cpp, then the other way round),
-    the streaming read measured in k3's process after each pair. Engines timed minutes apart meet different
-    machines where memory bandwidth moves on its own (an EPYC Zen 4 VM, 2026-12-08: a plain read 34-66 GB/s
-    within a minute, both cores' FMA rate unchanged); steps taken in turn meet the same one. Refused where
-    the GGUF does not fit beside the loaded k3: llama.cpp would then be timed reading the disk."""
-    variant = {"exact": "k3", "int8": "k3 int8", "both": "k3"}[args.k3_experts]
-    for n in args.threads:
+    the streaming read measured after each pair (in k3's process, then in llama.cpp's); each k3 variant
+    (--k3-experts both: exact, then int8) against llama.cpp loaded afresh. Engines timed minutes apart meet
+    different machines where memory bandwidth moves on its own (an EPYC Zen 4 VM, 2026-12-08: a plain read
+    34-66 GB/s within a minute, both cores' FMA rate unchanged); steps taken in turn meet the same one.
+    Refused where the GGUF does not fit beside the loaded k3: llama.cpp would then be timed reading disk."""
+    for n, variant in ((n, variant) for n in args.threads for variant in k3_variants(args)):
         torch.set_num_threads(n)
-        ours = engine_server("k3", ckpt, n, args, vocab, "int8" in variant)
+        ours, ready = engine_server("k3", ckpt, n, args, vocab, "int8" in variant)
         need = gguf_path.stat().st_size + (1 << 30)
         if available_bytes() < need:
             ours.kill()
@@ -361,7 +364,7 @@ def alternate(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
                 f"--alternate-steps: {available_bytes() / 1e9:.1f} GB available with k3 loaded, "
                 f"llama.cpp's GGUF needs {need / 1e9:.1f} (with 1 GB to spare); time them one at a time"
             )
-        theirs = engine_server("llama.cpp", gguf_path, n, args, vocab, False)
+        theirs, _ = engine_server("llama.cpp", gguf_path, n, args, vocab, False)
         for server in (ours, theirs):  # untimed: pages the other's loading pushed out come back
             ask(server, "step")
         times: dict[str, list[float]] = {variant: [], "llama.cpp": []}
@@ -370,11 +373,11 @@ def alternate(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
             pair = [(variant, ours), ("llama.cpp", theirs)]
             for name, server in pair if i % 2 == 0 else pair[::-1]:
                 times[name].append(ask(server, "step"))
-            reads.append(ask(ours, "read"))
+            reads.append(ask(ours if i % 2 == 0 else theirs, "read"))
         for server in (ours, theirs):
             server.stdin.close()
             server.wait()
-        report_alternated(variant, times, reads, ours.ready["weight_bytes_per_token"], n, args)
+        report_alternated(variant, times, reads, ready["weight_bytes_per_token"], n, args)
 
 
 def report_alternated(variant: str, times: dict, reads: list, nbytes: float, threads: int, args) -> None:
