@@ -56,20 +56,33 @@ inline std::map<std::string, bool> cpu_features() {
   };
 }
 
-// Whether this CPU is an AMD Zen 3: family 19h without AVX-512 (every Zen 4 has it). Its hardware prefetchers
-// differ from Zen 4's, where most of the kernels' prefetching was measured, and two choices were measured
-// apart on it: how the decode module reads short rows (`ask_short_tiles_ahead`, `read_short_rows_one_by_one`)
-// and the int8 MXFP4 rows (VisitOrder).
-inline bool cpu_is_zen3() {
-  static const bool zen3 = [] {
+// Whether this CPU is an AMD of family 19h (Zen 3 and Zen 4), by cpuid.
+inline bool cpu_is_amd_family_19h() {
+  static const bool family_19h = [] {
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
     if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return false;
     const unsigned base = (eax >> 8) & 0xF;
     const unsigned family = base == 0xF ? base + ((eax >> 20) & 0xFF) : base;
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") && family == 0x19 && !__builtin_cpu_supports("avx512f");
+    return __builtin_cpu_is("amd") && family == 0x19;
   }();
+  return family_19h;
+}
+
+// Whether this CPU is an AMD Zen 3: family 19h without AVX-512 (every Zen 4 has it). Its hardware prefetchers
+// differ from Zen 4's, where most of the kernels' prefetching was measured, and two choices were measured
+// apart on it: how the decode module reads short rows (`ask_short_tiles_ahead`, `read_short_rows_one_by_one`)
+// and the int8 MXFP4 rows (VisitOrder).
+inline bool cpu_is_zen3() {
+  static const bool zen3 = cpu_is_amd_family_19h() && !__builtin_cpu_supports("avx512f");
   return zen3;
+}
+
+// Whether this CPU is an AMD Zen 4: family 19h with AVX-512. One choice was measured apart on it: whether the
+// decode module's tiled BF16 rows at one vector ask for their lines ahead (`ask_tiled_rows_ahead`).
+inline bool cpu_is_zen4() {
+  static const bool zen4 = cpu_is_amd_family_19h() && __builtin_cpu_supports("avx512f");
+  return zen4;
 }
 
 // Whether `variant` asks for a kernel's AVX-512 code: "auto" where this CPU has what that code needs

@@ -107,7 +107,8 @@ def module_answer(module, question: str) -> bool | None:
     weights with bf16 dot products, AVX-512 BF16) and `int8_vnni_supported` (activations rounded to int8,
     `--int8-expert-inputs`, use AVX-512 VNNI: the same bits as its AVX2 kernel); the decode
     module `bf16_products_supported` (`--bf16-products`: BF16 weights times inputs rounded to bf16) and
-    `short_rows_one_by_one` (short fp32 rows read one at a time for up to 12 vectors: Zen 3; else tiles)."""
+    `short_rows_one_by_one` (short fp32 rows read one at a time for up to 12 vectors: Zen 3; else tiles) and
+    `tiled_rows_ask_ahead` (tiled BF16 rows at one vector ask for their lines ahead: all but Zen 4)."""
     if module is None or not hasattr(module, question):
         return None
     return getattr(module, question)()
@@ -144,6 +145,7 @@ def kernel_reports() -> list[dict]:
                 "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
                 "bf16_products": module_answer(status.module, "bf16_products_supported"),
                 "short_rows_one_by_one": module_answer(status.module, "short_rows_one_by_one"),
+                "tiled_rows_ask_ahead": module_answer(status.module, "tiled_rows_ask_ahead"),
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -264,4 +266,11 @@ def render(report: dict) -> str:
                 else "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)"
             )
             lines.append(f"    short fp32 rows (<= 2 kB, K <= 512): {how}")
+        if k["tiled_rows_ask_ahead"] is not None:
+            how = (
+                "each block asks for its lines 8 kB ahead"
+                if k["tiled_rows_ask_ahead"]
+                else "left to the hardware prefetcher (Zen 4: faster there)"
+            )
+            lines.append(f"    tiled BF16 rows at one vector: {how}")
     return "\n".join(lines)

@@ -102,6 +102,24 @@ def test_short_rows_read_one_by_one_on_zen3_only():
     assert said == zen3
 
 
+def test_tiled_rows_ask_ahead_everywhere_but_zen4():
+    """Tiled BF16 rows read for one vector ask for their lines ahead except on Zen 4 (AMD family 25 with
+    AVX-512; _native_gemv.h), by cpuid; /proc/cpuinfo says the same of this CPU, and doctor reports it."""
+    status = native_status(DECODE_EXTENSION)
+    assert status.in_use, status.reason
+    cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
+    zen4 = (
+        cpu["vendor_id"] == "AuthenticAMD"
+        and int(cpu["cpu family"]) == 25
+        and "avx512f" in cpu["flags"].split()
+    )
+    assert status.module.tiled_rows_ask_ahead() == (not zen4)
+    report = diagnose()
+    assert report["kernels"][2]["tiled_rows_ask_ahead"] == (not zen4)
+    said = "tiled BF16 rows at one vector: left to the hardware prefetcher (Zen 4" in render(report)
+    assert said == zen4
+
+
 def test_doctor_says_why_a_kernel_is_not_in_use():
     env = {**os.environ, "K3_NATIVE": "0"}
     done = subprocess.run(

@@ -21,6 +21,7 @@
 //   pair_rows                 a BF16 matrix re-laid for bf16 products (k3.model.tiling; _native_paired.h)
 //   bf16_products_supported   whether this CPU has them (AVX-512 BF16)
 //   short_rows_one_by_one     whether short fp32 rows are read one at a time (Zen 3, _native_gemv.h)
+//   tiled_rows_ask_ahead      whether tiled BF16 rows at one vector ask for their lines ahead (not on Zen 4)
 //   rows_from_blocks          rows of a tiled or paired matrix back in rows, for a prefill's GEMM (_native_layout.h)
 //   on_huge_pages             copies of matrices packed together on huge pages (k3.model.tiling)
 //
@@ -462,6 +463,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a BF16 [N, K] matrix laid out for bf16 products (vectors rounded to bf16): [N/16, K/2, 16, 2]", py::arg("w"));
   m.def("short_rows_one_by_one", &decode_native::read_short_rows_one_by_one,
         "whether short fp32 rows are read one at a time (Zen 3) rather than in tiles");
+  m.def("tiled_rows_ask_ahead", &decode_native::ask_tiled_rows_ahead,
+        "whether tiled BF16 rows read for one vector ask for their lines ahead (all CPUs but Zen 4)");
   m.def("bf16_products_supported", &decode_paired::supported, "whether this CPU has AVX-512 BF16 (bf16 products)");
   m.def("rows_from_blocks", &rows_from_blocks,
         "rows [start, stop) of a BF16 matrix in blocks (tiled or paired) written in rows into out, float32 or bfloat16",

@@ -143,6 +143,15 @@ constexpr int64_t kShortRowAhead = 2048;
 // B = 8 34-36 / 46-48, 12 41.0 / 46.6, 16 47.7-48.7 / 45.0-45.1, 32 58.1 / 40.6, 64 65.5 / 41.5).
 constexpr int64_t kRowByRowVectors = 12;
 inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
+
+// Whether a tiled block read for one vector asks for its lines kTiledAhead bytes ahead (several vectors
+// always do). On Zen 4 the ask slowed it: cycled tiled [4096, 7168] matrices in a C++ loop, one vector, one
+// process, the two alternated, 1 / 2 threads 24.9-25.1 against 28.4-28.5 GB/s without / 31.3-32.8 against
+// 33.1-34.2; whole `k3-slice` decode steps alternated step by step in one process (a scratch build's switch,
+// 20 pairs): 1 thread 424.5 -> 371.2 ms (medians; faster in 19 of 20), 2 threads 287.3 -> 267.2 (18 of 20;
+// AMD EPYC Zen 4 VM, 2026-12-08). On Zen 5 it helped (69-70 against 64 GB/s, 2026-12-03): every other CPU
+// keeps it.
+inline bool ask_tiled_rows_ahead() { return !k3_native::cpu_is_zen4(); }
 inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
 
 template <typename T>
@@ -316,8 +325,9 @@ K3_DECODE_AVX512 inline void tiled_block(const uint16_t* W, int64_t K, const flo
   __m512 acc[kPairs][V];
   for (auto& pair : acc)
     for (auto& a : pair) a = _mm512_setzero_ps();
+  const bool ask = V > 1 || ask_tiled_rows_ahead();
   for (int64_t i = 0; i < K; i += 8) {
-    prefetch_ahead<Tiled>(block, i);
+    if (ask) prefetch_ahead<Tiled>(block, i);
     __m512 w[kPairs];
     for (int64_t j = 0; j < kPairs; ++j) {
       const __m256i two = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + i * Tiled::kRows + j * 16));
