@@ -259,18 +259,24 @@ def render(report: dict) -> str:
         if k["bf16_products"] is not None:
             how = "AVX-512 BF16" if k["bf16_products"] else "not on this CPU (no AVX-512 BF16)"
             lines.append(f"    bf16 products in decode steps (--bf16-products): {how}")
-        if k["short_rows_one_by_one"] is not None:
-            how = (
-                "one row at a time, each asking 2 kB ahead (Zen 3: faster there)"
-                if k["short_rows_one_by_one"]
-                else "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)"
-            )
-            lines.append(f"    short fp32 rows (<= 2 kB, K <= 512): {how}")
-        if k["tiled_rows_ask_ahead"] is not None:
-            how = (
-                "each block asks for its lines 8 kB ahead"
-                if k["tiled_rows_ask_ahead"]
-                else "left to the hardware prefetcher (Zen 4: faster there)"
-            )
-            lines.append(f"    tiled BF16 rows at one vector: {how}")
+        for key, what, yes, no in READ_CHOICES:
+            if k[key] is not None:
+                lines.append(f"    {what}: {yes if k[key] else no}")
     return "\n".join(lines)
+
+
+# How the decode module reads rows where CPUs differ (its answer's key, what, what yes and no mean).
+READ_CHOICES = (
+    (
+        "short_rows_one_by_one",
+        "short fp32 rows (<= 2 kB, K <= 512)",
+        "one row at a time, each asking 2 kB ahead (Zen 3: faster there)",
+        "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)",
+    ),
+    (
+        "tiled_rows_ask_ahead",
+        "tiled BF16 rows at one vector",
+        "each block asks for its lines 8 kB ahead",
+        "left to the hardware prefetcher (Zen 4: faster there)",
+    ),
+)

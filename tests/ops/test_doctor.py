@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from k3.cli import app
@@ -83,41 +84,31 @@ def first_cpu_fields(*keys: str) -> dict[str, str]:
     return found
 
 
-def test_short_rows_read_one_by_one_on_zen3_only():
-    """The decode module reads short fp32 rows one at a time (for up to 12 vectors) on Zen 3 only (AMD
-    family 25 without AVX-512; elsewhere in tiles; _native_gemv.h), by cpuid; /proc/cpuinfo says the same
-    of this CPU, and doctor reports it."""
+@pytest.mark.parametrize(
+    ("question", "avx512", "said"),
+    [
+        # short fp32 rows one at a time (for up to 12 vectors) on Zen 3 only, elsewhere in tiles
+        ("short_rows_one_by_one", False, "one row at a time, each asking 2 kB ahead (Zen 3"),
+        # tiled BF16 rows at one vector left to the hardware prefetcher on Zen 4 only
+        ("tiled_rows_ask_ahead", True, "tiled BF16 rows at one vector: left to the hardware prefetcher"),
+    ],
+)
+def test_a_read_chosen_for_one_amd_family_25(question, avx512, said):
+    """The decode module's reads that differ on Zen 3 (AMD family 25 without AVX-512) or Zen 4 (with it),
+    chosen by cpuid (_native_gemv.h): /proc/cpuinfo says the same of this CPU, and doctor reports it."""
     status = native_status(DECODE_EXTENSION)
     assert status.in_use, status.reason
     cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
-    zen3 = (
+    this_one = (
         cpu["vendor_id"] == "AuthenticAMD"
         and int(cpu["cpu family"]) == 25
-        and "avx512f" not in cpu["flags"].split()
+        and ("avx512f" in cpu["flags"].split()) == avx512
     )
-    assert status.module.short_rows_one_by_one() == zen3
+    chosen = this_one if question == "short_rows_one_by_one" else not this_one
+    assert getattr(status.module, question)() == chosen
     report = diagnose()
-    assert report["kernels"][2]["short_rows_one_by_one"] == zen3
-    said = "one row at a time, each asking 2 kB ahead (Zen 3" in render(report)
-    assert said == zen3
-
-
-def test_tiled_rows_ask_ahead_everywhere_but_zen4():
-    """Tiled BF16 rows read for one vector ask for their lines ahead except on Zen 4 (AMD family 25 with
-    AVX-512; _native_gemv.h), by cpuid; /proc/cpuinfo says the same of this CPU, and doctor reports it."""
-    status = native_status(DECODE_EXTENSION)
-    assert status.in_use, status.reason
-    cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
-    zen4 = (
-        cpu["vendor_id"] == "AuthenticAMD"
-        and int(cpu["cpu family"]) == 25
-        and "avx512f" in cpu["flags"].split()
-    )
-    assert status.module.tiled_rows_ask_ahead() == (not zen4)
-    report = diagnose()
-    assert report["kernels"][2]["tiled_rows_ask_ahead"] == (not zen4)
-    said = "tiled BF16 rows at one vector: left to the hardware prefetcher (Zen 4" in render(report)
-    assert said == zen4
+    assert report["kernels"][2][question] == chosen
+    assert (said in render(report)) == this_one
 
 
 def test_doctor_says_why_a_kernel_is_not_in_use():
