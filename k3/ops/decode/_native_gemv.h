@@ -143,6 +143,7 @@ constexpr int64_t kShortRowAhead = 2048;
 // B = 8 34-36 / 46-48, 12 41.0 / 46.6, 16 47.7-48.7 / 45.0-45.1, 32 58.1 / 40.6, 64 65.5 / 41.5).
 constexpr int64_t kRowByRowVectors = 12;
 inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
+inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
 
 // Whether a tiled block read for one vector asks for its lines kTiledAhead bytes ahead (several vectors
 // always do). On Zen 4 the ask slowed it: cycled tiled [4096, 7168] matrices in a C++ loop, one vector, one
@@ -150,9 +151,9 @@ inline bool ask_short_tiles_ahead() { return !k3_native::cpu_is_zen3(); }
 // 33.1-34.2; whole `k3-slice` decode steps alternated step by step in one process (a scratch build's switch,
 // 20 pairs): 1 thread 424.5 -> 371.2 ms (medians; faster in 19 of 20), 2 threads 287.3 -> 267.2 (18 of 20;
 // AMD EPYC Zen 4 VM, 2026-12-08). On Zen 5 it helped (69-70 against 64 GB/s, 2026-12-03): every other CPU
-// keeps it.
+// keeps it. The MXFP4 one-row kernel's ask (_native_rows512.h) is another matter: switched off the same way on
+// Zen 4, 44 K3 experts cycled ran 0.556 against 0.312 ms a matrix at 2 threads, 1.060 against 0.573 at 1.
 inline bool ask_tiled_rows_ahead() { return !k3_native::cpu_is_zen4(); }
-inline bool read_short_rows_one_by_one() { return k3_native::cpu_is_zen3(); }
 
 template <typename T>
 inline void prefetch_at(const T* p, int64_t bytes) {  // into the L1 cache
