@@ -244,19 +244,38 @@ def first_parting(ours: dict[str, np.ndarray], theirs: dict[str, np.ndarray], th
 ENGINE_SCRIPT = Path(__file__).with_name("llamacpp_engine.py")
 
 
-def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_experts: bool = False) -> dict:
-    """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count (k3 with bf16 products
-    where --k3-bf16-products says so)."""
+def engine_command(
+    engine: str,
+    path: Path,
+    threads: int,
+    args,
+    vocab: int,
+    int8: bool,
+    prefill: list[int],
+    steps: int,
+    batch: int,
+) -> tuple[list[str], dict[str, str]]:
+    """benchmarks/llamacpp_engine.py's command line and environment for one engine and thread count: `prefill`
+    lengths, `steps` decode steps, a `batch` (k3 with int8 experts, bf16 products, one call where asked)."""
     command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
-    command += ["--prefill", ",".join(map(str, args.prefill)), "--decode-steps", str(args.decode_steps)]
-    command += ["--decode-context", str(args.decode_context), "--batch", str(args.batch)]
+    command += ["--prefill", ",".join(map(str, prefill)), "--decode-steps", str(steps)]
+    command += ["--decode-context", str(args.decode_context), "--batch", str(batch)]
     command += ["--batch-context", str(args.batch_context), "--weights", args.weights, "--vocab", str(vocab)]
-    command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8_experts else [])
+    command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8 else [])
     command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
     command += ["--one-call"] if engine == "k3" and args.k3_one_call else []
     env = dict(os.environ)
     if engine != "k3":  # llama.cpp with libgomp's own spin (`import k3` set k3's here: k3/__init__.py)
         env.pop("GOMP_SPINCOUNT", None)
+    return command, env
+
+
+def engine_run(engine: str, path: Path, threads: int, args, vocab: int, int8_experts: bool = False) -> dict:
+    """benchmarks/llamacpp_engine.py in a fresh process: one engine, one thread count (k3 with bf16 products
+    where --k3-bf16-products says so)."""
+    command, env = engine_command(
+        engine, path, threads, args, vocab, int8_experts, args.prefill, args.decode_steps, args.batch
+    )
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{engine} run failed:\n{done.stderr[-3000:]}")
@@ -310,16 +329,10 @@ def speed(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
 
 
 def engine_server(engine: str, path: Path, threads: int, args, vocab: int, int8: bool):
-    """benchmarks/llamacpp_engine.py --serve-steps, loaded and prefilled: the process and its "ready" line."""
-    command = [sys.executable, str(ENGINE_SCRIPT), engine, str(path), "--threads", str(threads)]
-    command += ["--serve-steps", "--prefill", "", "--decode-steps", str(args.alternate_steps + 1)]
-    command += ["--batch", "1", "--decode-context", str(args.decode_context), "--weights", args.weights]
-    command += ["--vocab", str(vocab)]
-    command += ["--compute", args.k3_compute] + (["--int8-expert-inputs"] if int8 else [])
-    command += ["--bf16-products"] if engine == "k3" and args.k3_bf16_products else []
-    env = dict(os.environ)
-    if engine != "k3":
-        env.pop("GOMP_SPINCOUNT", None)
+    """benchmarks/llamacpp_engine.py --serve-steps, loaded and prefilled: the process and its "ready" line
+    (room for the untimed step after both engines load and the N timed ones)."""
+    command, env = engine_command(engine, path, threads, args, vocab, int8, [], args.alternate_steps + 1, 1)
+    command.append("--serve-steps")
     log = tempfile.TemporaryFile(mode="w+")  # llama.cpp's loading messages; shown if it fails
     server = subprocess.Popen(
         command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env
@@ -355,13 +368,12 @@ def alternate(ckpt: Path, gguf_path: Path, vocab: int, args) -> None:
     34-66 GB/s within a minute, both cores' FMA rate unchanged); steps taken in turn meet the same one.
     Refused where the GGUF does not fit beside the loaded k3: llama.cpp would then be timed reading disk."""
     for n, variant in ((n, variant) for n in args.threads for variant in k3_variants(args)):
-        torch.set_num_threads(n)
         ours, ready = engine_server("k3", ckpt, n, args, vocab, "int8" in variant)
-        need = gguf_path.stat().st_size + (1 << 30)
-        if available_bytes() < need:
+        need, available = gguf_path.stat().st_size + (1 << 30), available_bytes()
+        if available < need:
             ours.kill()
             raise SystemExit(
-                f"--alternate-steps: {available_bytes() / 1e9:.1f} GB available with k3 loaded, "
+                f"--alternate-steps: {available / 1e9:.1f} GB available with k3 loaded, "
                 f"llama.cpp's GGUF needs {need / 1e9:.1f} (with 1 GB to spare); time them one at a time"
             )
         theirs, _ = engine_server("llama.cpp", gguf_path, n, args, vocab, False)

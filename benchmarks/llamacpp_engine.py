@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -263,8 +264,6 @@ def serve_steps(engine, args) -> None:
     line read from stdin: "step" with one decode step's seconds, "read" with the streaming read bandwidth
     (bytes/s) measured here; anything else ends the process. benchmarks/llamacpp.py --alternate-steps keeps
     two such processes loaded and asks them for steps in turn."""
-    import sys
-
     cache = engine.prefill(prompts(args.vocab, 1, args.decode_context, seed=args.decode_context))
     for _ in range(WARMUP_STEPS):
         engine.step(cache, 1)
