@@ -122,6 +122,23 @@ AVX512_PARTS = {
 }
 
 
+# How the decode module reads rows where CPUs differ (its answer's key, what, what yes and no mean).
+READ_CHOICES = (
+    (
+        "short_rows_one_by_one",
+        "short fp32 rows (<= 2 kB, K <= 512)",
+        "one row at a time, each asking 2 kB ahead (Zen 3: faster there)",
+        "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)",
+    ),
+    (
+        "tiled_rows_ask_ahead",
+        "tiled BF16 rows at one vector",
+        "each block asks for its lines 8 kB ahead",
+        "left to the hardware prefetcher (Zen 4: faster there)",
+    ),
+)
+
+
 def variant_text(name: str, variant: str) -> str:
     """How `k3 doctor` says what SIMD code the native module `name` runs."""
     return f"AVX-512 for {AVX512_PARTS[name]}, AVX2 + FMA elsewhere" if variant == "avx512" else "AVX2 + FMA"
@@ -144,8 +161,7 @@ def kernel_reports() -> list[dict]:
                 "bf16_dot_products": module_answer(status.module, "bf16_gemv_supported"),
                 "int8_vnni": module_answer(status.module, "int8_vnni_supported"),
                 "bf16_products": module_answer(status.module, "bf16_products_supported"),
-                "short_rows_one_by_one": module_answer(status.module, "short_rows_one_by_one"),
-                "tiled_rows_ask_ahead": module_answer(status.module, "tiled_rows_ask_ahead"),
+                **{key: module_answer(status.module, key) for key, *_ in READ_CHOICES},
                 "reason": status.reason if not status.in_use else "",
                 "fallback": fallback,
                 "path": str(status.path) if status.path else None,
@@ -263,20 +279,3 @@ def render(report: dict) -> str:
             if k[key] is not None:
                 lines.append(f"    {what}: {yes if k[key] else no}")
     return "\n".join(lines)
-
-
-# How the decode module reads rows where CPUs differ (its answer's key, what, what yes and no mean).
-READ_CHOICES = (
-    (
-        "short_rows_one_by_one",
-        "short fp32 rows (<= 2 kB, K <= 512)",
-        "one row at a time, each asking 2 kB ahead (Zen 3: faster there)",
-        "in tiles (of 8 rows at one vector, each asking for the next ahead into L2)",
-    ),
-    (
-        "tiled_rows_ask_ahead",
-        "tiled BF16 rows at one vector",
-        "each block asks for its lines 8 kB ahead",
-        "left to the hardware prefetcher (Zen 4: faster there)",
-    ),
-)

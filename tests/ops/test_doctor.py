@@ -85,30 +85,31 @@ def first_cpu_fields(*keys: str) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("question", "avx512", "said"),
+    ("question", "avx512", "answer_there", "said"),
     [
         # short fp32 rows one at a time (for up to 12 vectors) on Zen 3 only, elsewhere in tiles
-        ("short_rows_one_by_one", False, "one row at a time, each asking 2 kB ahead (Zen 3"),
-        # tiled BF16 rows at one vector left to the hardware prefetcher on Zen 4 only
-        ("tiled_rows_ask_ahead", True, "tiled BF16 rows at one vector: left to the hardware prefetcher"),
+        ("short_rows_one_by_one", False, True, "one row at a time, each asking 2 kB ahead (Zen 3"),
+        # tiled BF16 rows at one vector left to the hardware prefetcher on Zen 4 only, elsewhere asking ahead
+        ("tiled_rows_ask_ahead", True, False, "tiled BF16 rows at one vector: left to the hardware"),
     ],
 )
-def test_a_read_chosen_for_one_amd_family_25(question, avx512, said):
+def test_a_read_chosen_for_one_amd_family_25(question, avx512, answer_there, said):
     """The decode module's reads that differ on Zen 3 (AMD family 25 without AVX-512) or Zen 4 (with it),
-    chosen by cpuid (_native_gemv.h): /proc/cpuinfo says the same of this CPU, and doctor reports it."""
+    chosen by cpuid (_native_gemv.h): the module answers `answer_there` on that CPU and the opposite
+    elsewhere; /proc/cpuinfo says which this CPU is, and doctor reports it."""
     status = native_status(DECODE_EXTENSION)
     assert status.in_use, status.reason
     cpu = first_cpu_fields("vendor_id", "cpu family", "flags")
-    this_one = (
+    there = (
         cpu["vendor_id"] == "AuthenticAMD"
         and int(cpu["cpu family"]) == 25
         and ("avx512f" in cpu["flags"].split()) == avx512
     )
-    chosen = this_one if question == "short_rows_one_by_one" else not this_one
-    assert getattr(status.module, question)() == chosen
+    answer = answer_there if there else not answer_there
+    assert getattr(status.module, question)() == answer
     report = diagnose()
-    assert report["kernels"][2][question] == chosen
-    assert (said in render(report)) == this_one
+    assert report["kernels"][2][question] == answer
+    assert (said in render(report)) == there
 
 
 def test_doctor_says_why_a_kernel_is_not_in_use():
